@@ -1,0 +1,58 @@
+"""Turns the Steps of one generation into a Summary; shared by the engine, the app and fakes."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from engine.types import Mode, Step, StopReason, Summary
+
+
+def summarize(
+    steps: Sequence[Step],
+    *,
+    mode: Mode,
+    k: int,
+    prompt_tokens: int,
+    seconds: float,
+    stop_reason: StopReason,
+    draft_forwards: int | None = None,
+) -> Summary:
+    """Every Summary figure is derived from the Steps, so views and exports cannot disagree.
+
+    `draft_forwards` is passed by the engine (it knows about catch-up forwards); when absent it is
+    estimated as one forward per proposed token.
+    """
+    new_tokens = sum(s.new_tokens for s in steps)
+    drafted = sum(len(s.proposed) for s in steps)
+    accepted = sum(s.accepted for s in steps)
+    k_max = max([k] + [len(s.proposed) for s in steps]) if mode == "speculative" else 0
+    reached = [0] * k_max
+    hits = [0] * k_max
+    histogram = [0] * (k_max + 1)
+    for s in steps:
+        if not s.proposed:
+            continue
+        histogram[s.accepted] += 1
+        # Position i was "reached" if every earlier draft token was accepted.
+        for i in range(min(len(s.proposed), s.accepted + 1)):
+            reached[i] += 1
+            hits[i] += i < s.accepted
+    per_position = tuple(h / r if r else 0.0 for h, r in zip(hits, reached))
+    target_forwards = len(steps)
+    return Summary(
+        mode=mode,
+        k=k if mode == "speculative" else 0,
+        prompt_tokens=prompt_tokens,
+        new_tokens=new_tokens,
+        seconds=seconds,
+        tokens_per_s=new_tokens / seconds if seconds > 0 else 0.0,
+        drafted=drafted,
+        accepted=accepted,
+        acceptance_rate=accepted / drafted if drafted else 0.0,
+        tokens_per_target_forward=new_tokens / target_forwards if target_forwards else 0.0,
+        per_position_acceptance=per_position,
+        accepted_length_histogram=tuple(histogram) if mode == "speculative" else (),
+        target_forwards=target_forwards,
+        draft_forwards=drafted if draft_forwards is None else draft_forwards,
+        stop_reason=stop_reason,
+        text="".join(s.text for s in steps),
+    )
