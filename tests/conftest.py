@@ -1,0 +1,29 @@
+"""Shared fixtures: tiny random model pairs on disk (built once per session)."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+@pytest.fixture(scope="session")
+def tiny_pair(tmp_path_factory):
+    """(target_dir, draft_dir): a 2-layer Qwen2 target and a noisy copy as its draft."""
+    from tests.tiny import save_pair
+
+    return save_pair(tmp_path_factory.mktemp("tiny"), noise=0.3, seed=0)
+
+
+def pytest_collection_modifyitems(config, items):
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
