@@ -1,0 +1,383 @@
+"""The decoding loop: standard and speculative decoding behind one Iterator[Step] protocol."""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+
+import torch
+
+from engine.detok import Detokenizer
+from engine.errors import GenerationError
+from engine.proposers import DraftModelProposer, Proposal, Proposer
+from engine.runners import EagerRunner, Runner
+from engine.sampling import accept_draft, display_probs, draw, process
+from engine.stats import summarize
+from engine.types import GenerationRequest, ModelInfo, Step, StopReason, Summary, TokenView
+
+log = logging.getLogger(__name__)
+K_MAX = 32  # larger drafts never pay: acceptance decays geometrically with position
+
+
+@dataclass
+class _StepResult:
+    """What one round decided, on the host, after the step's single device sync."""
+
+    proposed: list[int]  # draft token ids
+    q_shown: list[float]  # q(x) per draft token, as displayed
+    p_shown: list[float]  # p(x) per draft token, as displayed
+    accept_prob: list[float]  # min(1, p/q) per draft token
+    accepted: int  # accepted prefix length
+    added: int  # the target's token (correction, bonus or standard)
+    added_p: float  # its displayed target probability
+    draft_ms: float
+    verify_ms: float
+
+
+class Engine:
+    """A loaded target (and optional draft) that decodes requests; holds the models resident."""
+
+    def __init__(
+        self,
+        target: torch.nn.Module,
+        tokenizer,
+        info: ModelInfo,
+        *,
+        draft: torch.nn.Module | None = None,
+        vocab: int | None = None,
+        target_runner: Runner | None = None,
+        draft_runner: Runner | None = None,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.info = info
+        self.target = target
+        self.draft = draft
+        self.device = next(target.parameters()).device
+        self.target_runner = target_runner or EagerRunner(target)
+        self.draft_runner = draft_runner or (EagerRunner(draft) if draft is not None else None)
+        # Compare on the shared vocabulary: Qwen2.5 0.5B has 151936 rows, 7B 152064.
+        heads = [self.target_runner.vocab_size] + ([self.draft_runner.vocab_size] if self.draft_runner else [])
+        self.vocab = vocab or min(heads)
+        self.eos_ids = _eos_ids(tokenizer, target)
+        self._lock = threading.Lock()  # one generation at a time: the caches are shared
+
+    @classmethod
+    def from_pair(cls, pair, *, fast_path: str = "auto", progress=None) -> Engine:
+        """Builds runners for a LoadedPair (engine.store); the fast path when CUDA allows it."""
+        target_runner = draft_runner = None
+        name = "eager"
+        if fast_path != "eager" and pair.target.device.type == "cuda":
+            try:
+                from engine.fast import build_runners
+
+                target_runner, draft_runner, name = build_runners(pair.target, pair.draft, progress=progress)
+            except Exception as exc:  # any model the fast path cannot take falls back, loudly
+                if fast_path == "static":
+                    raise
+                log.warning("fast path unavailable, using eager decoding: %s", exc)
+                target_runner = draft_runner = None
+                name = "eager"
+        info = replace(pair.info, fast_path=name)
+        return cls(
+            pair.target,
+            pair.tokenizer,
+            info,
+            draft=pair.draft,
+            vocab=pair.shared_vocab,
+            target_runner=target_runner,
+            draft_runner=draft_runner,
+        )
+
+    # -- prompts ---------------------------------------------------------------------------
+    def encode(self, request: GenerationRequest) -> list[int]:
+        """The prompt ids: chat template for messages, raw text otherwise."""
+        if request.messages:
+            chat = [{"role": m.role, "content": m.content} for m in request.messages]
+            if getattr(self.tokenizer, "chat_template", None):
+                text = self.tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+            else:
+                text = "\n".join(f"{m['role']}: {m['content']}" for m in chat) + "\nassistant: "
+        else:
+            text = request.prompt or ""
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        if not ids:
+            raise GenerationError("The prompt is empty.")
+        return list(ids)
+
+    def generate(self, request: GenerationRequest, cancel: threading.Event | None = None) -> Generation:
+        """Validates the request now (so errors surface before any step) and returns the steps."""
+        if request.mode == "speculative":
+            if request.k < 1:
+                raise GenerationError(f"K must be at least 1 (got {request.k}).")
+            if request.k > K_MAX:
+                raise GenerationError(f"K must be at most {K_MAX} (got {request.k}).")
+            if request.proposer != "ngram" and self.draft_runner is None:
+                raise GenerationError("Speculative decoding with a draft model needs a draft; load one first.")
+        if request.max_new_tokens < 1:
+            raise GenerationError("max_new_tokens must be at least 1.")
+        s = request.sampling
+        if s.temperature < 0 or not (0.0 < s.top_p <= 1.0) or s.top_k < 0:
+            raise GenerationError("temperature must be >= 0, top_p in (0, 1], top_k >= 0.")
+        prompt = self.encode(request)
+        room = self.target_runner.max_length - len(prompt) - (request.k + 1)
+        if room < 1:
+            raise GenerationError(
+                f"The prompt is {len(prompt)} tokens; the model's context holds "
+                f"{self.target_runner.max_length}. Shorten the prompt or start a new chat."
+            )
+        return Generation(self, request, prompt, cancel)
+
+    def make_proposer(self, request: GenerationRequest, generator: torch.Generator | None) -> Proposer:
+        draft = (
+            DraftModelProposer(self.draft_runner, request.sampling, self.vocab, generator)
+            if self.draft_runner is not None and request.proposer != "ngram"
+            else None
+        )
+        if request.proposer == "draft":
+            assert draft is not None
+            return draft
+        from engine.ngram import CombinedProposer, NgramProposer
+
+        ngram = NgramProposer(device=self.device)
+        return ngram if request.proposer == "ngram" else CombinedProposer(ngram, draft)
+
+
+class Generation(Iterator[Step]):
+    """The Steps of one request; `summary` is set once iteration ends."""
+
+    def __init__(self, engine: Engine, request: GenerationRequest, prompt: list[int], cancel) -> None:
+        self.engine = engine
+        self.request = request
+        self.prompt = prompt
+        self.cancel = cancel or threading.Event()
+        self.summary: Summary | None = None
+        self.token_ids: list[int] = []  # committed tokens, EOS included
+        self._steps: Iterator[Step] = self._run()
+
+    def __next__(self) -> Step:
+        return next(self._steps)
+
+    def _run(self) -> Iterator[Step]:
+        with self.engine._lock:
+            yield from self._loop()
+
+    def _loop(self) -> Iterator[Step]:
+        eng, req = self.engine, self.request
+        speculative = req.mode == "speculative"
+        sampling = req.sampling
+        generator = torch.Generator(device=eng.device).manual_seed(sampling.seed)
+        detok = Detokenizer(eng.tokenizer, self.prompt)
+        target = eng.target_runner
+        max_new = min(req.max_new_tokens, target.max_length - len(self.prompt) - (req.k + 1))
+        steps: list[Step] = []
+        text = ""
+        stop_reason: StopReason = "max_new_tokens" if max_new == req.max_new_tokens else "context_full"
+        t0 = time.perf_counter()
+
+        # 1. Prefill: both caches take the prompt except its last token, which every step feeds.
+        target.reset()
+        if len(self.prompt) > 1:
+            target.forward(torch.tensor(self.prompt[:-1], device=eng.device))
+        proposer = eng.make_proposer(req, generator) if speculative else None
+        if proposer is not None:
+            proposer.start(self.prompt)
+        pending = self.prompt[-1]
+        draft_forwards = 0
+
+        while len(self.token_ids) < max_new:
+            if self.cancel.is_set():
+                stop_reason = "cancelled"
+                break
+            # 2. Propose (speculative) and verify with one target forward of width n+1.
+            if speculative:
+                k = min(req.k, max_new - len(self.token_ids))
+                result, proposal = self._speculative_step(proposer, pending, k, generator)
+                draft_forwards += proposal.forwards
+            else:
+                result, proposal = self._standard_step(pending, generator), None
+            # 3. Commit: accepted prefix + the target's token, cut at EOS or max_new_tokens.
+            committed = result.proposed[: result.accepted] + [result.added]
+            cut = len(committed)
+            for i, tok in enumerate(committed):
+                if tok in eng.eos_ids:
+                    cut, stop_reason = i + 1, "eos"
+                    break
+            room = max_new - len(self.token_ids)
+            if cut > room:
+                cut, stop_reason = room, "max_new_tokens"
+            committed = committed[:cut]
+            # 4. Roll both caches back to exactly the committed prefix (minus the newest token).
+            kept_draft = min(result.accepted, cut)
+            target.rollback(len(self.prompt) + len(self.token_ids) + cut - 1)
+            if proposer is not None:
+                proposer.commit(proposal, kept_draft, committed)
+            self.token_ids += committed
+            pending = committed[-1]
+            # 5. Describe the step: texts, statuses, probabilities.
+            step, piece = self._describe(len(steps), result, committed, kept_draft, proposal, detok, t0)
+            text += piece
+            done = stop_reason in ("eos",) or len(self.token_ids) >= max_new
+            hit = next((s for s in req.stop_strings if s and s in text), None)
+            if hit is not None:
+                # Text already streamed cannot be taken back: cut inside this step's text only.
+                start = len(text) - len(step.text)
+                cut_at = max(text.index(hit), start)
+                step = replace(step, text=step.text[: cut_at - start])
+                text, stop_reason, done = text[:cut_at], "stop_string", True
+            if done:
+                tail = detok.flush() if hit is None else ""
+                step = replace(step, text=step.text + tail, stop_reason=stop_reason)
+                text += tail
+            steps.append(step)
+            yield step
+            if done:
+                break
+        seconds = time.perf_counter() - t0
+        self.summary = summarize(
+            steps,
+            mode=req.mode,
+            k=req.k,
+            prompt_tokens=len(self.prompt),
+            seconds=seconds,
+            stop_reason=stop_reason,
+            draft_forwards=draft_forwards,
+        )
+        # summarize() rebuilds text from the steps; a stop string cut keeps them consistent.
+        assert self.summary.text == text, "step texts and generation text disagree"
+
+    # -- one round each ----------------------------------------------------------------------
+    def _standard_step(self, pending: int, generator: torch.Generator) -> _StepResult:
+        eng, sampling = self.engine, self.request.sampling
+        t = time.perf_counter()
+        logits = eng.target_runner.forward(torch.tensor([pending], device=eng.device))[0, : eng.vocab]  # [V]
+        if sampling.greedy:
+            token = logits.argmax()
+        else:
+            token = draw(process(logits, sampling).unsqueeze(0), generator)[0]
+        p_shown = display_probs(logits, sampling)[token]
+        token_id, p = torch.stack([token.float(), p_shown]).tolist()  # the step's one sync
+        ms = (time.perf_counter() - t) * 1e3
+        return _StepResult([], [], [], [], 0, int(token_id), p, 0.0, ms)
+
+    def _speculative_step(
+        self, proposer: Proposer, pending: int, k: int, generator: torch.Generator
+    ) -> tuple[_StepResult, Proposal]:
+        eng, sampling = self.engine, self.request.sampling
+        t = time.perf_counter()
+        proposal = proposer.propose(k)
+        draft = proposal.tokens  # [n]
+        n = draft.shape[0]
+        t_draft = time.perf_counter()
+        ids = torch.cat([torch.tensor([pending], device=eng.device), draft])  # [n+1]
+        logits = eng.target_runner.forward(ids)[:, : eng.vocab]  # [n+1, V]
+        p = process(logits, sampling)  # [n+1, V]
+        accepted, added, accept_prob = accept_draft(draft, proposal.q, p, sampling.greedy, generator)
+        shown_p = display_probs(logits, sampling)  # [n+1, V]
+        rows = torch.arange(n, device=eng.device)
+        p_x = shown_p[rows, draft]  # [n]
+        if proposal.q_display is not None:
+            q_x = proposal.q_display
+        elif proposal.q is not None:
+            q_x = proposal.q[rows, draft]
+        else:
+            q_x = torch.ones(n, device=eng.device)
+        added_p = shown_p[accepted, added]
+        # The step's one host sync: everything the host needs, in one transfer.
+        packed = torch.cat(
+            [draft.float(), q_x.float(), p_x.float(), accept_prob.float(), torch.stack([accepted.float(), added.float(), added_p.float()])]
+        ).tolist()
+        t_end = time.perf_counter()
+        result = _StepResult(
+            proposed=[int(x) for x in packed[:n]],
+            q_shown=packed[n : 2 * n],
+            p_shown=packed[2 * n : 3 * n],
+            accept_prob=packed[3 * n : 4 * n],
+            accepted=int(packed[4 * n]),
+            added=int(packed[4 * n + 1]),
+            added_p=packed[4 * n + 2],
+            # Without a device sync in between, draft time on a GPU lands in verify; that split
+            # is only exact on the CPU (the fast path reports its own measured costs).
+            draft_ms=(t_draft - t) * 1e3,
+            verify_ms=(t_end - t_draft) * 1e3,
+        )
+        return result, proposal
+
+    def _describe(
+        self,
+        index: int,
+        r: _StepResult,
+        committed: list[int],
+        kept_draft: int,
+        proposal: Proposal | None,
+        detok: Detokenizer,
+        t0: float,
+    ) -> tuple[Step, str]:
+        """Builds the Step with one TokenView per shown token; returns it and its committed text."""
+        speculative = proposal is not None
+        n_shown = kept_draft if len(committed) <= r.accepted else len(r.proposed)
+        proposed = r.proposed[:n_shown]
+        views: list[TokenView] = []
+        pieces: list[str] = []
+        rejected: list[TokenView] = []
+        for i, tok in enumerate(proposed):
+            src = proposal.sources[i] if proposal is not None else None
+            common = dict(token_id=tok, step=index, draft_pos=i, q=r.q_shown[i], p=r.p_shown[i],
+                          accept_prob=r.accept_prob[i], source=src)
+            if i < kept_draft:
+                piece = detok.push(tok)
+                pieces.append(piece)
+                views.append(TokenView(text=piece, status="accepted", **common))
+            else:
+                rejected.append(TokenView(text=detok.peek(tok), status="rejected", **common))
+        added: int | None = None
+        status = None
+        if len(committed) > kept_draft:
+            added = committed[kept_draft]
+            if not speculative or not r.proposed:
+                status = "target"  # no draft this step: the target decoded on its own
+            else:
+                status = "bonus" if r.accepted == len(r.proposed) else "corrected"
+        # Rejected tokens are shown before the correction that replaces them.
+        views.extend(rejected)
+        if added is not None:
+            piece = detok.push(added)
+            pieces.append(piece)
+            views.append(
+                TokenView(token_id=added, text=piece, status=status, step=index, draft_pos=None, q=None,
+                          p=r.added_p, accept_prob=None, source=None)
+            )
+        text = "".join(pieces)
+        step = Step(
+            index=index,
+            mode="speculative" if speculative else "standard",
+            proposed=tuple(proposed),
+            proposed_q=tuple(r.q_shown[:n_shown]),
+            proposed_p=tuple(r.p_shown[:n_shown]),
+            sources=tuple(proposal.sources[:n_shown]) if proposal is not None else (),
+            accepted=kept_draft,
+            added=added,
+            added_status=status,
+            tokens=tuple(views),
+            text=text,
+            new_tokens=len(committed),
+            total_tokens=len(self.token_ids),
+            draft_ms=r.draft_ms,
+            verify_ms=r.verify_ms,
+            elapsed_s=time.perf_counter() - t0,
+        )
+        return step, text
+
+
+def _eos_ids(tokenizer, model) -> set[int]:
+    ids: set[int] = set()
+    for source in (getattr(model, "generation_config", None), model.config):
+        eos = getattr(source, "eos_token_id", None) if source is not None else None
+        if isinstance(eos, int):
+            ids.add(eos)
+        elif isinstance(eos, (list, tuple)):
+            ids.update(int(e) for e in eos)
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return ids

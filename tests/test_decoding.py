@@ -1,0 +1,236 @@
+"""The engine's math: greedy equality, the output distribution of speculative sampling, rollback."""
+from __future__ import annotations
+
+import random
+import threading
+
+import pytest
+import torch
+from scipy import stats as scipy_stats
+
+from engine.errors import GenerationError
+from engine.sampling import accept_draft, process
+from engine.types import GenerationRequest, Message, Sampling
+from tests.engine_fixtures import tiny_engine
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_pair):
+    return tiny_engine(*tiny_pair)
+
+
+def _prompt(seed: int) -> str:
+    rng = random.Random(seed)
+    words = ["def", "add", "quick", "fox", "快速", "排序", "🙂", "hello", "world", "(a, b)", "return", "\n"]
+    return " ".join(rng.choice(words) for _ in range(rng.randint(1, 12)))
+
+
+def _run(engine, **kw):
+    gen = engine.generate(GenerationRequest(**kw))
+    steps = list(gen)
+    return gen, steps
+
+
+@pytest.mark.parametrize("k", range(1, 13))
+def test_greedy_speculative_equals_standard(engine, k):
+    for seed in range(6):
+        prompt = _prompt(seed * 13 + k)
+        max_new = 5 + (seed * 7 + k) % 29  # cuts land mid-draft for most K
+        std, _ = _run(engine, prompt=prompt, mode="standard", max_new_tokens=max_new)
+        spec, steps = _run(engine, prompt=prompt, mode="speculative", k=k, max_new_tokens=max_new)
+        assert spec.token_ids == std.token_ids, f"K={k} prompt={prompt!r}"
+        assert spec.summary.text == std.summary.text
+        assert len(spec.token_ids) == max_new or spec.summary.stop_reason == "eos"
+        assert sum(s.new_tokens for s in steps) == len(std.token_ids)
+
+
+def test_eos_inside_a_draft_stops_both_modes_at_the_same_token(engine):
+    hits = 0
+    for seed in range(8):
+        prompt = _prompt(100 + seed)
+        saved = engine.eos_ids
+        try:
+            engine.eos_ids = set()
+            free, _ = _run(engine, prompt=prompt, mode="standard", max_new_tokens=24)
+            # Pretend this token is EOS: it is then generated at some position <= 9.
+            engine.eos_ids = {free.token_ids[9]}
+            std, _ = _run(engine, prompt=prompt, mode="standard", max_new_tokens=24)
+            for k in (3, 8, 12):
+                spec, steps = _run(engine, prompt=prompt, mode="speculative", k=k, max_new_tokens=24)
+                assert spec.token_ids == std.token_ids
+                assert spec.summary.stop_reason == "eos" and std.summary.stop_reason == "eos"
+                last = steps[-1]
+                # EOS accepted inside a draft: the tokens after it, and the target's token, are dropped.
+                hits += last.added is None
+        finally:
+            engine.eos_ids = saved
+    assert hits > 0, "no case exercised EOS inside an accepted draft"
+
+
+def test_chat_messages_use_the_template(engine):
+    req = GenerationRequest(messages=(Message("system", "be brief"), Message("user", "hello")), max_new_tokens=4)
+    ids = engine.encode(req)
+    text = engine.tokenizer.decode(ids)
+    assert text.startswith("<|im_start|>system\nbe brief") and text.endswith("<|im_start|>assistant\n")
+
+
+def test_caches_hold_exactly_the_committed_prefix_after_every_step(engine):
+    for k in (1, 4, 9):
+        gen = engine.generate(GenerationRequest(prompt=_prompt(k), mode="speculative", k=k, max_new_tokens=40))
+        for step in gen:
+            committed = len(gen.prompt) + step.total_tokens
+            assert engine.target_runner.length == committed - 1
+            # The draft may lag by the tokens it feeds first next time (never more than two).
+            assert committed - 2 <= engine.draft_runner.length <= committed - 1
+        # The rolled-back cache must be as good as a fresh one: the next logits match a full forward.
+        ids = gen.prompt + gen.token_ids
+        with torch.inference_mode():
+            fresh = engine.target(torch.tensor([ids])).logits[0, -1]
+            cached = engine.target_runner.forward(torch.tensor(ids[-1:]))[-1]
+        torch.testing.assert_close(cached, fresh, atol=1e-4, rtol=1e-4)
+
+
+def test_standard_steps_are_single_target_tokens(engine):
+    _, steps = _run(engine, prompt="hello", mode="standard", max_new_tokens=6)
+    assert all(s.new_tokens == 1 and s.tokens[0].status == "target" and not s.proposed for s in steps)
+
+
+def test_statuses_and_text_are_consistent(engine):
+    gen, steps = _run(engine, prompt="快速 排序 🙂", mode="speculative", k=6, max_new_tokens=60,
+                      sampling=Sampling(temperature=0.9, seed=3))
+    for s in steps:
+        statuses = [t.status for t in s.tokens]
+        assert statuses.count("accepted") == s.accepted
+        assert statuses.count("rejected") == len(s.proposed) - s.accepted
+        assert statuses.count("corrected") + statuses.count("bonus") == (s.added is not None)
+        assert "".join(t.text for t in s.tokens if t.status != "rejected") == s.text
+    full = engine.tokenizer.decode(gen.token_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+    assert gen.summary.text == full
+
+
+def test_sampling_is_reproducible_per_seed(engine):
+    req = dict(prompt="the quick", mode="speculative", k=4, max_new_tokens=30)
+    a, _ = _run(engine, sampling=Sampling(temperature=1.0, seed=7), **req)
+    b, _ = _run(engine, sampling=Sampling(temperature=1.0, seed=7), **req)
+    c, _ = _run(engine, sampling=Sampling(temperature=1.0, seed=8), **req)
+    assert a.token_ids == b.token_ids != c.token_ids
+
+
+def test_accept_rule_reproduces_p_exactly():
+    """Unit level: with x ~ q, the first output token is distributed as p (chi-square)."""
+    g = torch.Generator().manual_seed(0)
+    v, trials = 6, 20000
+    p = torch.softmax(torch.randn(2, v, generator=g) * 1.5, -1)  # [K+1=2, V]
+    q = torch.softmax(torch.randn(1, v, generator=g) * 1.5, -1)  # [K=1, V]
+    counts = torch.zeros(v)
+    for _ in range(trials):
+        x = torch.multinomial(q[0], 1, generator=g)  # [1]
+        accepted, added, _ = accept_draft(x, q, p, greedy=False, generator=g)
+        first = x[0] if accepted.item() >= 1 else added
+        counts[first] += 1
+    chi2 = scipy_stats.chisquare(counts.numpy(), (p[0] * trials).numpy())
+    assert chi2.pvalue > 1e-3, (counts / trials, p[0])
+
+
+def test_accept_rule_with_point_mass_drafts_reproduces_p():
+    """n-gram drafts are deterministic (q = point mass): still lossless."""
+    g = torch.Generator().manual_seed(1)
+    v, trials = 5, 20000
+    p = torch.softmax(torch.randn(2, v, generator=g), -1)
+    x = torch.tensor([2])
+    counts = torch.zeros(v)
+    for _ in range(trials):
+        accepted, added, _ = accept_draft(x, None, p, greedy=False, generator=g)
+        counts[x[0] if accepted.item() else added] += 1
+    assert scipy_stats.chisquare(counts.numpy(), (p[0] * trials).numpy()).pvalue > 1e-3
+
+
+def test_speculative_sampling_matches_the_targets_processed_distribution(engine):
+    """End to end: the joint law of the first two tokens equals the target's processed law.
+
+    Temperature, top-k and top-p are applied to both models; the exact target law is computed
+    from its logits and compared with 2,000 speculative samples (chi-square).
+    """
+    sampling = dict(temperature=1.3, top_k=5, top_p=0.9)
+    prompt = "hello world"
+    ids = engine.encode(GenerationRequest(prompt=prompt))
+    exact: dict[tuple[int, int], float] = {}
+    with torch.inference_mode():
+        p1 = process(engine.target(torch.tensor([ids])).logits[0, -1].float(), Sampling(**sampling))
+        for t1 in torch.nonzero(p1).flatten().tolist():
+            p2 = process(engine.target(torch.tensor([ids + [t1]])).logits[0, -1].float(), Sampling(**sampling))
+            for t2 in torch.nonzero(p2).flatten().tolist():
+                exact[(t1, t2)] = p1[t1].item() * p2[t2].item()
+    trials = 2000
+    counts = {key: 0 for key in exact}
+    for seed in range(trials):
+        gen, _ = _run(engine, prompt=prompt, mode="speculative", k=3, max_new_tokens=2,
+                      sampling=Sampling(seed=seed, **sampling))
+        key = tuple(gen.token_ids)
+        assert key in counts, f"sampled {key}, which the processed target law gives probability 0"
+        counts[key] += 1
+    keys = list(exact)
+    observed = [counts[k_] for k_ in keys]
+    expected = [exact[k_] * trials for k_ in keys]
+    # Pool rare cells so the chi-square approximation holds (expected count >= 5 per cell).
+    obs_p, exp_p, rest_o, rest_e = [], [], 0, 0.0
+    for o, e in zip(observed, expected):
+        if e >= 5:
+            obs_p.append(o)
+            exp_p.append(e)
+        else:
+            rest_o, rest_e = rest_o + o, rest_e + e
+    if rest_e > 0:
+        obs_p.append(rest_o)
+        exp_p.append(rest_e)
+    scale = sum(obs_p) / sum(exp_p)
+    result = scipy_stats.chisquare(obs_p, [e * scale for e in exp_p])
+    assert result.pvalue > 1e-3, (result, len(obs_p))
+
+
+def test_cancellation_between_steps(engine):
+    cancel = threading.Event()
+    gen = engine.generate(GenerationRequest(prompt="hello", mode="speculative", k=3, max_new_tokens=200), cancel)
+    steps = []
+    for step in gen:
+        steps.append(step)
+        if len(steps) == 2:
+            cancel.set()
+    assert len(steps) == 2 and gen.summary.stop_reason == "cancelled"
+
+
+def test_stop_string_ends_generation_and_is_not_in_the_text(engine):
+    free, _ = _run(engine, prompt="hello", mode="standard", max_new_tokens=30)
+    needle = free.summary.text[10:13]
+    assert needle
+    gen, steps = _run(engine, prompt="hello", mode="speculative", k=4, max_new_tokens=30, stop_strings=(needle,))
+    assert gen.summary.stop_reason == "stop_string"
+    assert needle not in gen.summary.text and free.summary.text.startswith(gen.summary.text)
+    assert steps[-1].stop_reason == "stop_string"
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [dict(k=0), dict(max_new_tokens=0), dict(sampling=Sampling(top_p=0.0)), dict(prompt="")],
+)
+def test_bad_requests_fail_before_decoding(engine, kw):
+    args = dict(prompt="hello", mode="speculative", k=3, max_new_tokens=5)
+    args.update(kw)
+    with pytest.raises(GenerationError):
+        engine.generate(GenerationRequest(**args))
+
+
+def test_prompt_longer_than_the_context_is_a_clear_error(engine):
+    with pytest.raises(GenerationError, match="context"):
+        engine.generate(GenerationRequest(prompt="hello " * 600, mode="standard"))
+
+
+def test_summary_figures(engine):
+    gen, steps = _run(engine, prompt="def add", mode="speculative", k=5, max_new_tokens=50)
+    s = gen.summary
+    assert s.new_tokens == len(gen.token_ids) == 50
+    assert s.drafted == sum(len(x.proposed) for x in steps) and s.accepted == sum(x.accepted for x in steps)
+    assert s.target_forwards == len(steps)
+    assert sum(s.accepted_length_histogram) == len(steps)
+    assert abs(s.tokens_per_target_forward - 50 / len(steps)) < 1e-9
+    assert len(s.per_position_acceptance) == 5 and all(0 <= a <= 1 for a in s.per_position_acceptance)
