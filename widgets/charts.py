@@ -1,0 +1,249 @@
+"""Live pyqtgraph charts of one generation: acceptance rate, K per step, tokens/s, acceptance by position."""
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Sequence
+
+import numpy as np
+import pyqtgraph as pg
+from PySide6.QtCore import QTimer
+from PySide6.QtGui import QColor
+from PySide6.QtWidgets import QVBoxLayout, QWidget
+
+from engine.types import Step
+from widgets.palette import current_palette
+
+log = logging.getLogger(__name__)
+
+
+# Runs once, at first import, before any plot exists (pyqtgraph reads options at item creation).
+pg.setConfigOptions(antialias=True, background="w", foreground="k")
+
+ACCEPTANCE_WINDOW = 20  # steps in the rolling acceptance rate
+RATE_WINDOW_S = 1.0  # seconds of wall clock in the rolling tokens/s
+# Ring buffer columns, one row per step.
+_STEP, _ACCEPTANCE, _K, _ACCEPTED, _TPS, _TPS_ROLLING = range(6)
+_COLUMNS = 6
+_AXIS_WIDTH = 52  # pixels for every left axis
+
+
+def _colour(qcolor: QColor, alpha: int = 255) -> tuple[int, int, int, int]:
+    return (qcolor.red(), qcolor.green(), qcolor.blue(), alpha)
+
+
+class LiveCharts(QWidget):
+    """Four stacked plots fed by `push_steps`; a 15 Hz timer redraws only when new data arrived.
+
+    Curves are created once; data lives in a preallocated ring buffer that keeps the newest
+    `capacity` steps contiguous (the older half is dropped when it fills), so pushing is O(steps)
+    and a redraw is a few `setData` calls on array views.
+    """
+
+    def __init__(self, parent: QWidget | None = None, *, capacity: int = 4096, refresh_hz: float = 15.0) -> None:
+        super().__init__(parent)
+        assert capacity >= 2, "capacity must hold at least two steps"
+        self._capacity = capacity
+        self._buffer = np.full((capacity, _COLUMNS), np.nan)
+        self._build_plots()
+        self.reset()
+        self._timer = QTimer(self)
+        self._timer.setInterval(max(1, round(1000 / refresh_hz)))
+        self._timer.timeout.connect(self.refresh)
+        self._timer.start()
+
+    # --- public API -------------------------------------------------------------------------
+
+    def push_steps(self, steps: Sequence[Step]) -> None:
+        """Records Steps into the buffers; drawing waits for the timer."""
+        for step in steps:
+            self._push(step)
+        if steps:
+            self._dirty = True
+
+    def refresh(self) -> None:
+        """Pushes the buffers to the plots if anything changed since the last refresh."""
+        if not self._dirty:
+            return
+        self._dirty = False
+        rows = self._buffer[: self._rows]
+        x = rows[:, _STEP]
+        if self._speculative_rows:
+            self._acceptance_curve.setData(x, rows[:, _ACCEPTANCE], connect="finite")
+            self._k_curve.setData(x, rows[:, _K], connect="finite")
+            self._accepted_curve.setData(x, rows[:, _ACCEPTED], connect="finite")
+            self._k_plot.setYRange(0, float(np.nanmax(rows[:, _K])) + 1, padding=0)
+        else:  # standard decoding drafts nothing: leave these plots empty rather than all-NaN
+            for curve in (self._acceptance_curve, self._k_curve, self._accepted_curve):
+                curve.setData([], [])
+        self._set_draft_titles(no_drafts=self._rows > 0 and not self._speculative_rows)
+        finite = np.isfinite(rows[:, _TPS])
+        self._tps_scatter.setData(x[finite], rows[finite, _TPS])
+        self._tps_curve.setData(x, rows[:, _TPS_ROLLING], connect="finite")
+        if finite.any():
+            top = float(max(np.nanmax(rows[:, _TPS]), np.nanmax(rows[:, _TPS_ROLLING])))
+            self._tps_plot.setYRange(0, top * 1.1 if top > 0 else 1, padding=0)
+        positions = self.position_acceptance()
+        self._bars.setOpts(x=np.arange(1, len(positions) + 1), height=positions, width=0.6)
+        self._position_plot.setXRange(0.4, max(len(positions), 1) + 0.6, padding=0)
+
+    def reset(self) -> None:
+        """Clears everything for a new message."""
+        self._buffer[:] = np.nan
+        self._rows = 0
+        self._speculative_rows = 0
+        self._window: deque[tuple[int, int]] = deque()
+        self._window_accepted = 0
+        self._window_proposed = 0
+        self._rate_points: deque[tuple[float, int]] = deque()
+        self._reached = np.zeros(0, dtype=np.int64)
+        self._hits = np.zeros(0, dtype=np.int64)
+        self._dirty = True
+        self.refresh()
+
+    def series(self) -> dict[str, np.ndarray]:
+        """Copies of what the plots show (NaN where a step has no value, e.g. standard decoding)."""
+        rows = self._buffer[: self._rows]
+        return {
+            "step": rows[:, _STEP].copy(),
+            "acceptance_rate": rows[:, _ACCEPTANCE].copy(),
+            "k": rows[:, _K].copy(),
+            "accepted": rows[:, _ACCEPTED].copy(),
+            "tokens_per_s": rows[:, _TPS].copy(),
+            "tokens_per_s_rolling": rows[:, _TPS_ROLLING].copy(),
+            "position_acceptance": self.position_acceptance(),
+        }
+
+    def position_acceptance(self) -> np.ndarray:
+        """P(accepted | reached) in % for draft positions 1..K (as in engine.stats.summarize)."""
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return np.where(self._reached > 0, 100.0 * self._hits / np.maximum(self._reached, 1), 0.0)
+
+    def plots(self) -> dict[str, pg.PlotItem]:
+        return {
+            "acceptance_rate": self._acceptance_plot,
+            "k": self._k_plot,
+            "tokens_per_s": self._tps_plot,
+            "position_acceptance": self._position_plot,
+        }
+
+    # --- internals ------------------------------------------------------------------------------
+
+    def _build_plots(self) -> None:
+        palette = current_palette()
+        accepted = palette.colours("accepted").chart
+        bonus = palette.colours("bonus").chart
+        neutral = palette.muted
+        self._graphics = pg.GraphicsLayoutWidget(self)
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(0, 0, 0, 0)
+        layout.addWidget(self._graphics)
+
+        def step_plot(row: int, title: str, units: str) -> pg.PlotItem:
+            plot = self._graphics.addPlot(row=row, col=0, title=title)
+            plot.setLabel("left", units)
+            plot.setLabel("bottom", "step")
+            plot.showGrid(x=True, y=True, alpha=0.15)
+            plot.setClipToView(True)
+            plot.setDownsampling(mode="peak")
+            plot.setMouseEnabled(x=True, y=False)
+            plot.getAxis("left").setWidth(_AXIS_WIDTH)  # equal widths keep the shared x axes aligned
+            return plot
+
+        self._acceptance_plot = step_plot(0, f"Acceptance rate (last {ACCEPTANCE_WINDOW} steps)", "%")
+        self._acceptance_plot.setYRange(0, 100, padding=0.04)
+        self._acceptance_plot.getAxis("left").setTicks([[(v, str(v)) for v in range(0, 101, 25)]])
+        self._acceptance_curve = self._acceptance_plot.plot(pen=pg.mkPen(_colour(accepted), width=2))
+
+        self._k_plot = step_plot(1, "Draft tokens per step", "tokens")
+        self._k_plot.setYRange(0, 6, padding=0)
+        self._k_plot.addLegend(offset=(-6, 4), labelTextSize="8pt", brush=(255, 255, 255, 200))
+        self._k_curve = self._k_plot.plot(pen=pg.mkPen(_colour(neutral), width=1.5), name="K proposed")
+        self._accepted_curve = self._k_plot.plot(pen=pg.mkPen(_colour(accepted), width=1.5), name="accepted")
+
+        self._tps_plot = step_plot(2, "Speed", "tok/s")
+        self._tps_plot.addLegend(offset=(-6, 4), labelTextSize="8pt", brush=(255, 255, 255, 200))
+        self._tps_scatter = self._tps_plot.plot(
+            pen=None, symbol="o", symbolSize=4, symbolPen=None, symbolBrush=_colour(bonus, 110), name="per step"
+        )
+        self._tps_curve = self._tps_plot.plot(pen=pg.mkPen(_colour(bonus), width=2), name=f"last {RATE_WINDOW_S:g} s")
+
+        # The speed plot always has data (standard decoding too), so it drives the shared x range;
+        # the other two would autorange to 0..1 while empty and drag it along.
+        for plot in (self._acceptance_plot, self._k_plot):
+            plot.enableAutoRange(x=False)
+            plot.setXLink(self._tps_plot)
+
+        self._position_plot = self._graphics.addPlot(row=3, col=0, title="Acceptance by draft position")
+        self._position_plot.setLabel("left", "%")
+        self._position_plot.getAxis("left").setWidth(_AXIS_WIDTH)
+        self._position_plot.setLabel("bottom", "draft position")
+        self._position_plot.setYRange(0, 100, padding=0.04)
+        self._position_plot.getAxis("left").setTicks([[(v, str(v)) for v in range(0, 101, 25)]])
+        self._position_plot.setMouseEnabled(x=False, y=False)
+        self._position_plot.showGrid(y=True, alpha=0.15)
+        self._position_plot.getAxis("bottom").setTickSpacing(major=1, minor=1)
+        self._bars = pg.BarGraphItem(
+            x=np.zeros(0), height=np.zeros(0), width=0.6, brush=_colour(accepted, 200), pen=pg.mkPen(None)
+        )
+        self._position_plot.addItem(self._bars)
+        self._draft_titles = {
+            self._acceptance_plot: f"Acceptance rate (last {ACCEPTANCE_WINDOW} steps)",
+            self._k_plot: "Draft tokens per step",
+            self._position_plot: "Acceptance by draft position",
+        }
+        self._no_drafts_titles = False
+
+    def _set_draft_titles(self, *, no_drafts: bool) -> None:
+        if no_drafts == self._no_drafts_titles:
+            return
+        self._no_drafts_titles = no_drafts
+        suffix = " — no drafts in standard decoding" if no_drafts else ""
+        for plot, title in self._draft_titles.items():
+            plot.setTitle(title + suffix)
+
+    def _append_row(self, row: tuple[float, ...]) -> None:
+        if self._rows == self._capacity:
+            # Full: keep the newer half contiguous at the front (amortised O(1) per row).
+            half = self._capacity // 2
+            self._buffer[:half] = self._buffer[self._capacity - half :]
+            self._buffer[half:] = np.nan
+            self._rows = half
+        self._buffer[self._rows] = row
+        self._rows += 1
+
+    def _push(self, step: Step) -> None:
+        seconds = (step.draft_ms + step.verify_ms) / 1000.0
+        tps = step.new_tokens / seconds if seconds > 0 else np.nan
+        k = len(step.proposed)
+        if k:
+            self._speculative_rows += 1
+            self._window.append((step.accepted, k))
+            self._window_accepted += step.accepted
+            self._window_proposed += k
+            if len(self._window) > ACCEPTANCE_WINDOW:
+                old_accepted, old_k = self._window.popleft()
+                self._window_accepted -= old_accepted
+                self._window_proposed -= old_k
+            acceptance = 100.0 * self._window_accepted / self._window_proposed
+            if k > len(self._reached):
+                grow = k - len(self._reached)
+                self._reached = np.concatenate([self._reached, np.zeros(grow, dtype=np.int64)])
+                self._hits = np.concatenate([self._hits, np.zeros(grow, dtype=np.int64)])
+            # Position i was reached if every earlier draft token was accepted.
+            reached = min(k, step.accepted + 1)
+            self._reached[:reached] += 1
+            self._hits[: min(step.accepted, k)] += 1
+            k_value, accepted_value = float(k), float(step.accepted)
+        else:
+            acceptance = k_value = accepted_value = np.nan
+        # Wall-clock rate over the last second; the first point is the start of the first step.
+        if not self._rate_points:
+            self._rate_points.append((step.elapsed_s - seconds, step.total_tokens - step.new_tokens))
+        self._rate_points.append((step.elapsed_s, step.total_tokens))
+        while len(self._rate_points) > 2 and self._rate_points[1][0] <= step.elapsed_s - RATE_WINDOW_S:
+            self._rate_points.popleft()
+        base_s, base_tokens = self._rate_points[0]
+        span = step.elapsed_s - base_s
+        rolling = (step.total_tokens - base_tokens) / span if span > 0 else tps
+        self._append_row((float(step.index), acceptance, k_value, accepted_value, tps, rolling))

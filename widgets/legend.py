@@ -1,0 +1,58 @@
+"""A row of colour chips naming the token statuses, each drawn exactly like a token in the text."""
+from __future__ import annotations
+
+from PySide6.QtGui import QColor
+from PySide6.QtWidgets import QHBoxLayout, QLabel, QWidget
+
+from widgets.palette import STATUSES, current_palette
+
+# Wording from DESIGN.md, "Token colours".
+DESCRIPTIONS: dict[str, str] = {
+    "accepted": "Proposed by the draft, accepted by the target.",
+    "rejected": "Proposed by the draft, rejected by the target (shown struck and faded, then discarded).",
+    "corrected": "The target's own token at the first rejection.",
+    "bonus": "The target's extra token after all K draft tokens were accepted.",
+    "target": "Standard decoding: a token from the target alone.",
+}
+
+
+def _css(colour: QColor) -> str:
+    return f"rgba({colour.red()}, {colour.green()}, {colour.blue()}, {colour.alphaF():.2f})"
+
+
+class Legend(QWidget):
+    """accepted · rejected · corrected · bonus · target, with a tooltip explaining each."""
+
+    def __init__(self, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.setObjectName("legend")
+        layout = QHBoxLayout(self)
+        layout.setContentsMargins(0, 0, 0, 0)
+        layout.setSpacing(6)
+        self._chips: dict[str, QLabel] = {}
+        for status in STATUSES:
+            chip = QLabel(status, self)
+            chip.setObjectName("legendChip")
+            chip.setToolTip(f"{status}: {DESCRIPTIONS[status]}")
+            layout.addWidget(chip)
+            self._chips[status] = chip
+        layout.addStretch(1)
+        self.refresh_palette()
+
+    def chip(self, status: str) -> QLabel:
+        return self._chips[status]
+
+    def set_visible_statuses(self, statuses: tuple[str, ...] | list[str]) -> None:
+        """Shows only these chips (e.g. just "target" while comparing against standard decoding)."""
+        for status, chip in self._chips.items():
+            chip.setVisible(status in statuses)
+
+    def refresh_palette(self) -> None:
+        palette = current_palette()
+        for status, chip in self._chips.items():
+            colours = palette.ghost_colours(status) if status == "rejected" else palette.colours(status)
+            strike = "text-decoration: line-through;" if status == "rejected" and palette.ghost.strikeout else ""
+            chip.setStyleSheet(
+                f"QLabel {{ background: {_css(colours.background)}; color: {_css(colours.foreground)};"
+                f" border-radius: 4px; padding: 1px 7px; {strike} }}"
+            )

@@ -1,0 +1,108 @@
+"""The one token/chart palette (assets/palette.json) and the stylesheet, loaded once for every view."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from functools import lru_cache
+from importlib import resources
+from typing import Any
+
+from PySide6.QtGui import QColor
+
+from engine.types import TokenStatus
+
+STATUSES: tuple[TokenStatus, ...] = ("accepted", "rejected", "corrected", "bonus", "target")
+THEMES: tuple[str, ...] = ("light", "dark")
+
+
+@dataclass(frozen=True)
+class StatusColours:
+    background: QColor  # token background in text views and legend chips
+    foreground: QColor  # token text colour
+    chart: QColor  # saturated variant for curves and bars (pale backgrounds vanish on white plots)
+
+
+@dataclass(frozen=True)
+class GhostStyle:
+    foreground_alpha: float  # 0..1, how much of the text colour a rejected ghost keeps
+    background_alpha: float  # 0..1, how much of its background it keeps
+    strikeout: bool  # rejected drafts are struck through so they never read as output
+
+
+@dataclass(frozen=True)
+class Palette:
+    theme: str  # "light" or "dark"
+    statuses: dict[str, StatusColours]  # one entry per TokenStatus
+    ghost: GhostStyle  # how rejected draft tokens are faded
+    text: QColor  # default text colour (plain reading mode)
+    muted: QColor  # secondary text: stats lines, notes, faded ghosts without colouring
+
+    def colours(self, status: str) -> StatusColours:
+        return self.statuses[status]
+
+    def ghost_colours(self, status: str) -> StatusColours:
+        """The faded variant used for rejected tokens."""
+        c = self.statuses[status]
+        return StatusColours(
+            background=_with_alpha(c.background, self.ghost.background_alpha),
+            foreground=_with_alpha(c.foreground, self.ghost.foreground_alpha),
+            chart=c.chart,
+        )
+
+
+def _with_alpha(colour: QColor, alpha: float) -> QColor:
+    faded = QColor(colour)
+    faded.setAlphaF(max(0.0, min(1.0, alpha)))
+    return faded
+
+
+def _parse(theme: str, raw: dict[str, Any]) -> Palette:
+    statuses = {}
+    for status in STATUSES:
+        entry = raw["statuses"][status]
+        statuses[status] = StatusColours(
+            background=QColor(entry["background"]),
+            foreground=QColor(entry["foreground"]),
+            chart=QColor(entry["chart"]),
+        )
+    ghost = raw.get("ghost", {})
+    return Palette(
+        theme=theme,
+        statuses=statuses,
+        ghost=GhostStyle(
+            foreground_alpha=float(ghost.get("foreground_alpha", 0.6)),
+            background_alpha=float(ghost.get("background_alpha", 0.45)),
+            strikeout=bool(ghost.get("strikeout", True)),
+        ),
+        text=QColor(raw.get("text", "#1f2328")),
+        muted=QColor(raw.get("muted", "#6b7280")),
+    )
+
+
+@lru_cache(maxsize=None)
+def load_palette(theme: str = "light") -> Palette:
+    """Reads assets/palette.json; cached so every view shares the same objects."""
+    if theme not in THEMES:
+        raise ValueError(f"unknown theme {theme!r}; choose one of {', '.join(THEMES)}")
+    raw = json.loads(resources.files("assets").joinpath("palette.json").read_text(encoding="utf-8"))
+    return _parse(theme, raw["themes"][theme])
+
+
+_current_theme = "light"
+
+
+def current_palette() -> Palette:
+    """The palette every widget paints with; views read it when they (re)build their formats."""
+    return load_palette(_current_theme)
+
+
+def set_current_theme(theme: str) -> None:
+    """Switches the shared palette; views pick it up on their next re-render."""
+    global _current_theme
+    load_palette(theme)  # validates before switching
+    _current_theme = theme
+
+
+def load_stylesheet() -> str:
+    """assets/style.qss, for QApplication.setStyleSheet."""
+    return resources.files("assets").joinpath("style.qss").read_text(encoding="utf-8")

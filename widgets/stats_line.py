@@ -1,0 +1,32 @@
+"""The one-line summary shown under each finished answer ("speculative · K=5 · 78% accepted · ...")."""
+from __future__ import annotations
+
+from engine.types import GenerationRequest, Summary
+
+# Stop reasons worth telling a reader; eos / stop strings / max tokens are the normal endings.
+_NOTABLE_STOPS = {"cancelled": "stopped", "context_full": "context full"}
+
+
+def _rate(tokens_per_s: float) -> str:
+    return f"{tokens_per_s:.1f}" if tokens_per_s < 10 else f"{tokens_per_s:.0f}"
+
+
+def format_stats_line(summary: Summary, request: GenerationRequest | None = None) -> str:
+    """e.g. "speculative · K=5 · 78% accepted · 3.9 tokens/step · 41 tok/s · 256 tokens · 6.2 s"."""
+    parts: list[str] = []
+    if summary.mode == "speculative":
+        proposer = request.proposer if request is not None else "draft"
+        parts.append("speculative" if proposer == "draft" else f"speculative ({proposer})")
+        parts.append(f"K={summary.k or (request.k if request is not None else 0)}")
+        parts.append(f"{summary.acceptance_rate * 100:.0f}% accepted")
+    else:
+        parts.append("standard")
+    parts.append(f"{summary.tokens_per_target_forward:.1f} tokens/step")
+    parts.append(f"{_rate(summary.tokens_per_s)} tok/s")
+    parts.append(f"{summary.new_tokens} tokens")
+    parts.append(f"{summary.seconds:.1f} s")
+    if request is not None and not request.sampling.greedy:
+        parts.append(f"T={request.sampling.temperature:g}")
+    if summary.stop_reason in _NOTABLE_STOPS:
+        parts.append(_NOTABLE_STOPS[summary.stop_reason])
+    return " · ".join(parts)
