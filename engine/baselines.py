@@ -1,0 +1,104 @@
+"""Hugging Face generate() baselines for `bench`, run in the same process on the same loaded models.
+
+Variants: "hf" (dynamic cache, eager), "hf-static" (static cache; on CUDA also the forward
+compiled with mode="reduce-overhead", i.e. CUDA graphs), "hf-assisted" (HF assisted generation
+with the draft as assistant_model). The compiled forward is built once per model and kept.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from engine.errors import GenerationError
+from engine.types import Sampling
+
+log = logging.getLogger(__name__)
+
+Variant = Literal["hf", "hf-static", "hf-assisted"]
+VARIANTS: tuple[Variant, ...] = ("hf", "hf-static", "hf-assisted")
+
+_compiled: dict[int, Any] = {}  # id(model) -> compiled forward (compile once, reuse across calls)
+_warm: set[tuple[int, int]] = set()  # (id(model), cache length) already run once with the compiled forward
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _sampling_kwargs(sampling: Sampling | None) -> dict[str, Any]:
+    if sampling is None or sampling.greedy:
+        return {"do_sample": False, "temperature": None, "top_k": None, "top_p": None}
+    return {
+        "do_sample": True,
+        "temperature": sampling.temperature,
+        "top_k": sampling.top_k or None,
+        "top_p": sampling.top_p,
+    }
+
+
+def run_hf(
+    target: nn.Module,
+    tokenizer: Any,
+    input_ids: torch.Tensor,
+    max_new_tokens: int,
+    variant: Variant = "hf",
+    draft: nn.Module | None = None,
+    sampling: Sampling | None = None,
+) -> dict[str, Any]:
+    """One timed generate(); returns {"new_tokens", "seconds", "token_ids"} (token_ids: the new ids).
+
+    input_ids: [1, P] or [P]. `eos` is disabled (min_new_tokens = max_new_tokens) so every variant
+    generates the same number of tokens and tokens/s compare fairly.
+    hf-static on CUDA runs one untimed generate first with the compiled forward (compilation
+    and graph capture take a while and would swamp the timing).
+    """
+    if variant not in VARIANTS:
+        raise GenerationError(f"Unknown baseline {variant!r}; choose one of {', '.join(VARIANTS)}.")
+    if variant == "hf-assisted" and draft is None:
+        raise GenerationError("The hf-assisted baseline needs a draft model.")
+    device = next(target.parameters()).device
+    ids = input_ids.view(1, -1).to(device)  # [1, P]
+    kwargs: dict[str, Any] = dict(
+        max_new_tokens=max_new_tokens,
+        min_new_tokens=max_new_tokens,
+        pad_token_id=getattr(tokenizer, "pad_token_id", None) or getattr(tokenizer, "eos_token_id", None),
+        attention_mask=torch.ones_like(ids),
+        **_sampling_kwargs(sampling),
+    )
+    if variant == "hf-assisted":
+        kwargs["assistant_model"] = draft
+    compiled = False
+    if variant == "hf-static":
+        kwargs["cache_implementation"] = "static"
+        if device.type == "cuda":
+            # Our own compile, as measured in DESIGN.md; HF's automatic compile would compile twice.
+            kwargs["disable_compile"] = True
+            if id(target) not in _compiled:
+                log.info("compiling the target forward (mode=reduce-overhead); the first run is slow")
+                _compiled[id(target)] = torch.compile(target.forward, mode="reduce-overhead")
+            target.forward = _compiled[id(target)]
+            compiled = True
+    seed = sampling.seed if sampling is not None else 0
+    try:
+        with torch.inference_mode():
+            key = (id(target), ids.shape[1] + max_new_tokens)
+            if compiled and key not in _warm:
+                torch.manual_seed(seed)
+                target.generate(ids, **kwargs)
+                _warm.add(key)
+            torch.manual_seed(seed)
+            _sync(device)
+            t0 = time.perf_counter()
+            out = target.generate(ids, **kwargs)  # [1, P + N]
+            _sync(device)
+            seconds = time.perf_counter() - t0
+    finally:
+        if compiled:
+            del target.forward  # back to the class's eager forward for everyone else
+    new = out[0, ids.shape[1] :].tolist()
+    return {"new_tokens": len(new), "seconds": seconds, "token_ids": new}

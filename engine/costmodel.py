@@ -1,0 +1,145 @@
+"""Predicts what speculative decoding buys from measured forward costs and the acceptance rate.
+
+The model (Leviathan et al. 2023, section 3.3): with per-token acceptance alpha, one step with K
+draft tokens commits (1 - alpha^(K+1)) / (1 - alpha) tokens on average and costs K draft
+forwards plus one (K+1)-token target forward; standard decoding commits one token per 1-token
+target forward.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from engine.types import Summary
+
+
+def expected_tokens_per_step(alpha: float, k: int) -> float:
+    """Mean tokens committed by one step of K drafts (accepted ones plus the target's own)."""
+    assert 0.0 <= alpha <= 1.0, f"acceptance {alpha} is not a probability"
+    if alpha >= 1.0:
+        return float(k + 1)
+    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
+@dataclass(frozen=True)
+class CostModel:
+    draft_ms: float  # one 1-token draft forward (0 for nearly free drafts such as n-gram lookup)
+    target_ms: Mapping[int, float]  # width W -> one W-token target forward; needs at least W=1
+    overhead_ms: float = 0.0  # per-step cost outside the forwards (acceptance, sync, bookkeeping)
+    _widths: tuple[int, ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        assert 1 in self.target_ms, "target_ms needs the 1-token cost (the standard-decoding step)"
+        object.__setattr__(self, "_widths", tuple(sorted(self.target_ms)))
+
+    def target_cost(self, width: int) -> float:
+        """Measured cost of a width, linearly interpolated (or extrapolated) when not measured."""
+        if width in self.target_ms:
+            return self.target_ms[width]
+        widths = self._widths
+        if len(widths) == 1:
+            return self.target_ms[widths[0]]
+        lower = [w for w in widths if w < width]
+        upper = [w for w in widths if w > width]
+        if lower and upper:
+            a, b = lower[-1], upper[0]
+        elif lower:  # beyond the largest: extend the last segment
+            a, b = widths[-2], widths[-1]
+        else:
+            a, b = widths[0], widths[1]
+        ca, cb = self.target_ms[a], self.target_ms[b]
+        return max(ca + (cb - ca) * (width - a) / (b - a), 0.0)
+
+    def step_ms(self, k: int) -> float:
+        return k * self.draft_ms + self.target_cost(k + 1) + self.overhead_ms
+
+    def predicted_speedup(self, alpha: float, k: int) -> float:
+        """Tokens/s of speculative decoding with K drafts over standard decoding (1.0 for K=0)."""
+        if k <= 0:
+            return 1.0
+        return expected_tokens_per_step(alpha, k) * self.target_ms[1] / self.step_ms(k)
+
+    def best_k(self, alpha: float, k_max: int = 12) -> tuple[int, float]:
+        """(K, predicted speedup) maximising the speedup over K = 1..k_max; (0, 1.0) if none pays."""
+        best = (0, 1.0)
+        for k in range(1, k_max + 1):
+            speedup = self.predicted_speedup(alpha, k)
+            if speedup > best[1]:
+                best = (k, speedup)
+        return best
+
+    def verdict(self, alpha: float, k_max: int = 12) -> str:
+        """One plain sentence a person can act on."""
+        ratio = self.draft_ms / self.target_ms[1] if self.target_ms[1] > 0 else 0.0
+        k, speedup = self.best_k(alpha, k_max)
+        if k == 0:
+            k1 = max(range(1, k_max + 1), key=lambda j: self.predicted_speedup(alpha, j))
+            return (
+                f"Speculative decoding will not pay here: the draft costs {ratio:.0%} of a target forward; "
+                f"at {alpha:.0%} acceptance the best K={k1} gives {self.predicted_speedup(alpha, k1):.2f}×."
+            )
+        return (
+            f"Speculative decoding pays here: the draft costs {ratio:.0%} of a target forward; "
+            f"at {alpha:.0%} acceptance K={k} should give {speedup:.2f}×."
+        )
+
+
+class _Measurable(Protocol):
+    def measure_costs(self, widths: Iterable[int], iters: int = ...) -> dict[int, float]: ...
+
+
+def measure(target: _Measurable, draft: _Measurable | None, *, k_max: int = 12, iters: int = 20) -> CostModel:
+    """A CostModel from runners' measured forward costs (engine.fast.StaticGraphRunner.measure_costs).
+
+    Measured at the runners' current cache length; call it on idle runners (it leaves their
+    contents as they were). Without a draft (n-gram drafts) the draft cost is 0.
+    """
+    target_ms = target.measure_costs(range(1, k_max + 2), iters)
+    draft_ms = draft.measure_costs((1,), iters)[1] if draft is not None else 0.0
+    return CostModel(draft_ms=draft_ms, target_ms=target_ms)
+
+
+def estimate_alpha(summary: Summary) -> float | None:
+    """Per-token acceptance from a speculative generation; None when nothing was drafted.
+
+    From the histogram of accepted lengths this is the maximum-likelihood estimate under i.i.d.
+    acceptance: accepted / (accepted + rejections), where a step accepting fewer than K ended in a
+    rejection. Without a histogram, the mean accepted length per step is inverted numerically.
+    """
+    if summary.drafted == 0:
+        return None
+    histogram = summary.accepted_length_histogram
+    if histogram:
+        rejections = sum(histogram[:-1])
+        accepted = sum(i * n for i, n in enumerate(histogram))
+        if accepted + rejections > 0:
+            return accepted / (accepted + rejections)
+    return alpha_from_mean_accepted(summary.acceptance_rate * summary.k, summary.k) if summary.k else None
+
+
+def alpha_from_per_position(per_position: Sequence[float]) -> float | None:
+    """Geometric-mean acceptance over draft positions (each P(accepted | reached)); None if empty."""
+    values = [max(v, 1e-6) for v in per_position]
+    if not values:
+        return None
+    product = 1.0
+    for v in values:
+        product *= v
+    return product ** (1.0 / len(values))
+
+
+def alpha_from_mean_accepted(mean_accepted: float, k: int) -> float:
+    """Solves alpha (1 - alpha^K) / (1 - alpha) = mean accepted drafts per step by bisection."""
+    if k <= 0 or mean_accepted <= 0:
+        return 0.0
+    if mean_accepted >= k:
+        return 1.0
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        if expected_tokens_per_step(mid, k) - 1.0 < mean_accepted:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2

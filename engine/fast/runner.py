@@ -1,0 +1,220 @@
+"""StaticGraphRunner: the Runner of the fast path: lean forward, static KV cache, CUDA graphs.
+
+On CUDA the widths the loop uses every step (1 for draft steps and standard decoding, 2 for the
+draft catch-up, K+1 for the verify) are captured once as CUDA graphs in `warmup()`, one per
+(width, attention span); a forward then costs a copy of the ids, a scalar fill and one graph
+launch instead of hundreds of kernel launches from Python. Other widths (the prompt) run the same
+lean forward eagerly. On CPU everything runs eagerly; that is what the unit tests exercise.
+
+Rollback moves the write position only: stale cache slots are masked by position and overwritten.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable
+
+import torch
+from torch import nn
+
+from engine.errors import GenerationError
+from engine.fast.lean import CACHE_ALIGN, PREFILL_CHUNK, LeanDecoder
+
+log = logging.getLogger(__name__)
+
+Progress = Callable[[float, str], None]  # (fraction done 0..1, what is happening)
+WARMUP_ITERS = 3  # eager runs on a side stream before each capture, as PyTorch asks
+MIN_BUCKET = 512  # smallest attention span; spans double up to the whole cache
+
+
+def kv_buckets(cache_len: int, smallest: int) -> tuple[int, ...]:
+    """Attention spans (multiples of CACHE_ALIGN) doubling from `smallest` up to the whole cache.
+
+    Attention over the static cache reads every slot of its span; a span per context size keeps
+    short generations from paying for a long cache. One graph per (width, span).
+    """
+    spans, span = [], max(CACHE_ALIGN, smallest // CACHE_ALIGN * CACHE_ALIGN)
+    while span < cache_len:
+        spans.append(span)
+        span *= 2
+    return (*spans, cache_len)
+
+
+class StaticGraphRunner:
+    """Runner over a LeanDecoder; raises UnsupportedModelError (from the constructor) to signal fallback.
+
+    The tensor `forward` returns for a captured width is that graph's static output: it is
+    overwritten by the next forward of the same width, so consume (or clone) it before then.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        max_length: int,
+        graph_widths: Iterable[int],
+        use_graphs: bool | None = None,
+        share_weights: bool = True,
+        attention: str = "sdpa",
+        min_bucket: int = MIN_BUCKET,
+        compile: bool = False,
+    ) -> None:
+        self.decoder = LeanDecoder(model, max_length, share_weights=share_weights, attention=attention)
+        # Experimental: inductor fuses the elementwise ops (norms, RoPE, SiLU) before capture. It
+        # compiles once per (width, span), so keep both few; off by default (minutes of warm-up).
+        self._forward = (
+            torch.compile(self.decoder.forward, dynamic=False, fullgraph=True) if compile else self.decoder.forward
+        )
+        self.device = self.decoder.device
+        self.vocab_size = self.decoder.config.vocab_size
+        self.max_length = max_length
+        self.length = 0
+        cuda = self.device.type == "cuda"
+        self.use_graphs = cuda if use_graphs is None else (use_graphs and cuda)
+        if use_graphs and not cuda:
+            log.info("CUDA graphs asked for on %s; running the static forward eagerly", self.device)
+        self.graph_widths = tuple(sorted({int(w) for w in graph_widths if 0 < int(w) <= max_length}))
+        self.buckets = kv_buckets(self.decoder.config.cache_len, min_bucket)
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # (width, bucket) -> graph
+        self.static_ids: dict[int, torch.Tensor] = {}  # width -> [W] long input buffer
+        self.static_out: dict[int, torch.Tensor] = {}  # width -> [W, V] float32 output
+        self.fallback_reason: str | None = None  # why graphs are off although CUDA is there
+        with torch.inference_mode(False):
+            # Graphs read the write position from here; the host `length` is the truth.
+            self.start = torch.zeros((), dtype=torch.long, device=self.device)
+        self.name = "static-eager"
+
+    # -- Runner -----------------------------------------------------------------------------
+
+    def reset(self) -> None:
+        self.length = 0  # stale slots are masked by position; nothing to clear
+
+    def rollback(self, length: int) -> None:
+        assert 0 <= length <= self.length, f"cannot roll back to {length} from {self.length}"
+        self.length = length  # the device scalar is set from it by the next forward
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """Appends ids [W] to the cache; returns float32 logits [W, V] (see the class note on reuse)."""
+        width = ids.shape[-1]
+        if self.length + width > self.max_length:
+            raise GenerationError(
+                f"The context is full: {self.length} cached tokens + {width} new exceed the "
+                f"{self.max_length}-token cache of this runner. Shorten the prompt or max_new_tokens."
+            )
+        graph = self.graphs.get((width, self._bucket(self.length + width)))
+        if graph is not None:
+            self.static_ids[width].copy_(ids.view(width), non_blocking=True)
+            self.start.fill_(self.length)
+            graph.replay()
+            out = self.static_out[width]
+        elif width > PREFILL_CHUNK:
+            out = torch.cat([self._eager(chunk) for chunk in ids.view(width).split(PREFILL_CHUNK)])
+            return out  # _eager advanced length per chunk
+        else:
+            out = self._eager(ids.view(width))
+            return out
+        self.length += width
+        return out
+
+    # -- fast path ----------------------------------------------------------------------------
+
+    def _bucket(self, end: int) -> int:
+        """The smallest attention span holding `end` positions."""
+        return next(b for b in self.buckets if b >= end)
+
+    def _eager(self, ids: torch.Tensor) -> torch.Tensor:
+        self.start.fill_(self.length)
+        out = self._forward(ids, self.start, self._bucket(self.length + ids.shape[0]))
+        self.length += ids.shape[0]
+        return out
+
+    def warmup(self, progress: Progress | None = None) -> None:
+        """Captures one CUDA graph per width (a few seconds); eager warm-up runs on CPU.
+
+        If capture fails the runner stays correct and eager; `name` and `fallback_reason` say so.
+        """
+        report = progress or (lambda fraction, message: None)
+        saved = self.length
+        widths = self.graph_widths
+        if not self.use_graphs:
+            # Touch each width once so first-call costs (allocations, kernels) are not in timings.
+            for i, width in enumerate(widths):
+                report(i / max(len(widths), 1), f"warming up width {width}")
+                self.length = 0
+                self._eager(torch.zeros(width, dtype=torch.long, device=self.device))
+            self.length = saved
+            report(1.0, "ready (eager static cache)")
+            return
+        try:
+            with torch.cuda.device(self.device), torch.inference_mode(False), torch.no_grad():
+                pool = torch.cuda.graph_pool_handle()  # shared: graphs never run concurrently
+                todo = [(w, b) for w in widths for b in self.buckets if w <= b]
+                for i, (width, bucket) in enumerate(todo):
+                    report(i / len(todo), f"capturing CUDA graph {i + 1}/{len(todo)} (width {width}, span {bucket})")
+                    self._capture(width, bucket, pool)
+            self.name = "cuda-graphs"
+            log.info("captured %d CUDA graphs: widths %s x spans %s", len(todo), list(widths), list(self.buckets))
+        except Exception as exc:  # capture is an optimisation: never let it break decoding
+            log.warning("CUDA graph capture failed, using the static cache eagerly: %s", exc, exc_info=True)
+            self.graphs.clear()
+            self.static_ids.clear()
+            self.static_out.clear()
+            self.fallback_reason = f"CUDA graph capture failed: {exc}"
+            self.name = "static-eager"
+            torch.cuda.synchronize(self.device)
+        self.length = saved
+        report(1.0, f"ready ({self.name})")
+
+    def _capture(self, width: int, bucket: int, pool: object) -> None:
+        # One input and one output buffer per width, shared by that width's graphs (one per span).
+        if width not in self.static_ids:
+            self.static_ids[width] = torch.zeros(width, dtype=torch.long, device=self.device)
+            self.static_out[width] = torch.zeros(width, self.vocab_size, dtype=torch.float32, device=self.device)
+        ids, out = self.static_ids[width], self.static_out[width]
+        self.start.fill_(0)
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(WARMUP_ITERS):
+                out.copy_(self._forward(ids, self.start, bucket))
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            out.copy_(self._forward(ids, self.start, bucket))  # [W, V]
+        graph.replay()  # one replay so a broken capture fails here, not in the first generation
+        torch.cuda.synchronize(self.device)
+        self.graphs[(width, bucket)] = graph
+
+    def measure_costs(self, widths: Iterable[int], iters: int = 20) -> dict[int, float]:
+        """Milliseconds per forward for each width, measured the way the loop calls it.
+
+        Writes past the current length and rolls back, so cached content is left as it was.
+        """
+        saved = self.length
+        costs: dict[int, float] = {}
+        cuda = self.device.type == "cuda"
+        for width in widths:
+            if saved + width > self.max_length:
+                continue
+            ids = torch.randint(0, self.vocab_size, (width,), device=self.device)
+            for _ in range(2):
+                self.forward(ids)
+                self.rollback(saved)
+            if cuda:
+                begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                torch.cuda.synchronize(self.device)
+                begin.record()
+                for _ in range(iters):
+                    self.forward(ids)
+                    self.rollback(saved)
+                end.record()
+                end.synchronize()
+                costs[width] = begin.elapsed_time(end) / iters
+            else:
+                t0 = time.perf_counter()
+                for _ in range(iters):
+                    self.forward(ids)
+                    self.rollback(saved)
+                costs[width] = (time.perf_counter() - t0) * 1000 / iters
+        self.length = saved
+        return costs
