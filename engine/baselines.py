@@ -76,11 +76,19 @@ def run_hf(
     if variant == "hf-static":
         kwargs["cache_implementation"] = "static"
         if device.type == "cuda":
-            # Our own compile, as measured in DESIGN.md; HF's automatic compile would compile twice.
+            # Our own compile (HF's automatic one would compile a second time). Each call marks a
+            # new CUDA-graph step: the static cache is updated in place, and without the mark the
+            # graph tree refuses to overwrite the previous step's outputs.
             kwargs["disable_compile"] = True
             if id(target) not in _compiled:
                 log.info("compiling the target forward (mode=reduce-overhead); the first run is slow")
-                _compiled[id(target)] = torch.compile(target.forward, mode="reduce-overhead")
+                graphed = torch.compile(target.forward, mode="reduce-overhead")
+
+                def forward(*args: Any, **kw: Any) -> Any:
+                    torch.compiler.cudagraph_mark_step_begin()
+                    return graphed(*args, **kw)
+
+                _compiled[id(target)] = forward
             target.forward = _compiled[id(target)]
             compiled = True
     seed = sampling.seed if sampling is not None else 0

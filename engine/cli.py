@@ -304,6 +304,39 @@ def run_speculative(ctx: BenchContext, prompt: BenchPrompt, max_new_tokens: int)
     return _engine_run(ctx, prompt, max_new_tokens, "speculative")
 
 
+def _hf_run(ctx: BenchContext, prompt: BenchPrompt, max_new_tokens: int, variant: str) -> RunRecord:
+    """Hugging Face generate() on the same loaded models: the baselines every ratio is measured against."""
+    import torch
+
+    from engine.baselines import run_hf
+
+    request = _request(ctx.args, prompt.prompt, "standard", max_new_tokens)
+    ids = torch.tensor(ctx.engine.encode(request))
+    r = run_hf(ctx.pair.target, ctx.pair.tokenizer, ids, max_new_tokens, variant,  # type: ignore[arg-type]
+               draft=ctx.pair.draft, sampling=request.sampling)
+    text = ctx.pair.tokenizer.decode(r["token_ids"], skip_special_tokens=True)
+    return RunRecord(
+        prompt_id=prompt.id, category=prompt.category, mode=variant, new_tokens=r["new_tokens"],
+        seconds=r["seconds"], tokens_per_s=r["new_tokens"] / r["seconds"] if r["seconds"] > 0 else 0.0,
+        target_forwards=0, draft_forwards=0, drafted=0, accepted=0, text=text, token_ids=tuple(r["token_ids"]),
+    )
+
+
+@register_mode("hf", needs_draft=False)
+def run_hf_plain(ctx: BenchContext, prompt: BenchPrompt, max_new_tokens: int) -> RunRecord:
+    return _hf_run(ctx, prompt, max_new_tokens, "hf")
+
+
+@register_mode("hf-static", needs_draft=False)
+def run_hf_static(ctx: BenchContext, prompt: BenchPrompt, max_new_tokens: int) -> RunRecord:
+    return _hf_run(ctx, prompt, max_new_tokens, "hf-static")
+
+
+@register_mode("hf-assisted", needs_draft=True)
+def run_hf_assisted(ctx: BenchContext, prompt: BenchPrompt, max_new_tokens: int) -> RunRecord:
+    return _hf_run(ctx, prompt, max_new_tokens, "hf-assisted")
+
+
 def read_prompts(path: Path) -> list[BenchPrompt]:
     """Reads a JSONL prompts file; any problem is a CliError naming the file and line."""
     try:
@@ -356,26 +389,45 @@ def summarize_runs(runs: Sequence[RunRecord], modes: Sequence[str], tokenizer) -
     if "standard" in out and "speculative" in out:
         base = out["standard"]["tokens_per_s"]
         out["speedup"] = out["speculative"]["tokens_per_s"] / base if base else None
-        by_prompt = {(r.prompt_id, r.mode): r for r in runs}
-        identical, compared, divergences = 0, 0, []
-        for r in runs:
-            if r.mode != "standard" or (r.prompt_id, "speculative") not in by_prompt:
-                continue
-            a, b = r.token_ids, by_prompt[(r.prompt_id, "speculative")].token_ids
-            compared += 1
-            if a == b:
-                identical += 1
-                continue
-            pos = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-            divergences.append({
-                "prompt_id": r.prompt_id,
-                "position": pos,
-                # A missing token means one output stopped earlier than the other.
-                "standard_token": tokenizer.decode([a[pos]]) if pos < len(a) else None,
-                "speculative_token": tokenizer.decode([b[pos]]) if pos < len(b) else None,
-            })
-        out.update(identical_outputs=identical, compared=compared, divergences=divergences)
+    if "standard" in out:
+        base = out["standard"]["tokens_per_s"]
+        out["vs_standard"] = {m: out[m]["tokens_per_s"] / base for m in modes if m != "standard" and base}
+        # Greedy fidelity: every other mode's output against our own standard decoding.
+        out["fidelity"] = {m: _compare(runs, m, tokenizer) for m in modes if m != "standard"}
+        if "speculative" in out["fidelity"]:
+            spec = out["fidelity"]["speculative"]
+            out.update(identical_outputs=spec["identical"], compared=spec["compared"], divergences=spec["divergences"])
     return out
+
+
+def _compare(runs: Sequence[RunRecord], mode: str, tokenizer) -> dict[str, Any]:
+    """How many of `mode`'s outputs equal standard decoding's, and where each other one diverges.
+
+    The hf-* baselines are forced past EOS (equal token counts for fair tok/s), so outputs are
+    compared over the standard output's length.
+    """
+    by_prompt = {(r.prompt_id, r.mode): r for r in runs}
+    identical, compared, divergences = 0, 0, []
+    for r in runs:
+        if r.mode != "standard" or (r.prompt_id, mode) not in by_prompt:
+            continue
+        a = r.token_ids
+        b = by_prompt[(r.prompt_id, mode)].token_ids
+        if mode.startswith("hf"):
+            b = b[: len(a)]
+        compared += 1
+        if a == b:
+            identical += 1
+            continue
+        pos = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        divergences.append({
+            "prompt_id": r.prompt_id,
+            "position": pos,
+            # A missing token means one output stopped earlier than the other.
+            "standard_token": tokenizer.decode([a[pos]]) if pos < len(a) else None,
+            f"{mode}_token": tokenizer.decode([b[pos]]) if pos < len(b) else None,
+        })
+    return {"identical": identical, "compared": compared, "divergences": divergences}
 
 
 def _table(summary: dict[str, Any], modes: Sequence[str]) -> str:
@@ -386,11 +438,28 @@ def _table(summary: dict[str, Any], modes: Sequence[str]) -> str:
                     f"{s['acceptance_rate']:>9.1%}{s['tokens_per_target_forward']:>9.2f}")
     if summary.get("speedup") is not None:
         rows.append(f"speedup (speculative / standard): {summary['speedup']:.2f}x")
-    if "compared" in summary:
-        rows.append(f"identical outputs: {summary['identical_outputs']}/{summary['compared']}")
-        for d in summary["divergences"]:
+    for mode, ratio in summary.get("vs_standard", {}).items():
+        if mode != "speculative":
+            rows.append(f"{mode} / standard: {ratio:.2f}x")
+    for mode, f in summary.get("fidelity", {}).items():
+        label = "identical outputs" if mode == "speculative" else f"identical to standard ({mode})"
+        rows.append(f"{label}: {f['identical']}/{f['compared']}")
+        for d in f["divergences"]:
             rows.append(f"  {d['prompt_id']}: first divergence at token {d['position']}: "
-                        f"standard {d['standard_token']!r} vs speculative {d['speculative_token']!r}")
+                        f"standard {d['standard_token']!r} vs {mode} {d.get(mode + '_token')!r}")
+    cost = summary.get("cost_model")
+    if cost:
+        rows.append(f"cost model: draft {cost['draft_ms']:.2f} ms, target "
+                    + ", ".join(f"w{w} {ms:.2f}" for w, ms in cost["target_ms"].items()) + " ms")
+        if cost.get("predicted_speedup") is not None:
+            rows.append(f"  predicted speculative/standard at alpha={cost['alpha']:.3f}, K={cost['k']}: "
+                        f"{cost['predicted_speedup']:.2f}x (measured {summary.get('speedup') or 0:.2f}x)")
+        rows.append(f"  {cost['verdict']}")
+    if summary.get("peak_gpu_memory_mb") is not None:
+        rows.append(f"peak GPU memory: {summary['peak_gpu_memory_mb']:.0f} MB "
+                    f"(first prompt {summary['peak_gpu_memory_first_mb']:.0f} MB, last {summary['peak_gpu_memory_last_mb']:.0f} MB)")
+    for e in summary.get("errors", []):
+        rows.append(f"error in {e['mode']} on {e['prompt_id']}: {e['message']}")
     return "\n".join(rows)
 
 
@@ -412,16 +481,41 @@ def cmd_bench(args: argparse.Namespace) -> int:
         for mode in modes:
             MODE_RUNNERS[mode].run(ctx, prompts[0], min(args.max_new_tokens, 32))
 
+    import torch
+
+    cuda = engine.device.type == "cuda"
     runs: list[RunRecord] = []
+    errors: list[dict[str, str]] = []
+    peaks: list[float] = []  # peak GPU memory per prompt (MB), to show there is no growth
     started = time.perf_counter()
     with tqdm(total=len(prompts) * len(modes), file=sys.stderr, desc="bench", unit="run",
               disable=None) as bar:
         for prompt in prompts:
+            if cuda:
+                torch.cuda.reset_peak_memory_stats(engine.device)
             for mode in modes:
                 bar.set_postfix_str(f"{prompt.id} {mode}")
-                runs.append(MODE_RUNNERS[mode].run(ctx, prompt, args.max_new_tokens))
+                try:
+                    runs.append(MODE_RUNNERS[mode].run(ctx, prompt, args.max_new_tokens))
+                except EngineError:
+                    raise
+                except Exception as e:  # a failing baseline must not cost the other modes' figures
+                    if mode in ("standard", "speculative"):
+                        raise
+                    log.warning("%s failed on %s: %s", mode, prompt.id, e)
+                    errors.append({"mode": mode, "prompt_id": prompt.id, "message": f"{type(e).__name__}: {e}"[:300]})
                 bar.update(1)
-    summary = summarize_runs(runs, modes, pair.tokenizer)
+            if cuda:
+                peaks.append(torch.cuda.max_memory_allocated(engine.device) / 2**20)
+    modes_run = [m for m in modes if any(r.mode == m for r in runs)]
+    summary = summarize_runs(runs, modes_run, pair.tokenizer)
+    if errors:
+        summary["errors"] = errors
+    if peaks:
+        summary.update(peak_gpu_memory_mb=max(peaks), peak_gpu_memory_first_mb=peaks[0], peak_gpu_memory_last_mb=peaks[-1])
+    if "speculative" in modes_run and args.proposer != "ngram":
+        summary["cost_model"] = _cost_model(engine, args.k, summary)
+    modes = modes_run
     config = {**_model_config(engine, args), "modes": modes, "prompts": str(args.prompts),
               "warmup": args.warmup, "wall_s": time.perf_counter() - started, **_environment(engine)}
     result = {"config": config, "runs": [{**asdict(r), "token_ids": list(r.token_ids)} for r in runs],
@@ -444,6 +538,28 @@ def cmd_bench(args: argparse.Namespace) -> int:
           f"temperature={args.temperature}, max_new_tokens={args.max_new_tokens}")
     print(_table(summary, modes))
     return 0
+
+
+def _cost_model(engine: Engine, k: int, summary: dict[str, Any]) -> dict[str, Any]:
+    """Measured forward costs and what they predict for the measured acceptance (the bench's check)."""
+    from engine.costmodel import alpha_from_mean_accepted, measure
+
+    on_gpu = engine.device.type == "cuda"
+    # Forwards are cheap on a GPU, so measure enough widths for best_k; on a CPU only what K needs.
+    k_max = max(k, 8) if on_gpu else k
+    model = measure(engine.target_runner, engine.draft_runner, k_max=k_max, iters=20 if on_gpu else 2)
+    spec = summary["speculative"]
+    # Per-token acceptance from the mean tokens per step: E = (1 - a^(K+1)) / (1 - a).
+    alpha = alpha_from_mean_accepted(spec["tokens_per_target_forward"] - 1.0, k)
+    return {
+        "draft_ms": model.draft_ms,
+        "target_ms": {str(w): ms for w, ms in sorted(model.target_ms.items())},
+        "alpha": alpha,
+        "k": k,
+        "predicted_speedup": model.predicted_speedup(alpha, k),
+        "best_k": model.best_k(alpha, k_max)[0],
+        "verdict": model.verdict(alpha, k_max),
+    }
 
 
 # --------------------------------------------------------------------------- entry point

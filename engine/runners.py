@@ -8,6 +8,8 @@ which is fed at the start of the next step (so every step's first position predi
 """
 from __future__ import annotations
 
+import time
+from collections.abc import Iterable
 from typing import Protocol
 
 import torch
@@ -61,8 +63,45 @@ class EagerRunner:
         assert self.cache.get_seq_length() == self.length, "cache and runner disagree on length"
         return out.logits[0].float()  # [W, V]
 
+    def measure_costs(self, widths: Iterable[int], iters: int = 3) -> dict[int, float]:
+        return measure_forward_costs(self, widths, iters)
+
     def rollback(self, length: int) -> None:
         assert 0 <= length <= self.length, f"cannot roll back to {length} from {self.length}"
         if length < self.length:
             self.cache.crop(length - self.length)  # negative: tokens to remove
             self.length = length
+
+
+def measure_forward_costs(runner: Runner, widths: Iterable[int], iters: int) -> dict[int, float]:
+    """Milliseconds per forward for each width, measured the way the loop calls the runner.
+
+    Writes past the current length and rolls back, so the cached content is left as it was.
+    CUDA work is timed with events; the CPU with the wall clock.
+    """
+    saved = runner.length
+    device = getattr(runner, "device", torch.device("cpu"))
+    costs: dict[int, float] = {}
+    for width in widths:
+        if saved + width > runner.max_length:
+            continue
+        ids = torch.randint(0, runner.vocab_size, (width,), device=device)
+        runner.forward(ids)  # warm: allocator, kernel selection
+        runner.rollback(saved)
+        if device.type == "cuda":
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize(device)
+            begin.record()
+            for _ in range(iters):
+                runner.forward(ids)
+                runner.rollback(saved)
+            end.record()
+            end.synchronize()
+            costs[width] = begin.elapsed_time(end) / iters
+        else:
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                runner.forward(ids)
+                runner.rollback(saved)
+            costs[width] = (time.perf_counter() - t0) * 1000 / iters
+    return costs

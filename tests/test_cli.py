@@ -180,3 +180,25 @@ def test_divergences_are_reported_not_hidden(tiny_pair):
     assert b["standard_token"] == tok.decode([7]) and b["speculative_token"] == tok.decode([9])
     assert (c["position"], c["standard_token"], c["speculative_token"]) == (2, None, tok.decode([7]))
     assert summary["speedup"] == pytest.approx((10 / 3) / (9 / 3))
+
+
+def test_bench_hf_baselines_fidelity_and_cost_model(tiny_pair, tmp_path, capsys):
+    """hf, hf-static and hf-assisted run in the same process; fidelity and the cost model are reported."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"id": "a", "category": "code", "prompt": "def add(a, b):"}\n')
+    out_json = tmp_path / "bench.json"
+    code = main(["bench", "--prompts", str(prompts), "--modes", "standard,speculative,hf,hf-static,hf-assisted",
+                 "--max-new-tokens", "12", "--json", str(out_json), *_models(tiny_pair)])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    summary = json.loads(out_json.read_text())["summary"]
+    assert set(summary["vs_standard"]) == {"speculative", "hf", "hf-static", "hf-assisted"}
+    for mode in ("speculative", "hf", "hf-static", "hf-assisted"):
+        fidelity = summary["fidelity"][mode]
+        assert fidelity["compared"] == 1
+        # fp32 greedy: every implementation of the same target agrees with our standard decoding.
+        assert fidelity["identical"] == 1, fidelity
+    cost = summary["cost_model"]
+    assert cost["draft_ms"] > 0 and set(cost["target_ms"]) >= {"1", "6"}
+    assert cost["predicted_speedup"] > 0 and cost["verdict"].startswith("Speculative decoding")
+    assert "hf-assisted / standard" in captured.out and "cost model" in captured.out

@@ -11,7 +11,6 @@ Rollback moves the write position only: stale cache slots are masked by position
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable, Iterable
 
 import torch
@@ -19,6 +18,7 @@ from torch import nn
 
 from engine.errors import GenerationError
 from engine.fast.lean import CACHE_ALIGN, PREFILL_CHUNK, LeanDecoder
+from engine.runners import measure_forward_costs
 
 log = logging.getLogger(__name__)
 
@@ -186,35 +186,4 @@ class StaticGraphRunner:
         self.graphs[(width, bucket)] = graph
 
     def measure_costs(self, widths: Iterable[int], iters: int = 20) -> dict[int, float]:
-        """Milliseconds per forward for each width, measured the way the loop calls it.
-
-        Writes past the current length and rolls back, so cached content is left as it was.
-        """
-        saved = self.length
-        costs: dict[int, float] = {}
-        cuda = self.device.type == "cuda"
-        for width in widths:
-            if saved + width > self.max_length:
-                continue
-            ids = torch.randint(0, self.vocab_size, (width,), device=self.device)
-            for _ in range(2):
-                self.forward(ids)
-                self.rollback(saved)
-            if cuda:
-                begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                torch.cuda.synchronize(self.device)
-                begin.record()
-                for _ in range(iters):
-                    self.forward(ids)
-                    self.rollback(saved)
-                end.record()
-                end.synchronize()
-                costs[width] = begin.elapsed_time(end) / iters
-            else:
-                t0 = time.perf_counter()
-                for _ in range(iters):
-                    self.forward(ids)
-                    self.rollback(saved)
-                costs[width] = (time.perf_counter() - t0) * 1000 / iters
-        self.length = saved
-        return costs
+        return measure_forward_costs(self, widths, iters)
