@@ -1,8 +1,8 @@
 """Hugging Face generate() baselines for `bench`, run in the same process on the same loaded models.
 
-Variants: "hf" (dynamic cache, eager), "hf-static" (static cache; on CUDA also the forward
-compiled with mode="reduce-overhead", i.e. CUDA graphs), "hf-assisted" (HF assisted generation
-with the draft as assistant_model). The compiled forward is built once per model and kept.
+Variants: "hf" (dynamic cache, eager), "hf-static" (a reused StaticCache; on CUDA generate()
+compiles its decode step itself, mode="reduce-overhead", i.e. CUDA graphs), "hf-assisted" (HF
+assisted generation with the draft as assistant_model).
 """
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 import torch
 from torch import nn
+from transformers import StaticCache
 
 from engine.errors import GenerationError
 from engine.types import Sampling
@@ -21,8 +22,8 @@ log = logging.getLogger(__name__)
 Variant = Literal["hf", "hf-static", "hf-assisted"]
 VARIANTS: tuple[Variant, ...] = ("hf", "hf-static", "hf-assisted")
 
-_compiled: dict[int, Any] = {}  # id(model) -> compiled forward (compile once, reuse across calls)
-_warm: set[tuple[int, int]] = set()  # (id(model), cache length) already run once with the compiled forward
+_caches: dict[tuple[int, int], StaticCache] = {}  # (id(model), slots) -> reused static cache
+_warm: set[tuple[int, int]] = set()  # (id(model), slots) already run once (compiled) on CUDA
 
 
 def _sync(device: torch.device) -> None:
@@ -74,39 +75,29 @@ def run_hf(
         kwargs["assistant_model"] = draft
     compiled = False
     if variant == "hf-static":
-        kwargs["cache_implementation"] = "static"
-        if device.type == "cuda":
-            # Our own compile (HF's automatic one would compile a second time). Each call marks a
-            # new CUDA-graph step: the static cache is updated in place, and without the mark the
-            # graph tree refuses to overwrite the previous step's outputs.
-            kwargs["disable_compile"] = True
-            if id(target) not in _compiled:
-                log.info("compiling the target forward (mode=reduce-overhead); the first run is slow")
-                graphed = torch.compile(target.forward, mode="reduce-overhead")
-
-                def forward(*args: Any, **kw: Any) -> Any:
-                    torch.compiler.cudagraph_mark_step_begin()
-                    return graphed(*args, **kw)
-
-                _compiled[id(target)] = forward
-            target.forward = _compiled[id(target)]
-            compiled = True
+        # One StaticCache per model, sized in 512-slot steps and reused (reset) across prompts:
+        # generate() then compiles its decode step once (its own automatic torch.compile with
+        # CUDA graphs on CUDA) instead of once per prompt length.
+        slots = -(-(ids.shape[1] + max_new_tokens + 1) // 512) * 512
+        key = (id(target), slots)
+        if key not in _caches:
+            _caches[key] = StaticCache(config=target.config, max_cache_len=slots)
+        kwargs["past_key_values"] = _caches[key]
+        compiled = device.type == "cuda"
     seed = sampling.seed if sampling is not None else 0
-    try:
-        with torch.inference_mode():
-            key = (id(target), ids.shape[1] + max_new_tokens)
-            if compiled and key not in _warm:
-                torch.manual_seed(seed)
-                target.generate(ids, **kwargs)
-                _warm.add(key)
+    with torch.inference_mode():
+        if variant == "hf-static":
+            kwargs["past_key_values"].reset()  # its tensors are inference tensors: reset in here
+        if compiled and key not in _warm:
             torch.manual_seed(seed)
-            _sync(device)
-            t0 = time.perf_counter()
-            out = target.generate(ids, **kwargs)  # [1, P + N]
-            _sync(device)
-            seconds = time.perf_counter() - t0
-    finally:
-        if compiled:
-            del target.forward  # back to the class's eager forward for everyone else
+            target.generate(ids, **kwargs)  # compiles and captures: untimed
+            _warm.add(key)
+            kwargs["past_key_values"].reset()
+        torch.manual_seed(seed)
+        _sync(device)
+        t0 = time.perf_counter()
+        out = target.generate(ids, **kwargs)  # [1, P + N]
+        _sync(device)
+        seconds = time.perf_counter() - t0
     new = out[0, ids.shape[1] :].tolist()
     return {"new_tokens": len(new), "seconds": seconds, "token_ids": new}

@@ -73,8 +73,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: auto)")
     g.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
                    help="auto: bf16 on CUDA and on CPUs with native bf16, else float32")
-    g.add_argument("--fast-path", default="auto", choices=["auto", "eager", "static"],
-                   help="auto: static cache + CUDA graphs where possible, else eager")
+    g.add_argument("--fast-path", default="auto", choices=["auto", "eager", "static", "compiled"],
+                   help="auto: static cache + CUDA graphs where possible, else eager; compiled: also "
+                        "torch.compile the per-step forwards for --k (CUDA; minutes of warm-up)")
     d = p.add_argument_group("decoding")
     d.add_argument("--k", type=_k, default=5, help="draft tokens proposed per step (>= 1)")
     d.add_argument("--temperature", type=_non_negative_float, default=0.0, help="0 = greedy")
@@ -146,7 +147,7 @@ def _load(args: argparse.Namespace, needs_draft: bool) -> tuple[LoadedPair, Engi
     reporter = _LoadReporter(sys.stderr, args.verbose)
     pair = load_pair(args.target, args.draft, device=args.device, dtype=args.dtype,
                      progress=reporter, with_draft=needs_draft)
-    return pair, Engine.from_pair(pair, fast_path=args.fast_path, progress=reporter)
+    return pair, Engine.from_pair(pair, fast_path=args.fast_path, progress=reporter, compile_k=args.k)
 
 
 def _sampling(args: argparse.Namespace) -> Sampling:

@@ -64,17 +64,25 @@ class Engine:
         self._lock = threading.Lock()  # one generation at a time: the caches are shared
 
     @classmethod
-    def from_pair(cls, pair, *, fast_path: str = "auto", progress=None) -> Engine:
-        """Builds runners for a LoadedPair (engine.store); the fast path when CUDA allows it."""
+    def from_pair(cls, pair, *, fast_path: str = "auto", progress=None, compile_k: int = 5) -> Engine:
+        """Builds runners for a LoadedPair (engine.store); the fast path when CUDA allows it.
+
+        fast_path: "auto" (CUDA graphs where possible, else eager), "eager", "static" (graphs or
+        an error), "compiled" (graphs of inductor-compiled forwards for K = compile_k: minutes of
+        warm-up, fewer kernels per forward).
+        """
         target_runner = draft_runner = None
         name = "eager"
         if fast_path != "eager" and pair.target.device.type == "cuda":
             try:
                 from engine.fast import build_runners
 
-                target_runner, draft_runner, name = build_runners(pair.target, pair.draft, progress=progress)
+                target_runner, draft_runner, name = build_runners(
+                    pair.target, pair.draft, progress=progress,
+                    compile_k=compile_k if fast_path == "compiled" else None,
+                )
             except Exception as exc:  # any model the fast path cannot take falls back, loudly
-                if fast_path == "static":
+                if fast_path in ("static", "compiled"):
                     raise
                 log.warning("fast path unavailable, using eager decoding: %s", exc)
                 target_runner = draft_runner = None

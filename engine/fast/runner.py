@@ -57,13 +57,18 @@ class StaticGraphRunner:
         share_weights: bool = True,
         attention: str = "sdpa",
         min_bucket: int = MIN_BUCKET,
-        compile: bool = False,
+        compile_widths: Iterable[int] = (),
+        compile_spans: int = 2,
     ) -> None:
         self.decoder = LeanDecoder(model, max_length, share_weights=share_weights, attention=attention)
-        # Experimental: inductor fuses the elementwise ops (norms, RoPE, SiLU) before capture. It
-        # compiles once per (width, span), so keep both few; off by default (minutes of warm-up).
-        self._forward = (
-            torch.compile(self.decoder.forward, dynamic=False, fullgraph=True) if compile else self.decoder.forward
+        self._forward = self.decoder.forward
+        # Opt-in: inductor fuses the elementwise ops (norms, RoPE, SiLU) before capture, which cuts
+        # kernel count per forward. It compiles once per (width, span), ~20 s each on an H200, so
+        # only the widths the loop uses every step and the smallest spans are compiled.
+        self.compile_widths = frozenset(int(w) for w in compile_widths)
+        self.compile_spans = compile_spans
+        self._compiled = (
+            torch.compile(self.decoder.forward, dynamic=False, fullgraph=True) if self.compile_widths else None
         )
         self.device = self.decoder.device
         self.vocab_size = self.decoder.config.vocab_size
@@ -152,7 +157,7 @@ class StaticGraphRunner:
                 for i, (width, bucket) in enumerate(todo):
                     report(i / len(todo), f"capturing CUDA graph {i + 1}/{len(todo)} (width {width}, span {bucket})")
                     self._capture(width, bucket, pool)
-            self.name = "cuda-graphs"
+            self.name = "cuda-graphs+compile" if self._compiled is not None else "cuda-graphs"
             log.info("captured %d CUDA graphs: widths %s x spans %s", len(todo), list(widths), list(self.buckets))
         except Exception as exc:  # capture is an optimisation: never let it break decoding
             log.warning("CUDA graph capture failed, using the static cache eagerly: %s", exc, exc_info=True)
@@ -171,16 +176,19 @@ class StaticGraphRunner:
             self.static_ids[width] = torch.zeros(width, dtype=torch.long, device=self.device)
             self.static_out[width] = torch.zeros(width, self.vocab_size, dtype=torch.float32, device=self.device)
         ids, out = self.static_ids[width], self.static_out[width]
+        forward = self._forward
+        if self._compiled is not None and width in self.compile_widths and bucket in self.buckets[: self.compile_spans]:
+            forward = self._compiled
         self.start.fill_(0)
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             for _ in range(WARMUP_ITERS):
-                out.copy_(self._forward(ids, self.start, bucket))
+                out.copy_(forward(ids, self.start, bucket))
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool):
-            out.copy_(self._forward(ids, self.start, bucket))  # [W, V]
+            out.copy_(forward(ids, self.start, bucket))  # [W, V]
         graph.replay()  # one replay so a broken capture fails here, not in the first generation
         torch.cuda.synchronize(self.device)
         self.graphs[(width, bucket)] = graph
