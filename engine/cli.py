@@ -254,9 +254,22 @@ class RunRecord:
 class BenchContext:
     """What every mode runner may use: the loaded pair, the engine and the parsed settings."""
 
-    pair: LoadedPair  # models and tokenizer (hf-* modes call the models directly)
+    pair: LoadedPair  # models and tokenizer, as the engine runs them
     engine: Engine  # our decoding loop
     args: argparse.Namespace  # k, sampling, max_new_tokens, raw, ...
+    needs_draft: bool = True  # whether the bench loaded a draft
+    _baseline: LoadedPair | None = None  # unmodified models for the hf-* modes, loaded on first use
+
+    def baseline_pair(self) -> LoadedPair:
+        """The models as Hugging Face ships them: the CPU fast path repacks the engine's in place."""
+        if self.engine.info.fast_path != "cpu-onednn":
+            return self.pair
+        if self._baseline is None:
+            from engine.store import load_pair
+
+            a = self.args
+            self._baseline = load_pair(a.target, a.draft, device=a.device, dtype=a.dtype, with_draft=self.needs_draft)
+        return self._baseline
 
 
 ModeRunner = Callable[[BenchContext, BenchPrompt, int], RunRecord]
@@ -313,8 +326,9 @@ def _hf_run(ctx: BenchContext, prompt: BenchPrompt, max_new_tokens: int, variant
 
     request = _request(ctx.args, prompt.prompt, "standard", max_new_tokens)
     ids = torch.tensor(ctx.engine.encode(request))
-    r = run_hf(ctx.pair.target, ctx.pair.tokenizer, ids, max_new_tokens, variant,  # type: ignore[arg-type]
-               draft=ctx.pair.draft, sampling=request.sampling)
+    pair = ctx.baseline_pair()
+    r = run_hf(pair.target, pair.tokenizer, ids, max_new_tokens, variant,  # type: ignore[arg-type]
+               draft=pair.draft, sampling=request.sampling)
     text = ctx.pair.tokenizer.decode(r["token_ids"], skip_special_tokens=True)
     return RunRecord(
         prompt_id=prompt.id, category=prompt.category, mode=variant, new_tokens=r["new_tokens"],
@@ -475,7 +489,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             raise CliError(f"output folder {out.parent} does not exist")
     needs_draft = any(MODE_RUNNERS[m].needs_draft for m in modes) and args.proposer != "ngram"
     pair, engine = _load(args, needs_draft)
-    ctx = BenchContext(pair, engine, args)
+    ctx = BenchContext(pair, engine, args, needs_draft=needs_draft)
 
     # Untimed: the first generations pay allocator growth, kernel selection and graph capture.
     for _ in range(max(0, args.warmup)):

@@ -73,6 +73,14 @@ class Engine:
         """
         target_runner = draft_runner = None
         name = "eager"
+        if fast_path in ("auto", "static") and pair.target.device.type == "cpu":
+            from engine.cpu_fast import try_pack
+
+            # In place: the pair's models are the engine's from now on (baselines load their own).
+            packed = try_pack(pair.target)
+            if packed and pair.draft is not None:
+                try_pack(pair.draft)
+            name = packed or name
         if fast_path != "eager" and pair.target.device.type == "cuda":
             try:
                 from engine.fast import build_runners

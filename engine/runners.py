@@ -40,7 +40,7 @@ class EagerRunner:
     def __init__(self, model: PreTrainedModel, max_length: int | None = None) -> None:
         self.model = model
         self.device = model.device
-        self.vocab_size = model.get_output_embeddings().weight.shape[0]
+        self.vocab_size = model.get_output_embeddings().out_features
         self.max_length = max_length or int(getattr(model.config, "max_position_embeddings", 32768))
         self.cache = DynamicCache(config=model.config)
         self.length = 0

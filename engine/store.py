@@ -558,7 +558,7 @@ def _out_of_memory(name: str, device: torch.device, dtype: torch.dtype) -> Model
 
 
 def _head_rows(model: PreTrainedModel) -> int:
-    return int(model.get_output_embeddings().weight.shape[0])
+    return int(model.get_output_embeddings().out_features)
 
 
 def load_pair(
