@@ -7,22 +7,22 @@ set -u -o pipefail
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 SPECDEC_CACHE_DIR=/tmp/specdec-cache
 OUT=${OUT:-out}; mkdir -p "$OUT"
 T=/root/hf/target D=/root/hf/draft
-bench() { python3 -m engine.cli bench --target $T --draft $D --max-new-tokens 256 "$@"; }
+B=(python3 -m engine.cli bench --target $T --draft $D --max-new-tokens 256)
 case "${1:-main}" in
 main)
   python3 -m pytest tests/test_fast.py -m gpu -q -p no:cacheprovider 2>&1 | tail -3
   # The compiled fast path first; if inductor refuses, the plain CUDA-graph path.
-  timeout 300 bench --prompts assets/bench_prompts.jsonl --modes standard,speculative,hf-static \
+  timeout 300 "${B[@]}" --prompts assets/bench_prompts.jsonl --modes standard,speculative,hf-static \
       --fast-path compiled --json "$OUT/h200_main.json" 2>&1 | grep -v -E "^W1130|it/s" | tail -40 \
-    || timeout 170 bench --prompts assets/bench_prompts.jsonl --modes standard,speculative,hf-static \
+    || timeout 170 "${B[@]}" --prompts assets/bench_prompts.jsonl --modes standard,speculative,hf-static \
       --json "$OUT/h200_main.json" 2>&1 | tail -40
   for proposer in ngram draft+ngram; do
-    bench --prompts assets/edit_prompts.jsonl --modes standard,speculative --proposer $proposer \
+    "${B[@]}" --prompts assets/edit_prompts.jsonl --modes standard,speculative --proposer $proposer \
         --json "$OUT/h200_edit_${proposer/+/_}.json" 2>&1 | tail -12
   done
   ;;
 assisted)
   head -n "${2:-6}" assets/bench_prompts.jsonl > /tmp/first.jsonl
-  bench --prompts /tmp/first.jsonl --modes standard,speculative,hf-assisted --json "$OUT/h200_assisted.json" 2>&1 | tail -30
+  "${B[@]}" --prompts /tmp/first.jsonl --modes standard,speculative,hf-assisted --json "$OUT/h200_assisted.json" 2>&1 | tail -30
   ;;
 esac

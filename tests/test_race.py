@@ -478,3 +478,27 @@ def test_race_and_chat_share_the_main_windows_worker(qtbot, tmp_path):
     finally:
         w.close()
     assert not running_threads()
+
+
+def test_the_main_windows_race_tab_runs_a_race_and_blocks_chat_meanwhile(qtbot, tmp_path):
+    from app.settings import AppSettings
+    from app.window import MainWindow
+    from widgets.model_dialog import ModelSelection
+
+    engine = RaceEngine(standard_steps(), speculative_steps(SPEC_IDS, ps=SPEC_P))
+    w = MainWindow(engine_factory=lambda _req, _progress: engine, settings=AppSettings(tmp_path / "s.ini"))
+    qtbot.addWidget(w)
+    try:
+        with qtbot.waitSignal(w.models_loaded, timeout=5000):
+            w.load_models(ModelSelection())
+        assert [w.tabs.tabText(i) for i in range(w.tabs.count())][1].startswith("Race")
+        w.tabs.setCurrentWidget(w.race_view)
+        w.race_view.set_prompt_text("Race me")
+        with qtbot.waitSignal(w.race.race_finished, timeout=10000):
+            w.race_view.race_button.click()
+            assert w.send("chat while racing") is None  # one generation at a time on the worker
+        assert len(w.race.results) == 1 and w.race.results[0].divergence_index == DIVERGE_AT
+        assert not w.records  # the chat ignored the race's request ids
+    finally:
+        w.close()
+    assert not running_threads()

@@ -28,6 +28,14 @@ _COLUMNS = 6
 _AXIS_WIDTH = 52  # pixels for every left axis
 
 
+def _nice_ceiling(value: float) -> float:
+    """The next 1-2-5 step at or above `value` (12 -> 20, 230 -> 500)."""
+    if value <= 0:
+        return 1.0
+    magnitude = 10.0 ** np.floor(np.log10(value))
+    return float(next(m * magnitude for m in (1, 2, 5, 10) if m * magnitude >= value))
+
+
 def _colour(qcolor: QColor, alpha: int = 255) -> tuple[int, int, int, int]:
     return (qcolor.red(), qcolor.green(), qcolor.blue(), alpha)
 
@@ -82,7 +90,13 @@ class LiveCharts(QWidget):
         self._tps_curve.setData(x, rows[:, _TPS_ROLLING], connect="finite")
         if finite.any():
             top = float(max(np.nanmax(rows[:, _TPS]), np.nanmax(rows[:, _TPS_ROLLING])))
-            self._tps_plot.setYRange(0, top * 1.1 if top > 0 else 1, padding=0)
+            # Ranges grow in coarse steps: a changed range re-renders the axis, the costliest part of a repaint.
+            self._tps_plot.setYRange(0, _nice_ceiling(top * 1.1) if top > 0 else 1, padding=0)
+        if self._follow_x and self._rows:
+            bound = max(_nice_ceiling(float(x[-1]) + 1), 10.0)
+            if bound != self._x_bound:
+                self._x_bound = bound
+                self._tps_plot.setXRange(0, bound, padding=0.01)
         positions = self.position_acceptance()
         self._bars.setOpts(x=np.arange(1, len(positions) + 1), height=positions, width=0.6)
         self._position_plot.setXRange(0.4, max(len(positions), 1) + 0.6, padding=0)
@@ -99,6 +113,8 @@ class LiveCharts(QWidget):
         self._reached = np.zeros(0, dtype=np.int64)
         self._hits = np.zeros(0, dtype=np.int64)
         self._dirty = True
+        self._follow_x = True  # until the reader pans or zooms the step plots
+        self._x_bound = 0.0
         self.refresh()
 
     def series(self) -> dict[str, np.ndarray]:
@@ -173,6 +189,9 @@ class LiveCharts(QWidget):
         for plot in (self._acceptance_plot, self._k_plot):
             plot.enableAutoRange(x=False)
             plot.setXLink(self._tps_plot)
+        self._tps_plot.enableAutoRange(x=False)  # refresh() sets it in coarse steps instead
+        for plot in (self._acceptance_plot, self._k_plot, self._tps_plot):
+            plot.getViewBox().sigRangeChangedManually.connect(self._on_x_changed_manually)
 
         self._position_plot = self._graphics.addPlot(row=3, col=0, title="Acceptance by draft position")
         self._position_plot.setLabel("left", "%")
@@ -193,6 +212,9 @@ class LiveCharts(QWidget):
             self._position_plot: "Acceptance by draft position",
         }
         self._no_drafts_titles = False
+
+    def _on_x_changed_manually(self, *_: object) -> None:
+        self._follow_x = False  # the reader took over the x range; stop moving it
 
     def _set_draft_titles(self, *, no_drafts: bool) -> None:
         if no_drafts == self._no_drafts_titles:

@@ -50,7 +50,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-import widgets.charts  # noqa: F401  (pyqtgraph options and the PySide refcount workaround, before any plot)
+import widgets.charts  # noqa: F401  (sets pyqtgraph options once, before any plot exists)
 from engine.types import Step, Summary
 from widgets.palette import current_palette
 from widgets.token_text import TokenTextView

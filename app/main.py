@@ -1,0 +1,99 @@
+"""Entry point `specdec-studio`: the desktop app, or the headless `generate` / `bench` commands."""
+from __future__ import annotations
+
+import argparse
+import gc
+import logging
+import os
+import sys
+from collections.abc import Sequence
+
+log = logging.getLogger(__name__)
+
+HEADLESS_COMMANDS = ("generate", "bench")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="specdec-studio",
+        description="Watch speculative decoding work. Headless: specdec-studio generate|bench --help.",
+    )
+    p.add_argument("--target", default=None, help="model folder, .gguf file or hub id (default: the packaged pair)")
+    p.add_argument("--draft", default=None, help="model folder, .gguf file or hub id (default: the packaged pair)")
+    p.add_argument("--no-draft", action="store_true", help="load the target only (n-gram or standard decoding)")
+    p.add_argument("--device", default=None, help="auto, cpu, cuda or cuda:N (default: last used, else auto)")
+    p.add_argument("--dtype", default=None, choices=["auto", "bfloat16", "float16", "float32"],
+                   help="model precision (default: last used, else auto)")
+    p.add_argument("--demo", action="store_true", help="no models: a scripted engine streams a sample answer")
+    p.add_argument("--settings", default=None, help="use this .ini file for settings instead of the user's")
+    p.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
+    return p
+
+
+def _selection_from_args(args: argparse.Namespace, saved):
+    """Command-line models override the remembered ones; unspecified parts keep what was saved."""
+    from widgets.model_dialog import ModelChoice, ModelSelection
+
+    def choice(spec: str | None, previous: ModelChoice) -> ModelChoice:
+        if spec is None:
+            return previous
+        if spec in ("", "default"):
+            return ModelChoice()
+        if spec.lower().endswith(".gguf"):
+            return ModelChoice("gguf", spec)
+        if os.path.isdir(os.path.expanduser(spec)) or spec.startswith((".", "/", "~")):
+            return ModelChoice("folder", spec)
+        return ModelChoice("hub", spec)
+
+    return ModelSelection(
+        target=choice(args.target, saved.target),
+        draft=choice(args.draft, saved.draft),
+        device=args.device or saved.device,
+        dtype=args.dtype or saved.dtype,
+        no_draft=args.no_draft or (saved.no_draft and args.draft is None),
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in HEADLESS_COMMANDS:
+        from engine.cli import main as cli_main  # torch and friends only when a command runs
+
+        return cli_main(argv)
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    from PySide6.QtWidgets import QApplication
+
+    from app.settings import APPLICATION, ORGANIZATION, AppSettings
+    from widgets.palette import load_stylesheet
+
+    app = QApplication.instance() or QApplication([sys.argv[0], *argv])
+    app.setOrganizationName(ORGANIZATION)
+    app.setApplicationName(APPLICATION)
+    app.setApplicationDisplayName(APPLICATION)
+    app.setStyle("Fusion")  # the same look on every platform; the stylesheet is written against it
+    app.setStyleSheet(load_stylesheet())
+
+    from app.window import MainWindow
+
+    settings = AppSettings(args.settings)
+    if args.demo:
+        from app.demo import ScriptedEngine
+
+        window = MainWindow(engine_factory=lambda _req, _progress: ScriptedEngine(), settings=settings)
+    else:
+        window = MainWindow(settings=settings)
+    window.show()
+    # The default (or remembered) pair loads in the background while the window is already usable.
+    window.load_models(_selection_from_args(args, settings.models()))
+    code = app.exec()
+    # The window must go before the QApplication: the reverse order crashes PySide6 at exit.
+    del window
+    gc.collect()
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

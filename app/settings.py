@@ -1,0 +1,102 @@
+"""Persistent settings (QSettings): model choices, generation settings, window geometry, splitter sizes."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import asdict
+
+from PySide6.QtCore import QByteArray, QSettings
+
+from widgets.model_dialog import ModelChoice, ModelSelection
+from widgets.settings_panel import GenerationSettings
+
+log = logging.getLogger(__name__)
+
+ORGANIZATION = "SpecDec Studio"
+APPLICATION = "SpecDec Studio"
+SETTINGS_ENV = "SPECDEC_SETTINGS"  # path of an .ini file to use instead of the platform store
+VERSION = 1  # bump when the stored layout changes incompatibly
+
+
+class AppSettings:
+    """Typed access to the QSettings store; every read tolerates a missing or damaged entry."""
+
+    def __init__(self, path: str | os.PathLike[str] | None = None) -> None:
+        path = path if path is not None else os.environ.get(SETTINGS_ENV)
+        if path:
+            self._qs = QSettings(str(path), QSettings.Format.IniFormat)
+        else:
+            self._qs = QSettings(QSettings.Format.IniFormat, QSettings.Scope.UserScope, ORGANIZATION, APPLICATION)
+
+    def file_name(self) -> str:
+        return self._qs.fileName()
+
+    def sync(self) -> None:
+        self._qs.sync()
+
+    # --- models -------------------------------------------------------------------------------
+
+    def models(self) -> ModelSelection:
+        raw = self._json("models/selection")
+        try:
+            return ModelSelection(
+                target=ModelChoice(**raw.get("target", {})),
+                draft=ModelChoice(**raw.get("draft", {})),
+                device=str(raw.get("device", "auto")),
+                dtype=str(raw.get("dtype", "auto")),
+                no_draft=bool(raw.get("no_draft", False)),
+            )
+        except TypeError:
+            log.warning("ignoring damaged model settings in %s", self.file_name())
+            return ModelSelection()
+
+    def set_models(self, selection: ModelSelection) -> None:
+        self._qs.setValue("models/selection", json.dumps(asdict(selection)))
+
+    # --- generation -----------------------------------------------------------------------------
+
+    def generation(self) -> GenerationSettings:
+        return GenerationSettings.from_dict(self._json("generation/settings"))
+
+    def set_generation(self, settings: GenerationSettings) -> None:
+        self._qs.setValue("generation/settings", json.dumps(asdict(settings), ensure_ascii=False))
+
+    # --- window ---------------------------------------------------------------------------------
+
+    def geometry(self) -> QByteArray | None:
+        value = self._qs.value("window/geometry")
+        return value if isinstance(value, QByteArray) and not value.isEmpty() else None
+
+    def set_geometry(self, geometry: QByteArray) -> None:
+        self._qs.setValue("window/geometry", geometry)
+
+    def splitter_sizes(self) -> list[int] | None:
+        raw = self._json("window/splitter")
+        sizes = raw.get("sizes")
+        if isinstance(sizes, list) and sizes and all(isinstance(s, int) and s >= 0 for s in sizes):
+            return sizes
+        return None
+
+    def set_splitter_sizes(self, sizes: list[int]) -> None:
+        self._qs.setValue("window/splitter", json.dumps({"sizes": [int(s) for s in sizes]}))
+
+    def charts_visible(self) -> bool:
+        return self._json("window/view").get("charts_visible", True) is not False
+
+    def set_charts_visible(self, visible: bool) -> None:
+        self._qs.setValue("window/view", json.dumps({"charts_visible": bool(visible)}))
+
+    # --- internals ------------------------------------------------------------------------------
+
+    def _json(self, key: str) -> dict:
+        # JSON strings rather than QSettings' own types: INI files round-trip them exactly on every OS.
+        value = self._qs.value(key)
+        if not value:
+            return {}
+        try:
+            data = json.loads(str(value))
+        except ValueError:
+            log.warning("ignoring damaged setting %s in %s", key, self.file_name())
+            return {}
+        return data if isinstance(data, dict) else {}

@@ -1,0 +1,590 @@
+"""The main window: wires the engine worker to the chat, charts, settings panel, menus and status bar."""
+from __future__ import annotations
+
+import gc
+import logging
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pyqtgraph as pg
+from PySide6.QtCore import QByteArray, Qt, QTimer, Signal
+from PySide6.QtGui import QAction, QCloseEvent, QKeySequence
+from PySide6.QtWidgets import (
+    QFileDialog,
+    QFrame,
+    QGraphicsItem,
+    QLabel,
+    QMainWindow,
+    QMessageBox,
+    QProgressBar,
+    QScrollArea,
+    QSplitter,
+    QTabWidget,
+    QVBoxLayout,
+    QWidget,
+)
+
+from app.export import AnswerRecord, now_iso, write_session_csv, write_trace_csv
+from app.race import RaceController
+from app.settings import AppSettings
+from app.worker import EngineFactory, LoadRequest, WorkerHost, default_engine_factory
+from engine.types import GenerationRequest, Message, ModelInfo, Sampling, Step, Summary
+from widgets.charts import LiveCharts
+from widgets.chat import ChatView
+from widgets.legend import Legend
+from widgets.model_dialog import ModelDialog, ModelSelection
+from widgets.prompt_box import PromptBox
+from widgets.race import RaceView
+from widgets.settings_panel import GenerationSettings, SettingsPanel
+from widgets.stats_line import format_stats_line
+
+log = logging.getLogger(__name__)
+
+APP_NAME = "SpecDec Studio"
+DEFAULT_SIZE = (1480, 900)
+DEFAULT_SPLITTER = [290, 780, 410]  # settings | chat | charts
+MEMORY_REFRESH_MS = 2000
+_NOT_READY = "Models are loading; Send is enabled once they are ready."
+_NO_MODEL = "No model loaded: File ▸ Load models… (Ctrl+L)."
+
+
+def load_request_for(selection: ModelSelection) -> LoadRequest:
+    return LoadRequest(
+        target=selection.target.spec(),
+        draft=None if selection.no_draft else selection.draft.spec(),
+        device=selection.device,
+        dtype=selection.dtype,
+        with_draft=not selection.no_draft,
+    )
+
+
+def build_request(settings: GenerationSettings, messages: tuple[Message, ...], request_id: int) -> GenerationRequest:
+    return GenerationRequest(
+        messages=messages,
+        mode=settings.mode,  # type: ignore[arg-type]
+        k=settings.k,
+        sampling=Sampling(temperature=settings.temperature, top_k=settings.top_k, top_p=settings.top_p,
+                          seed=settings.seed),
+        max_new_tokens=settings.max_new_tokens,
+        proposer=settings.proposer,  # type: ignore[arg-type]
+        request_id=request_id,
+    )
+
+
+def tune_charts(charts: LiveCharts) -> None:
+    """Keeps one chart repaint far below a 50 ms UI stall (bench/ui_responsiveness.py).
+
+    Axes (with their grid lines) are a large part of a pyqtgraph repaint: cached as pixmaps they
+    are re-rendered only when their range changes. Curves draw at most about one point per pixel.
+    """
+    for key, plot in charts.plots().items():
+        for name in ("left", "bottom"):
+            plot.getAxis(name).setCacheMode(QGraphicsItem.CacheMode.DeviceCoordinateCache)
+        if key != "position_acceptance":  # bars do not downsample
+            plot.setDownsampling(auto=True, mode="peak")
+            # Vertical grid lines live in the x axis' cache, re-rendered whenever the step range grows.
+            plot.showGrid(x=False, y=True, alpha=0.15)
+        if key in ("k", "tokens_per_s"):
+            # Antialiased pens wider than 1 px cost ~100 ms per repaint on 800 zig-zag steps; 1 px costs ~5.
+            for item in plot.listDataItems():
+                if item.opts.get("pen") is not None:
+                    pen = pg.mkPen(item.opts["pen"])
+                    pen.setWidthF(1.0)
+                    item.setPen(pen)
+
+
+class MainWindow(QMainWindow):
+    """SpecDec Studio. The conversation state (messages, records) lives here; the models live in the worker.
+
+    Its own signals fire on the UI thread after the window has handled the worker's (for tests and plugins).
+    """
+
+    models_loaded = Signal(object)  # ModelInfo now in use
+    models_load_failed = Signal(str)  # the message shown; the previous pair stays in use
+    answer_finished = Signal(int, object)  # request_id, Summary (stop included)
+    answer_failed = Signal(int, str)  # request_id, message
+
+    def __init__(
+        self,
+        *,
+        engine_factory: EngineFactory = default_engine_factory,
+        settings: AppSettings | None = None,
+        parent: QWidget | None = None,
+    ) -> None:
+        super().__init__(parent)
+        self.setWindowTitle(APP_NAME)
+        self.settings = settings or AppSettings()
+        self.host = WorkerHost(engine_factory, self)
+        self.worker = self.host.worker
+        self.info: ModelInfo | None = None  # the pair in use
+        self.selection = self.settings.models()  # what was last loaded successfully (or asked for)
+        self._loading_selection: ModelSelection | None = None
+        self._history: list[Message] = []  # user/assistant turns of this chat (system prompt added per request)
+        self.records: list[AnswerRecord] = []  # every answer of the session, for export
+        self._requests: dict[int, GenerationRequest] = {}
+        self._request_info: dict[int, ModelInfo | None] = {}
+        self._steps: dict[int, list[Step]] = {}
+        self._next_id = 1
+        self.active_request: int | None = None
+        self._closed = False
+        self._sizes_with_charts: list[int] = []
+        self._detached: set[int] = set()  # requests whose chat was cleared while they streamed
+
+        self._build_ui()
+        self._build_menus()
+        self._build_status_bar()
+        self._connect_worker()
+        # The race shares the worker and the request-id counter, and takes the panel's settings.
+        self.race = RaceController(
+            self.worker, self.race_view, next_request_id=self.allocate_request_id,
+            request_template=lambda: build_request(self.panel.values(), self._system_messages(), 0),
+            parent=self,
+        )
+        self.race.running_changed.connect(lambda _running: self._set_ready_state())
+        self.panel.set_values(self.settings.generation())
+        self._apply_display(self.panel.values())
+        self._restore_layout()
+        self._set_ready_state()
+
+        self._memory_timer = QTimer(self)
+        self._memory_timer.setInterval(MEMORY_REFRESH_MS)
+        self._memory_timer.timeout.connect(self._update_memory)
+        self._memory_timer.start()
+        self._update_memory()
+
+    # --- construction ---------------------------------------------------------------------------
+
+    def _build_ui(self) -> None:
+        self.panel = SettingsPanel()
+        panel_scroll = QScrollArea()
+        panel_scroll.setObjectName("settingsScroll")
+        panel_scroll.setWidgetResizable(True)
+        panel_scroll.setFrameShape(QFrame.Shape.NoFrame)
+        panel_scroll.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        panel_scroll.setWidget(self.panel)
+        panel_scroll.setMinimumWidth(240)
+
+        centre = QWidget()
+        centre.setObjectName("chatColumn")
+        column = QVBoxLayout(centre)
+        column.setContentsMargins(8, 8, 8, 8)
+        column.setSpacing(8)
+        self.legend = Legend(centre)
+        column.addWidget(self.legend)
+        self.chat = ChatView(centre)
+        column.addWidget(self.chat, 1)
+        self.prompt = PromptBox(centre)
+        column.addWidget(self.prompt)
+
+        self.charts = LiveCharts()
+        self.charts.setMinimumWidth(280)
+        tune_charts(self.charts)
+
+        self.splitter = QSplitter(Qt.Orientation.Horizontal, self)
+        self.splitter.setObjectName("mainSplitter")
+        self.splitter.addWidget(panel_scroll)
+        self.splitter.addWidget(centre)
+        self.splitter.addWidget(self.charts)
+        self.splitter.setChildrenCollapsible(False)
+        self.splitter.setStretchFactor(0, 0)
+        self.splitter.setStretchFactor(1, 1)
+        self.splitter.setStretchFactor(2, 0)
+        self.race_view = RaceView()
+        self.tabs = QTabWidget(self)
+        self.tabs.setObjectName("mainTabs")
+        self.tabs.setDocumentMode(True)
+        self.tabs.addTab(self.splitter, "Chat")
+        self.tabs.addTab(self.race_view, "Race: standard vs speculative")
+        self.setCentralWidget(self.tabs)
+
+        self.prompt.send_requested.connect(self.send)
+        self.prompt.stop_requested.connect(self.stop)
+        self.chat.regenerate_requested.connect(self.regenerate)
+        self.panel.settings_changed.connect(self._on_settings_changed)
+
+    def _build_menus(self) -> None:
+        bar = self.menuBar()
+
+        def action(menu, text: str, slot, shortcut: QKeySequence | str | None = None,
+                   checkable: bool = False) -> QAction:
+            act = QAction(text, self)
+            if shortcut is not None:
+                act.setShortcut(QKeySequence(shortcut))
+            act.setCheckable(checkable)
+            (act.toggled if checkable else act.triggered).connect(slot)
+            menu.addAction(act)
+            return act
+
+        file_menu = bar.addMenu("&File")
+        self.load_action = action(file_menu, "&Load models…", self.open_model_dialog, "Ctrl+L")
+        file_menu.addSeparator()
+        self.export_action = action(file_menu, "&Export session CSV…", lambda: self.export_session(), "Ctrl+E")
+        self.export_trace_action = action(file_menu, "Export step &trace CSV…", lambda: self.export_trace())
+        file_menu.addSeparator()
+        self.quit_action = action(file_menu, "&Quit", self.close, QKeySequence.StandardKey.Quit)
+        self.quit_action.setShortcut(QKeySequence("Ctrl+Q"))
+
+        chat_menu = bar.addMenu("&Chat")
+        self.new_chat_action = action(chat_menu, "&New chat", self.new_chat, "Ctrl+N")
+        self.regenerate_action = action(chat_menu, "&Regenerate", self.regenerate, "Ctrl+R")
+        self.stop_action = action(chat_menu, "&Stop", self.stop, "Esc")
+
+        view_menu = bar.addMenu("&View")
+        self.colouring_action = action(view_menu, "&Colour tokens", self._on_colouring_toggled, checkable=True)
+        self.ghosts_action = action(view_menu, "Show rejected &ghosts", self._on_ghosts_toggled, checkable=True)
+        self.charts_action = action(view_menu, "C&harts", self._on_charts_toggled, checkable=True)
+
+        help_menu = bar.addMenu("&Help")
+        action(help_menu, "&About SpecDec Studio", self._about)
+
+    def _build_status_bar(self) -> None:
+        status = self.statusBar()
+        self.model_label = QLabel("No model")
+        self.device_label = QLabel("")
+        self.memory_label = QLabel("")
+        self.load_label = QLabel("")
+        self.load_bar = QProgressBar()
+        self.load_bar.setRange(0, 100)
+        self.load_bar.setMaximumWidth(160)
+        self.load_bar.setMaximumHeight(14)
+        self.load_bar.setTextVisible(True)
+        self.load_bar.hide()
+        for label in (self.model_label, self.device_label, self.memory_label, self.load_label):
+            label.setTextFormat(Qt.TextFormat.PlainText)
+        status.addWidget(self.model_label)
+        status.addWidget(self.load_label, 1)
+        status.addPermanentWidget(self.load_bar)
+        status.addPermanentWidget(self.device_label)
+        status.addPermanentWidget(self.memory_label)
+
+    def _connect_worker(self) -> None:
+        # The worker lives on its own thread: these are queued connections, run on the UI thread.
+        w = self.worker
+        w.load_started.connect(self._on_load_started)
+        w.load_progress.connect(self._on_load_progress)
+        w.load_finished.connect(self._on_load_finished)
+        w.load_failed.connect(self._on_load_failed)
+        w.generation_started.connect(self._on_generation_started)
+        w.steps.connect(self._on_steps)
+        w.generation_finished.connect(self._on_generation_finished)
+        w.generation_failed.connect(self._on_generation_failed)
+
+    def _restore_layout(self) -> None:
+        geometry = self.settings.geometry()
+        if geometry is None or not self.restoreGeometry(geometry):
+            self.resize(*DEFAULT_SIZE)
+        sizes = self.settings.splitter_sizes() or DEFAULT_SPLITTER
+        self.splitter.setSizes(sizes)
+        self._sizes_with_charts = sizes
+        visible = self.settings.charts_visible()
+        self.charts.setVisible(visible)
+        self.charts_action.setChecked(visible)
+
+    # --- models ---------------------------------------------------------------------------------
+
+    def load_models(self, selection: ModelSelection) -> None:
+        """Loads in the background; the pair in use keeps answering until the new one is ready."""
+        self._loading_selection = selection
+        self.load_label.setText("Checking tokenizers…")
+        self.load_bar.setValue(0)
+        self.load_bar.show()
+        self._set_ready_state()
+        self.worker.load_requested.emit(load_request_for(selection))
+
+    def open_model_dialog(self) -> None:
+        dialog = ModelDialog(self.selection, self)
+        if dialog.exec() == ModelDialog.DialogCode.Accepted:
+            self.load_models(dialog.selection())
+
+    def is_loading(self) -> bool:
+        return self._loading_selection is not None
+
+    def _on_load_started(self, _request: LoadRequest) -> None:
+        self.load_bar.show()
+
+    def _on_load_progress(self, progress) -> None:
+        stage = str(getattr(progress, "stage", "")).capitalize()
+        fraction = float(getattr(progress, "fraction", 0.0))
+        message = str(getattr(progress, "message", ""))
+        self.load_bar.setValue(round(100 * fraction))
+        self.load_bar.setFormat(f"{stage} %p%")
+        self.load_label.setText(message)
+
+    def _on_load_finished(self, info: ModelInfo) -> None:
+        self.info = info
+        if self._loading_selection is not None:
+            self.selection = self._loading_selection
+            self.settings.set_models(self.selection)
+        self._loading_selection = None
+        self.load_bar.hide()
+        self.load_label.setText("Ready")
+        names = info.target_name + (f" + {info.draft_name}" if info.draft_name else " (no draft)")
+        self.model_label.setText(names)
+        self.device_label.setText(f"{info.device} · {info.dtype} · {info.fast_path}")
+        self.panel.set_draft_available(info.draft_name is not None)
+        self.chat.add_system_note(f"Loaded {names} on {info.device} ({info.dtype}, {info.fast_path}).")
+        self._set_ready_state()
+        self._update_memory()
+        # torch + transformers + the models are ~10^6 long-lived objects; a full collection walking
+        # them stalls the UI for 100+ ms mid-stream. Collect once now, then exempt them.
+        gc.collect()
+        gc.freeze()
+        self.models_loaded.emit(info)
+
+    def _on_load_failed(self, message: str) -> None:
+        self._loading_selection = None
+        self.load_bar.hide()
+        self.load_label.setText("Load failed" + ("; still using the previous models" if self.info else ""))
+        self._set_ready_state()
+        if not self._closed:
+            self._show_error("Could not load the models", message)
+        self.models_load_failed.emit(message)
+
+    # --- chat -----------------------------------------------------------------------------------
+
+    def send(self, text: str) -> int | None:
+        """Adds a user turn and asks for the answer; returns the request id (None if not sent)."""
+        text = text.strip()
+        if not text or self.active_request is not None or self.info is None or self.is_loading() or self.race.running:
+            return None
+        self._history.append(Message("user", text))
+        self.chat.add_user_message(text)
+        return self._start_request()
+
+    def regenerate(self) -> int | None:
+        """Sends the last user turn again; the new answer replaces the last one."""
+        if self.active_request is not None or self.info is None or self.is_loading():
+            return None
+        last_user = next((i for i in range(len(self._history) - 1, -1, -1) if self._history[i].role == "user"), None)
+        if last_user is None:
+            return None
+        del self._history[last_user + 1 :]
+        last_answer = max((rid for rid in self._requests if self.chat.token_view(rid) is not None), default=None)
+        if last_answer is not None:
+            self.chat.remove_assistant_message(last_answer)
+        return self._start_request()
+
+    def new_chat(self) -> None:
+        if self.active_request is not None:
+            self._detached.add(self.active_request)  # its answer, still arriving, belongs to the old chat
+        self.stop()
+        self._history.clear()
+        self.chat.clear()
+        self.charts.reset()
+        self._set_ready_state()
+
+    def stop(self) -> None:
+        if self.active_request is not None:
+            self.worker.stop(self.active_request)
+
+    def history(self) -> list[Message]:
+        return list(self._history)
+
+    def _system_messages(self) -> tuple[Message, ...]:
+        system = self.panel.values().system_prompt.strip()
+        return (Message("system", system),) if system else ()
+
+    def messages_for_request(self) -> tuple[Message, ...]:
+        return self._system_messages() + tuple(self._history)
+
+    def allocate_request_id(self) -> int:
+        """One counter for chat and race: the worker cancels by id, so ids must never repeat."""
+        rid = self._next_id
+        self._next_id += 1
+        return rid
+
+    def _start_request(self) -> int:
+        rid = self.allocate_request_id()
+        settings = self.panel.values()
+        request = build_request(settings, self.messages_for_request(), rid)
+        self._requests[rid] = request
+        self._request_info[rid] = self.info
+        self._steps[rid] = []
+        self.active_request = rid
+        self.chat.begin_assistant_message(rid, self._header(request))
+        self.charts.reset()
+        self._set_ready_state()
+        self.worker.generate_requested.emit(request)
+        return rid
+
+    def _header(self, request: GenerationRequest) -> str:
+        name = self.info.target_name if self.info else "model"
+        if request.mode == "standard":
+            return f"{name} · standard decoding"
+        source = {"draft": "draft", "ngram": "n-gram", "draft+ngram": "draft + n-gram"}[request.proposer]
+        return f"{name} · speculative · K={request.k} · {source}"
+
+    def _on_generation_started(self, request_id: int) -> None:
+        log.debug("generation %d started", request_id)
+
+    def _on_steps(self, request_id: int, steps: tuple[Step, ...]) -> None:
+        # The hot path: one edit block in one bubble, ring-buffer appends for the charts (drawn by their timer).
+        if request_id not in self._steps:
+            return
+        self._steps[request_id].extend(steps)
+        self.chat.append_steps(request_id, steps)
+        if request_id == self.active_request:
+            self.charts.push_steps(steps)
+
+    def _on_generation_finished(self, request_id: int, summary: Summary) -> None:
+        request = self._requests.get(request_id)
+        if request is None:
+            return
+        self.chat.finish_assistant_message(request_id, summary, format_stats_line(summary, request))
+        if summary.text and request_id == self.active_request and request_id not in self._detached:
+            self._history.append(Message("assistant", summary.text))
+        self.records.append(AnswerRecord(request, summary, self._request_info.get(request_id), now_iso(),
+                                         tuple(self._steps.get(request_id, ()))))
+        self._end_request(request_id)
+        self.answer_finished.emit(request_id, summary)
+
+    def _on_generation_failed(self, request_id: int, message: str) -> None:
+        if request_id not in self._requests:
+            return
+        self.chat.fail_assistant_message(request_id, message)
+        self._end_request(request_id)
+        self.answer_failed.emit(request_id, message)
+
+    def _end_request(self, request_id: int) -> None:
+        if request_id == self.active_request:
+            self.active_request = None
+        self._set_ready_state()
+
+    def _set_ready_state(self) -> None:
+        generating = self.active_request is not None
+        racing = hasattr(self, "race") and self.race.running
+        self.prompt.set_generating(generating)
+        if self.is_loading():
+            self.prompt.set_ready(False, _NOT_READY)
+        elif self.info is None:
+            self.prompt.set_ready(False, _NO_MODEL)
+        elif racing:
+            self.prompt.set_ready(False, "A race is running in the Race tab")
+        else:
+            self.prompt.set_ready(True)
+        if hasattr(self, "race_view"):
+            reason = _NOT_READY if self.is_loading() else _NO_MODEL if self.info is None else "An answer is streaming in the chat"
+            self.race_view.set_race_enabled(not generating and self.info is not None and not self.is_loading(), reason)
+        self.stop_action.setEnabled(generating)
+        can_chat = not generating and self.info is not None and not self.is_loading()
+        self.regenerate_action.setEnabled(can_chat and any(m.role == "user" for m in self._history))
+        self.load_action.setEnabled(not self.is_loading())
+
+    # --- settings and view ----------------------------------------------------------------------
+
+    def _on_settings_changed(self, settings: GenerationSettings) -> None:
+        self._apply_display(settings)
+        self.settings.set_generation(settings)
+
+    def _apply_display(self, settings: GenerationSettings) -> None:
+        for view in (self.chat, self.race_view):
+            view.set_colouring(settings.colouring)
+            view.set_show_rejected(settings.show_rejected)
+        for act, on in ((self.colouring_action, settings.colouring), (self.ghosts_action, settings.show_rejected)):
+            act.blockSignals(True)  # the panel is the source here; do not echo back into it
+            act.setChecked(on)
+            act.blockSignals(False)
+        self.legend.set_visible_statuses(
+            [s for s in ("accepted", "rejected", "corrected", "bonus", "target")
+             if s != "rejected" or settings.show_rejected]
+        )
+
+    def _on_colouring_toggled(self, on: bool) -> None:
+        self.panel.set_values(replace(self.panel.values(), colouring=on))
+        self._on_settings_changed(self.panel.values())
+
+    def _on_ghosts_toggled(self, on: bool) -> None:
+        self.panel.set_values(replace(self.panel.values(), show_rejected=on))
+        self._on_settings_changed(self.panel.values())
+
+    def _on_charts_toggled(self, on: bool) -> None:
+        if not on:
+            self._sizes_with_charts = self.splitter.sizes()
+        self.charts.setVisible(on)
+        if on and self._sizes_with_charts:
+            self.splitter.setSizes(self._sizes_with_charts)
+        self.settings.set_charts_visible(on)
+
+    def _splitter_sizes(self) -> list[int]:
+        # With the charts hidden, remember the layout they had, so showing them again restores it.
+        return self.splitter.sizes() if self.charts_action.isChecked() or not self._sizes_with_charts \
+            else self._sizes_with_charts
+
+    # --- export ---------------------------------------------------------------------------------
+
+    def export_session(self, path: str | None = None) -> bool:
+        """Writes one row per answer; asks for a file when `path` is None. False if nothing was written."""
+        return self._export(path, "Export session CSV", "specdec-session.csv", write_session_csv)
+
+    def export_trace(self, path: str | None = None) -> bool:
+        """Writes one row per decoding step of every answer."""
+        return self._export(path, "Export step trace CSV", "specdec-steps.csv", write_trace_csv)
+
+    def _export(self, path: str | None, title: str, default_name: str, write) -> bool:
+        if not self.records:
+            self._show_info(title, "Nothing to export yet: generate an answer first.")
+            return False
+        if path is None:
+            path, _ = QFileDialog.getSaveFileName(self, title, str(Path.home() / default_name),
+                                                  "CSV files (*.csv);;All files (*)")
+            if not path:
+                return False
+        try:
+            rows = write(path, self.records)
+        except OSError as e:
+            reason = e.strerror or str(e)
+            log.warning("export to %s failed: %s", path, e)
+            self._show_error("Export failed", f"Could not write {path}: {reason}. The session is kept; "
+                                              "choose another location.")
+            return False
+        self.statusBar().showMessage(f"Exported {rows} rows to {path}", 5000)
+        return True
+
+    # --- status, dialogs, close -----------------------------------------------------------------
+
+    def _update_memory(self) -> None:
+        # torch only if the engine already imported it: the status bar never pays for a torch import.
+        torch = sys.modules.get("torch")
+        try:
+            if torch is not None and self.info is not None and self.info.device.startswith("cuda"):
+                used = torch.cuda.memory_allocated() / 2**30
+                self.memory_label.setText(f"GPU {used:.2f} GiB")
+                return
+            import psutil
+
+            rss = psutil.Process().memory_info().rss / 2**30
+            self.memory_label.setText(f"RAM {rss:.2f} GiB")
+        except Exception as e:  # a status figure is never worth an error dialog
+            log.debug("memory figure unavailable: %s", e)
+            self.memory_label.setText("")
+
+    def _show_error(self, title: str, message: str) -> None:
+        QMessageBox.critical(self, title, message)
+
+    def _show_info(self, title: str, message: str) -> None:
+        QMessageBox.information(self, title, message)
+
+    def _about(self) -> None:
+        QMessageBox.about(
+            self, f"About {APP_NAME}",
+            f"<b>{APP_NAME}</b><p>Speculative decoding you can watch: a small draft model proposes K tokens, "
+            "the target verifies them in one forward, and the output is exactly the target's.</p>"
+            "<p>Green: accepted draft tokens · red, struck: rejected drafts · amber: the target's correction · "
+            "blue: the bonus token · violet: standard decoding.</p>",
+        )
+
+    def save_state(self) -> None:
+        self.settings.set_generation(self.panel.values())
+        self.settings.set_geometry(QByteArray(self.saveGeometry()))
+        self.settings.set_splitter_sizes(self._splitter_sizes())
+        self.settings.set_charts_visible(self.charts_action.isChecked())
+        self.settings.sync()
+
+    def closeEvent(self, event: QCloseEvent) -> None:
+        if not self._closed:
+            self._closed = True
+            self.save_state()
+            self._memory_timer.stop()
+            self.host.shutdown()
+        event.accept()

@@ -1,0 +1,250 @@
+"""The engine worker: a QObject on a long-lived QThread that keeps the models resident and decodes."""
+from __future__ import annotations
+
+import gc
+import logging
+import sys
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from PySide6.QtCore import QObject, QThread, Qt, Signal, Slot
+
+from engine.errors import EngineError
+from engine.stats import summarize
+from engine.types import GenerationRequest, ModelInfo, Step
+
+log = logging.getLogger(__name__)
+
+FLUSH_INTERVAL_S = 0.03  # steps reach the UI at most ~33 times a second, whatever the token rate
+SHUTDOWN_WAIT_S = 10.0  # how long closing the window waits for the worker thread
+
+# Every worker thread ever started, so tests can fail on one left running (napari-style).
+_threads: weakref.WeakSet[QThread] = weakref.WeakSet()
+_orphans: list[QObject] = []  # hosts whose thread would not stop in time
+
+
+def running_threads() -> list[QThread]:
+    """Worker threads still running; empty after every window has closed."""
+    return [t for t in list(_threads) if t.isRunning()]
+
+
+@dataclass(frozen=True)
+class LoadRequest:
+    """Which pair to load and how; `None` model specs mean the packaged default."""
+
+    target: str | None = None  # folder, .gguf file, hub id, or None for the default target
+    draft: str | None = None  # same for the draft; ignored when with_draft is False
+    device: str = "auto"  # auto / cpu / cuda / cuda:N
+    dtype: str = "auto"  # auto / bfloat16 / float16 / float32
+    with_draft: bool = True  # False: target only (n-gram proposer or standard decoding)
+    fast_path: str = "auto"  # auto / eager / static, passed to Engine.from_pair
+
+
+class EngineLike(Protocol):
+    info: ModelInfo
+
+    def generate(self, request: GenerationRequest, cancel: threading.Event) -> Any: ...
+
+
+ProgressCallback = Callable[[Any], None]
+EngineFactory = Callable[[LoadRequest, ProgressCallback], EngineLike]
+
+
+class LoadCancelled(Exception):
+    """Raised from the progress callback between load stages when the app is closing."""
+
+
+def default_engine_factory(request: LoadRequest, progress: ProgressCallback) -> EngineLike:
+    """load_pair (tokenizer check first, then weights) and the engine on top of it."""
+    from engine.decoding import Engine
+    from engine.store import load_pair
+
+    pair = load_pair(request.target, request.draft, device=request.device, dtype=request.dtype,
+                     progress=progress, with_draft=request.with_draft)
+    return Engine.from_pair(pair, fast_path=request.fast_path, progress=progress)
+
+
+def _is_out_of_memory(exc: BaseException) -> bool:
+    # torch.OutOfMemoryError without importing torch here (the fake engines never need it).
+    return isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError"
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+class EngineWorker(QObject):
+    """Owns the engine; every slot runs on the worker thread, every signal names its request.
+
+    Exactly one terminal signal per generation (finished or failed), cancellations included.
+    Steps are batched here (at most one `steps` signal per FLUSH_INTERVAL_S) so that 1,000 tok/s
+    does not turn into 1,000 queued events a second on the UI thread.
+    """
+
+    # UI -> worker (queued: emitted on the UI thread, run on the worker thread)
+    load_requested = Signal(object)  # LoadRequest
+    generate_requested = Signal(object)  # GenerationRequest (request_id set)
+    # worker -> UI
+    load_started = Signal(object)  # LoadRequest
+    load_progress = Signal(object)  # engine.store.LoadProgress
+    load_finished = Signal(object)  # ModelInfo of the pair now in use
+    load_failed = Signal(str)  # one-line message; the previous engine stays in use
+    generation_started = Signal(int)  # request_id
+    steps = Signal(int, object)  # request_id, tuple[Step, ...] in order
+    generation_finished = Signal(int, object)  # request_id, Summary
+    generation_failed = Signal(int, str)  # request_id, one-line message
+
+    def __init__(self, engine_factory: EngineFactory = default_engine_factory,
+                 flush_interval_s: float = FLUSH_INTERVAL_S) -> None:
+        super().__init__()
+        self._factory = engine_factory
+        self._flush_interval_s = flush_interval_s
+        self.engine: EngineLike | None = None
+        self.stop_event = threading.Event()  # set from the UI thread; checked between steps
+        self._cancel_upto = 0  # requests with an id <= this are cancelled (even before they start)
+        self._closing = threading.Event()
+        self.load_requested.connect(self._on_load_requested, Qt.ConnectionType.QueuedConnection)
+        self.generate_requested.connect(self._on_generate_requested, Qt.ConnectionType.QueuedConnection)
+
+    # --- called from the UI thread -------------------------------------------------------------
+
+    def stop(self, request_id: int) -> None:
+        """Cancels `request_id` and anything queued before it; safe from any thread."""
+        self._cancel_upto = max(self._cancel_upto, request_id)
+        self.stop_event.set()
+
+    def close(self) -> None:
+        """Makes the current generation and any load stop at their next checkpoint."""
+        self._closing.set()
+        self.stop_event.set()
+
+    # --- slots (worker thread) -----------------------------------------------------------------
+
+    @Slot(object)
+    def _on_load_requested(self, request: LoadRequest) -> None:
+        if self._closing.is_set():
+            return
+        self.load_started.emit(request)
+
+        def progress(p: Any) -> None:
+            if self._closing.is_set():
+                raise LoadCancelled()
+            self.load_progress.emit(p)
+
+        try:
+            engine = self._factory(request, progress)  # new objects: the old engine keeps working
+        except LoadCancelled:
+            log.info("model load cancelled because the app is closing")
+            self.load_failed.emit("Loading was cancelled.")
+            return
+        except EngineError as e:
+            log.warning("load failed: %s", e)
+            self.load_failed.emit(_first_line(e))
+            return
+        except Exception as e:  # anything else is a bug or an environment problem: say it, keep going
+            if _is_out_of_memory(e):
+                self.load_failed.emit("Out of memory while loading: choose smaller models, bfloat16, or free memory.")
+            else:
+                log.exception("unexpected error while loading models")
+                self.load_failed.emit(f"Could not load the models ({type(e).__name__}: {_first_line(e)}).")
+            return
+        old, self.engine = self.engine, engine
+        del old
+        _release_memory()
+        self.load_finished.emit(engine.info)
+
+    @Slot(object)
+    def _on_generate_requested(self, request: GenerationRequest) -> None:
+        rid = request.request_id
+        self.stop_event.clear()
+        if rid <= self._cancel_upto or self._closing.is_set():
+            self.stop_event.set()  # stopped while it waited in the queue
+        self.generation_started.emit(rid)
+        if self.engine is None:
+            self.generation_failed.emit(rid, "No model is loaded yet; wait for loading to finish or load models.")
+            return
+        pending: list[Step] = []
+        emitted: list[Step] = []
+        last_flush = time.perf_counter()
+
+        def flush() -> None:
+            nonlocal last_flush
+            if pending:
+                batch = tuple(pending)
+                pending.clear()
+                emitted.extend(batch)
+                self.steps.emit(rid, batch)
+            last_flush = time.perf_counter()
+
+        try:
+            generation = self.engine.generate(request, self.stop_event)
+            for step in generation:
+                pending.append(step)
+                if time.perf_counter() - last_flush >= self._flush_interval_s:
+                    flush()
+            flush()
+            summary = generation.summary
+            if summary is None:  # an engine that stopped early without summarising: derive it
+                summary = summarize(emitted, mode=request.mode, k=request.k, prompt_tokens=0,
+                                    seconds=emitted[-1].elapsed_s if emitted else 0.0,
+                                    stop_reason="cancelled" if self.stop_event.is_set() else "eos")
+        except Exception as e:
+            flush()  # what was decoded before the error stays visible
+            self.generation_failed.emit(rid, _generation_error_message(e))
+            return
+        self.generation_finished.emit(rid, summary)
+
+
+def _generation_error_message(exc: BaseException) -> str:
+    if _is_out_of_memory(exc):
+        log.warning("out of memory while generating: %s", exc)
+        return ("Out of memory while generating: try a shorter max new tokens, a smaller K, "
+                "or smaller models.")
+    if isinstance(exc, EngineError):
+        log.warning("generation failed: %s", exc)
+        return _first_line(exc)
+    log.exception("unexpected error while generating")
+    return f"Generation failed ({type(exc).__name__}: {_first_line(exc)})."
+
+
+def _release_memory() -> None:
+    # The replaced engine's weights go now, not at some later collection, so a new pair fits.
+    gc.collect()
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+class WorkerHost(QObject):
+    """Starts the worker thread, owns it, and shuts it down without hanging or leaking it."""
+
+    def __init__(self, engine_factory: EngineFactory = default_engine_factory,
+                 parent: QObject | None = None) -> None:
+        super().__init__(parent)
+        self.worker = EngineWorker(engine_factory)
+        self.thread = QThread()  # no parent: it must outlive nothing but this host
+        self.thread.setObjectName("EngineWorker")
+        self.worker.moveToThread(self.thread)
+        _threads.add(self.thread)
+        self.thread.start()
+
+    def shutdown(self, timeout_s: float = SHUTDOWN_WAIT_S) -> bool:
+        """Stops generation, cancels loading at its next stage, quits the thread; True if it ended."""
+        if not self.thread.isRunning():
+            return True
+        self.worker.close()
+        self.thread.quit()
+        if self.thread.wait(int(timeout_s * 1000)):
+            return True
+        # A single from_pretrained call cannot be interrupted; the cancel lands at the next stage.
+        log.warning("the engine is still busy (loading weights?); waiting for it to reach a stopping point")
+        if self.thread.wait(int(6 * timeout_s * 1000)):
+            return True
+        log.error("the engine thread did not stop; leaving it to the operating system")
+        _orphans.append(self)  # destroying a running QThread aborts the process; keep it referenced
+        return False

@@ -1,0 +1,75 @@
+"""Saves a screenshot of the main window after one streamed answer (scripted engine by default, or real models)."""
+from __future__ import annotations
+
+import argparse
+import gc
+import logging
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+PROMPT = "用中文解释快速排序，然后 show me a short Python version."
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--out", default=str(ROOT / "assets" / "screenshot-fake.png"))
+    p.add_argument("--real", action="store_true", help="load the default pair instead of the scripted engine")
+    p.add_argument("--prompt", default=PROMPT)
+    p.add_argument("--size", default="1480x900")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for loading + answer")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO)
+
+    import shiboken6
+    from PySide6.QtCore import QEventLoop, QTimer
+    from PySide6.QtWidgets import QApplication
+
+    from app.demo import ScriptedEngine
+    from app.settings import AppSettings
+    from app.window import MainWindow
+    from widgets.model_dialog import ModelSelection
+    from widgets.palette import load_stylesheet
+
+    app = QApplication.instance() or QApplication(["specdec-studio"])
+    app.setStyle("Fusion")
+    app.setStyleSheet(load_stylesheet())
+    settings = AppSettings(Path(tempfile.mkdtemp()) / "settings.ini")  # never the user's layout
+    if args.real:
+        window = MainWindow(settings=settings)
+    else:
+        window = MainWindow(engine_factory=lambda _r, _p: ScriptedEngine(delay_s=0.02, acceptance=0.88), settings=settings)
+    width, height = (int(v) for v in args.size.split("x"))
+    window.resize(width, height)
+    window.show()
+
+    def wait_for(condition, timeout_s: float) -> None:
+        loop = QEventLoop()
+        timer = QTimer()
+        timer.timeout.connect(lambda: loop.quit() if condition() else None)
+        timer.start(50)
+        QTimer.singleShot(int(timeout_s * 1000), loop.quit)
+        loop.exec()
+
+    window.load_models(ModelSelection())
+    wait_for(lambda: window.info is not None or not window.is_loading(), args.timeout)
+    if window.info is None:
+        print("models did not load", file=sys.stderr)
+        return 1
+    window.prompt.set_text(args.prompt)
+    window.prompt.edit.submitted.emit()
+    wait_for(lambda: window.active_request is None, args.timeout)
+    wait_for(lambda: False, 0.5)  # let the charts' timer and the layout settle
+    window.grab().save(args.out)
+    print(f"saved {args.out}")
+    window.close()
+    shiboken6.delete(window)  # before the QApplication goes, or PySide6 can crash at exit
+    gc.collect()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

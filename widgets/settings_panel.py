@@ -1,0 +1,248 @@
+"""The side panel of generation settings: mode, proposer, K, sampling, limits, system prompt, display."""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from PySide6.QtCore import Qt, Signal
+from PySide6.QtWidgets import (
+    QCheckBox,
+    QComboBox,
+    QDoubleSpinBox,
+    QFormLayout,
+    QGroupBox,
+    QLabel,
+    QPlainTextEdit,
+    QSpinBox,
+    QVBoxLayout,
+    QWidget,
+)
+
+from engine.types import MODES, PROPOSERS
+
+K_RANGE = (1, 16)
+MAX_NEW_TOKENS_RANGE = (1, 4096)
+DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant."
+
+
+@dataclass(frozen=True)
+class GenerationSettings:
+    """Everything the panel edits, as plain values (the app turns it into a GenerationRequest)."""
+
+    mode: str = "speculative"  # "speculative" or "standard"
+    proposer: str = "draft"  # "draft", "ngram" or "draft+ngram"
+    k: int = 5  # draft tokens per step, 1..16
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 0  # 0 disables
+    top_p: float = 1.0  # 1 disables
+    seed: int = 0  # seed of every random draw in one generation
+    max_new_tokens: int = 512  # 1..4096
+    system_prompt: str = DEFAULT_SYSTEM_PROMPT  # sent as the first message when not empty
+    colouring: bool = True  # colour tokens by status
+    show_rejected: bool = True  # keep rejected drafts as struck-through ghosts
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, object]) -> GenerationSettings:
+        """Tolerant of missing, extra or mistyped entries (settings files written by older versions)."""
+        default = cls()
+        values: dict[str, object] = {}
+        for f in fields(cls):
+            value = raw.get(f.name, getattr(default, f.name))
+            kind = type(getattr(default, f.name))
+            try:
+                if kind is bool and isinstance(value, str):
+                    value = value.strip().lower() in ("1", "true", "yes", "on")
+                values[f.name] = kind(value)
+            except (TypeError, ValueError):
+                values[f.name] = getattr(default, f.name)
+        return cls(**values).clamped()  # type: ignore[arg-type]
+
+    def clamped(self) -> GenerationSettings:
+        """Every value inside the range the panel offers."""
+        return GenerationSettings(
+            mode=self.mode if self.mode in MODES else "speculative",
+            proposer=self.proposer if self.proposer in PROPOSERS else "draft",
+            k=min(max(self.k, K_RANGE[0]), K_RANGE[1]),
+            temperature=min(max(self.temperature, 0.0), 2.0),
+            top_k=max(self.top_k, 0),
+            top_p=min(max(self.top_p, 0.01), 1.0),
+            seed=max(self.seed, 0),
+            max_new_tokens=min(max(self.max_new_tokens, MAX_NEW_TOKENS_RANGE[0]), MAX_NEW_TOKENS_RANGE[1]),
+            system_prompt=self.system_prompt,
+            colouring=self.colouring,
+            show_rejected=self.show_rejected,
+        )
+
+
+_PROPOSER_LABELS = {"draft": "Draft model", "ngram": "N-gram (prompt lookup)", "draft+ngram": "Draft + n-gram"}
+
+
+class SettingsPanel(QWidget):
+    """Emits `settings_changed(GenerationSettings)` whenever a control changes (not on set_values)."""
+
+    settings_changed = Signal(object)  # GenerationSettings
+
+    def __init__(self, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.setObjectName("settingsPanel")
+        self._updating = False
+        outer = QVBoxLayout(self)
+        outer.setContentsMargins(10, 6, 6, 10)
+        outer.setSpacing(10)
+
+        decoding = QGroupBox("Decoding", self)
+        form = QFormLayout(decoding)
+        form.setFieldGrowthPolicy(QFormLayout.FieldGrowthPolicy.AllNonFixedFieldsGrow)
+        self.mode = QComboBox(decoding)
+        for mode in MODES:
+            self.mode.addItem(mode.capitalize(), mode)
+        self.mode.setToolTip("Speculative: a draft proposes K tokens, the target verifies them in one forward.\n"
+                             "Standard: the target alone, one token per forward.")
+        form.addRow("Mode", self.mode)
+        self.proposer = QComboBox(decoding)
+        for proposer in PROPOSERS:
+            self.proposer.addItem(_PROPOSER_LABELS[proposer], proposer)
+        self.proposer.setToolTip("Where draft tokens come from; n-gram lookup copies from the prompt and costs nothing.")
+        form.addRow("Proposer", self.proposer)
+        self.k = QSpinBox(decoding)
+        self.k.setRange(*K_RANGE)
+        self.k.setToolTip("Draft tokens proposed per step (K).")
+        form.addRow("Draft length K", self.k)
+        outer.addWidget(decoding)
+
+        sampling = QGroupBox("Sampling", self)
+        form = QFormLayout(sampling)
+        form.setFieldGrowthPolicy(QFormLayout.FieldGrowthPolicy.AllNonFixedFieldsGrow)
+        self.temperature = QDoubleSpinBox(sampling)
+        self.temperature.setRange(0.0, 2.0)
+        self.temperature.setSingleStep(0.1)
+        self.temperature.setDecimals(2)
+        self.temperature.setToolTip("0 = greedy (deterministic).")
+        form.addRow("Temperature", self.temperature)
+        self.top_k = QSpinBox(sampling)
+        self.top_k.setRange(0, 100_000)
+        self.top_k.setSpecialValueText("off")
+        form.addRow("Top-k", self.top_k)
+        self.top_p = QDoubleSpinBox(sampling)
+        self.top_p.setRange(0.01, 1.0)
+        self.top_p.setSingleStep(0.05)
+        self.top_p.setDecimals(2)
+        form.addRow("Top-p", self.top_p)
+        self.seed = QSpinBox(sampling)
+        self.seed.setRange(0, 2**31 - 1)
+        form.addRow("Seed", self.seed)
+        self.max_new_tokens = QSpinBox(sampling)
+        self.max_new_tokens.setRange(*MAX_NEW_TOKENS_RANGE)
+        self.max_new_tokens.setSingleStep(64)
+        form.addRow("Max new tokens", self.max_new_tokens)
+        outer.addWidget(sampling)
+
+        system = QGroupBox("System prompt", self)
+        box = QVBoxLayout(system)
+        self.system_prompt = QPlainTextEdit(system)
+        self.system_prompt.setPlaceholderText("Optional instructions sent before the conversation")
+        self.system_prompt.setTabChangesFocus(True)
+        self.system_prompt.setMinimumHeight(60)
+        self.system_prompt.setMaximumHeight(120)
+        box.addWidget(self.system_prompt)
+        outer.addWidget(system)
+
+        display = QGroupBox("Display", self)
+        box = QVBoxLayout(display)
+        self.colouring = QCheckBox("Colour tokens by status", display)
+        self.show_rejected = QCheckBox("Show rejected drafts as ghosts", display)
+        box.addWidget(self.colouring)
+        box.addWidget(self.show_rejected)
+        outer.addWidget(display)
+
+        self.hint = QLabel("", self)
+        self.hint.setObjectName("settingsHint")
+        self.hint.setWordWrap(True)
+        self.hint.setTextFormat(Qt.TextFormat.PlainText)
+        outer.addWidget(self.hint)
+        outer.addStretch(1)
+
+        for field in (self.mode, self.proposer, self.k, self.temperature, self.top_k, self.top_p, self.seed,
+                      self.max_new_tokens):
+            # An explicit minimum beats the size hint (wide for 2**31 seeds), so the panel can be narrow.
+            field.setMinimumWidth(70)
+            if isinstance(field, QComboBox):
+                field.setSizeAdjustPolicy(QComboBox.SizeAdjustPolicy.AdjustToMinimumContentsLengthWithIcon)
+                field.setMinimumContentsLength(6)
+        # The app stylesheet's bordered spin boxes draw their arrow buttons as stubs; the wheel, arrow
+        # keys and typing still work. (NoButtons would collapse the editor under a stylesheet.)
+        self.setStyleSheet("QAbstractSpinBox::up-button, QAbstractSpinBox::down-button { width: 0px; border: none; }")
+        self.set_values(GenerationSettings())
+        for combo in (self.mode, self.proposer):
+            combo.currentIndexChanged.connect(self._on_changed)
+        for spin in (self.k, self.top_k, self.seed, self.max_new_tokens):
+            spin.valueChanged.connect(self._on_changed)
+        for dspin in (self.temperature, self.top_p):
+            dspin.valueChanged.connect(self._on_changed)
+        self.system_prompt.textChanged.connect(self._on_changed)
+        for check in (self.colouring, self.show_rejected):
+            check.toggled.connect(self._on_changed)
+
+    # --- public API -------------------------------------------------------------------------
+
+    def values(self) -> GenerationSettings:
+        return GenerationSettings(
+            mode=self.mode.currentData(),
+            proposer=self.proposer.currentData(),
+            k=self.k.value(),
+            temperature=round(self.temperature.value(), 4),
+            top_k=self.top_k.value(),
+            top_p=round(self.top_p.value(), 4),
+            seed=self.seed.value(),
+            max_new_tokens=self.max_new_tokens.value(),
+            system_prompt=self.system_prompt.toPlainText(),
+            colouring=self.colouring.isChecked(),
+            show_rejected=self.show_rejected.isChecked(),
+        )
+
+    def set_values(self, settings: GenerationSettings) -> None:
+        """Shows `settings` without emitting settings_changed once per control."""
+        s = settings.clamped()
+        self._updating = True
+        try:
+            self.mode.setCurrentIndex(max(0, self.mode.findData(s.mode)))
+            self.proposer.setCurrentIndex(max(0, self.proposer.findData(s.proposer)))
+            self.k.setValue(s.k)
+            self.temperature.setValue(s.temperature)
+            self.top_k.setValue(s.top_k)
+            self.top_p.setValue(s.top_p)
+            self.seed.setValue(s.seed)
+            self.max_new_tokens.setValue(s.max_new_tokens)
+            if self.system_prompt.toPlainText() != s.system_prompt:
+                self.system_prompt.setPlainText(s.system_prompt)
+            self.colouring.setChecked(s.colouring)
+            self.show_rejected.setChecked(s.show_rejected)
+        finally:
+            self._updating = False
+        self._update_enabled()
+
+    def set_draft_available(self, available: bool) -> None:
+        """Without a draft model only the n-gram proposer (or standard decoding) can run."""
+        model = self.proposer.model()
+        for row in range(self.proposer.count()):
+            needs_draft = self.proposer.itemData(row) != "ngram"
+            item = model.item(row)  # type: ignore[attr-defined]
+            item.setEnabled(available or not needs_draft)
+        if not available and self.proposer.currentData() != "ngram":
+            self.proposer.setCurrentIndex(self.proposer.findData("ngram"))
+        self.hint.setText("" if available else "No draft model loaded: speculative decoding uses n-gram lookup.")
+
+    # --- internals ------------------------------------------------------------------------------
+
+    def _update_enabled(self) -> None:
+        speculative = self.mode.currentData() == "speculative"
+        self.proposer.setEnabled(speculative)
+        self.k.setEnabled(speculative)
+        sampled = self.temperature.value() > 0
+        for w in (self.top_k, self.top_p, self.seed):
+            w.setEnabled(sampled)
+
+    def _on_changed(self, *_: object) -> None:
+        if self._updating:
+            return
+        self._update_enabled()
+        self.settings_changed.emit(self.values())
