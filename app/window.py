@@ -29,6 +29,7 @@ from app.export import AnswerRecord, now_iso, write_session_csv, write_trace_csv
 from app.race import RaceController
 from app.settings import AppSettings
 from app.worker import EngineFactory, LoadRequest, WorkerHost, default_engine_factory
+from engine.costmodel import CostModel, estimate_alpha
 from engine.types import GenerationRequest, Message, ModelInfo, Sampling, Step, Summary
 from widgets.charts import LiveCharts
 from widgets.chat import ChatView
@@ -70,6 +71,25 @@ def build_request(settings: GenerationSettings, messages: tuple[Message, ...], r
         proposer=settings.proposer,  # type: ignore[arg-type]
         request_id=request_id,
     )
+
+
+def cost_verdict(info: ModelInfo | None, summary: Summary | None) -> tuple[str, str]:
+    """(status-bar text, tooltip) from the forward costs measured at load and, once an answer
+    exists, its acceptance: what speculative decoding should buy on this machine, said plainly."""
+    if info is None or not info.target_ms or info.draft_ms <= 0:
+        return "", ""
+    model = CostModel(draft_ms=info.draft_ms, target_ms=dict(info.target_ms))
+    k_max = max(model.target_ms) - 1
+    costs = (f"Measured at load: draft {info.draft_ms:.1f} ms per forward, target "
+             + ", ".join(f"{ms:.1f} ms ({w} tok)" for w, ms in info.target_ms) + ".")
+    alpha = estimate_alpha(summary) if summary is not None else None
+    if alpha is None:
+        ratio = info.draft_ms / model.target_ms[1]
+        return f"draft = {ratio:.0%} of a target forward", costs + " Send a speculative prompt for a prediction."
+    k, best = model.best_k(alpha, k_max)
+    predicted = model.predicted_speedup(alpha, summary.k) if summary.k <= k_max else None
+    short = (f"predicted {predicted:.2f}× at K={summary.k}" if predicted is not None else f"best K={k}: {best:.2f}×")
+    return short, costs + " " + model.verdict(alpha, k_max)
 
 
 def tune_charts(charts: LiveCharts) -> None:
@@ -243,6 +263,7 @@ class MainWindow(QMainWindow):
         self.model_label = QLabel("No model")
         self.device_label = QLabel("")
         self.memory_label = QLabel("")
+        self.cost_label = QLabel("")  # the cost model's verdict: does speculation pay on this machine?
         self.load_label = QLabel("")
         self.load_bar = QProgressBar()
         self.load_bar.setRange(0, 100)
@@ -250,11 +271,12 @@ class MainWindow(QMainWindow):
         self.load_bar.setMaximumHeight(14)
         self.load_bar.setTextVisible(True)
         self.load_bar.hide()
-        for label in (self.model_label, self.device_label, self.memory_label, self.load_label):
+        for label in (self.model_label, self.device_label, self.memory_label, self.load_label, self.cost_label):
             label.setTextFormat(Qt.TextFormat.PlainText)
         status.addWidget(self.model_label)
         status.addWidget(self.load_label, 1)
         status.addPermanentWidget(self.load_bar)
+        status.addPermanentWidget(self.cost_label)
         status.addPermanentWidget(self.device_label)
         status.addPermanentWidget(self.memory_label)
 
@@ -322,6 +344,7 @@ class MainWindow(QMainWindow):
         names = info.target_name + (f" + {info.draft_name}" if info.draft_name else " (no draft)")
         self.model_label.setText(names)
         self.device_label.setText(f"{info.device} · {info.dtype} · {info.fast_path}")
+        self._show_costs(info, None)
         self.panel.set_draft_available(info.draft_name is not None)
         self.chat.add_system_note(f"Loaded {names} on {info.device} ({info.dtype}, {info.fast_path}).")
         self._set_ready_state()
@@ -432,6 +455,8 @@ class MainWindow(QMainWindow):
         if request is None:
             return
         self.chat.finish_assistant_message(request_id, summary, format_stats_line(summary, request))
+        if summary.mode == "speculative" and request.proposer == "draft":
+            self._show_costs(self._request_info.get(request_id), summary)
         if summary.text and request_id == self.active_request and request_id not in self._detached:
             self._history.append(Message("assistant", summary.text))
         self.records.append(AnswerRecord(request, summary, self._request_info.get(request_id), now_iso(),
@@ -558,6 +583,11 @@ class MainWindow(QMainWindow):
         except Exception as e:  # a status figure is never worth an error dialog
             log.debug("memory figure unavailable: %s", e)
             self.memory_label.setText("")
+
+    def _show_costs(self, info: ModelInfo | None, summary: Summary | None) -> None:
+        short, full = cost_verdict(info, summary)
+        self.cost_label.setText(short)
+        self.cost_label.setToolTip(full)
 
     def _show_error(self, title: str, message: str) -> None:
         QMessageBox.critical(self, title, message)

@@ -557,12 +557,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def _cost_model(engine: Engine, k: int, summary: dict[str, Any]) -> dict[str, Any]:
     """Measured forward costs and what they predict for the measured acceptance (the bench's check)."""
-    from engine.costmodel import alpha_from_mean_accepted, measure
+    from engine.costmodel import CostModel, alpha_from_mean_accepted
 
-    on_gpu = engine.device.type == "cuda"
-    # Forwards are cheap on a GPU, so measure enough widths for best_k; on a CPU only what K needs.
-    k_max = max(k, 8) if on_gpu else k
-    model = measure(engine.target_runner, engine.draft_runner, k_max=k_max, iters=20 if on_gpu else 2)
+    if not engine.info.target_ms or max(w for w, _ in engine.info.target_ms) < k + 1:
+        engine.measure_costs(k_max=k)  # costs at load cover K up to 5 (CPU) / 8 (GPU)
+    model = CostModel(draft_ms=engine.info.draft_ms, target_ms=dict(engine.info.target_ms))
+    k_max = max(model.target_ms) - 1
     spec = summary["speculative"]
     # Per-token acceptance from the mean tokens per step: E = (1 - a^(K+1)) / (1 - a).
     alpha = alpha_from_mean_accepted(spec["tokens_per_target_forward"] - 1.0, k)

@@ -96,7 +96,7 @@ class Engine:
                 target_runner = draft_runner = None
                 name = "eager"
         info = replace(pair.info, fast_path=name)
-        return cls(
+        engine = cls(
             pair.target,
             pair.tokenizer,
             info,
@@ -105,6 +105,30 @@ class Engine:
             target_runner=target_runner,
             draft_runner=draft_runner,
         )
+        engine.measure_costs(progress)
+        return engine
+
+    def measure_costs(self, progress=None, k_max: int | None = None) -> None:
+        """The cost model's inputs, measured once at load: ms per draft forward and per target width.
+
+        Cheap on a GPU (graph replays); on a CPU one forward per width (a few seconds for 1.5B).
+        Never fails a load: without figures the app and bench simply say nothing about costs.
+        """
+        if self.draft_runner is None:
+            return
+        on_gpu = self.device.type == "cuda"
+        widths = range(1, (k_max or (8 if on_gpu else 5)) + 2)  # verify widths up to K_max + 1
+        if progress is not None:
+            from engine.store import LoadProgress
+
+            progress(LoadProgress("warmup", 0.95, "Measuring forward costs for the cost model"))
+        try:
+            target = self.target_runner.measure_costs(widths, 20 if on_gpu else 1)
+            draft = self.draft_runner.measure_costs((1,), 20 if on_gpu else 2)[1]
+        except Exception as exc:  # measuring is advice, not a reason to refuse the models
+            log.warning("could not measure forward costs: %s", exc)
+            return
+        self.info = replace(self.info, draft_ms=draft, target_ms=tuple(sorted(target.items())))
 
     # -- prompts ---------------------------------------------------------------------------
     def encode(self, request: GenerationRequest) -> list[int]:

@@ -116,3 +116,5 @@ class ModelInfo:
     dtype: str  # "bfloat16" / "float32" / "float16"
     fast_path: str  # "eager" or the name of the accelerated path in use
     vocab_size: int  # shared vocabulary size compared on
+    draft_ms: float = 0.0  # measured ms per 1-token draft forward at load (0: not measured / no draft)
+    target_ms: tuple[tuple[int, float], ...] = ()  # measured (width, ms per target forward) at load

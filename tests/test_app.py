@@ -651,3 +651,23 @@ def test_end_to_end_with_tiny_real_models(make_window, qtbot, tiny_pair, tmp_pat
     path = tmp_path / "real.csv"
     assert w.export_session(str(path))
     assert read_csv(path)[0]["target_model"] == "target"
+
+
+def test_cost_verdict_says_plainly_whether_speculation_pays():
+    from app.window import cost_verdict
+    from engine.stats import summarize
+    from engine.types import ModelInfo, Step
+
+    slow_draft = ModelInfo("t", "d", "cuda", "bfloat16", "cuda-graphs", 100, draft_ms=1.8,
+                           target_ms=((1, 2.8), (2, 3.2), (6, 3.3)))
+    short, full = cost_verdict(slow_draft, None)
+    assert short == "draft = 64% of a target forward" and "1.8 ms" in full
+    # Every step accepts 2 of 5 drafts: alpha is low, so the prediction says it will not pay.
+    steps = [Step(i, "speculative", (1, 2, 3, 4, 5), (0.5,) * 5, (0.5,) * 5, ("draft",) * 5, 2, 9, "corrected",
+                  (), "", 3, 3 * (i + 1), 1.0, 1.0, 0.0) for i in range(10)]
+    summary = summarize(steps, mode="speculative", k=5, prompt_tokens=4, seconds=1.0, stop_reason="max_new_tokens")
+    short, full = cost_verdict(slow_draft, summary)
+    assert short.startswith("predicted 0.") and "will not pay" in full
+    cheap_draft = ModelInfo("t", "d", "cpu", "float32", "cpu-onednn", 100, draft_ms=0.1, target_ms=((1, 10.0), (6, 11.0)))
+    assert "pays here" in cost_verdict(cheap_draft, summary)[1]
+    assert cost_verdict(ModelInfo("t", None, "cpu", "float32", "eager", 100), summary) == ("", "")
