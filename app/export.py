@@ -99,7 +99,7 @@ def trace_rows(records: Iterable[AnswerRecord]) -> list[dict[str, object]]:
     return rows
 
 
-def _write(path: str | os.PathLike[str], columns: Sequence[str], rows: list[dict[str, object]]) -> int:
+def write_csv(path: str | os.PathLike[str], columns: Sequence[str], rows: list[dict[str, object]]) -> int:
     """Writes to a temp file then renames, so a failed export never leaves half a CSV behind."""
     target = Path(path)
     if target.is_dir():
@@ -120,9 +120,9 @@ def _write(path: str | os.PathLike[str], columns: Sequence[str], rows: list[dict
 
 def write_session_csv(path: str | os.PathLike[str], records: Iterable[AnswerRecord]) -> int:
     """One row per answer; returns the number of rows. Raises OSError if the path is not writable."""
-    return _write(path, SESSION_COLUMNS, session_rows(records))
+    return write_csv(path, SESSION_COLUMNS, session_rows(records))
 
 
 def write_trace_csv(path: str | os.PathLike[str], records: Iterable[AnswerRecord]) -> int:
     """One row per Step of every answer; returns the number of rows. Raises OSError on failure."""
-    return _write(path, TRACE_COLUMNS, trace_rows(records))
+    return write_csv(path, TRACE_COLUMNS, trace_rows(records))

@@ -1,7 +1,6 @@
 """The arithmetic of a race (speedup, identity, first divergence, spread over repeats) and its CSV; no Qt."""
 from __future__ import annotations
 
-import contextlib
 import csv
 import json
 import math
@@ -10,12 +9,11 @@ import statistics
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, fields
 from importlib import resources
-from pathlib import Path
 from typing import Literal
 
+from app.export import ENCODING, write_csv
 from engine.types import Mode, Step, Summary
 
-ENCODING = "utf-8-sig"  # as app.export: the BOM makes Excel read UTF-8 (Chinese prompts) correctly
 NEAR_TIE = 0.05  # target probabilities closer than this are a near-tie: rounding can flip argmax
 CUSTOM = "custom"  # prompt id and category of a prompt typed by hand
 
@@ -283,23 +281,8 @@ def _cell(value: object) -> str:
 
 def write_race_csv(path: str | os.PathLike[str], results: Iterable[RaceResult]) -> int:
     """Two rows per repeat; returns the row count. Raises OSError (results untouched) if it cannot write."""
-    target = Path(path)
-    if target.is_dir():
-        raise IsADirectoryError(f"{target} is a folder; choose a file name")
-    rows = race_rows(results)
-    tmp = target.with_name(f".{target.name}.partial")  # a failed export never leaves half a CSV
-    try:
-        with open(tmp, "w", encoding=ENCODING, newline="") as f:
-            writer = csv.writer(f)
-            writer.writerow(RACE_COLUMNS)
-            for row in rows:
-                writer.writerow([_cell(getattr(row, c)) for c in RACE_COLUMNS])
-        os.replace(tmp, target)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            tmp.unlink(missing_ok=True)
-        raise
-    return len(rows)
+    rows = [{c: _cell(getattr(row, c)) for c in RACE_COLUMNS} for row in race_rows(results)]
+    return write_csv(path, RACE_COLUMNS, rows)
 
 
 def _parse(kind: str, text: str) -> object:
