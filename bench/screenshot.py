@@ -6,6 +6,7 @@ import gc
 import logging
 import sys
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -21,6 +22,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt", default=PROMPT)
     p.add_argument("--size", default="1480x900")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for loading + answer")
+    p.add_argument("--max-new-tokens", type=int, default=0, help="override the panel's max new tokens")
+    p.add_argument("--mid", type=int, default=0, help="grab mid-answer, once this many tokens have streamed")
+    p.add_argument("--race", action="store_true", help="run the prompt in the Race tab and grab the finished race")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO)
 
@@ -59,9 +63,22 @@ def main(argv: list[str] | None = None) -> int:
     if window.info is None:
         print("models did not load", file=sys.stderr)
         return 1
-    window.prompt.set_text(args.prompt)
-    window.prompt.edit.submitted.emit()
-    wait_for(lambda: window.active_request is None, args.timeout)
+    if args.max_new_tokens:
+        window.panel.set_values(replace(window.panel.values(), max_new_tokens=args.max_new_tokens))
+    if args.race:
+        window.tabs.setCurrentWidget(window.race_view)
+        window.race_view.set_prompt_text(args.prompt)
+        window.race_view.race_button.click()
+        wait_for(lambda: not window.race.running, args.timeout)
+    else:
+        window.prompt.set_text(args.prompt)
+        window.prompt.edit.submitted.emit()
+
+        def streamed() -> int:
+            rid = window.active_request
+            return sum(s.new_tokens for s in window._steps.get(rid, ())) if rid is not None else 1 << 30
+
+        wait_for(lambda: window.active_request is None or (args.mid and streamed() >= args.mid), args.timeout)
     wait_for(lambda: False, 0.5)  # let the charts' timer and the layout settle
     window.grab().save(args.out)
     print(f"saved {args.out}")

@@ -234,3 +234,17 @@ def test_summary_figures(engine):
     assert sum(s.accepted_length_histogram) == len(steps)
     assert abs(s.tokens_per_target_forward - 50 / len(steps)) < 1e-9
     assert len(s.per_position_acceptance) == 5 and all(0 <= a <= 1 for a in s.per_position_acceptance)
+
+
+def test_detokenizer_never_emits_half_a_character(engine):
+    from engine.detok import REPLACEMENT, Detokenizer
+
+    tok = engine.tokenizer
+    text = "快速排序 🙂 quick 排序✨🚀 def add(a, b): 我们"
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    assert len(ids) > len(text) // 2  # multi-byte characters really are split across tokens
+    detok = Detokenizer(tok, tok("prompt", add_special_tokens=False)["input_ids"])
+    pieces = [detok.push(i) for i in ids] + [detok.flush()]
+    assert all(REPLACEMENT not in p for p in pieces), pieces
+    assert "".join(pieces) == tok.decode(ids) == text
+    assert "" in pieces  # some tokens carried only part of a character and waited for the next
