@@ -419,7 +419,7 @@ def _compare(runs: Sequence[RunRecord], mode: str, tokenizer) -> dict[str, Any]:
     """How many of `mode`'s outputs equal standard decoding's, and where each other one diverges.
 
     The hf-* baselines are forced past EOS (equal token counts for fair tok/s), so outputs are
-    compared over the standard output's length.
+    compared over the standard output's length, without the EOS that ended it.
     """
     by_prompt = {(r.prompt_id, r.mode): r for r in runs}
     identical, compared, divergences = 0, 0, []
@@ -429,6 +429,8 @@ def _compare(runs: Sequence[RunRecord], mode: str, tokenizer) -> dict[str, Any]:
         a = r.token_ids
         b = by_prompt[(r.prompt_id, mode)].token_ids
         if mode.startswith("hf"):
+            if len(a) < len(b):
+                a = a[:-1]  # standard stopped on EOS, which the baselines are not allowed to emit
             b = b[: len(a)]
         compared += 1
         if a == b:
