@@ -17,7 +17,7 @@ PROMPT = "用中文解释快速排序，然后 show me a short Python version."
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--out", default=str(ROOT / "assets" / "screenshot-fake.png"))
+    p.add_argument("--out", default=str(ROOT / "assets" / "screenshot.png"))
     p.add_argument("--real", action="store_true", help="load the default pair instead of the scripted engine")
     p.add_argument("--prompt", default=PROMPT)
     p.add_argument("--size", default="1480x900")

@@ -210,7 +210,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print(json.dumps(out, ensure_ascii=False))
     else:
         sys.stdout.write("\n")
-        print(_summary_line(summary), file=sys.stderr)
+        info = engine.info
+        print(f"{_summary_line(summary)}; {info.device}, {info.dtype}, {info.fast_path}", file=sys.stderr)
     return 0
 
 
