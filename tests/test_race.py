@@ -442,45 +442,9 @@ def test_picker_groups_prompts_by_category(qtbot):
     assert view.race_button.isEnabled()
 
 
-def test_race_and_chat_share_the_main_windows_worker(qtbot, tmp_path):
-    """Embedded as the window will embed it: ids from the window's counter, settings from its panel."""
-    from app.settings import AppSettings
-    from app.window import MainWindow, build_request
-    from widgets.model_dialog import ModelSelection
-
-    engine = RaceEngine(standard_steps(), speculative_steps(SPEC_IDS, ps=SPEC_P))
-    w = MainWindow(engine_factory=lambda _req, _progress: engine, settings=AppSettings(tmp_path / "s.ini"))
-    qtbot.addWidget(w)
-    try:
-        with qtbot.waitSignal(w.models_loaded, timeout=5000):
-            w.load_models(ModelSelection())
-
-        def allocate() -> int:
-            rid = w._next_id
-            w._next_id += 1
-            return rid
-
-        system = tuple(m for m in w.messages_for_request() if m.role == "system")
-        view = RaceView()
-        qtbot.addWidget(view)
-        controller = RaceController(w.worker, view, next_request_id=allocate,
-                                    request_template=lambda: build_request(w.panel.values(), system, 0), parent=w)
-        run_race(qtbot, controller, view, "Race me")
-        assert len(controller.results) == 1 and controller.results[0].divergence_index == DIVERGE_AT
-        assert not w.records and w.active_request is None  # the chat ignored the race's ids
-        assert engine.requests[0].max_new_tokens == w.panel.values().max_new_tokens
-        assert engine.requests[0].messages[0] == Message("system", w.panel.values().system_prompt)
-
-        with qtbot.waitSignal(w.answer_finished, timeout=5000):
-            w.send("And now a chat")
-        assert len(w.records) == 1 and len(controller.results) == 1  # and the race ignored the chat's
-        assert w.records[0].request.request_id not in {r.request_id for r in engine.requests[:2]}
-    finally:
-        w.close()
-    assert not running_threads()
-
-
-def test_the_main_windows_race_tab_runs_a_race_and_blocks_chat_meanwhile(qtbot, tmp_path):
+@pytest.fixture
+def raced_window(qtbot, tmp_path):
+    """The real main window with models loaded from a scripted race engine; no thread left after."""
     from app.settings import AppSettings
     from app.window import MainWindow
     from widgets.model_dialog import ModelSelection
@@ -488,17 +452,34 @@ def test_the_main_windows_race_tab_runs_a_race_and_blocks_chat_meanwhile(qtbot, 
     engine = RaceEngine(standard_steps(), speculative_steps(SPEC_IDS, ps=SPEC_P))
     w = MainWindow(engine_factory=lambda _req, _progress: engine, settings=AppSettings(tmp_path / "s.ini"))
     qtbot.addWidget(w)
-    try:
-        with qtbot.waitSignal(w.models_loaded, timeout=5000):
-            w.load_models(ModelSelection())
-        assert [w.tabs.tabText(i) for i in range(w.tabs.count())][1].startswith("Race")
-        w.tabs.setCurrentWidget(w.race_view)
-        w.race_view.set_prompt_text("Race me")
-        with qtbot.waitSignal(w.race.race_finished, timeout=10000):
-            w.race_view.race_button.click()
-            assert w.send("chat while racing") is None  # one generation at a time on the worker
-        assert len(w.race.results) == 1 and w.race.results[0].divergence_index == DIVERGE_AT
-        assert not w.records  # the chat ignored the race's request ids
-    finally:
-        w.close()
+    with qtbot.waitSignal(w.models_loaded, timeout=5000):
+        w.load_models(ModelSelection())
+    yield w, engine
+    w.close()
     assert not running_threads()
+
+
+def test_race_and_chat_share_the_main_windows_worker(qtbot, raced_window):
+    """Ids from the window's counter, settings from its panel; each side ignores the other's ids."""
+    w, engine = raced_window
+    run_race(qtbot, w.race, w.race_view, "Race me")
+    assert len(w.race.results) == 1 and w.race.results[0].divergence_index == DIVERGE_AT
+    assert not w.records and w.active_request is None  # the chat ignored the race's ids
+    assert engine.requests[0].max_new_tokens == w.panel.values().max_new_tokens
+    assert engine.requests[0].messages[0] == Message("system", w.panel.values().system_prompt)
+
+    with qtbot.waitSignal(w.answer_finished, timeout=5000):
+        w.send("And now a chat")
+    assert len(w.records) == 1 and len(w.race.results) == 1  # and the race ignored the chat's
+    assert w.records[0].request.request_id not in {r.request_id for r in engine.requests[:2]}
+
+
+def test_the_main_windows_race_tab_blocks_chat_while_racing(qtbot, raced_window):
+    w, _engine = raced_window
+    assert w.tabs.tabText(1).startswith("Race")
+    w.tabs.setCurrentWidget(w.race_view)
+    w.race_view.set_prompt_text("Race me")
+    with qtbot.waitSignal(w.race.race_finished, timeout=10000):
+        w.race_view.race_button.click()
+        assert w.send("chat while racing") is None  # one generation at a time on the worker
+    assert len(w.race.results) == 1 and not w.records
