@@ -76,6 +76,10 @@ class Engine:
         if fast_path in ("auto", "static") and pair.target.device.type == "cpu":
             from engine.cpu_fast import try_pack
 
+            if progress is not None:
+                from engine.store import LoadProgress
+
+                progress(LoadProgress("warmup", 0.5, "Packing weights for the CPU fast path (oneDNN)"))
             # In place: the pair's models are the engine's from now on (baselines load their own).
             packed = try_pack(pair.target)
             if packed and pair.draft is not None:
@@ -106,6 +110,10 @@ class Engine:
             draft_runner=draft_runner,
         )
         engine.measure_costs(progress)
+        if progress is not None:
+            from engine.store import LoadProgress
+
+            progress(LoadProgress("warmup", 1.0, f"Ready ({name})"))
         return engine
 
     def measure_costs(self, progress=None, k_max: int | None = None) -> None:
