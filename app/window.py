@@ -377,7 +377,7 @@ class MainWindow(QMainWindow):
 
     def regenerate(self) -> int | None:
         """Sends the last user turn again; the new answer replaces the last one."""
-        if self.active_request is not None or self.info is None or self.is_loading():
+        if self.active_request is not None or self.info is None or self.is_loading() or self.race.running:
             return None
         last_user = next((i for i in range(len(self._history) - 1, -1, -1) if self._history[i].role == "user"), None)
         if last_user is None:
@@ -478,7 +478,7 @@ class MainWindow(QMainWindow):
 
     def _set_ready_state(self) -> None:
         generating = self.active_request is not None
-        racing = hasattr(self, "race") and self.race.running
+        racing = self.race.running
         self.prompt.set_generating(generating)
         if self.is_loading():
             self.prompt.set_ready(False, _NOT_READY)
@@ -488,12 +488,11 @@ class MainWindow(QMainWindow):
             self.prompt.set_ready(False, "A race is running in the Race tab")
         else:
             self.prompt.set_ready(True)
-        if hasattr(self, "race_view"):
-            reason = _NOT_READY if self.is_loading() else _NO_MODEL if self.info is None else "An answer is streaming in the chat"
-            self.race_view.set_race_enabled(not generating and self.info is not None and not self.is_loading(), reason)
-        self.stop_action.setEnabled(generating)
         can_chat = not generating and self.info is not None and not self.is_loading()
-        self.regenerate_action.setEnabled(can_chat and any(m.role == "user" for m in self._history))
+        reason = _NOT_READY if self.is_loading() else _NO_MODEL if self.info is None else "An answer is streaming in the chat"
+        self.race_view.set_race_enabled(can_chat, reason)
+        self.stop_action.setEnabled(generating)
+        self.regenerate_action.setEnabled(can_chat and not racing and any(m.role == "user" for m in self._history))
         self.load_action.setEnabled(not self.is_loading())
 
     # --- settings and view ----------------------------------------------------------------------

@@ -301,10 +301,11 @@ class Generation(Iterator[Step]):
         t = time.perf_counter()
         logits = eng.target_runner.forward(torch.tensor([pending], device=eng.device))[0, : eng.vocab]  # [V]
         if sampling.greedy:
-            token = logits.argmax()
+            token, p_shown = logits.argmax(), logits.softmax(-1).max()
         else:
-            token = draw(process(logits, sampling).unsqueeze(0), generator)[0]
-        p_shown = display_probs(logits, sampling)[token]
+            probs = process(logits, sampling)  # [V]
+            token = draw(probs.unsqueeze(0), generator)[0]
+            p_shown = probs[token]
         token_id, p = torch.stack([token.float(), p_shown]).tolist()  # the step's one sync
         ms = (time.perf_counter() - t) * 1e3
         return _StepResult([], [], [], [], 0, int(token_id), p, 0.0, ms)
@@ -322,7 +323,7 @@ class Generation(Iterator[Step]):
         logits = eng.target_runner.forward(ids)[:, : eng.vocab]  # [n+1, V]
         p = process(logits, sampling)  # [n+1, V]
         accepted, added, accept_prob = accept_draft(draft, proposal.q, p, sampling.greedy, generator)
-        shown_p = display_probs(logits, sampling)  # [n+1, V]
+        shown_p = display_probs(logits, p, sampling)  # [n+1, V]
         rows = torch.arange(n, device=eng.device)
         p_x = shown_p[rows, draft]  # [n]
         if proposal.q_display is not None:

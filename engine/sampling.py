@@ -28,9 +28,10 @@ def process(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
     return logits.softmax(-1)
 
 
-def display_probs(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
-    """What the hover shows: under greedy a one-hot says nothing, so show softmax at T=1."""
-    return logits.softmax(-1) if sampling.greedy else process(logits, sampling)
+def display_probs(logits: torch.Tensor, processed: torch.Tensor, sampling: Sampling) -> torch.Tensor:
+    """What the hover shows: under greedy a one-hot says nothing, so show softmax at T=1;
+    when sampling, the processed distribution itself (passed in: it is not computed twice)."""
+    return logits.softmax(-1) if sampling.greedy else processed
 
 
 def draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
