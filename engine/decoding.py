@@ -12,7 +12,7 @@ import torch
 from engine.detok import Detokenizer
 from engine.errors import GenerationError
 from engine.proposers import DraftModelProposer, Proposal, Proposer
-from engine.runners import EagerRunner, Runner
+from engine.runners import EagerRunner, Runner, ids_tensor
 from engine.sampling import accept_draft, display_probs, draw, process
 from engine.stats import summarize
 from engine.types import GenerationRequest, ModelInfo, Step, StopReason, Summary, TokenView
@@ -34,6 +34,21 @@ class _StepResult:
     added_p: float  # its displayed target probability
     draft_ms: float
     verify_ms: float
+
+
+@dataclass
+class _Launched:
+    """One round's device work, queued; `_collect` reads its outcome with the round's one host sync.
+
+    On CUDA nothing here has run yet when it is created: the outcome is copied into pinned host
+    memory behind the round's kernels and `done` marks when it has landed.
+    """
+
+    outcome: torch.Tensor  # [4n + 3] float: drafts, q(x), p(x), accept prob, accepted, added, p(added)
+    n: int  # draft tokens in this round
+    proposal: Proposal | None  # None for a standard round
+    done: torch.cuda.Event | None  # CUDA: recorded after the copy to the host
+    marks: tuple  # CUDA: timing events (begin, drafted, verified); CPU: perf_counter times
 
 
 class Engine:
@@ -62,6 +77,10 @@ class Engine:
         self.vocab = vocab or min(heads)
         self.eos_ids = _eos_ids(tokenizer, target)
         self._lock = threading.Lock()  # one generation at a time: the caches are shared
+        # Queue the next round before describing this one (see Generation._loop). None: on CUDA only,
+        # where it overlaps the host's per-step work with the device's; on a CPU it would only
+        # delay each step's tokens by one round. Tests force it on to check it changes no output.
+        self.lookahead: bool | None = None
 
     @classmethod
     def from_pair(cls, pair, *, fast_path: str = "auto", progress=None, compile_k: int = 5) -> Engine:
@@ -214,10 +233,10 @@ class Generation(Iterator[Step]):
     def _loop(self) -> Iterator[Step]:
         eng, req = self.engine, self.request
         speculative = req.mode == "speculative"
-        sampling = req.sampling
-        generator = torch.Generator(device=eng.device).manual_seed(sampling.seed)
+        generator = torch.Generator(device=eng.device).manual_seed(req.sampling.seed)
         detok = Detokenizer(eng.tokenizer, self.prompt)
         target = eng.target_runner
+        lookahead = eng.device.type == "cuda" if eng.lookahead is None else eng.lookahead
         max_new = min(req.max_new_tokens, target.max_length - len(self.prompt) - (req.k + 1))
         steps: list[Step] = []
         text = ""
@@ -227,24 +246,25 @@ class Generation(Iterator[Step]):
         # 1. Prefill: both caches take the prompt except its last token, which every step feeds.
         target.reset()
         if len(self.prompt) > 1:
-            target.forward(torch.tensor(self.prompt[:-1], device=eng.device))
+            target.prefill(ids_tensor(self.prompt[:-1], eng.device))
         proposer = eng.make_proposer(req, generator) if speculative else None
         if proposer is not None:
             proposer.start(self.prompt)
         pending = self.prompt[-1]
         draft_forwards = 0
+        # 2. Launch a round: propose (speculative) and verify with one target forward of width n+1.
+        #    With lookahead the next round is queued as soon as this one is committed, so the
+        #    device computes it while the host describes this one and the consumer takes it.
+        launched = None
+        if self.cancel.is_set():
+            stop_reason = "cancelled"
+        else:
+            launched = self._launch(proposer, pending, generator, max_new)
 
-        while len(self.token_ids) < max_new:
-            if self.cancel.is_set():
-                stop_reason = "cancelled"
-                break
-            # 2. Propose (speculative) and verify with one target forward of width n+1.
-            if speculative:
-                k = min(req.k, max_new - len(self.token_ids))
-                result, proposal = self._speculative_step(proposer, pending, k, generator)
+        while launched is not None:
+            result, proposal = self._collect(launched)
+            if proposal is not None:
                 draft_forwards += proposal.forwards
-            else:
-                result, proposal = self._standard_step(pending, generator), None
             # 3. Commit: accepted prefix + the target's token, cut at EOS or max_new_tokens.
             committed = result.proposed[: result.accepted] + [result.added]
             cut = len(committed)
@@ -263,10 +283,13 @@ class Generation(Iterator[Step]):
                 proposer.commit(proposal, kept_draft, committed)
             self.token_ids += committed
             pending = committed[-1]
+            done = stop_reason == "eos" or len(self.token_ids) >= max_new
+            launched = None
+            if lookahead and not done:
+                launched = self._launch(proposer, pending, generator, max_new)
             # 5. Describe the step: texts, statuses, probabilities.
             step, piece = self._describe(len(steps), result, committed, kept_draft, proposal, detok, t0)
             text += piece
-            done = stop_reason in ("eos",) or len(self.token_ids) >= max_new
             hit = next((s for s in req.stop_strings if s and s in text), None)
             if hit is not None:
                 # Text already streamed cannot be taken back: cut inside this step's text only.
@@ -282,6 +305,15 @@ class Generation(Iterator[Step]):
             yield step
             if done:
                 break
+            if self.cancel.is_set():  # a round queued ahead is dropped (its cost is counted below)
+                stop_reason = "cancelled"
+                break
+            if launched is None:
+                launched = self._launch(proposer, pending, generator, max_new)
+        if eng.device.type == "cuda":
+            # A round queued ahead and then not needed (EOS, stop string, cancel) still runs:
+            # the clock stops when the device is idle, so it counts here, not in the next request.
+            torch.cuda.synchronize(eng.device)
         seconds = time.perf_counter() - t0
         self.summary = summarize(
             steps,
@@ -295,63 +327,82 @@ class Generation(Iterator[Step]):
         # summarize() rebuilds text from the steps; a stop string cut keeps them consistent.
         assert self.summary.text == text, "step texts and generation text disagree"
 
-    # -- one round each ----------------------------------------------------------------------
-    def _standard_step(self, pending: int, generator: torch.Generator) -> _StepResult:
+    # -- one round: launch (queue the device work) and collect (the one host sync) ----------------
+    def _launch(
+        self, proposer: Proposer | None, pending: int, generator: torch.Generator, max_new: int
+    ) -> _Launched:
+        """Queues one round. No host syncs in here: on CUDA it returns before the device has run it."""
         eng, sampling = self.engine, self.request.sampling
-        t = time.perf_counter()
-        logits = eng.target_runner.forward(torch.tensor([pending], device=eng.device))[0, : eng.vocab]  # [V]
-        if sampling.greedy:
-            token, p_shown = logits.argmax(), logits.softmax(-1).max()
+        cuda = eng.device.type == "cuda"
+        marks = [_mark(cuda)]
+        if proposer is None:  # standard decoding: one target forward, one token
+            logits = eng.target_runner.forward(ids_tensor([pending], eng.device))[0, : eng.vocab]  # [V]
+            marks.append(marks[0])  # no draft phase
+            if sampling.greedy:
+                token = logits.argmax()
+                p_shown = torch.softmax(logits, -1).gather(0, token.view(1))[0]
+            else:
+                probs = process(logits, sampling)  # [V]
+                token = draw(probs.unsqueeze(0), generator)[0]
+                p_shown = probs.gather(0, token.view(1))[0]
+            outcome, n, proposal = torch.stack([torch.zeros((), device=eng.device), token.float(), p_shown]), 0, None
         else:
-            probs = process(logits, sampling)  # [V]
-            token = draw(probs.unsqueeze(0), generator)[0]
-            p_shown = probs[token]
-        token_id, p = torch.stack([token.float(), p_shown]).tolist()  # the step's one sync
-        ms = (time.perf_counter() - t) * 1e3
-        return _StepResult([], [], [], [], 0, int(token_id), p, 0.0, ms)
+            k = min(self.request.k, max_new - len(self.token_ids))
+            proposal = proposer.propose(k)
+            draft = proposal.tokens  # [n]
+            n = draft.shape[0]
+            marks.append(_mark(cuda))
+            ids = torch.cat([ids_tensor([pending], eng.device), draft])  # [n+1]
+            logits = eng.target_runner.forward(ids)[:, : eng.vocab]  # [n+1, V]
+            p = process(logits, sampling)  # [n+1, V]
+            accepted, added, accept_prob = accept_draft(draft, proposal.q, p, sampling.greedy, generator)
+            shown_p = display_probs(logits, p, sampling)  # [n+1, V]
+            rows = torch.arange(n, device=eng.device)
+            p_x = shown_p[rows, draft]  # [n]
+            if proposal.q_display is not None:
+                q_x = proposal.q_display
+            elif proposal.q is not None:
+                q_x = proposal.q[rows, draft]
+            else:
+                q_x = torch.ones(n, device=eng.device)
+            added_p = shown_p[accepted.view(1), added.view(1)]  # [1]
+            outcome = torch.cat(
+                [draft.float(), q_x.float(), p_x.float(), accept_prob.float(),
+                 torch.stack([accepted.float(), added.float()]), added_p.float()]
+            )
+        done = None
+        if cuda:
+            # Token ids stay exact in float32 (< 2**24). Pinned destination: the copy is queued too.
+            outcome = torch.empty(outcome.shape, pin_memory=True).copy_(outcome, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+        marks.append(_mark(cuda))
+        return _Launched(outcome, n, proposal, done, tuple(marks))
 
-    def _speculative_step(
-        self, proposer: Proposer, pending: int, k: int, generator: torch.Generator
-    ) -> tuple[_StepResult, Proposal]:
-        eng, sampling = self.engine, self.request.sampling
-        t = time.perf_counter()
-        proposal = proposer.propose(k)
-        draft = proposal.tokens  # [n]
-        n = draft.shape[0]
-        t_draft = time.perf_counter()
-        ids = torch.cat([torch.tensor([pending], device=eng.device), draft])  # [n+1]
-        logits = eng.target_runner.forward(ids)[:, : eng.vocab]  # [n+1, V]
-        p = process(logits, sampling)  # [n+1, V]
-        accepted, added, accept_prob = accept_draft(draft, proposal.q, p, sampling.greedy, generator)
-        shown_p = display_probs(logits, p, sampling)  # [n+1, V]
-        rows = torch.arange(n, device=eng.device)
-        p_x = shown_p[rows, draft]  # [n]
-        if proposal.q_display is not None:
-            q_x = proposal.q_display
-        elif proposal.q is not None:
-            q_x = proposal.q[rows, draft]
-        else:
-            q_x = torch.ones(n, device=eng.device)
-        added_p = shown_p[accepted, added]
-        # The step's one host sync: everything the host needs, in one transfer.
-        packed = torch.cat(
-            [draft.float(), q_x.float(), p_x.float(), accept_prob.float(), torch.stack([accepted.float(), added.float(), added_p.float()])]
-        ).tolist()
-        t_end = time.perf_counter()
+    def _collect(self, launched: _Launched) -> tuple[_StepResult, Proposal | None]:
+        """Waits for a launched round (the step's one host sync) and reads its outcome."""
+        if launched.done is not None:
+            launched.done.synchronize()
+        values = launched.outcome.tolist()
+        n = launched.n
+        begin, drafted, verified = launched.marks
+        if isinstance(begin, float):  # CPU: the work ran inside _launch, so host times are exact
+            draft_ms, verify_ms = (drafted - begin) * 1e3, (verified - drafted) * 1e3
+        else:  # CUDA: device time between the events
+            draft_ms = begin.elapsed_time(drafted) if n else 0.0
+            verify_ms = drafted.elapsed_time(verified)
         result = _StepResult(
-            proposed=[int(x) for x in packed[:n]],
-            q_shown=packed[n : 2 * n],
-            p_shown=packed[2 * n : 3 * n],
-            accept_prob=packed[3 * n : 4 * n],
-            accepted=int(packed[4 * n]),
-            added=int(packed[4 * n + 1]),
-            added_p=packed[4 * n + 2],
-            # Without a device sync in between, draft time on a GPU lands in verify; that split
-            # is only exact on the CPU (the fast path reports its own measured costs).
-            draft_ms=(t_draft - t) * 1e3,
-            verify_ms=(t_end - t_draft) * 1e3,
+            proposed=[int(x) for x in values[:n]],
+            q_shown=values[n : 2 * n],
+            p_shown=values[2 * n : 3 * n],
+            accept_prob=values[3 * n : 4 * n],
+            accepted=int(values[4 * n]),
+            added=int(values[4 * n + 1]),
+            added_p=values[4 * n + 2],
+            draft_ms=draft_ms,
+            verify_ms=verify_ms,
         )
-        return result, proposal
+        return result, launched.proposal
 
     def _describe(
         self,
@@ -417,6 +468,15 @@ class Generation(Iterator[Step]):
             elapsed_s=time.perf_counter() - t0,
         )
         return step, text
+
+
+def _mark(cuda: bool):
+    """A point in a round's timeline: a recorded timing event on CUDA, the host clock elsewhere."""
+    if not cuda:
+        return time.perf_counter()
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
 
 
 def _eos_ids(tokenizer, model) -> set[int]:

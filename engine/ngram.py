@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from engine.proposers import Proposal, Proposer
+from engine.runners import ids_tensor
 
 
 class NgramProposer:
@@ -59,7 +60,7 @@ class NgramProposer:
 
     def _proposal(self, tokens: list[int]) -> Proposal:
         return Proposal(
-            tokens=torch.tensor(tokens, dtype=torch.long, device=self.device),  # [n]
+            tokens=ids_tensor(tokens, self.device),  # [n]
             q=None,
             sources=("ngram",) * len(tokens),
             forwards=0,

@@ -6,7 +6,7 @@ from typing import Protocol
 
 import torch
 
-from engine.runners import Runner
+from engine.runners import Runner, ids_tensor
 from engine.sampling import draw, process
 from engine.types import DraftSource, Sampling
 
@@ -50,14 +50,14 @@ class DraftModelProposer:
     def start(self, prompt: list[int]) -> None:
         self.runner.reset()
         if len(prompt) > 1:
-            self.runner.forward(torch.tensor(prompt[:-1], device=self.device))
+            self.runner.prefill(ids_tensor(prompt[:-1], self.device))
         self.cached = len(prompt) - 1
         self.pending = prompt[-1:]
 
     @torch.inference_mode()
     def propose(self, k: int) -> Proposal:
         tokens, q_rows, shown = [], [], []
-        ids = torch.tensor(self.pending, device=self.device)  # [P]
+        ids = ids_tensor(self.pending, self.device)  # [P], queued: no wait for the device
         for _ in range(k):
             logits = self.runner.forward(ids)[-1, : self.vocab]  # [V]
             q = process(logits, self.sampling)  # [V]

@@ -28,6 +28,9 @@ class Runner(Protocol):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """Appends ids [W] (on the runner's device) to the cache; returns float32 logits [W, V]."""
 
+    def prefill(self, ids: torch.Tensor) -> None:
+        """Appends ids [W] to the cache without computing logits (the prompt needs none)."""
+
     def rollback(self, length: int) -> None:
         """Keeps the first `length` cached tokens and forgets the rest."""
 
@@ -63,6 +66,15 @@ class EagerRunner:
         assert self.cache.get_seq_length() == self.length, "cache and runner disagree on length"
         return out.logits[0].float()  # [W, V]
 
+    @torch.inference_mode()
+    def prefill(self, ids: torch.Tensor) -> None:
+        width = ids.shape[-1]
+        positions = torch.arange(self.length, self.length + width, device=self.device)
+        # logits_to_keep=1: a long prompt's [W, V] float logits would otherwise be allocated for nothing.
+        self.model(input_ids=ids.view(1, width), past_key_values=self.cache, cache_position=positions,
+                   use_cache=True, logits_to_keep=1)
+        self.length += width
+
     def measure_costs(self, widths: Iterable[int], iters: int = 3) -> dict[int, float]:
         return measure_forward_costs(self, widths, iters)
 
@@ -71,6 +83,19 @@ class EagerRunner:
         if length < self.length:
             self.cache.crop(length - self.length)  # negative: tokens to remove
             self.length = length
+
+
+def ids_tensor(values: list[int], device: torch.device) -> torch.Tensor:
+    """Token ids [n] on `device` without a host sync.
+
+    torch.tensor(values, device="cuda") copies from pageable memory, which waits for every queued
+    kernel; staged through pinned memory the copy is queued like a kernel, so the loop can launch
+    a step's work without waiting for the previous one.
+    """
+    ids = torch.tensor(values, dtype=torch.long)
+    if device.type != "cuda" or not values:
+        return ids.to(device)
+    return ids.pin_memory().to(device, non_blocking=True)
 
 
 def measure_forward_costs(runner: Runner, widths: Iterable[int], iters: int) -> dict[int, float]:

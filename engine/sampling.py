@@ -69,8 +69,7 @@ def accept_draft(
     mass = residual.sum(-1, keepdim=True)
     residual = torch.where(mass > 0, residual / mass.clamp_min(1e-20), p[:k])
     candidates = torch.cat([residual, p[k:]], 0)  # [K+1, V]
-    if greedy:
-        added = candidates[accepted].argmax()
-    else:
-        added = draw(candidates[accepted].unsqueeze(0), generator)[0]
+    # index_select, not candidates[accepted]: indexing with a 0-dim device tensor reads it on the host.
+    row = candidates.index_select(0, accepted.view(1))  # [1, V]
+    added = row[0].argmax() if greedy else draw(row, generator)[0]
     return accepted, added, accept_prob

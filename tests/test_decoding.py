@@ -248,3 +248,59 @@ def test_detokenizer_never_emits_half_a_character(engine):
     assert all(REPLACEMENT not in p for p in pieces), pieces
     assert "".join(pieces) == tok.decode(ids) == text
     assert "" in pieces  # some tokens carried only part of a character and waited for the next
+
+
+def _trace(engine, lookahead: bool, cancel_after: int | None = None, **kw):
+    """Every step's shown tokens and statuses, the committed ids and the summary's stop reason."""
+    saved = engine.lookahead
+    engine.lookahead = lookahead
+    try:
+        cancel = threading.Event()
+        gen = engine.generate(GenerationRequest(**kw), cancel)
+        steps = []
+        for step in gen:
+            steps.append([(t.token_id, t.status, t.text, round(t.p, 5)) for t in step.tokens] + [step.text])
+            if cancel_after is not None and len(steps) == cancel_after:
+                cancel.set()
+        return steps, gen.token_ids, gen.summary.stop_reason
+    finally:
+        engine.lookahead = saved
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(mode="standard"),
+        dict(mode="standard", sampling=Sampling(temperature=1.1, top_k=20, top_p=0.9, seed=3)),
+        dict(mode="speculative", k=4),
+        dict(mode="speculative", k=3, sampling=Sampling(temperature=0.8, top_p=0.95, seed=5)),
+        dict(mode="speculative", k=5, proposer="ngram"),
+        dict(mode="speculative", k=4, proposer="draft+ngram", sampling=Sampling(temperature=0.7, seed=1)),
+    ],
+    ids=["std-greedy", "std-sampled", "spec-greedy", "spec-sampled", "ngram", "combined-sampled"],
+)
+def test_queueing_the_next_round_ahead_changes_nothing(engine, kw):
+    """The CUDA loop queues round i+1 before describing round i; forced on here, on the CPU.
+
+    Same tokens, statuses, probabilities and texts, the same random draws (the generator is used
+    in the same order), and EOS, max_new_tokens, stop strings and cancellation end at the same step.
+    """
+    prompt = "def add(a, b): return a + b\ndef add(a, b):"
+    free = _trace(engine, False, prompt=prompt, max_new_tokens=37, **kw)
+    assert _trace(engine, True, prompt=prompt, max_new_tokens=37, **kw) == free
+    text = "".join(step[-1] for step in free[0])
+    stop = text[len(text) // 2 : len(text) // 2 + 3]  # ends the generation mid-way
+    stopped = _trace(engine, True, prompt=prompt, max_new_tokens=37, stop_strings=(stop,), **kw)
+    assert stopped == _trace(engine, False, prompt=prompt, max_new_tokens=37, stop_strings=(stop,), **kw)
+    assert stopped[2] == "stop_string"
+    ahead = _trace(engine, True, cancel_after=3, prompt=prompt, max_new_tokens=60, **kw)
+    assert ahead == _trace(engine, False, cancel_after=3, prompt=prompt, max_new_tokens=60, **kw)
+    assert len(ahead[0]) == 3 and ahead[2] == "cancelled"
+    saved = engine.eos_ids
+    try:
+        engine.eos_ids = {free[1][11]}
+        eos_ahead = _trace(engine, True, prompt=prompt, max_new_tokens=30, **kw)
+        assert eos_ahead == _trace(engine, False, prompt=prompt, max_new_tokens=30, **kw)
+        assert eos_ahead[2] == "eos"
+    finally:
+        engine.eos_ids = saved

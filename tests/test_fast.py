@@ -383,3 +383,50 @@ def test_engine_on_cuda_graphs_is_lossless_in_float32(tiny_pair):
         for k in (1, 4, 6):
             req = GenerationRequest(prompt=prompt, mode="speculative", k=k, max_new_tokens=40, proposer=proposer)
             assert "".join(s.text for s in fast.generate(req)) == ref, (proposer, k)
+
+
+@pytest.mark.gpu
+def test_rounds_are_queued_without_host_syncs_on_cuda(tiny_pair, monkeypatch):
+    """Launching a round never waits for the device, so the next round overlaps the host's work.
+
+    torch's sync debug mode raises on any blocking call (item(), pageable copies, 0-dim tensor
+    indexing); it is on only inside Generation._launch. Queued ahead or not, outputs are identical.
+    """
+    from engine.decoding import Engine, Generation
+    from engine.fast import build_runners
+    from engine.types import GenerationRequest, Sampling
+    from tests.engine_fixtures import tiny_engine
+
+    eager = tiny_engine(*tiny_pair)
+    target, draft = eager.target.to("cuda"), eager.draft.to("cuda")
+    t, d, name = build_runners(target, draft, max_length=256, k_max=6)
+    fast = Engine(target, eager.tokenizer, eager.info, draft=draft, target_runner=t, draft_runner=d)
+    launch = Generation._launch
+
+    def strict_launch(self, *args):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return launch(self, *args)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    prompt = "def add(a, b):\n    return a + b\ndef add(a, b):"
+    for kw in (
+        dict(mode="standard"),
+        dict(mode="standard", sampling=Sampling(temperature=1.0, top_k=20, top_p=0.9, seed=2)),
+        dict(mode="speculative", k=4),
+        dict(mode="speculative", k=4, sampling=Sampling(temperature=0.8, top_p=0.95, seed=2)),
+        dict(mode="speculative", k=5, proposer="draft+ngram"),
+    ):
+        req = GenerationRequest(prompt=prompt, max_new_tokens=40, **kw)
+        fast.lookahead = False
+        serial = [(s.text, s.proposed, s.accepted) for s in fast.generate(req)]
+        fast.lookahead = None  # auto: on, on CUDA
+        with monkeypatch.context() as m:
+            m.setattr(Generation, "_launch", strict_launch)
+            gen = fast.generate(req)
+            steps = list(gen)
+        assert [(s.text, s.proposed, s.accepted) for s in steps] == serial, kw
+        assert all(s.verify_ms > 0 for s in steps)  # device time between the round's events
+        assert all(s.draft_ms > 0 for s in steps if s.proposed and "draft" in s.sources)
+        assert gen.summary.new_tokens == len(gen.token_ids) and gen.summary.seconds > 0

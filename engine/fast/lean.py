@@ -244,8 +244,12 @@ class LeanDecoder:
             layer.v_cache.zero_()
 
     @torch.no_grad()
-    def forward(self, ids: torch.Tensor, start: torch.Tensor, kv_len: int | None = None) -> torch.Tensor:
+    def forward(
+        self, ids: torch.Tensor, start: torch.Tensor, kv_len: int | None = None, logits: bool = True
+    ) -> torch.Tensor | None:
         """ids [W] long, start: long scalar tensor on the device -> float32 logits [W, V].
+
+        logits=False only fills the cache (the prompt): no output head, no [W, V] allocation.
 
         Attention reads the first `kv_len` cache slots (default: all); the caller guarantees
         start + W <= kv_len, and picks kv_len from a few buckets so short contexts read little.
@@ -287,6 +291,8 @@ class LeanDecoder:
             h = _rms_norm(x, layer.ln2, c.eps)
             gate, up = F.linear(h, layer.w13, layer.b13).chunk(2, dim=-1)  # [W, inter] each
             x = _linear_residual(x, F.silu(gate) * up, layer.w2, layer.b2)
+        if not logits:
+            return None
         x = _rms_norm(x, self.norm, c.eps)
         return F.linear(x, self.lm_head, self.lm_bias).float()  # [W, V]
 

@@ -121,15 +121,25 @@ class StaticGraphRunner:
         self.length += width
         return out
 
+    def prefill(self, ids: torch.Tensor) -> None:
+        """Appends ids [W] to the cache, eagerly and in chunks, computing no logits."""
+        width = ids.shape[-1]
+        if self.length + width > self.max_length:
+            raise GenerationError(
+                f"The prompt needs {self.length + width} cache positions; this runner holds {self.max_length}."
+            )
+        for chunk in ids.view(width).split(PREFILL_CHUNK):
+            self._eager(chunk, logits=False)
+
     # -- fast path ----------------------------------------------------------------------------
 
     def _bucket(self, end: int) -> int:
         """The smallest attention span holding `end` positions."""
         return next(b for b in self.buckets if b >= end)
 
-    def _eager(self, ids: torch.Tensor) -> torch.Tensor:
+    def _eager(self, ids: torch.Tensor, logits: bool = True) -> torch.Tensor | None:
         self.start.fill_(self.length)
-        out = self._forward(ids, self.start, self._bucket(self.length + ids.shape[0]))
+        out = self._forward(ids, self.start, self._bucket(self.length + ids.shape[0]), logits)
         self.length += ids.shape[0]
         return out
 
