@@ -249,6 +249,10 @@ class RunRecord:
     accepted: int  # draft tokens accepted
     text: str  # generated text
     token_ids: tuple[int, ...] = field(repr=False)  # generated ids, for exactness comparisons
+    # Engine modes: the rounds' own time (CUDA: device time between each round's events; CPU: the
+    # compute). seconds - round_seconds is what the loop spends outside its rounds (prefill,
+    # host work the device waits for); 0 for the hf-* modes, which are not split into rounds.
+    round_seconds: float = 0.0
 
 
 @dataclass
@@ -297,15 +301,16 @@ def register_mode(name: str, *, needs_draft: bool) -> Callable[[ModeRunner], Mod
 
 def _engine_run(ctx: BenchContext, prompt: BenchPrompt, max_new_tokens: int, mode: str) -> RunRecord:
     generation = ctx.engine.generate(_request(ctx.args, prompt.prompt, mode, max_new_tokens))
-    for _ in generation:
-        pass
+    round_ms = 0.0
+    for step in generation:
+        round_ms += step.draft_ms + step.verify_ms
     s = generation.summary
     assert s is not None, "a finished generation has a summary"
     return RunRecord(
         prompt_id=prompt.id, category=prompt.category, mode=mode, new_tokens=s.new_tokens,
         seconds=s.seconds, tokens_per_s=s.tokens_per_s, target_forwards=s.target_forwards,
         draft_forwards=s.draft_forwards, drafted=s.drafted, accepted=s.accepted, text=s.text,
-        token_ids=tuple(generation.token_ids),
+        token_ids=tuple(generation.token_ids), round_seconds=round_ms / 1000,
     )
 
 
@@ -395,12 +400,15 @@ def summarize_runs(runs: Sequence[RunRecord], modes: Sequence[str], tokenizer) -
         tokens, seconds = sum(r.new_tokens for r in rs), sum(r.seconds for r in rs)
         drafted, accepted = sum(r.drafted for r in rs), sum(r.accepted for r in rs)
         forwards = sum(r.target_forwards for r in rs)
+        rounds = sum(r.round_seconds for r in rs)
         out[mode] = {
             "tokens_per_s": tokens / seconds if seconds > 0 else 0.0,
             "acceptance_rate": accepted / drafted if drafted else 0.0,
             "tokens_per_target_forward": tokens / forwards if forwards else 0.0,
             "new_tokens": tokens,
             "seconds": seconds,
+            # Share of the wall time spent inside rounds (engine modes only; None for hf-*).
+            "in_rounds": rounds / seconds if rounds and seconds > 0 else None,
         }
     if "standard" in out and "speculative" in out:
         base = out["standard"]["tokens_per_s"]
@@ -449,11 +457,12 @@ def _compare(runs: Sequence[RunRecord], mode: str, tokenizer) -> dict[str, Any]:
 
 
 def _table(summary: dict[str, Any], modes: Sequence[str]) -> str:
-    rows = [f"{'mode':<14}{'tok/s':>9}{'tokens':>9}{'seconds':>10}{'accept':>9}{'tok/fwd':>9}"]
+    rows = [f"{'mode':<14}{'tok/s':>9}{'tokens':>9}{'seconds':>10}{'accept':>9}{'tok/fwd':>9}{'in rounds':>11}"]
     for mode in modes:
         s = summary[mode]
+        busy = f"{s['in_rounds']:>11.1%}" if s.get("in_rounds") is not None else f"{'-':>11}"
         rows.append(f"{mode:<14}{s['tokens_per_s']:>9.2f}{s['new_tokens']:>9d}{s['seconds']:>10.2f}"
-                    f"{s['acceptance_rate']:>9.1%}{s['tokens_per_target_forward']:>9.2f}")
+                    f"{s['acceptance_rate']:>9.1%}{s['tokens_per_target_forward']:>9.2f}{busy}")
     if summary.get("speedup") is not None:
         rows.append(f"speedup (speculative / standard): {summary['speedup']:.2f}x")
     for mode, ratio in summary.get("vs_standard", {}).items():

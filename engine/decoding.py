@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
@@ -49,6 +50,7 @@ class _Launched:
     proposal: Proposal | None  # None for a standard round
     done: torch.cuda.Event | None  # CUDA: recorded after the copy to the host
     marks: tuple  # CUDA: timing events (begin, drafted, verified); CPU: perf_counter times
+    token: torch.Tensor | None = None  # standard round: its token [1] on the device, the next round's input
 
 
 class Engine:
@@ -253,16 +255,30 @@ class Generation(Iterator[Step]):
         pending = self.prompt[-1]
         draft_forwards = 0
         # 2. Launch a round: propose (speculative) and verify with one target forward of width n+1.
-        #    With lookahead the next round is queued as soon as this one is committed, so the
-        #    device computes it while the host describes this one and the consumer takes it.
-        launched = None
+        #    With lookahead, rounds are queued before the host describes the previous one, so the
+        #    device computes while the host describes and the consumer takes each step. A standard
+        #    round's input is the previous round's token, already on the device: two are kept
+        #    queued, so the device never waits for the host. A speculative round needs the host's
+        #    decision (how much was accepted), so it is queued once the previous one is committed.
+        ahead = (1 if speculative else 2) if lookahead else 0
+        queue: deque[_Launched] = deque()
+
+        def top_up() -> None:
+            if speculative:
+                if not queue:
+                    queue.append(self._launch(proposer, pending, generator, max_new))
+                return
+            while len(queue) < max(ahead, 1) and len(self.token_ids) + len(queue) < max_new:
+                source = queue[-1].token if queue else pending
+                queue.append(self._launch(None, source, generator, max_new))
+
         if self.cancel.is_set():
             stop_reason = "cancelled"
         else:
-            launched = self._launch(proposer, pending, generator, max_new)
+            top_up()
 
-        while launched is not None:
-            result, proposal = self._collect(launched)
+        while queue:
+            result, proposal = self._collect(queue.popleft())
             if proposal is not None:
                 draft_forwards += proposal.forwards
             # 3. Commit: accepted prefix + the target's token, cut at EOS or max_new_tokens.
@@ -277,16 +293,17 @@ class Generation(Iterator[Step]):
                 cut, stop_reason = room, "max_new_tokens"
             committed = committed[:cut]
             # 4. Roll both caches back to exactly the committed prefix (minus the newest token).
+            #    Standard rounds feed only committed tokens: nothing to roll back (and rounds
+            #    queued behind this one have already moved the target's write position on).
             kept_draft = min(result.accepted, cut)
-            target.rollback(len(self.prompt) + len(self.token_ids) + cut - 1)
-            if proposer is not None:
+            if speculative:
+                target.rollback(len(self.prompt) + len(self.token_ids) + cut - 1)
                 proposer.commit(proposal, kept_draft, committed)
             self.token_ids += committed
             pending = committed[-1]
             done = stop_reason == "eos" or len(self.token_ids) >= max_new
-            launched = None
-            if lookahead and not done:
-                launched = self._launch(proposer, pending, generator, max_new)
+            if ahead and not done:
+                top_up()
             # 5. Describe the step: texts, statuses, probabilities.
             step, piece = self._describe(len(steps), result, committed, kept_draft, proposal, detok, t0)
             text += piece
@@ -305,11 +322,10 @@ class Generation(Iterator[Step]):
             yield step
             if done:
                 break
-            if self.cancel.is_set():  # a round queued ahead is dropped (its cost is counted below)
+            if self.cancel.is_set():  # rounds queued ahead are dropped (their cost is counted below)
                 stop_reason = "cancelled"
                 break
-            if launched is None:
-                launched = self._launch(proposer, pending, generator, max_new)
+            top_up()
         if eng.device.type == "cuda":
             # A round queued ahead and then not needed (EOS, stop string, cancel) still runs:
             # the clock stops when the device is idle, so it counts here, not in the next request.
@@ -329,14 +345,19 @@ class Generation(Iterator[Step]):
 
     # -- one round: launch (queue the device work) and collect (the one host sync) ----------------
     def _launch(
-        self, proposer: Proposer | None, pending: int, generator: torch.Generator, max_new: int
+        self, proposer: Proposer | None, pending: int | torch.Tensor, generator: torch.Generator, max_new: int
     ) -> _Launched:
-        """Queues one round. No host syncs in here: on CUDA it returns before the device has run it."""
+        """Queues one round. No host syncs in here: on CUDA it returns before the device has run it.
+
+        pending: the token this round feeds first; for a standard round it may be the previous
+        round's token still on the device ([1] long), so the round can be queued behind it.
+        """
         eng, sampling = self.engine, self.request.sampling
         cuda = eng.device.type == "cuda"
         marks = [_mark(cuda)]
         if proposer is None:  # standard decoding: one target forward, one token
-            logits = eng.target_runner.forward(ids_tensor([pending], eng.device))[0, : eng.vocab]  # [V]
+            ids = pending if isinstance(pending, torch.Tensor) else ids_tensor([pending], eng.device)
+            logits = eng.target_runner.forward(ids)[0, : eng.vocab]  # [V]
             marks.append(marks[0])  # no draft phase
             if sampling.greedy:
                 token = logits.argmax()
@@ -346,7 +367,9 @@ class Generation(Iterator[Step]):
                 token = draw(probs.unsqueeze(0), generator)[0]
                 p_shown = probs.gather(0, token.view(1))[0]
             outcome, n, proposal = torch.stack([torch.zeros((), device=eng.device), token.float(), p_shown]), 0, None
+            next_input = token.view(1)
         else:
+            next_input = None
             k = min(self.request.k, max_new - len(self.token_ids))
             proposal = proposer.propose(k)
             draft = proposal.tokens  # [n]
@@ -377,7 +400,7 @@ class Generation(Iterator[Step]):
             done = torch.cuda.Event()
             done.record()
         marks.append(_mark(cuda))
-        return _Launched(outcome, n, proposal, done, tuple(marks))
+        return _Launched(outcome, n, proposal, done, tuple(marks), next_input)
 
     def _collect(self, launched: _Launched) -> tuple[_StepResult, Proposal | None]:
         """Waits for a launched round (the step's one host sync) and reads its outcome."""
