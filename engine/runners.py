@@ -8,6 +8,7 @@ which is fed at the start of the next step (so every step's first position predi
 """
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Iterable
 from typing import Protocol
@@ -102,7 +103,9 @@ def measure_forward_costs(runner: Runner, widths: Iterable[int], iters: int) -> 
     """Milliseconds per forward for each width, measured the way the loop calls the runner.
 
     Writes past the current length and rolls back, so the cached content is left as it was.
-    CUDA work is timed with events; the CPU with the wall clock.
+    CUDA work is timed with events, as the mean of `iters` back-to-back forwards after a warm one.
+    On a CPU each forward is timed alone and the median is kept (Engine.measure_costs interleaves
+    single passes over the widths and the draft instead, so their ratio is measured side by side).
     """
     saved = runner.length
     device = getattr(runner, "device", torch.device("cpu"))
@@ -111,9 +114,9 @@ def measure_forward_costs(runner: Runner, widths: Iterable[int], iters: int) -> 
         if saved + width > runner.max_length:
             continue
         ids = torch.randint(0, runner.vocab_size, (width,), device=device)
-        runner.forward(ids)  # warm: allocator, kernel selection
-        runner.rollback(saved)
         if device.type == "cuda":
+            runner.forward(ids)  # warm: allocator, kernel selection
+            runner.rollback(saved)
             begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             torch.cuda.synchronize(device)
             begin.record()
@@ -124,9 +127,11 @@ def measure_forward_costs(runner: Runner, widths: Iterable[int], iters: int) -> 
             end.synchronize()
             costs[width] = begin.elapsed_time(end) / iters
         else:
-            t0 = time.perf_counter()
-            for _ in range(iters):
+            times = []
+            for _ in range(max(iters, 1)):
+                t0 = time.perf_counter()
                 runner.forward(ids)
+                times.append((time.perf_counter() - t0) * 1000)
                 runner.rollback(saved)
-            costs[width] = (time.perf_counter() - t0) * 1000 / iters
+            costs[width] = statistics.median(times)
     return costs

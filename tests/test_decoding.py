@@ -304,3 +304,17 @@ def test_queueing_the_next_round_ahead_changes_nothing(engine, kw):
         assert eos_ahead[2] == "eos"
     finally:
         engine.eos_ids = saved
+
+
+def test_measured_costs_cover_the_verify_widths_and_leave_the_caches(engine):
+    engine.target_runner.reset()
+    engine.target_runner.forward(torch.tensor([5, 6, 7]))
+    saved = engine.info
+    try:
+        engine.measure_costs(rounds=2)
+        widths = [w for w, _ in engine.info.target_ms]
+        assert widths == [1, 2, 3, 4, 5, 6] and all(ms > 0 for _, ms in engine.info.target_ms)
+        assert engine.info.draft_ms > 0
+        assert engine.target_runner.length == 3  # measured past the cached tokens, then rolled back
+    finally:
+        engine.info = saved

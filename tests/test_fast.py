@@ -90,6 +90,22 @@ def test_prefill_longer_than_a_chunk_matches_hf():
     assert runner.length == 300
 
 
+@pytest.mark.parametrize("runner_kind", ["static", "eager"])
+def test_prefill_fills_the_cache_without_logits(runner_kind):
+    """prefill() leaves the cache as forward() would (the next token's logits agree with HF)."""
+    model = build_model(VOCAB, seed=2)
+    tokens = torch.randint(0, VOCAB, (301,), generator=torch.Generator().manual_seed(2)).tolist()
+    runner = (StaticGraphRunner(model, max_length=320, graph_widths=(1,)) if runner_kind == "static"
+              else EagerRunner(model, max_length=320))
+    assert runner.prefill(torch.tensor(tokens[:-1])) is None  # longer than a prefill chunk
+    assert runner.length == 300
+    out = runner.forward(torch.tensor(tokens[-1:]))
+    torch.testing.assert_close(out[-1], full_logits(model, tokens)[-1], atol=1e-4, rtol=1e-4)
+    if runner_kind == "static":
+        with pytest.raises(GenerationError, match="cache positions"):
+            runner.prefill(torch.arange(20))
+
+
 @pytest.mark.parametrize("attention", ["sdpa", "math"])
 def test_attention_spans_and_kernels_match_hf(attention):
     model = build_model(VOCAB, seed=6)
