@@ -280,7 +280,7 @@ def _trace(engine, lookahead: bool, cancel_after: int | None = None, **kw):
     ids=["std-greedy", "std-sampled", "spec-greedy", "spec-sampled", "ngram", "combined-sampled"],
 )
 def test_queueing_the_next_round_ahead_changes_nothing(engine, kw):
-    """The CUDA loop queues round i+1 before describing round i; forced on here, on the CPU.
+    """The CUDA loop queues rounds before describing the last one (two ahead for standard); forced on here.
 
     Same tokens, statuses, probabilities and texts, the same random draws (the generator is used
     in the same order), and EOS, max_new_tokens, stop strings and cancellation end at the same step.
