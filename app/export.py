@@ -39,10 +39,13 @@ def now_iso() -> str:
     return datetime.now().astimezone().isoformat(timespec="seconds")
 
 
-def _cell(value: object) -> object:
-    # Sequences become "a;b;c" so one answer stays one row; floats keep full precision.
+def cell(value: object) -> object:
+    """One CSV cell: sequences become "a;b;c" (one answer stays one row), floats keep full precision
+    (the file reads back to the same floats), booleans are "true"/"false", None is empty."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
     if isinstance(value, (tuple, list)):
-        return ";".join(str(_cell(v)) for v in value)
+        return ";".join(str(cell(v)) for v in value)
     if isinstance(value, float):
         return repr(value)
     if value is None:
@@ -73,7 +76,7 @@ def session_rows(records: Iterable[AnswerRecord]) -> list[dict[str, object]]:
         }
         for name in SUMMARY_FIELDS:
             row[name] = getattr(r.summary, name)
-        rows.append({k: _cell(v) for k, v in row.items()})
+        rows.append({k: cell(v) for k, v in row.items()})
     return rows
 
 
@@ -81,7 +84,7 @@ def trace_rows(records: Iterable[AnswerRecord]) -> list[dict[str, object]]:
     rows = []
     for r in records:
         for s in r.steps:
-            rows.append({k: _cell(v) for k, v in {
+            rows.append({k: cell(v) for k, v in {
                 "request_id": r.request.request_id,
                 "step": s.index,
                 "mode": s.mode,

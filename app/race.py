@@ -20,7 +20,6 @@ from PySide6.QtWidgets import QFileDialog
 from app.race_logic import (
     BenchPrompt,
     RaceResult,
-    RaceSummary,
     load_bench_prompts,
     prompt_meta,
     race_result,
@@ -83,7 +82,6 @@ class RaceController(QObject):
         self._template = request_template
         self.prompts = tuple(prompts) if prompts is not None else load_bench_prompts()
         self.results: list[RaceResult] = []  # every finished repeat of the session, for export
-        self.summaries: list[RaceSummary] = []  # every race that finished at least one repeat
         self._race: _Race | None = None
         self._next_race_id = 1
         view.set_prompts(self.prompts)
@@ -234,7 +232,6 @@ class RaceController(QObject):
         assert race is not None
         summary = summarize_race(race.results) if race.results else None
         if summary is not None:
-            self.summaries.append(summary)
             self.view.show_race_summary(summary)
         self.view.race_ended(note or f"Race finished: {len(race.results)} repeat(s) of {race.prompt.id}.")
         self.running_changed.emit(False)

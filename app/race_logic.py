@@ -11,7 +11,7 @@ from dataclasses import dataclass, fields
 from importlib import resources
 from typing import Literal
 
-from app.export import ENCODING, write_csv
+from app.export import ENCODING, cell, write_csv
 from engine.types import Mode, Step, Summary
 
 NEAR_TIE = 0.05  # target probabilities closer than this are a near-tie: rounding can flip argmax
@@ -269,19 +269,9 @@ def race_rows(results: Iterable[RaceResult]) -> list[RaceRow]:
     return rows
 
 
-def _cell(value: object) -> str:
-    if value is None:
-        return ""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, float):
-        return repr(value)  # full precision: the file reads back to the same floats
-    return str(value)
-
-
 def write_race_csv(path: str | os.PathLike[str], results: Iterable[RaceResult]) -> int:
     """Two rows per repeat; returns the row count. Raises OSError (results untouched) if it cannot write."""
-    rows = [{c: _cell(getattr(row, c)) for c in RACE_COLUMNS} for row in race_rows(results)]
+    rows = [{c: cell(getattr(row, c)) for c in RACE_COLUMNS} for row in race_rows(results)]
     return write_csv(path, RACE_COLUMNS, rows)
 
 

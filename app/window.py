@@ -7,13 +7,11 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-import pyqtgraph as pg
 from PySide6.QtCore import QByteArray, Qt, QTimer, Signal
 from PySide6.QtGui import QAction, QCloseEvent, QKeySequence
 from PySide6.QtWidgets import (
     QFileDialog,
     QFrame,
-    QGraphicsItem,
     QLabel,
     QMainWindow,
     QMessageBox,
@@ -78,8 +76,8 @@ def cost_verdict(info: ModelInfo | None, summary: Summary | None) -> tuple[str, 
     exists, its acceptance: what speculative decoding should buy on this machine, said plainly."""
     if info is None or not info.target_ms or info.draft_ms <= 0:
         return "", ""
-    model = CostModel(draft_ms=info.draft_ms, target_ms=dict(info.target_ms))
-    k_max = max(model.target_ms) - 1
+    model = CostModel.from_info(info)
+    k_max = model.k_max
     costs = (f"Measured at load: draft {info.draft_ms:.1f} ms per forward, target "
              + ", ".join(f"{ms:.1f} ms ({w} tok)" for w, ms in info.target_ms) + ".")
     alpha = estimate_alpha(summary) if summary is not None else None
@@ -90,28 +88,6 @@ def cost_verdict(info: ModelInfo | None, summary: Summary | None) -> tuple[str, 
     predicted = model.predicted_speedup(alpha, summary.k) if summary.k <= k_max else None
     short = (f"predicted {predicted:.2f}× at K={summary.k}" if predicted is not None else f"best K={k}: {best:.2f}×")
     return short, costs + " " + model.verdict(alpha, k_max)
-
-
-def tune_charts(charts: LiveCharts) -> None:
-    """Keeps one chart repaint far below a 50 ms UI stall (bench/ui_responsiveness.py).
-
-    Axes (with their grid lines) are a large part of a pyqtgraph repaint: cached as pixmaps they
-    are re-rendered only when their range changes. Curves draw at most about one point per pixel.
-    """
-    for key, plot in charts.plots().items():
-        for name in ("left", "bottom"):
-            plot.getAxis(name).setCacheMode(QGraphicsItem.CacheMode.DeviceCoordinateCache)
-        if key != "position_acceptance":  # bars do not downsample
-            plot.setDownsampling(auto=True, mode="peak")
-            # Vertical grid lines live in the x axis' cache, re-rendered whenever the step range grows.
-            plot.showGrid(x=False, y=True, alpha=0.15)
-        if key in ("k", "tokens_per_s"):
-            # Antialiased pens wider than 1 px cost ~100 ms per repaint on 800 zig-zag steps; 1 px costs ~5.
-            for item in plot.listDataItems():
-                if item.opts.get("pen") is not None:
-                    pen = pg.mkPen(item.opts["pen"])
-                    pen.setWidthF(1.0)
-                    item.setPen(pen)
 
 
 class MainWindow(QMainWindow):
@@ -199,7 +175,6 @@ class MainWindow(QMainWindow):
 
         self.charts = LiveCharts()
         self.charts.setMinimumWidth(280)
-        tune_charts(self.charts)
 
         self.splitter = QSplitter(Qt.Orientation.Horizontal, self)
         self.splitter.setObjectName("mainSplitter")
@@ -287,7 +262,6 @@ class MainWindow(QMainWindow):
         w.load_progress.connect(self._on_load_progress)
         w.load_finished.connect(self._on_load_finished)
         w.load_failed.connect(self._on_load_failed)
-        w.generation_started.connect(self._on_generation_started)
         w.steps.connect(self._on_steps)
         w.generation_finished.connect(self._on_generation_finished)
         w.generation_failed.connect(self._on_generation_failed)
@@ -438,9 +412,6 @@ class MainWindow(QMainWindow):
         source = {"draft": "draft", "ngram": "n-gram", "draft+ngram": "draft + n-gram"}[request.proposer]
         return f"{name} · speculative · K={request.k} · {source}"
 
-    def _on_generation_started(self, request_id: int) -> None:
-        log.debug("generation %d started", request_id)
-
     def _on_steps(self, request_id: int, steps: tuple[Step, ...]) -> None:
         # The hot path: one edit block in one bubble, ring-buffer appends for the charts (drawn by their timer).
         if request_id not in self._steps:
@@ -460,7 +431,7 @@ class MainWindow(QMainWindow):
         if summary.text and request_id == self.active_request and request_id not in self._detached:
             self._history.append(Message("assistant", summary.text))
         self.records.append(AnswerRecord(request, summary, self._request_info.get(request_id), now_iso(),
-                                         tuple(self._steps.get(request_id, ()))))
+                                         tuple(self._steps.pop(request_id, ()))))
         self._end_request(request_id)
         self.answer_finished.emit(request_id, summary)
 
@@ -468,6 +439,7 @@ class MainWindow(QMainWindow):
         if request_id not in self._requests:
             return
         self.chat.fail_assistant_message(request_id, message)
+        self._steps.pop(request_id, None)
         self._end_request(request_id)
         self.answer_failed.emit(request_id, message)
 

@@ -6,7 +6,6 @@ assisted generation with the draft as assistant_model).
 """
 from __future__ import annotations
 
-import logging
 import time
 from typing import Any, Literal
 
@@ -17,7 +16,6 @@ from transformers import StaticCache
 from engine.errors import GenerationError
 from engine.types import Sampling
 
-log = logging.getLogger(__name__)
 
 Variant = Literal["hf", "hf-static", "hf-assisted"]
 VARIANTS: tuple[Variant, ...] = ("hf", "hf-static", "hf-assisted")

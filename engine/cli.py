@@ -573,8 +573,8 @@ def _cost_model(engine: Engine, k: int, summary: dict[str, Any]) -> dict[str, An
 
     if not engine.info.target_ms or max(w for w, _ in engine.info.target_ms) < k + 1:
         engine.measure_costs(k_max=k)  # costs at load cover K up to 5 (CPU) / 8 (GPU)
-    model = CostModel(draft_ms=engine.info.draft_ms, target_ms=dict(engine.info.target_ms))
-    k_max = max(model.target_ms) - 1
+    model = CostModel.from_info(engine.info)
+    k_max = model.k_max
     spec = summary["speculative"]
     # Per-token acceptance from the mean tokens per step: E = (1 - a^(K+1)) / (1 - a).
     alpha = alpha_from_mean_accepted(spec["tokens_per_target_forward"] - 1.0, k)

@@ -11,7 +11,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from engine.types import Summary
+from engine.types import ModelInfo, Summary
 
 
 def expected_tokens_per_step(alpha: float, k: int) -> float:
@@ -32,6 +32,16 @@ class CostModel:
     def __post_init__(self) -> None:
         assert 1 in self.target_ms, "target_ms needs the 1-token cost (the standard-decoding step)"
         object.__setattr__(self, "_widths", tuple(sorted(self.target_ms)))
+
+    @classmethod
+    def from_info(cls, info: ModelInfo) -> CostModel:
+        """The costs an engine measured at load (ModelInfo.draft_ms / target_ms)."""
+        return cls(draft_ms=info.draft_ms, target_ms=dict(info.target_ms))
+
+    @property
+    def k_max(self) -> int:
+        """The largest K whose verify width was measured."""
+        return self._widths[-1] - 1
 
     def target_cost(self, width: int) -> float:
         """Measured cost of a width, linearly interpolated (or extrapolated) when not measured."""

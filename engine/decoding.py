@@ -274,17 +274,13 @@ class Generation(Iterator[Step]):
         #    round's input is the previous round's token, already on the device: two are kept
         #    queued, so the device never waits for the host. A speculative round needs the host's
         #    decision (how much was accepted), so it is queued once the previous one is committed.
-        ahead = (1 if speculative else 2) if lookahead else 0
+        depth = 2 if lookahead and not speculative else 1  # rounds in flight
         queue: deque[_Launched] = deque()
 
         def top_up() -> None:
-            if speculative:
-                if not queue:
-                    queue.append(self._launch(proposer, pending, generator, max_new))
-                return
-            while len(queue) < max(ahead, 1) and len(self.token_ids) + len(queue) < max_new:
+            while len(queue) < depth and len(self.token_ids) + len(queue) < max_new:
                 source = queue[-1].token if queue else pending
-                queue.append(self._launch(None, source, generator, max_new))
+                queue.append(self._launch(proposer, source, generator, max_new))
 
         if self.cancel.is_set():
             stop_reason = "cancelled"
@@ -316,7 +312,7 @@ class Generation(Iterator[Step]):
             self.token_ids += committed
             pending = committed[-1]
             done = stop_reason == "eos" or len(self.token_ids) >= max_new
-            if ahead and not done:
+            if lookahead and not done:
                 top_up()
             # 5. Describe the step: texts, statuses, probabilities.
             step, piece = self._describe(len(steps), result, committed, kept_draft, proposal, detok, t0)

@@ -19,7 +19,6 @@ class Detokenizer:
         self.ids: list[int] = list(prompt_ids[-4:]) if prompt_ids else []
         self.prefix_offset = 0  # window start
         self.read_offset = len(self.ids)  # ids up to here have been emitted as text
-        self.special = set(tokenizer.all_special_ids)
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(

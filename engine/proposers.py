@@ -56,21 +56,24 @@ class DraftModelProposer:
 
     @torch.inference_mode()
     def propose(self, k: int) -> Proposal:
+        greedy = self.sampling.greedy
         tokens, q_rows, shown = [], [], []
         ids = ids_tensor(self.pending, self.device)  # [P], queued: no wait for the device
         for _ in range(k):
             logits = self.runner.forward(ids)[-1, : self.vocab]  # [V]
-            q = process(logits, self.sampling)  # [V]
-            x = q.argmax(-1, keepdim=True) if self.sampling.greedy else draw(q.unsqueeze(0), self.generator)
-            tokens.append(x)
-            q_rows.append(q)
-            if self.sampling.greedy:
+            if greedy:
+                # Greedy drafts are point masses (q = None): no [V] one-hot per token to build.
+                x = logits.argmax(-1, keepdim=True)
                 shown.append(logits.softmax(-1).gather(0, x))
+            else:
+                q = process(logits, self.sampling)  # [V]
+                x = draw(q.unsqueeze(0), self.generator)
+                q_rows.append(q)
+            tokens.append(x)
             ids = x
-        draft = torch.cat(tokens)  # [K]
         return Proposal(
-            tokens=draft,
-            q=torch.stack(q_rows),  # [K, V]
+            tokens=torch.cat(tokens),  # [K]
+            q=torch.stack(q_rows) if q_rows else None,  # [K, V]
             sources=("draft",) * k,
             forwards=k,
             q_display=torch.cat(shown) if shown else None,

@@ -20,9 +20,9 @@ def process(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if sampling.top_p < 1.0:
         sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        cumulative = sorted_logits.softmax(-1).cumsum(-1)
+        sorted_probs = sorted_logits.softmax(-1)
         # Drop a token when the mass before it already reaches top_p; the top token always stays.
-        drop_sorted = (cumulative - sorted_logits.softmax(-1)) >= sampling.top_p
+        drop_sorted = (sorted_probs.cumsum(-1) - sorted_probs) >= sampling.top_p
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     return logits.softmax(-1)
@@ -62,6 +62,10 @@ def accept_draft(
         r = torch.rand(k, device=draft.device, generator=generator)  # [K]
         ok = r < accept_prob
     accepted = torch.cumprod(ok.long(), 0).sum()  # length of the accepted prefix
+    if greedy:
+        # p is one-hot, so the residual max(0, p - q) at a rejection is that same one-hot: the
+        # target's token is the argmax of p's row at the first rejection (or the bonus row).
+        return accepted, p.index_select(0, accepted.view(1))[0].argmax(), accept_prob
     # The token the target adds: at a rejection, from normalize(max(0, p - q)); after K accepts,
     # the bonus from p. Rows for every position are built so the choice needs no host sync.
     q_full = q if q is not None else torch.nn.functional.one_hot(draft, p.shape[-1]).to(p.dtype)
@@ -70,6 +74,5 @@ def accept_draft(
     residual = torch.where(mass > 0, residual / mass.clamp_min(1e-20), p[:k])
     candidates = torch.cat([residual, p[k:]], 0)  # [K+1, V]
     # index_select, not candidates[accepted]: indexing with a 0-dim device tensor reads it on the host.
-    row = candidates.index_select(0, accepted.view(1))  # [1, V]
-    added = row[0].argmax() if greedy else draw(row, generator)[0]
+    added = draw(candidates.index_select(0, accepted.view(1)), generator)[0]
     return accepted, added, accept_prob

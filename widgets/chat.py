@@ -130,7 +130,6 @@ class ChatView(QScrollArea):
     """
 
     regenerate_requested = Signal()  # Regenerate clicked on the last answer
-    message_copied = Signal(int)  # a message's text was put on the clipboard (its index)
 
     def __init__(self, parent: QWidget | None = None) -> None:
         super().__init__(parent)
@@ -240,7 +239,6 @@ class ChatView(QScrollArea):
 
     def copy_message(self, index: int) -> None:
         QGuiApplication.clipboard().setText(self.message_text(index))
-        self.message_copied.emit(index)
 
     def token_view(self, request_id: int) -> TokenTextView | None:
         """The token view of an answer, for hover tooltips and tests."""

@@ -86,17 +86,11 @@ class PromptBox(QWidget):
         self._generating = generating
         self._update_button()
 
-    def is_generating(self) -> bool:
-        return self._generating
-
     def set_ready(self, ready: bool, reason: str = "") -> None:
         """While not ready (models loading) Send is disabled and says why; typing stays possible."""
         self._ready = ready
         self._not_ready_reason = reason
         self._update_button()
-
-    def can_send(self) -> bool:
-        return self._ready and not self._generating
 
     # --- internals ------------------------------------------------------------------------------
 

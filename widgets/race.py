@@ -679,9 +679,6 @@ class RaceView(QWidget):
         for pane in self.panes.values():
             pane.view.set_show_rejected(show)
 
-    def clear_results(self) -> None:
-        self.table.setRowCount(0)
-
     # --- replay ---------------------------------------------------------------------------------
 
     def can_replay(self) -> bool:
@@ -823,7 +820,7 @@ class RaceView(QWidget):
                 self.picker.setCurrentIndex(target)
 
     def _set_buttons(self) -> None:
-        replaying = hasattr(self, "_replay_timer") and self._replay_timer.isActive()
+        replaying = self.is_replaying()
         self.race_button.setEnabled(not self._running and self._race_enabled)
         self.stop_button.setEnabled(self._running)
         self.replay_button.setEnabled(not replaying and self.can_replay())

@@ -237,12 +237,6 @@ class LeanDecoder:
         """Memory taken by the fused q/k/v and gate/up weights (0 extra when shared with the HF model)."""
         return sum(t.numel() * t.element_size() for layer in self.layers for t in (layer.wqkv, layer.w13))
 
-    def clear_cache(self) -> None:
-        """Zeroes the caches (never needed for correctness: stale slots are masked)."""
-        for layer in self.layers:
-            layer.k_cache.zero_()
-            layer.v_cache.zero_()
-
     @torch.no_grad()
     def forward(
         self, ids: torch.Tensor, start: torch.Tensor, kv_len: int | None = None, logits: bool = True

@@ -107,19 +107,14 @@ class StaticGraphRunner:
                 f"{self.max_length}-token cache of this runner. Shorten the prompt or max_new_tokens."
             )
         graph = self.graphs.get((width, self._bucket(self.length + width)))
-        if graph is not None:
-            self.static_ids[width].copy_(ids.view(width), non_blocking=True)
-            self.start.fill_(self.length)
-            graph.replay()
-            out = self.static_out[width]
-        elif width > PREFILL_CHUNK:
-            out = torch.cat([self._eager(chunk) for chunk in ids.view(width).split(PREFILL_CHUNK)])
-            return out  # _eager advanced length per chunk
-        else:
-            out = self._eager(ids.view(width))
-            return out
+        if graph is None:  # eagerly, in chunks; _eager advances the length per chunk
+            outs = [self._eager(chunk) for chunk in ids.view(width).split(PREFILL_CHUNK)]
+            return outs[0] if len(outs) == 1 else torch.cat(outs)
+        self.static_ids[width].copy_(ids.view(width), non_blocking=True)
+        self.start.fill_(self.length)
+        graph.replay()
         self.length += width
-        return out
+        return self.static_out[width]
 
     def prefill(self, ids: torch.Tensor) -> None:
         """Appends ids [W] to the cache, eagerly and in chunks, computing no logits."""
