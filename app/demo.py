@@ -10,8 +10,15 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 
 from engine.errors import GenerationError
-from engine.stats import summarize
-from engine.types import GenerationRequest, ModelInfo, Step, StopReason, Summary, TokenView
+from engine.measure.stats import summarize
+from engine.types import (
+    GenerationRequest,
+    ModelInfo,
+    Step,
+    StopReason,
+    Summary,
+    TokenView,
+)
 
 log = logging.getLogger(__name__)
 

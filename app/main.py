@@ -4,9 +4,10 @@ from __future__ import annotations
 import argparse
 import gc
 import logging
-import os
 import sys
 from collections.abc import Sequence
+
+from engine.settings import ModelChoice, ModelSelection
 
 log = logging.getLogger(__name__)
 
@@ -30,24 +31,11 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _selection_from_args(args: argparse.Namespace, saved):
+def _selection_from_args(args: argparse.Namespace, saved: ModelSelection) -> ModelSelection:
     """Command-line models override the remembered ones; unspecified parts keep what was saved."""
-    from widgets.model_dialog import ModelChoice, ModelSelection
-
-    def choice(spec: str | None, previous: ModelChoice) -> ModelChoice:
-        if spec is None:
-            return previous
-        if spec in ("", "default"):
-            return ModelChoice()
-        if spec.lower().endswith(".gguf"):
-            return ModelChoice("gguf", spec)
-        if os.path.isdir(os.path.expanduser(spec)) or spec.startswith((".", "/", "~")):
-            return ModelChoice("folder", spec)
-        return ModelChoice("hub", spec)
-
     return ModelSelection(
-        target=choice(args.target, saved.target),
-        draft=choice(args.draft, saved.draft),
+        target=saved.target if args.target is None else ModelChoice.from_spec(args.target),
+        draft=saved.draft if args.draft is None else ModelChoice.from_spec(args.draft),
         device=args.device or saved.device,
         dtype=args.dtype or saved.dtype,
         no_draft=args.no_draft or (saved.no_draft and args.draft is None),
@@ -57,7 +45,9 @@ def _selection_from_args(args: argparse.Namespace, saved):
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in HEADLESS_COMMANDS:
-        from engine.cli import main as cli_main  # torch and friends only when a command runs
+        from app.cli import (
+            main as cli_main,  # torch and friends only when a command runs
+        )
 
         return cli_main(argv)
     args = build_parser().parse_args(argv)

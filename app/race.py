@@ -27,12 +27,14 @@ from app.race_logic import (
     summarize_race,
     write_race_csv,
 )
+from app.session import build_request, system_messages
+from engine.settings import GenerationSettings
 from engine.types import GenerationRequest, Message, Mode, Step, Summary
-from widgets.race import RaceView
+from widgets.race_view import RaceView
 
 log = logging.getLogger(__name__)
 
-DEFAULT_TEMPLATE = GenerationRequest(max_new_tokens=256)
+DEFAULT_SETTINGS = GenerationSettings(max_new_tokens=256)
 
 
 @dataclass
@@ -56,9 +58,10 @@ class RaceController(QObject):
     """Sequences the runs of a race, compares them (app.race_logic), feeds a RaceView, exports CSV.
 
     `worker` is the app's EngineWorker (or anything with its signals and `stop(request_id)`);
-    `request_template()` gives the current settings as a GenerationRequest (K, sampling, seed,
-    max_new_tokens, proposer; its system messages are kept); `next_request_id()` hands out ids from
-    the same counter as the chat's, because the worker cancels by id order.
+    `current_settings()` gives the settings panel's values (K, sampling, seed, max_new_tokens,
+    proposer, system prompt), turned into requests by app.session.build_request like the chat's;
+    `next_request_id()` hands out ids from the same counter as the chat's, because the worker
+    cancels by id order.
     """
 
     running_changed = Signal(bool)
@@ -71,7 +74,7 @@ class RaceController(QObject):
         view: RaceView,
         *,
         next_request_id: Callable[[], int],
-        request_template: Callable[[], GenerationRequest] = lambda: DEFAULT_TEMPLATE,
+        current_settings: Callable[[], GenerationSettings] = lambda: DEFAULT_SETTINGS,
         prompts: Sequence[BenchPrompt] | None = None,
         parent: QObject | None = None,
     ) -> None:
@@ -79,7 +82,7 @@ class RaceController(QObject):
         self.worker = worker
         self.view = view
         self._next_request_id = next_request_id
-        self._template = request_template
+        self._settings = current_settings
         self.prompts = tuple(prompts) if prompts is not None else load_bench_prompts()
         self.results: list[RaceResult] = []  # every finished repeat of the session, for export
         self._race: _Race | None = None
@@ -104,9 +107,8 @@ class RaceController(QObject):
         if self._race is not None or not prompt:
             return None
         repeats = max(1, int(repeats))
-        template = self._template()
-        system = tuple(m for m in template.messages if m.role == "system")
-        base = replace(template, messages=system + (Message("user", prompt),), prompt=None)
+        settings = self._settings()
+        base = build_request(settings, system_messages(settings) + (Message("user", prompt),))
         race = _Race(
             race_id=self._next_race_id,
             prompt=prompt_meta(prompt, self.prompts),

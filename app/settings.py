@@ -8,8 +8,8 @@ from dataclasses import asdict
 
 from PySide6.QtCore import QByteArray, QSettings
 
-from widgets.model_dialog import ModelChoice, ModelSelection
-from widgets.settings_panel import GenerationSettings
+from engine.settings import GenerationSettings, ModelSelection
+from widgets.settings_panel import DisplaySettings
 
 log = logging.getLogger(__name__)
 
@@ -38,18 +38,7 @@ class AppSettings:
     # --- models -------------------------------------------------------------------------------
 
     def models(self) -> ModelSelection:
-        raw = self._json("models/selection")
-        try:
-            return ModelSelection(
-                target=ModelChoice(**raw.get("target", {})),
-                draft=ModelChoice(**raw.get("draft", {})),
-                device=str(raw.get("device", "auto")),
-                dtype=str(raw.get("dtype", "auto")),
-                no_draft=bool(raw.get("no_draft", False)),
-            )
-        except TypeError:
-            log.warning("ignoring damaged model settings in %s", self.file_name())
-            return ModelSelection()
+        return ModelSelection.from_dict(self._json("models/selection"))
 
     def set_models(self, selection: ModelSelection) -> None:
         self._qs.setValue("models/selection", json.dumps(asdict(selection)))
@@ -61,6 +50,14 @@ class AppSettings:
 
     def set_generation(self, settings: GenerationSettings) -> None:
         self._qs.setValue("generation/settings", json.dumps(asdict(settings), ensure_ascii=False))
+
+    def display(self) -> DisplaySettings:
+        # Before display settings had their own key they were stored with the generation settings.
+        raw = self._json("display/settings") or self._json("generation/settings")
+        return DisplaySettings.from_dict(raw)
+
+    def set_display(self, display: DisplaySettings) -> None:
+        self._qs.setValue("display/settings", json.dumps(asdict(display)))
 
     # --- window ---------------------------------------------------------------------------------
 

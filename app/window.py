@@ -23,19 +23,20 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app.export import AnswerRecord, now_iso, write_session_csv, write_trace_csv
+from app.export import write_session_csv, write_trace_csv
 from app.race import RaceController
+from app.session import ChatSession, LoadRequest, answer_header, cost_verdict, load_request_for
 from app.settings import AppSettings
-from app.worker import EngineFactory, LoadRequest, WorkerHost, default_engine_factory
-from engine.costmodel import CostModel, estimate_alpha
-from engine.types import GenerationRequest, Message, ModelInfo, Sampling, Step, Summary
+from app.worker import EngineFactory, WorkerHost, default_engine_factory
+from engine.settings import GenerationSettings, ModelSelection
+from engine.types import Message, ModelInfo, Step, Summary
 from widgets.charts import LiveCharts
 from widgets.chat import ChatView
 from widgets.legend import Legend
-from widgets.model_dialog import ModelDialog, ModelSelection
+from widgets.model_dialog import ModelDialog
 from widgets.prompt_box import PromptBox
-from widgets.race import RaceView
-from widgets.settings_panel import GenerationSettings, SettingsPanel
+from widgets.race_view import RaceView
+from widgets.settings_panel import DisplaySettings, SettingsPanel
 from widgets.stats_line import format_stats_line
 
 log = logging.getLogger(__name__)
@@ -48,50 +49,8 @@ _NOT_READY = "Models are loading; Send is enabled once they are ready."
 _NO_MODEL = "No model loaded: File ▸ Load models… (Ctrl+L)."
 
 
-def load_request_for(selection: ModelSelection) -> LoadRequest:
-    return LoadRequest(
-        target=selection.target.spec(),
-        draft=None if selection.no_draft else selection.draft.spec(),
-        device=selection.device,
-        dtype=selection.dtype,
-        with_draft=not selection.no_draft,
-    )
-
-
-def build_request(settings: GenerationSettings, messages: tuple[Message, ...], request_id: int) -> GenerationRequest:
-    return GenerationRequest(
-        messages=messages,
-        mode=settings.mode,  # type: ignore[arg-type]
-        k=settings.k,
-        sampling=Sampling(temperature=settings.temperature, top_k=settings.top_k, top_p=settings.top_p,
-                          seed=settings.seed),
-        max_new_tokens=settings.max_new_tokens,
-        proposer=settings.proposer,  # type: ignore[arg-type]
-        request_id=request_id,
-    )
-
-
-def cost_verdict(info: ModelInfo | None, summary: Summary | None) -> tuple[str, str]:
-    """(status-bar text, tooltip) from the forward costs measured at load and, once an answer
-    exists, its acceptance: what speculative decoding should buy on this machine, said plainly."""
-    if info is None or not info.target_ms or info.draft_ms <= 0:
-        return "", ""
-    model = CostModel.from_info(info)
-    k_max = model.k_max
-    costs = (f"Measured at load: draft {info.draft_ms:.1f} ms per forward, target "
-             + ", ".join(f"{ms:.1f} ms ({w} tok)" for w, ms in info.target_ms) + ".")
-    alpha = estimate_alpha(summary) if summary is not None else None
-    if alpha is None:
-        ratio = info.draft_ms / model.target_ms[1]
-        return f"draft = {ratio:.0%} of a target forward", costs + " Send a speculative prompt for a prediction."
-    k, best = model.best_k(alpha, k_max)
-    predicted = model.predicted_speedup(alpha, summary.k) if summary.k <= k_max else None
-    short = (f"predicted {predicted:.2f}× at K={summary.k}" if predicted is not None else f"best K={k}: {best:.2f}×")
-    return short, costs + " " + model.verdict(alpha, k_max)
-
-
 class MainWindow(QMainWindow):
-    """SpecDec Studio. The conversation state (messages, records) lives here; the models live in the worker.
+    """SpecDec Studio: a view of a ChatSession (the conversation and its requests); the models live in the worker.
 
     Its own signals fire on the UI thread after the window has handled the worker's (for tests and plugins).
     """
@@ -113,19 +72,11 @@ class MainWindow(QMainWindow):
         self.settings = settings or AppSettings()
         self.host = WorkerHost(engine_factory, self)
         self.worker = self.host.worker
-        self.info: ModelInfo | None = None  # the pair in use
+        self.session = ChatSession()
         self.selection = self.settings.models()  # what was last loaded successfully (or asked for)
         self._loading_selection: ModelSelection | None = None
-        self._history: list[Message] = []  # user/assistant turns of this chat (system prompt added per request)
-        self.records: list[AnswerRecord] = []  # every answer of the session, for export
-        self._requests: dict[int, GenerationRequest] = {}
-        self._request_info: dict[int, ModelInfo | None] = {}
-        self._steps: dict[int, list[Step]] = {}
-        self._next_id = 1
-        self.active_request: int | None = None
         self._closed = False
         self._sizes_with_charts: list[int] = []
-        self._detached: set[int] = set()  # requests whose chat was cleared while they streamed
 
         self._build_ui()
         self._build_menus()
@@ -133,13 +84,14 @@ class MainWindow(QMainWindow):
         self._connect_worker()
         # The race shares the worker and the request-id counter, and takes the panel's settings.
         self.race = RaceController(
-            self.worker, self.race_view, next_request_id=self.allocate_request_id,
-            request_template=lambda: build_request(self.panel.values(), self._system_messages(), 0),
+            self.worker, self.race_view, next_request_id=self.session.allocate_request_id,
+            current_settings=self.panel.values,
             parent=self,
         )
         self.race.running_changed.connect(lambda _running: self._set_ready_state())
         self.panel.set_values(self.settings.generation())
-        self._apply_display(self.panel.values())
+        self.panel.set_display(self.settings.display())
+        self._apply_display(self.panel.display())
         self._restore_layout()
         self._set_ready_state()
 
@@ -197,6 +149,7 @@ class MainWindow(QMainWindow):
         self.prompt.stop_requested.connect(self.stop)
         self.chat.regenerate_requested.connect(self.regenerate)
         self.panel.settings_changed.connect(self._on_settings_changed)
+        self.panel.display_changed.connect(self._on_display_changed)
 
     def _build_menus(self) -> None:
         bar = self.menuBar()
@@ -307,8 +260,21 @@ class MainWindow(QMainWindow):
         self.load_bar.setFormat(f"{stage} %p%")
         self.load_label.setText(message)
 
+    @property
+    def info(self) -> ModelInfo | None:
+        """The pair in use (None before the first load)."""
+        return self.session.info
+
+    @property
+    def active_request(self) -> int | None:
+        return self.session.active_request
+
+    @property
+    def records(self):
+        return self.session.records
+
     def _on_load_finished(self, info: ModelInfo) -> None:
-        self.info = info
+        self.session.info = info
         if self._loading_selection is not None:
             self.selection = self._loading_selection
             self.settings.set_models(self.selection)
@@ -343,30 +309,27 @@ class MainWindow(QMainWindow):
     def send(self, text: str) -> int | None:
         """Adds a user turn and asks for the answer; returns the request id (None if not sent)."""
         text = text.strip()
-        if not text or self.active_request is not None or self.info is None or self.is_loading() or self.race.running:
+        if not text or not self._can_chat():
             return None
-        self._history.append(Message("user", text))
         self.chat.add_user_message(text)
-        return self._start_request()
+        return self._submit(self.session.send(text, self.panel.values()))
 
     def regenerate(self) -> int | None:
         """Sends the last user turn again; the new answer replaces the last one."""
-        if self.active_request is not None or self.info is None or self.is_loading() or self.race.running:
+        if not self._can_chat():
             return None
-        last_user = next((i for i in range(len(self._history) - 1, -1, -1) if self._history[i].role == "user"), None)
-        if last_user is None:
+        started = self.session.regenerate(self.panel.values())
+        if started is None:
             return None
-        del self._history[last_user + 1 :]
-        last_answer = max((rid for rid in self._requests if self.chat.token_view(rid) is not None), default=None)
-        if last_answer is not None:
-            self.chat.remove_assistant_message(last_answer)
-        return self._start_request()
+        request, replaced = started
+        if replaced is not None:
+            self.chat.remove_assistant_message(replaced)
+        return self._submit(request)
 
     def new_chat(self) -> None:
-        if self.active_request is not None:
-            self._detached.add(self.active_request)  # its answer, still arriving, belongs to the old chat
-        self.stop()
-        self._history.clear()
+        streaming = self.session.new_chat()
+        if streaming is not None:
+            self.worker.stop(streaming)
         self.chat.clear()
         self.charts.reset()
         self._set_ready_state()
@@ -376,77 +339,50 @@ class MainWindow(QMainWindow):
             self.worker.stop(self.active_request)
 
     def history(self) -> list[Message]:
-        return list(self._history)
-
-    def _system_messages(self) -> tuple[Message, ...]:
-        system = self.panel.values().system_prompt.strip()
-        return (Message("system", system),) if system else ()
+        return list(self.session.history)
 
     def messages_for_request(self) -> tuple[Message, ...]:
-        return self._system_messages() + tuple(self._history)
+        return self.session.messages_for(self.panel.values())
 
     def allocate_request_id(self) -> int:
         """One counter for chat and race: the worker cancels by id, so ids must never repeat."""
-        rid = self._next_id
-        self._next_id += 1
-        return rid
+        return self.session.allocate_request_id()
 
-    def _start_request(self) -> int:
-        rid = self.allocate_request_id()
-        settings = self.panel.values()
-        request = build_request(settings, self.messages_for_request(), rid)
-        self._requests[rid] = request
-        self._request_info[rid] = self.info
-        self._steps[rid] = []
-        self.active_request = rid
-        self.chat.begin_assistant_message(rid, self._header(request))
+    def _can_chat(self) -> bool:
+        return self.active_request is None and self.info is not None and not self.is_loading() and not self.race.running
+
+    def _submit(self, request) -> int:
+        self.chat.begin_assistant_message(request.request_id, answer_header(request, self.info))
         self.charts.reset()
         self._set_ready_state()
         self.worker.generate_requested.emit(request)
-        return rid
-
-    def _header(self, request: GenerationRequest) -> str:
-        name = self.info.target_name if self.info else "model"
-        if request.mode == "standard":
-            return f"{name} · standard decoding"
-        source = {"draft": "draft", "ngram": "n-gram", "draft+ngram": "draft + n-gram"}[request.proposer]
-        return f"{name} · speculative · K={request.k} · {source}"
+        return request.request_id
 
     def _on_steps(self, request_id: int, steps: tuple[Step, ...]) -> None:
         # The hot path: one edit block in one bubble, ring-buffer appends for the charts (drawn by their timer).
-        if request_id not in self._steps:
+        if not self.session.add_steps(request_id, steps):
             return
-        self._steps[request_id].extend(steps)
         self.chat.append_steps(request_id, steps)
         if request_id == self.active_request:
             self.charts.push_steps(steps)
 
     def _on_generation_finished(self, request_id: int, summary: Summary) -> None:
-        request = self._requests.get(request_id)
+        request = self.session.request(request_id)
         if request is None:
             return
         self.chat.finish_assistant_message(request_id, summary, format_stats_line(summary, request))
-        if summary.mode == "speculative" and request.proposer == "draft":
-            self._show_costs(self._request_info.get(request_id), summary)
-        if summary.text and request_id == self.active_request and request_id not in self._detached:
-            self._history.append(Message("assistant", summary.text))
-        self.records.append(AnswerRecord(request, summary, self._request_info.get(request_id), now_iso(),
-                                         tuple(self._steps.pop(request_id, ()))))
-        self._end_request(request_id)
+        record = self.session.finish(request_id, summary)
+        if summary.mode == "speculative" and request.proposer == "draft" and record is not None:
+            self._show_costs(record.info, summary)
+        self._set_ready_state()
         self.answer_finished.emit(request_id, summary)
 
     def _on_generation_failed(self, request_id: int, message: str) -> None:
-        if request_id not in self._requests:
+        if not self.session.fail(request_id):
             return
         self.chat.fail_assistant_message(request_id, message)
-        self._steps.pop(request_id, None)
-        self._end_request(request_id)
-        self.answer_failed.emit(request_id, message)
-
-    def _end_request(self, request_id: int) -> None:
-        if request_id == self.active_request:
-            self.active_request = None
         self._set_ready_state()
+        self.answer_failed.emit(request_id, message)
 
     def _set_ready_state(self) -> None:
         generating = self.active_request is not None
@@ -464,35 +400,38 @@ class MainWindow(QMainWindow):
         reason = _NOT_READY if self.is_loading() else _NO_MODEL if self.info is None else "An answer is streaming in the chat"
         self.race_view.set_race_enabled(can_chat, reason)
         self.stop_action.setEnabled(generating)
-        self.regenerate_action.setEnabled(can_chat and not racing and any(m.role == "user" for m in self._history))
+        self.regenerate_action.setEnabled(can_chat and not racing and self.session.can_regenerate())
         self.load_action.setEnabled(not self.is_loading())
 
     # --- settings and view ----------------------------------------------------------------------
 
     def _on_settings_changed(self, settings: GenerationSettings) -> None:
-        self._apply_display(settings)
         self.settings.set_generation(settings)
 
-    def _apply_display(self, settings: GenerationSettings) -> None:
+    def _on_display_changed(self, display: DisplaySettings) -> None:
+        self._apply_display(display)
+        self.settings.set_display(display)
+
+    def _apply_display(self, display: DisplaySettings) -> None:
         for view in (self.chat, self.race_view):
-            view.set_colouring(settings.colouring)
-            view.set_show_rejected(settings.show_rejected)
-        for act, on in ((self.colouring_action, settings.colouring), (self.ghosts_action, settings.show_rejected)):
+            view.set_colouring(display.colouring)
+            view.set_show_rejected(display.show_rejected)
+        for act, on in ((self.colouring_action, display.colouring), (self.ghosts_action, display.show_rejected)):
             act.blockSignals(True)  # the panel is the source here; do not echo back into it
             act.setChecked(on)
             act.blockSignals(False)
         self.legend.set_visible_statuses(
             [s for s in ("accepted", "rejected", "corrected", "bonus", "target")
-             if s != "rejected" or settings.show_rejected]
+             if s != "rejected" or display.show_rejected]
         )
 
     def _on_colouring_toggled(self, on: bool) -> None:
-        self.panel.set_values(replace(self.panel.values(), colouring=on))
-        self._on_settings_changed(self.panel.values())
+        self.panel.set_display(replace(self.panel.display(), colouring=on))
+        self._on_display_changed(self.panel.display())
 
     def _on_ghosts_toggled(self, on: bool) -> None:
-        self.panel.set_values(replace(self.panel.values(), show_rejected=on))
-        self._on_settings_changed(self.panel.values())
+        self.panel.set_display(replace(self.panel.display(), show_rejected=on))
+        self._on_display_changed(self.panel.display())
 
     def _on_charts_toggled(self, on: bool) -> None:
         if not on:
@@ -577,6 +516,7 @@ class MainWindow(QMainWindow):
 
     def save_state(self) -> None:
         self.settings.set_generation(self.panel.values())
+        self.settings.set_display(self.panel.display())
         self.settings.set_geometry(QByteArray(self.saveGeometry()))
         self.settings.set_splitter_sizes(self._splitter_sizes())
         self.settings.set_charts_visible(self.charts_action.isChecked())

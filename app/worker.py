@@ -8,13 +8,13 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, Protocol
 
-from PySide6.QtCore import QObject, QThread, Qt, Signal, Slot
+from PySide6.QtCore import QObject, Qt, QThread, Signal, Slot
 
+from app.session import LoadRequest
 from engine.errors import EngineError
-from engine.stats import summarize
+from engine.measure.stats import summarize
 from engine.types import GenerationRequest, ModelInfo, Step
 
 log = logging.getLogger(__name__)
@@ -30,18 +30,6 @@ _orphans: list[QObject] = []  # hosts whose thread would not stop in time
 def running_threads() -> list[QThread]:
     """Worker threads still running; empty after every window has closed."""
     return [t for t in list(_threads) if t.isRunning()]
-
-
-@dataclass(frozen=True)
-class LoadRequest:
-    """Which pair to load and how; `None` model specs mean the packaged default."""
-
-    target: str | None = None  # folder, .gguf file, hub id, or None for the default target
-    draft: str | None = None  # same for the draft; ignored when with_draft is False
-    device: str = "auto"  # auto / cpu / cuda / cuda:N
-    dtype: str = "auto"  # auto / bfloat16 / float16 / float32
-    with_draft: bool = True  # False: target only (n-gram proposer or standard decoding)
-    fast_path: str = "auto"  # auto / eager / static, passed to Engine.from_pair
 
 
 class EngineLike(Protocol):
@@ -61,7 +49,7 @@ class LoadCancelled(Exception):
 def default_engine_factory(request: LoadRequest, progress: ProgressCallback) -> EngineLike:
     """load_pair (tokenizer check first, then weights) and the engine on top of it."""
     from engine.decoding import Engine
-    from engine.store import load_pair
+    from engine.models.store import load_pair
 
     pair = load_pair(request.target, request.draft, device=request.device, dtype=request.dtype,
                      progress=progress, with_draft=request.with_draft)
@@ -91,7 +79,7 @@ class EngineWorker(QObject):
     generate_requested = Signal(object)  # GenerationRequest (request_id set)
     # worker -> UI
     load_started = Signal(object)  # LoadRequest
-    load_progress = Signal(object)  # engine.store.LoadProgress
+    load_progress = Signal(object)  # engine.models.store.LoadProgress
     load_finished = Signal(object)  # ModelInfo of the pair now in use
     load_failed = Signal(str)  # one-line message; the previous engine stays in use
     generation_started = Signal(int)  # request_id

@@ -242,7 +242,7 @@ def main() -> None:
 
     @section("build + capture runners")
     def _():
-        from engine.fast import StaticGraphRunner
+        from engine.runners.graphs import StaticGraphRunner
 
         out = {}
         for role, widths in (("target", range(1, 10)), ("draft", (1, 2))):
@@ -320,7 +320,7 @@ def main() -> None:
 
     @section("fast-path variants: long context span, math attention, no graphs")
     def _():
-        from engine.fast import StaticGraphRunner
+        from engine.runners.graphs import StaticGraphRunner
 
         tr = S["target_runner"]
         out = {}
@@ -365,7 +365,7 @@ def main() -> None:
     @section("greedy speculative (minimal loop, graphs)")
     def _():
         tr, dr = S["target_runner"], S["draft_runner"]
-        from engine.costmodel import CostModel, alpha_from_mean_accepted
+        from engine.measure.costmodel import CostModel, alpha_from_mean_accepted
 
         plain = S.get("plain_tokens")
         costs = S.get("costs")
@@ -421,7 +421,7 @@ def main() -> None:
 
     @section("HF baselines: hf eager and hf-assisted", deadline=args.deadline)
     def _():
-        from engine.baselines import run_hf
+        from engine.measure.baselines import run_hf
 
         out = {}
         for variant in ("hf", "hf-assisted"):
@@ -434,7 +434,7 @@ def main() -> None:
     @section("experimental: torch.compile'd lean forward under CUDA graphs (width 1, span 512)",
              deadline=-1 if args.skip_compile else args.deadline - 100)
     def _():
-        from engine.fast import StaticGraphRunner
+        from engine.runners.graphs import StaticGraphRunner
 
         out = {}
         t = time.perf_counter()
@@ -454,7 +454,7 @@ def main() -> None:
     if not args.skip_hf_static:
         @section("HF baseline: hf-static (static cache + torch.compile reduce-overhead)", deadline=args.deadline - 60)
         def _():
-            from engine.baselines import run_hf
+            from engine.measure.baselines import run_hf
 
             t = time.perf_counter()
             r = run_hf(S["target"], S.get("tokenizer"), S["prompt"], n_new, "hf-static")

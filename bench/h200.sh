@@ -9,7 +9,7 @@ set -u -o pipefail
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 SPECDEC_CACHE_DIR=/tmp/specdec-cache
 OUT=${OUT:-out}; mkdir -p "$OUT"
 T=/root/hf/target D=/root/hf/draft
-B=(python3 -m engine.cli bench --target $T --draft $D --max-new-tokens 256)
+B=(python3 -m app.cli bench --target $T --draft $D --max-new-tokens 256)
 case "${1:-main}" in
 main)
   python3 -m pytest tests/test_fast.py -m gpu -q -p no:cacheprovider 2>&1 | tail -3

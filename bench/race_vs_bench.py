@@ -36,8 +36,7 @@ def main() -> int:
 
     from app.settings import AppSettings
     from app.window import MainWindow
-    from widgets.model_dialog import ModelChoice, ModelSelection
-    from widgets.settings_panel import GenerationSettings
+    from engine.settings import GenerationSettings, ModelChoice, ModelSelection
 
     app = QApplication.instance() or QApplication([])
     settings_file = Path(os.environ.get("TMPDIR", "/tmp")) / f"race-vs-bench-{os.getpid()}.ini"

@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     from app.demo import ScriptedEngine
     from app.settings import AppSettings
     from app.window import MainWindow
-    from widgets.model_dialog import ModelSelection
+    from engine.settings import ModelSelection
     from widgets.palette import load_stylesheet
 
     app = QApplication.instance() or QApplication(["specdec-studio"])

@@ -45,9 +45,8 @@ def run(scenario: Scenario, tokens: int) -> dict[str, float]:
     from app.demo import ScriptedEngine, scripted_steps
     from app.settings import AppSettings
     from app.window import MainWindow
-    from widgets.model_dialog import ModelSelection
+    from engine.settings import GenerationSettings, ModelSelection
     from widgets.palette import load_stylesheet
-    from widgets.settings_panel import GenerationSettings
 
     app = QApplication.instance() or QApplication(["ui_responsiveness"])
     app.setStyle("Fusion")

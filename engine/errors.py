@@ -6,6 +6,10 @@ class EngineError(Exception):
     """Base of every error the engine raises on purpose."""
 
 
+class InputError(EngineError):
+    """Bad input found before any model loads: a prompts file, an option, a value out of range."""
+
+
 class ModelLoadError(EngineError):
     """A model could not be found, verified, converted or loaded."""
 

@@ -16,13 +16,20 @@ from PySide6.QtWidgets import QMessageBox
 from app.export import SESSION_COLUMNS, TRACE_COLUMNS
 from app.settings import AppSettings
 from app.window import MainWindow
-from app.worker import EngineWorker, LoadRequest, WorkerHost, default_engine_factory, running_threads
+from app.worker import (
+    EngineWorker,
+    LoadRequest,
+    WorkerHost,
+    default_engine_factory,
+    running_threads,
+)
 from engine.errors import GenerationError
-from engine.stats import summarize
+from engine.measure.stats import summarize
+from engine.settings import GenerationSettings, ModelChoice, ModelSelection
 from engine.types import GenerationRequest, Message, ModelInfo, Step, Summary, TokenView
-from widgets.model_dialog import ModelChoice, ModelDialog, ModelSelection
+from widgets.model_dialog import ModelDialog
 from widgets.palette import current_palette
-from widgets.settings_panel import GenerationSettings
+from widgets.settings_panel import DisplaySettings
 from widgets.stats_line import format_stats_line
 
 FAKE_INFO = ModelInfo(target_name="fake-target", draft_name="fake-draft", device="cpu", dtype="float32",
@@ -545,9 +552,9 @@ def test_settings_round_trip(make_window, qtbot, tmp_path):
     path = tmp_path / "roundtrip.ini"
     first = make_window(FakeEngine(), app_settings=AppSettings(path))
     chosen = GenerationSettings(mode="speculative", proposer="draft+ngram", k=11, temperature=0.8, top_k=50,
-                                top_p=0.95, seed=42, max_new_tokens=1024, system_prompt="你是一个助手。\nBe brief.",
-                                colouring=False, show_rejected=False)
+                                top_p=0.95, seed=42, max_new_tokens=1024, system_prompt="你是一个助手。\nBe brief.")
     first.panel.set_values(chosen)
+    first.panel.set_display(DisplaySettings(colouring=False, show_rejected=False))
     first.resize(1300, 820)
     first.splitter.setSizes([250, 700, 350])
     sizes = first.splitter.sizes()
@@ -557,6 +564,7 @@ def test_settings_round_trip(make_window, qtbot, tmp_path):
 
     second = make_window(FakeEngine(), app_settings=AppSettings(path), load=False)
     assert second.panel.values() == chosen
+    assert second.panel.display() == DisplaySettings(colouring=False, show_rejected=False)
     assert not second.charts.isVisible() and not second.charts_action.isChecked()
     # The offscreen screen is small, so the restored window (and its middle pane) may be clamped.
     assert AppSettings(path).geometry() is not None
@@ -572,7 +580,7 @@ def test_view_menu_toggles_follow_the_panel(make_window, qtbot):
     rid, _ = send_with_enter(qtbot, w, "q")
     view = w.chat.token_view(rid)
     w.ghosts_action.setChecked(False)
-    assert not w.panel.values().show_rejected and not view.show_rejected()
+    assert not w.panel.display().show_rejected and not view.show_rejected()
     assert "rejected" not in [s for _, _, s in view.token_spans()]
     w.panel.colouring.setChecked(False)
     assert not w.colouring_action.isChecked() and not view.colouring()
@@ -609,11 +617,11 @@ def test_closing_mid_load_cancels_at_the_next_stage(make_window, qtbot):
 # --------------------------------------------------------------------------- entry point
 
 def test_main_delegates_headless_commands_to_the_cli(monkeypatch):
-    import engine.cli
+    import app.cli
     from app.main import main
 
     seen: list[list[str]] = []
-    monkeypatch.setattr(engine.cli, "main", lambda argv: seen.append(list(argv)) or 7)
+    monkeypatch.setattr(app.cli, "main", lambda argv: seen.append(list(argv)) or 7)
     assert main(["generate", "--prompt", "hi"]) == 7
     assert main(["bench", "--help"]) == 7
     assert seen == [["generate", "--prompt", "hi"], ["bench", "--help"]]
@@ -655,7 +663,7 @@ def test_end_to_end_with_tiny_real_models(make_window, qtbot, tiny_pair, tmp_pat
 
 def test_cost_verdict_says_plainly_whether_speculation_pays():
     from app.window import cost_verdict
-    from engine.stats import summarize
+    from engine.measure.stats import summarize
     from engine.types import ModelInfo, Step
 
     slow_draft = ModelInfo("t", "d", "cuda", "bfloat16", "cuda-graphs", 100, draft_ms=1.8,

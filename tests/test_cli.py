@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from engine import store
-from engine.cli import main
+from app.cli import main
+from engine.models import store
 from engine.types import Summary
 
 STATUSES = {"accepted", "rejected", "corrected", "bonus", "target"}
@@ -166,7 +166,7 @@ def test_out_of_memory_is_one_line(tiny_pair, monkeypatch, capsys):
 def test_divergences_are_reported_not_hidden(tiny_pair):
     from transformers import AutoTokenizer
 
-    from engine.cli import RunRecord, summarize_runs
+    from engine.measure.bench import RunRecord, summarize_runs
 
     tok = AutoTokenizer.from_pretrained(str(tiny_pair[0]))
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 from scipy import stats as scipy_stats
 
+from engine.decoding.sampling import accept_draft, process
 from engine.errors import GenerationError
-from engine.sampling import accept_draft, process
 from engine.types import GenerationRequest, Message, Sampling
 from tests.engine_fixtures import tiny_engine
 
@@ -237,7 +237,7 @@ def test_summary_figures(engine):
 
 
 def test_detokenizer_never_emits_half_a_character(engine):
-    from engine.detok import REPLACEMENT, Detokenizer
+    from engine.decoding.detok import REPLACEMENT, Detokenizer
 
     tok = engine.tokenizer
     text = "快速排序 🙂 quick 排序✨🚀 def add(a, b): 我们"

@@ -5,21 +5,26 @@ import math
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+)
 
-from engine.costmodel import (
+from engine.decoding.ngram import CombinedProposer, NgramProposer
+from engine.decoding.proposers import Proposal
+from engine.errors import GenerationError
+from engine.measure.costmodel import (
     CostModel,
     alpha_from_mean_accepted,
     alpha_from_per_position,
     estimate_alpha,
     expected_tokens_per_step,
 )
-from engine.errors import GenerationError
-from engine.fast import StaticGraphRunner, UnsupportedModelError
-from engine.fast.lean import LeanDecoder
-from engine.ngram import CombinedProposer, NgramProposer
-from engine.proposers import Proposal
 from engine.runners import EagerRunner
+from engine.runners.graphs import StaticGraphRunner
+from engine.runners.lean import LeanDecoder, UnsupportedModelError
 from tests.tiny import build_model
 
 VOCAB = 320
@@ -130,7 +135,7 @@ def test_attention_spans_and_kernels_match_hf(attention):
 
 
 def test_build_runners_on_cpu():
-    from engine.fast import build_runners
+    from engine.runners.graphs import build_runners
 
     seen = []
     target, draft = build_model(VOCAB, seed=0), build_model(VOCAB, seed=1, layers=1)
@@ -242,7 +247,7 @@ def test_cost_model_speedup_best_k_and_verdict():
 
 
 def test_cost_model_from_runners():
-    from engine.costmodel import measure
+    from engine.measure.costmodel import measure
 
     target = StaticGraphRunner(build_model(VOCAB, seed=0), max_length=64, graph_widths=(1,))
     draft = StaticGraphRunner(build_model(VOCAB, seed=1, layers=1), max_length=64, graph_widths=(1,))
@@ -325,7 +330,7 @@ def test_combined_proposer_keeps_draft_in_sync():
 def test_hf_baselines_on_cpu(tiny_pair):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from engine.baselines import run_hf
+    from engine.measure.baselines import run_hf
 
     target_dir, draft_dir = tiny_pair
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
@@ -364,7 +369,7 @@ def test_graph_replay_matches_eager_on_cuda():
 def test_engine_with_static_runners_is_lossless(tiny_pair, proposer):
     """The decoding loop on the fast-path runners: greedy speculative == greedy standard (float32)."""
     from engine.decoding import Engine
-    from engine.fast import build_runners
+    from engine.runners.graphs import build_runners
     from engine.types import GenerationRequest
     from tests.engine_fixtures import tiny_engine
 
@@ -383,7 +388,7 @@ def test_engine_with_static_runners_is_lossless(tiny_pair, proposer):
 @pytest.mark.gpu
 def test_engine_on_cuda_graphs_is_lossless_in_float32(tiny_pair):
     from engine.decoding import Engine
-    from engine.fast import build_runners
+    from engine.runners.graphs import build_runners
     from engine.types import GenerationRequest
     from tests.engine_fixtures import tiny_engine
 
@@ -409,7 +414,7 @@ def test_rounds_are_queued_without_host_syncs_on_cuda(tiny_pair, monkeypatch):
     indexing); it is on only inside Generation._launch. Queued ahead or not, outputs are identical.
     """
     from engine.decoding import Engine, Generation
-    from engine.fast import build_runners
+    from engine.runners.graphs import build_runners
     from engine.types import GenerationRequest, Sampling
     from tests.engine_fixtures import tiny_engine
 

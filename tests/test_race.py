@@ -26,9 +26,17 @@ from app.race_logic import (
     write_race_csv,
 )
 from app.worker import LoadRequest, WorkerHost, running_threads
-from engine.stats import summarize
-from engine.types import GenerationRequest, Message, ModelInfo, Sampling, Step, Summary, TokenView
-from widgets.race import RaceView, replay_scale
+from engine.measure.stats import summarize
+from engine.settings import GenerationSettings
+from engine.types import (
+    GenerationRequest,
+    Message,
+    ModelInfo,
+    Step,
+    Summary,
+    TokenView,
+)
+from widgets.race_view import RaceView, replay_scale
 
 INFO = ModelInfo(target_name="fake-target", draft_name="fake-draft", device="cpu", dtype="bfloat16",
                  fast_path="eager", vocab_size=1000)
@@ -134,7 +142,7 @@ def race_setup(qtbot):
     """(make(engine) -> (controller, view)); the worker thread is joined and checked afterwards."""
     hosts: list[WorkerHost] = []
 
-    def make(engine: RaceEngine, template: GenerationRequest | None = None):
+    def make(engine: RaceEngine, settings: GenerationSettings | None = None):
         host = WorkerHost(lambda _req, _progress: engine)
         hosts.append(host)
         host.worker.load_requested.emit(LoadRequest())
@@ -145,11 +153,10 @@ def race_setup(qtbot):
         view.resize(1300, 850)
         view.show()
         ids = iter(range(1, 10_000))
-        tmpl = template or GenerationRequest(
-            messages=(Message("system", "Be brief."),), k=4, sampling=Sampling(temperature=0.0, seed=7),
-            max_new_tokens=64)
+        chosen = settings or GenerationSettings(system_prompt="Be brief.", k=4, temperature=0.0, seed=7,
+                                                max_new_tokens=64)
         controller = RaceController(host.worker, view, next_request_id=lambda: next(ids),
-                                    request_template=lambda: tmpl)
+                                    current_settings=lambda: chosen)
         return controller, view
 
     yield make
@@ -447,7 +454,7 @@ def raced_window(qtbot, tmp_path):
     """The real main window with models loaded from a scripted race engine; no thread left after."""
     from app.settings import AppSettings
     from app.window import MainWindow
-    from widgets.model_dialog import ModelSelection
+    from engine.settings import ModelSelection
 
     engine = RaceEngine(standard_steps(), speculative_steps(SPEC_IDS, ps=SPEC_P))
     w = MainWindow(engine_factory=lambda _req, _progress: engine, settings=AppSettings(tmp_path / "s.ini"))

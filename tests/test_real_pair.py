@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from engine.cli import main
+from app.cli import main
 
 pytestmark = pytest.mark.real_models
 

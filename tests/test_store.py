@@ -11,10 +11,10 @@ import pytest
 import torch
 import transformers
 
-from engine import device as device_mod
-from engine import store
 from engine.errors import IncompatibleModelsError, ModelLoadError
-from engine.store import (
+from engine.models import device as device_mod
+from engine.models import store
+from engine.models.store import (
     LoadProgress,
     PackagedModel,
     check_compatible,

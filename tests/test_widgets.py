@@ -9,7 +9,7 @@ from PySide6.QtCore import QPoint
 from PySide6.QtGui import QColor, QGuiApplication, QTextCursor
 from PySide6.QtWidgets import QApplication
 
-from engine.stats import summarize
+from engine.measure.stats import summarize
 from engine.types import GenerationRequest, Sampling, Step, Summary, TokenView
 from widgets.palette import STATUSES, current_palette, load_stylesheet
 from widgets.stats_line import format_stats_line
@@ -353,7 +353,7 @@ def test_chart_series(charts):
     np.testing.assert_allclose(s["acceptance_rate"], [50.0, 500 / 7, 800 / 11])
     # Per step: new tokens / (draft + verify) = 3/0.01, 4/0.01, 4/0.01.
     np.testing.assert_allclose(s["tokens_per_s"], [300.0, 400.0, 400.0])
-    # Positions 1..4 reached 3,3,3,1 times, accepted 3,3,2,0 times — same as engine.stats.
+    # Positions 1..4 reached 3,3,3,1 times, accepted 3,3,2,0 times — same as engine.measure.stats.
     np.testing.assert_allclose(s["position_acceptance"], [100.0, 100.0, 200 / 3, 0.0])
     expected = np.array(make_summary(steps).per_position_acceptance) * 100
     np.testing.assert_allclose(s["position_acceptance"], expected)

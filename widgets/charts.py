@@ -131,7 +131,7 @@ class LiveCharts(QWidget):
         }
 
     def position_acceptance(self) -> np.ndarray:
-        """P(accepted | reached) in % for draft positions 1..K (as in engine.stats.summarize)."""
+        """P(accepted | reached) in % for draft positions 1..K (as in engine.measure.stats.summarize)."""
         with np.errstate(invalid="ignore", divide="ignore"):
             return np.where(self._reached > 0, 100.0 * self._hits / np.maximum(self._reached, 1), 0.0)
 

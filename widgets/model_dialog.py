@@ -1,8 +1,6 @@
 """The Load models dialog: target and draft from the packaged default, a folder, a .gguf file or a hub id."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from PySide6.QtCore import Qt
 from PySide6.QtWidgets import (
     QButtonGroup,
@@ -23,36 +21,12 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-SOURCE_KINDS = ("default", "folder", "gguf", "hub")
-DEVICES = ("auto", "cpu", "cuda")
-DTYPES = ("auto", "bfloat16", "float32")
+from engine.settings import DEVICES, DTYPES, SOURCE_KINDS, ModelChoice, ModelSelection
+
 DEFAULT_LABELS = {
     "target": "Default (Qwen2.5-Coder 1.5B, packaged)",
     "draft": "Default (Qwen2.5-Coder 0.5B, packaged)",
 }
-
-
-@dataclass(frozen=True)
-class ModelChoice:
-    """One side of the pair as picked in the dialog."""
-
-    kind: str = "default"  # "default", "folder", "gguf" or "hub"
-    value: str = ""  # folder path, .gguf path or hub id; "" for the default
-
-    def spec(self) -> str | None:
-        """What engine.store.resolve_source takes: None for the packaged default."""
-        return None if self.kind == "default" or not self.value.strip() else self.value.strip()
-
-
-@dataclass(frozen=True)
-class ModelSelection:
-    """Everything the dialog decides."""
-
-    target: ModelChoice = ModelChoice()  # the model whose output is produced
-    draft: ModelChoice = ModelChoice()  # the proposer model
-    device: str = "auto"  # auto / cpu / cuda
-    dtype: str = "auto"  # auto / bfloat16 / float32
-    no_draft: bool = False  # target only: n-gram lookup or standard decoding
 
 
 class _SourcePicker(QGroupBox):

@@ -17,69 +17,36 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from engine.settings import K_RANGE, MAX_NEW_TOKENS_RANGE, SEED_RANGE, TEMPERATURE_RANGE, GenerationSettings
 from engine.types import MODES, PROPOSERS
-
-K_RANGE = (1, 16)
-MAX_NEW_TOKENS_RANGE = (1, 4096)
-DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant."
 
 
 @dataclass(frozen=True)
-class GenerationSettings:
-    """Everything the panel edits, as plain values (the app turns it into a GenerationRequest)."""
+class DisplaySettings:
+    """How answers are shown; persisted beside the decoding settings."""
 
-    mode: str = "speculative"  # "speculative" or "standard"
-    proposer: str = "draft"  # "draft", "ngram" or "draft+ngram"
-    k: int = 5  # draft tokens per step, 1..16
-    temperature: float = 0.0  # 0 = greedy
-    top_k: int = 0  # 0 disables
-    top_p: float = 1.0  # 1 disables
-    seed: int = 0  # seed of every random draw in one generation
-    max_new_tokens: int = 512  # 1..4096
-    system_prompt: str = DEFAULT_SYSTEM_PROMPT  # sent as the first message when not empty
     colouring: bool = True  # colour tokens by status
     show_rejected: bool = True  # keep rejected drafts as struck-through ghosts
 
     @classmethod
-    def from_dict(cls, raw: dict[str, object]) -> GenerationSettings:
-        """Tolerant of missing, extra or mistyped entries (settings files written by older versions)."""
+    def from_dict(cls, raw: dict[str, object]) -> DisplaySettings:
         default = cls()
-        values: dict[str, object] = {}
+        values = {}
         for f in fields(cls):
             value = raw.get(f.name, getattr(default, f.name))
-            kind = type(getattr(default, f.name))
-            try:
-                if kind is bool and isinstance(value, str):
-                    value = value.strip().lower() in ("1", "true", "yes", "on")
-                values[f.name] = kind(value)
-            except (TypeError, ValueError):
-                values[f.name] = getattr(default, f.name)
-        return cls(**values).clamped()  # type: ignore[arg-type]
-
-    def clamped(self) -> GenerationSettings:
-        """Every value inside the range the panel offers."""
-        return GenerationSettings(
-            mode=self.mode if self.mode in MODES else "speculative",
-            proposer=self.proposer if self.proposer in PROPOSERS else "draft",
-            k=min(max(self.k, K_RANGE[0]), K_RANGE[1]),
-            temperature=min(max(self.temperature, 0.0), 2.0),
-            top_k=max(self.top_k, 0),
-            top_p=min(max(self.top_p, 0.01), 1.0),
-            seed=max(self.seed, 0),
-            max_new_tokens=min(max(self.max_new_tokens, MAX_NEW_TOKENS_RANGE[0]), MAX_NEW_TOKENS_RANGE[1]),
-            system_prompt=self.system_prompt,
-            colouring=self.colouring,
-            show_rejected=self.show_rejected,
-        )
+            values[f.name] = value if isinstance(value, bool) else getattr(default, f.name)
+        return cls(**values)
 
 
 _PROPOSER_LABELS = {"draft": "Draft model", "ngram": "N-gram (prompt lookup)", "draft+ngram": "Draft + n-gram"}
 
 
 class SettingsPanel(QWidget):
-    """Emits `settings_changed(GenerationSettings)` whenever a control changes (not on set_values)."""
+    """Emits `settings_changed(GenerationSettings)` or `display_changed(DisplaySettings)` whenever a
+    control changes (not on set_values / set_display)."""
 
     settings_changed = Signal(object)  # GenerationSettings
+    display_changed = Signal(object)  # DisplaySettings
 
     def __init__(self, parent: QWidget | None = None) -> None:
         super().__init__(parent)
@@ -113,7 +80,7 @@ class SettingsPanel(QWidget):
         form = QFormLayout(sampling)
         form.setFieldGrowthPolicy(QFormLayout.FieldGrowthPolicy.AllNonFixedFieldsGrow)
         self.temperature = QDoubleSpinBox(sampling)
-        self.temperature.setRange(0.0, 2.0)
+        self.temperature.setRange(*TEMPERATURE_RANGE)
         self.temperature.setSingleStep(0.1)
         self.temperature.setDecimals(2)
         self.temperature.setToolTip("0 = greedy (deterministic).")
@@ -128,7 +95,7 @@ class SettingsPanel(QWidget):
         self.top_p.setDecimals(2)
         form.addRow("Top-p", self.top_p)
         self.seed = QSpinBox(sampling)
-        self.seed.setRange(0, 2**31 - 1)
+        self.seed.setRange(*SEED_RANGE)
         form.addRow("Seed", self.seed)
         self.max_new_tokens = QSpinBox(sampling)
         self.max_new_tokens.setRange(*MAX_NEW_TOKENS_RANGE)
@@ -180,7 +147,7 @@ class SettingsPanel(QWidget):
             dspin.valueChanged.connect(self._on_changed)
         self.system_prompt.textChanged.connect(self._on_changed)
         for check in (self.colouring, self.show_rejected):
-            check.toggled.connect(self._on_changed)
+            check.toggled.connect(self._on_display_changed)
 
     # --- public API -------------------------------------------------------------------------
 
@@ -195,9 +162,19 @@ class SettingsPanel(QWidget):
             seed=self.seed.value(),
             max_new_tokens=self.max_new_tokens.value(),
             system_prompt=self.system_prompt.toPlainText(),
-            colouring=self.colouring.isChecked(),
-            show_rejected=self.show_rejected.isChecked(),
         )
+
+    def display(self) -> DisplaySettings:
+        return DisplaySettings(colouring=self.colouring.isChecked(), show_rejected=self.show_rejected.isChecked())
+
+    def set_display(self, display: DisplaySettings) -> None:
+        """Shows `display` without emitting display_changed."""
+        self._updating = True
+        try:
+            self.colouring.setChecked(display.colouring)
+            self.show_rejected.setChecked(display.show_rejected)
+        finally:
+            self._updating = False
 
     def set_values(self, settings: GenerationSettings) -> None:
         """Shows `settings` without emitting settings_changed once per control."""
@@ -214,8 +191,6 @@ class SettingsPanel(QWidget):
             self.max_new_tokens.setValue(s.max_new_tokens)
             if self.system_prompt.toPlainText() != s.system_prompt:
                 self.system_prompt.setPlainText(s.system_prompt)
-            self.colouring.setChecked(s.colouring)
-            self.show_rejected.setChecked(s.show_rejected)
         finally:
             self._updating = False
         self._update_enabled()
@@ -246,3 +221,7 @@ class SettingsPanel(QWidget):
             return
         self._update_enabled()
         self.settings_changed.emit(self.values())
+
+    def _on_display_changed(self, *_: object) -> None:
+        if not self._updating:
+            self.display_changed.emit(self.display())

@@ -11,16 +11,23 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from engine.detok import Detokenizer
+from engine.decoding.detok import Detokenizer
+from engine.decoding.proposers import DraftModelProposer, Proposal, Proposer
+from engine.decoding.sampling import accept_draft, display_probs, draw, process
 from engine.errors import GenerationError
-from engine.proposers import DraftModelProposer, Proposal, Proposer
+from engine.limits import K_MAX
+from engine.measure.stats import summarize
 from engine.runners import EagerRunner, Runner, ids_tensor
-from engine.sampling import accept_draft, display_probs, draw, process
-from engine.stats import summarize
-from engine.types import GenerationRequest, ModelInfo, Step, StopReason, Summary, TokenView
+from engine.types import (
+    GenerationRequest,
+    ModelInfo,
+    Step,
+    StopReason,
+    Summary,
+    TokenView,
+)
 
 log = logging.getLogger(__name__)
-K_MAX = 32  # larger drafts never pay: acceptance decays geometrically with position
 
 
 @dataclass
@@ -87,7 +94,7 @@ class Engine:
 
     @classmethod
     def from_pair(cls, pair, *, fast_path: str = "auto", progress=None, compile_k: int = 5) -> Engine:
-        """Builds runners for a LoadedPair (engine.store); the fast path when CUDA allows it.
+        """Builds runners for a LoadedPair (engine.models.store); the fast path when CUDA allows it.
 
         fast_path: "auto" (CUDA graphs where possible, else eager), "eager", "static" (graphs or
         an error), "compiled" (graphs of inductor-compiled forwards for K = compile_k: minutes of
@@ -96,10 +103,10 @@ class Engine:
         target_runner = draft_runner = None
         name = "eager"
         if fast_path in ("auto", "static") and pair.target.device.type == "cpu":
-            from engine.cpu_fast import try_pack
+            from engine.runners.cpu import try_pack
 
             if progress is not None:
-                from engine.store import LoadProgress
+                from engine.models.store import LoadProgress
 
                 progress(LoadProgress("warmup", 0.5, "Packing weights for the CPU fast path (oneDNN)"))
             # In place: the pair's models are the engine's from now on (baselines load their own).
@@ -109,7 +116,7 @@ class Engine:
             name = packed or name
         if fast_path != "eager" and pair.target.device.type == "cuda":
             try:
-                from engine.fast import build_runners
+                from engine.runners.graphs import build_runners
 
                 target_runner, draft_runner, name = build_runners(
                     pair.target, pair.draft, progress=progress,
@@ -133,7 +140,7 @@ class Engine:
         )
         engine.measure_costs(progress)
         if progress is not None:
-            from engine.store import LoadProgress
+            from engine.models.store import LoadProgress
 
             progress(LoadProgress("warmup", 1.0, f"Ready ({name})"))
         return engine
@@ -154,7 +161,7 @@ class Engine:
         on_gpu = self.device.type == "cuda"
         widths = range(1, (k_max or (8 if on_gpu else 5)) + 2)  # verify widths up to K_max + 1
         if progress is not None:
-            from engine.store import LoadProgress
+            from engine.models.store import LoadProgress
 
             progress(LoadProgress("warmup", 0.95, "Measuring forward costs for the cost model"))
         try:
@@ -221,7 +228,7 @@ class Engine:
         if request.proposer == "draft":
             assert draft is not None
             return draft
-        from engine.ngram import CombinedProposer, NgramProposer
+        from engine.decoding.ngram import CombinedProposer, NgramProposer
 
         ngram = NgramProposer(device=self.device)
         return ngram if request.proposer == "ngram" else CombinedProposer(ngram, draft)

@@ -16,7 +16,6 @@ from transformers import StaticCache
 from engine.errors import GenerationError
 from engine.types import Sampling
 
-
 Variant = Literal["hf", "hf-static", "hf-assisted"]
 VARIANTS: tuple[Variant, ...] = ("hf", "hf-static", "hf-assisted")
 

@@ -100,7 +100,7 @@ class _Measurable(Protocol):
 
 
 def measure(target: _Measurable, draft: _Measurable | None, *, k_max: int = 12, iters: int = 20) -> CostModel:
-    """A CostModel from runners' measured forward costs (engine.fast.StaticGraphRunner.measure_costs).
+    """A CostModel from runners' measured forward costs (engine.runners.graphs.StaticGraphRunner.measure_costs).
 
     Measured at the runners' current cache length; call it on idle runners (it leaves their
     contents as they were). Without a draft (n-gram drafts) the draft cost is 0.

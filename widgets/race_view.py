@@ -14,27 +14,18 @@ attributes of app.race_logic's RaceResult / RaceSummary) and never imports torch
 """
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Protocol
 
-import numpy as np
-import pyqtgraph as pg
-from PySide6.QtCore import QElapsedTimer, QRect, QRectF, QSignalBlocker, Qt, QTimer, Signal
+from PySide6.QtCore import QElapsedTimer, QSignalBlocker, Qt, QTimer, Signal
 from PySide6.QtGui import (
     QColor,
-    QPainter,
-    QPaintEvent,
-    QPen,
     QStandardItem,
     QStandardItemModel,
-    QTextCharFormat,
-    QTextCursor,
 )
 from PySide6.QtWidgets import (
     QAbstractItemView,
     QComboBox,
-    QFrame,
     QHBoxLayout,
     QHeaderView,
     QLabel,
@@ -45,23 +36,17 @@ from PySide6.QtWidgets import (
     QSplitter,
     QTableWidget,
     QTableWidgetItem,
-    QTextEdit,
     QVBoxLayout,
     QWidget,
 )
 
 import widgets.charts  # noqa: F401  (sets pyqtgraph options once, before any plot exists)
 from engine.types import Step, Summary
-from widgets.palette import current_palette
-from widgets.token_text import TokenTextView
+from widgets.race_chart import RACE_MODES, RaceChart
+from widgets.race_pane import DIVERGENCE_COLOUR, RacePane, identical_text, rate_text, times_text
 
-RACE_MODES: tuple[str, str] = ("standard", "speculative")
-MODE_TITLES = {"standard": "Standard — target only", "speculative": "Speculative — draft + target"}
-MODE_STATUS = {"standard": "target", "speculative": "accepted"}  # palette entry that colours each mode's curve
 REPEATS_RANGE = (1, 20)
-REFRESH_HZ = 15.0  # chart redraws (live and replay); panes append in batches at the same pace
 REPLAY_SHORTEST_S, REPLAY_LONGEST_S = 4.0, 20.0
-DIVERGENCE_COLOUR = "#d92d20"
 
 # Categories of assets/bench_prompts.jsonl, in the order the picker and the table group them.
 CATEGORY_LABELS: dict[str, str] = {
@@ -131,247 +116,13 @@ class RaceSummaryLike(Protocol):
     identical: bool | None
 
 
+
+
 def replay_scale(longest_s: float, *, shortest: float = REPLAY_SHORTEST_S, longest: float = REPLAY_LONGEST_S) -> float:
     """Replay seconds per recorded second: a 50 ms CPU race is slowed to be watchable, a minute sped up."""
     if longest_s <= 0:
         return 1.0
     return min(max(longest_s, shortest), longest) / longest_s
-
-
-def _rate(tokens_per_s: float) -> str:
-    if math.isnan(tokens_per_s):
-        return "–"
-    return f"{tokens_per_s:.1f}" if tokens_per_s < 100 else f"{tokens_per_s:.0f}"
-
-
-def _times(x: float) -> str:
-    return "–" if math.isnan(x) else f"{x:.2f}×"
-
-
-def _identical_text(identical: bool | None) -> str:
-    return {True: "yes", False: "no", None: "n/a (sampled)"}[identical]
-
-
-# --------------------------------------------------------------------------- token view with a highlight
-
-class RaceTokenView(TokenTextView):
-    """A TokenTextView that can mark one committed token (the first divergence): a red outline box
-    drawn over the text plus a red underline (an ExtraSelection), so the token keeps its status
-    colours. The mark survives the display toggles (it is re-applied after every re-render).
-    """
-
-    def __init__(self, parent: QWidget | None = None) -> None:
-        super().__init__(parent)
-        self._highlight: tuple[int, str] | None = None  # (committed token index, reason)
-
-    def highlight_token(self, index: int, reason: str) -> None:
-        """Marks committed token `index` (0-based, rejected drafts not counted); its tooltip gets `reason`."""
-        self._highlight = (index, reason)
-        self._apply_highlight()
-
-    def clear_highlight(self) -> None:
-        self._highlight = None
-        self.setExtraSelections([])
-        self.viewport().update()
-
-    def highlighted_span(self) -> tuple[int, int] | None:
-        """(start, end) document positions of the marked token, or None."""
-        if self._highlight is None:
-            return None
-        return self.committed_span(self._highlight[0])
-
-    def highlight_reason(self) -> str | None:
-        return self._highlight[1] if self._highlight else None
-
-    def committed_span(self, index: int) -> tuple[int, int] | None:
-        """Document range of committed token `index`. A token that only starts a multi-byte character
-        shows no text of its own; it is marked through the token that completes the character."""
-        committed = [i for i, t in enumerate(self._tokens) if t.status != "rejected"]
-        for token_index in committed[index:]:
-            if self._tokens[token_index].text:
-                try:
-                    span = self._span_token.index(token_index)
-                except ValueError:
-                    return None
-                return self._starts[span], self._ends[span]
-        return None
-
-    def clear(self) -> None:
-        self._highlight = None
-        self.setExtraSelections([])
-        super().clear()
-
-    def tooltip_at(self, position: int) -> str | None:
-        text = super().tooltip_at(position)
-        span = self.highlighted_span()
-        if text and span and span[0] <= position < span[1]:
-            text += f"\nfirst divergence: {self.highlight_reason()}"
-        return text
-
-    def _rerender(self) -> None:
-        super()._rerender()
-        self._apply_highlight()
-
-    def _apply_highlight(self) -> None:
-        span = self.highlighted_span()
-        if span is None:
-            self.setExtraSelections([])
-            return
-        selection = QTextEdit.ExtraSelection()
-        cursor = QTextCursor(self.document())
-        cursor.setPosition(span[0])
-        cursor.setPosition(span[1], QTextCursor.MoveMode.KeepAnchor)
-        fmt = QTextCharFormat()
-        fmt.setUnderlineStyle(QTextCharFormat.UnderlineStyle.SingleUnderline)
-        fmt.setUnderlineColor(QColor(DIVERGENCE_COLOUR))
-        selection.cursor = cursor
-        selection.format = fmt
-        self.setExtraSelections([selection])
-        self.viewport().update()
-
-    def highlight_rects(self) -> list[QRect]:
-        """Viewport rectangles of the marked token, one per line it covers."""
-        span = self.highlighted_span()
-        if span is None:
-            return []
-        rects: list[QRect] = []
-        cursor = QTextCursor(self.document())
-        for pos in range(span[0], span[1]):
-            cursor.setPosition(pos)
-            left = self.cursorRect(cursor)
-            cursor.setPosition(pos + 1)
-            right = self.cursorRect(cursor)
-            if right.top() != left.top():  # the character ends its line: up to the viewport edge
-                right = QRect(self.viewport().width() - 4, left.top(), 1, left.height())
-            char = QRect(left.topLeft(), right.bottomLeft()).adjusted(0, 0, 0, 0)
-            if rects and rects[-1].top() == char.top():
-                rects[-1] = rects[-1].united(char)
-            else:
-                rects.append(char)
-        return rects
-
-    def paintEvent(self, event: QPaintEvent) -> None:
-        super().paintEvent(event)
-        rects = self.highlight_rects()
-        if not rects:
-            return
-        painter = QPainter(self.viewport())
-        painter.setRenderHint(QPainter.RenderHint.Antialiasing)
-        painter.setPen(QPen(QColor(DIVERGENCE_COLOUR), 2))
-        painter.setBrush(Qt.BrushStyle.NoBrush)
-        for r in rects:
-            painter.drawRoundedRect(QRectF(r).adjusted(-2, -1, 2, 1), 3, 3)
-        painter.end()
-
-
-# --------------------------------------------------------------------------- one pane
-
-class RacePane(QFrame):
-    """A mode's title, its live tok/s and elapsed time, and its coloured tokens."""
-
-    def __init__(self, mode: str, parent: QWidget | None = None) -> None:
-        super().__init__(parent)
-        self.mode = mode
-        self.setObjectName("racePane")
-        self.setFrameShape(QFrame.Shape.StyledPanel)
-        chart = current_palette().colours(MODE_STATUS[mode]).chart
-        self.title = QLabel(f'<span style="color:{chart.name()}">■</span>&nbsp;<b>{MODE_TITLES[mode]}</b>')
-        self.stats = QLabel("waiting")
-        self.stats.setObjectName("statsLine")
-        self.view = RaceTokenView(self)
-        self.view.setObjectName("raceText")
-        layout = QVBoxLayout(self)
-        layout.setContentsMargins(8, 6, 8, 8)
-        layout.setSpacing(4)
-        header = QHBoxLayout()
-        header.addWidget(self.title)
-        header.addStretch(1)
-        header.addWidget(self.stats)
-        layout.addLayout(header)
-        layout.addWidget(self.view, 1)
-        self.reset("waiting")
-
-    def reset(self, note: str) -> None:
-        self.view.clear()
-        self._tokens = 0
-        self._seconds = 0.0
-        self.stats.setText(note)
-
-    def append(self, steps: Sequence[Step]) -> None:
-        if not steps:
-            return
-        self.view.append_steps(steps)
-        last = steps[-1]
-        self.show_progress(last.total_tokens, last.elapsed_s)
-
-    def show_progress(self, tokens: int, seconds: float) -> None:
-        rate = tokens / seconds if seconds > 0 else math.nan
-        self.stats.setText(f"{_rate(rate)} tok/s · {seconds:.2f} s · {tokens} tokens")
-
-    def finish(self, summary: Summary) -> None:
-        self.view.finish()
-        parts = [f"<b>{_rate(summary.tokens_per_s)} tok/s</b>", f"{summary.seconds:.2f} s", f"{summary.new_tokens} tokens"]
-        if summary.mode == "speculative":
-            parts.append(f"{summary.acceptance_rate * 100:.0f}% accepted")
-            parts.append(f"{summary.tokens_per_target_forward:.1f} tok/fwd")
-        if summary.stop_reason == "cancelled":
-            parts.append("stopped")
-        self.stats.setText(" · ".join(parts))
-
-
-# --------------------------------------------------------------------------- the chart
-
-class RaceChart(pg.PlotWidget):
-    """Tokens generated (y) against seconds on each mode's own clock (x), both modes overlaid.
-
-    Points are kept per mode and pushed with `setData` by a timer, only when something changed.
-    """
-
-    def __init__(self, parent: QWidget | None = None) -> None:
-        super().__init__(parent)
-        palette = current_palette()
-        item = self.getPlotItem()
-        item.setTitle("Tokens generated over time")
-        item.setLabel("bottom", "seconds (each mode on its own clock)")
-        item.setLabel("left", "tokens")
-        item.showGrid(x=True, y=True, alpha=0.15)
-        item.setMouseEnabled(x=False, y=False)
-        item.addLegend(offset=(8, 4), labelTextSize="8pt", brush=(255, 255, 255, 200))
-        self._curves: dict[str, pg.PlotDataItem] = {}
-        self._points: dict[str, list[tuple[float, float]]] = {}
-        for mode in RACE_MODES:
-            colour = palette.colours(MODE_STATUS[mode]).chart
-            self._curves[mode] = item.plot(pen=pg.mkPen(colour, width=2.5), name=mode)
-        self.clear_series()
-        self._timer = QTimer(self)
-        self._timer.setInterval(round(1000 / REFRESH_HZ))
-        self._timer.timeout.connect(self.refresh)
-        self._timer.start()
-
-    def clear_series(self, mode: str | None = None) -> None:
-        for m in (RACE_MODES if mode is None else (mode,)):
-            self._points[m] = [(0.0, 0.0)]
-        self._dirty = True
-        self.refresh()
-
-    def push_steps(self, mode: str, steps: Sequence[Step]) -> None:
-        self._points[mode].extend((s.elapsed_s, float(s.total_tokens)) for s in steps)
-        self._dirty = True
-
-    def series(self, mode: str) -> tuple[np.ndarray, np.ndarray]:
-        pts = np.asarray(self._points[mode], dtype=float)
-        return pts[:, 0], pts[:, 1]
-
-    def refresh(self) -> None:
-        if not self._dirty:
-            return
-        self._dirty = False
-        for mode, curve in self._curves.items():
-            x, y = self.series(mode)
-            if len(x) > 1:
-                curve.setData(x, y)
-            else:
-                curve.setData([], [])
 
 
 # --------------------------------------------------------------------------- the view
@@ -632,7 +383,7 @@ class RaceView(QWidget):
         self._result = result
         spec = result.speculative
         parts = [
-            ("" if result.repeat == 0 else f"Repeat {result.repeat + 1}: ") + f"<b>Speedup {_times(result.speedup)}</b>",
+            ("" if result.repeat == 0 else f"Repeat {result.repeat + 1}: ") + f"<b>Speedup {times_text(result.speedup)}</b>",
             f"acceptance {spec.acceptance_rate * 100:.0f}%",
             f"{spec.tokens_per_target_forward:.2f} tokens per target forward",
         ]
@@ -651,8 +402,8 @@ class RaceView(QWidget):
         s = summary.speedup
         if s.n > 1:
             self.repeats_label.setText(
-                f"Over {s.n} repeats: median speedup {_times(s.median)} · min–max {_times(s.minimum)}–"
-                f"{_times(s.maximum)} · IQR {s.iqr:.2f}×")
+                f"Over {s.n} repeats: median speedup {times_text(s.median)} · min–max {times_text(s.minimum)}–"
+                f"{times_text(s.maximum)} · IQR {s.iqr:.2f}×")
         else:
             self.repeats_label.setText("One repeat: repeat the race a few times for the median and spread.")
         self._add_table_row(summary)
@@ -762,13 +513,13 @@ class RaceView(QWidget):
             CATEGORY_LABELS.get(s.category, s.category),
             s.prompt_id,
             str(spread.n),
-            _rate(s.standard_tokens_per_s),
-            _rate(s.speculative_tokens_per_s),
-            _times(spread.median),
+            rate_text(s.standard_tokens_per_s),
+            rate_text(s.speculative_tokens_per_s),
+            times_text(spread.median),
             f"{spread.minimum:.2f}–{spread.maximum:.2f}× · IQR {spread.iqr:.2f}" if spread.n > 1 else "–",
             f"{s.acceptance_rate * 100:.0f}%",
             f"{s.tokens_per_target_forward:.2f}",
-            _identical_text(s.identical),
+            identical_text(s.identical),
         ]
         for col, text in enumerate(cells):
             item = QTableWidgetItem(text)

@@ -1,7 +1,7 @@
-"""Model runners: one forward over new tokens against a KV cache, and the one place that rolls it back.
+"""The runner seam: one forward over new tokens against a KV cache, and the one place that rolls it back.
 
-The decoding loop only talks to this interface, so the eager Hugging Face path (CPU, fallback) and
-the static-cache / CUDA-graph path (engine/fast) are interchangeable.
+The decoding loop only talks to this interface, so the eager Hugging Face path (eager.py: CPU,
+fallback) and the static-cache / CUDA-graph path (lean.py, graphs.py) are interchangeable.
 
 Invariant kept by the loop: a runner's cache holds every committed token except the last one,
 which is fed at the start of the next step (so every step's first position predicts a new token).
@@ -14,11 +14,11 @@ from collections.abc import Iterable
 from typing import Protocol
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
 
 
 class Runner(Protocol):
     name: str  # "eager" or the fast path's name, reported to people
+    device: torch.device  # where ids go in and logits come out
     vocab_size: int  # rows of the output head (may exceed the shared vocabulary)
     max_length: int  # most tokens the cache can hold
     length: int  # tokens currently in the cache
@@ -35,55 +35,8 @@ class Runner(Protocol):
     def rollback(self, length: int) -> None:
         """Keeps the first `length` cached tokens and forgets the rest."""
 
-
-class EagerRunner:
-    """Hugging Face model with a DynamicCache; rollback is a crop."""
-
-    name = "eager"
-
-    def __init__(self, model: PreTrainedModel, max_length: int | None = None) -> None:
-        self.model = model
-        self.device = model.device
-        self.vocab_size = model.get_output_embeddings().out_features
-        self.max_length = max_length or int(getattr(model.config, "max_position_embeddings", 32768))
-        self.cache = DynamicCache(config=model.config)
-        self.length = 0
-
-    def reset(self) -> None:
-        self.cache = DynamicCache(config=self.model.config)
-        self.length = 0
-
-    @torch.inference_mode()
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        width = ids.shape[-1]
-        positions = torch.arange(self.length, self.length + width, device=self.device)
-        out = self.model(
-            input_ids=ids.view(1, width),  # [1, W]
-            past_key_values=self.cache,
-            cache_position=positions,
-            use_cache=True,
-        )
-        self.length += width
-        assert self.cache.get_seq_length() == self.length, "cache and runner disagree on length"
-        return out.logits[0].float()  # [W, V]
-
-    @torch.inference_mode()
-    def prefill(self, ids: torch.Tensor) -> None:
-        width = ids.shape[-1]
-        positions = torch.arange(self.length, self.length + width, device=self.device)
-        # logits_to_keep=1: a long prompt's [W, V] float logits would otherwise be allocated for nothing.
-        self.model(input_ids=ids.view(1, width), past_key_values=self.cache, cache_position=positions,
-                   use_cache=True, logits_to_keep=1)
-        self.length += width
-
-    def measure_costs(self, widths: Iterable[int], iters: int = 3) -> dict[int, float]:
-        return measure_forward_costs(self, widths, iters)
-
-    def rollback(self, length: int) -> None:
-        assert 0 <= length <= self.length, f"cannot roll back to {length} from {self.length}"
-        if length < self.length:
-            self.cache.crop(length - self.length)  # negative: tokens to remove
-            self.length = length
+    def measure_costs(self, widths: Iterable[int], iters: int = ...) -> dict[int, float]:
+        """Milliseconds per forward of each width, leaving the cache as it was."""
 
 
 def ids_tensor(values: list[int], device: torch.device) -> torch.Tensor:
@@ -108,7 +61,7 @@ def measure_forward_costs(runner: Runner, widths: Iterable[int], iters: int) -> 
     single passes over the widths and the draft instead, so their ratio is measured side by side).
     """
     saved = runner.length
-    device = getattr(runner, "device", torch.device("cpu"))
+    device = runner.device
     costs: dict[int, float] = {}
     for width in widths:
         if saved + width > runner.max_length:

@@ -15,11 +15,21 @@ from pathlib import Path
 from typing import Callable, Literal
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 
-from engine.device import cpu_has_native_bf16, dtype_name, pick_device, pick_dtype
 from engine.errors import IncompatibleModelsError, ModelLoadError
-from engine.gguf_pair import read_gguf_header
+from engine.models.device import (
+    cpu_has_native_bf16,
+    dtype_name,
+    pick_device,
+    pick_dtype,
+)
+from engine.models.gguf import read_gguf_header
 from engine.types import ModelInfo
 
 __all__ = [

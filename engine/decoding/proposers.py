@@ -6,8 +6,8 @@ from typing import Protocol
 
 import torch
 
+from engine.decoding.sampling import draw, process
 from engine.runners import Runner, ids_tensor
-from engine.sampling import draw, process
 from engine.types import DraftSource, Sampling
 
 
@@ -43,7 +43,7 @@ class DraftModelProposer:
         self.sampling = sampling
         self.vocab = vocab  # shared vocabulary: draft logits beyond it are never proposed
         self.generator = generator
-        self.device = getattr(runner, "device", torch.device("cpu"))
+        self.device = runner.device
         self.pending: list[int] = []
         self.cached = 0  # committed tokens in the draft cache (after rollback)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.proposers import Proposal, Proposer
+from engine.decoding.proposers import Proposal, Proposer
 from engine.runners import ids_tensor
 
 

@@ -1,0 +1,320 @@
+"""Headless command line: `specdec-studio generate` streams one answer, `specdec-studio bench` measures."""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import logging
+import platform
+import sys
+from dataclasses import asdict
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NoReturn, TextIO
+
+from app.session import build_request
+from engine.errors import EngineError
+from engine.measure.bench import MODE_RUNNERS
+from engine.settings import GenerationSettings
+from engine.types import MODES, PROPOSERS, GenerationRequest, Message, Summary
+
+if TYPE_CHECKING:  # heavy imports (torch, transformers) wait until a command really runs
+    from engine.decoding import Engine
+    from engine.models.store import LoadedPair, LoadProgress
+
+PROG = "specdec-studio"
+log = logging.getLogger(__name__)
+
+
+class CliError(Exception):
+    """Bad input found by the CLI itself (arguments, prompt files); reported in one line."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises instead of printing usage and exiting, so main() owns the exit code."""
+
+    def error(self, message: str) -> NoReturn:
+        if message.endswith("required: command"):
+            message = "a command is needed: generate or bench (see --help)"
+        raise CliError(message)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _k(text: str) -> int:
+    try:
+        return _positive_int(text)
+    except argparse.ArgumentTypeError as e:
+        raise argparse.ArgumentTypeError(f"K (draft tokens per step) {e}") from None
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("models")
+    g.add_argument("--target", default=None,
+                   help="model folder, .gguf file or hub id (default: packaged Qwen2.5-Coder-1.5B-Instruct)")
+    g.add_argument("--draft", default=None,
+                   help="model folder, .gguf file or hub id (default: packaged Qwen2.5-Coder-0.5B-Instruct)")
+    g.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: auto)")
+    g.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
+                   help="auto: bf16 on CUDA and on CPUs with native bf16, else float32")
+    g.add_argument("--fast-path", default="auto", choices=["auto", "eager", "static", "compiled"],
+                   help="auto: static cache + CUDA graphs where possible, else eager; compiled: also "
+                        "torch.compile the per-step forwards for --k (CUDA; minutes of warm-up)")
+    d = p.add_argument_group("decoding")
+    d.add_argument("--k", type=_k, default=5, help="draft tokens proposed per step (>= 1)")
+    d.add_argument("--temperature", type=_non_negative_float, default=0.0, help="0 = greedy")
+    d.add_argument("--top-k", type=int, default=0, help="0 disables")
+    d.add_argument("--top-p", type=float, default=1.0, help="1 disables")
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--proposer", default="draft", choices=list(PROPOSERS))
+    d.add_argument("-v", "--verbose", action="store_true", help="log what the engine does (stderr)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog=PROG, description="Speculative decoding, headless.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    gen = sub.add_parser("generate", help="generate one answer, streaming it to stdout")
+    gen.add_argument("--prompt", required=True, help="the user message (or raw text with --raw)")
+    gen.add_argument("--raw", action="store_true", help="feed the prompt as-is, without the chat template")
+    gen.add_argument("--mode", default="speculative", choices=list(MODES))
+    gen.add_argument("--max-new-tokens", type=_positive_int, default=128)
+    gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    _add_model_args(gen)
+
+    bench = sub.add_parser("bench", help="time modes over a prompts file (JSON lines)")
+    bench.add_argument("--prompts", required=True, type=Path, help='JSONL: {"id", "category", "prompt"} per line')
+    bench.add_argument("--modes", default="standard,speculative",
+                       help=f"comma-separated, run in this order per prompt (known: {', '.join(MODE_RUNNERS)})")
+    bench.add_argument("--max-new-tokens", type=_positive_int, default=128)
+    bench.add_argument("--json", dest="json_out", type=Path, default=None, help="write the full results here")
+    bench.add_argument("--csv", dest="csv_out", type=Path, default=None, help="write one row per run here")
+    bench.add_argument("--warmup", type=int, default=1, help="untimed warm-up generations per mode")
+    bench.add_argument("--raw", action="store_true", help="feed prompts as-is, without the chat template")
+    _add_model_args(bench)
+    return parser
+
+
+# --------------------------------------------------------------------------- shared
+
+def _setup_logging(verbose: bool) -> None:
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, stream=sys.stderr,
+                        format="%(levelname)s %(name)s: %(message)s")
+    if not verbose:
+        # Per-tensor progress bars from transformers would bury our one-line messages.
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        hf_logging.set_verbosity_error()
+
+
+class _LoadReporter:
+    """Shows the slow, one-time stages (assembling, checking, converting) on stderr."""
+
+    def __init__(self, stream: TextIO, verbose: bool) -> None:
+        self.stream = stream
+        self.verbose = verbose
+        self.last = ""
+
+    def __call__(self, p: LoadProgress) -> None:
+        # Only a person at a terminal needs to hear about it; scripts keep stderr for errors.
+        interesting = p.stage in ("assemble", "verify", "convert") and self.stream.isatty()
+        if (interesting or self.verbose) and p.message != self.last:
+            self.last = p.message
+            print(f"{PROG}: {p.message}", file=self.stream, flush=True)
+
+
+def _load(args: argparse.Namespace, needs_draft: bool) -> tuple[LoadedPair, Engine]:
+    from engine.decoding import Engine
+    from engine.models.store import load_pair
+
+    reporter = _LoadReporter(sys.stderr, args.verbose)
+    pair = load_pair(args.target, args.draft, device=args.device, dtype=args.dtype,
+                     progress=reporter, with_draft=needs_draft)
+    return pair, Engine.from_pair(pair, fast_path=args.fast_path, progress=reporter, compile_k=args.k)
+
+
+def _settings(args: argparse.Namespace, mode: str, max_new_tokens: int) -> GenerationSettings:
+    """The options as the settings a person would pick in the app (no system prompt on the command line)."""
+    return GenerationSettings(mode=mode, proposer=args.proposer, k=args.k, temperature=args.temperature,
+                              top_k=args.top_k, top_p=args.top_p, seed=args.seed, max_new_tokens=max_new_tokens,
+                              system_prompt="")
+
+
+def _request(args: argparse.Namespace, prompt: str, mode: str, max_new_tokens: int) -> GenerationRequest:
+    settings = _settings(args, mode, max_new_tokens)
+    if args.raw:
+        return build_request(settings, (), prompt=prompt)
+    return build_request(settings, (Message("user", prompt),))
+
+
+def _environment(engine: Engine) -> dict[str, Any]:
+    import torch
+    import transformers
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            cpu = next((l.split(":", 1)[1].strip() for l in f if l.startswith("model name")), cpu)
+    except OSError:
+        pass
+    gpu = torch.cuda.get_device_name(engine.device) if engine.device.type == "cuda" else None
+    return {"torch": torch.__version__, "transformers": transformers.__version__, "cpu": cpu, "gpu": gpu,
+            "python": platform.python_version()}
+
+
+def _model_config(engine: Engine, args: argparse.Namespace) -> dict[str, Any]:
+    info = engine.info
+    return {"target": info.target_name, "draft": info.draft_name, "device": info.device, "dtype": info.dtype,
+            "fast_path": info.fast_path, "vocab_size": info.vocab_size, "k": args.k,
+            "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed,
+            "max_new_tokens": args.max_new_tokens, "proposer": args.proposer, "raw": args.raw}
+
+
+# --------------------------------------------------------------------------- generate
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    needs_draft = args.mode == "speculative" and args.proposer != "ngram"
+    _, engine = _load(args, needs_draft)
+    generation = engine.generate(_request(args, args.prompt, args.mode, args.max_new_tokens))
+    tokens: list[dict[str, str]] = []
+    for step in generation:
+        if args.json:
+            tokens.extend({"text": t.text, "status": t.status} for t in step.tokens)
+        else:
+            sys.stdout.write(step.text)
+            sys.stdout.flush()
+    summary = generation.summary
+    assert summary is not None, "a finished generation has a summary"
+    if args.json:
+        out = {"text": summary.text, "tokens": tokens, "summary": asdict(summary),
+               "config": {**_model_config(engine, args), "mode": args.mode, **_environment(engine)}}
+        print(json.dumps(out, ensure_ascii=False))
+    else:
+        sys.stdout.write("\n")
+        info = engine.info
+        print(f"{_summary_line(summary)}; {info.device}, {info.dtype}, {info.fast_path}", file=sys.stderr)
+    return 0
+
+
+def _summary_line(s: Summary) -> str:
+    line = (f"[{s.mode}] {s.new_tokens} tokens in {s.seconds:.2f} s ({s.tokens_per_s:.1f} tok/s), "
+            f"stop: {s.stop_reason}")
+    if s.mode == "speculative":
+        line += (f"; acceptance {s.acceptance_rate:.0%} ({s.accepted}/{s.drafted}), "
+                 f"{s.tokens_per_target_forward:.2f} tokens per target forward")
+    return line
+
+
+# --------------------------------------------------------------------------- bench
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from engine.measure.bench import (
+        BenchContext,
+        RunRecord,
+        format_table,
+        parse_modes,
+        read_prompts,
+        result_json,
+        run_bench,
+    )
+    from engine.models.store import load_pair
+
+    # Cheap checks first: a typo in a file name should not cost a model load.
+    prompts = read_prompts(args.prompts)
+    modes = parse_modes(args.modes)
+    for out in (args.json_out, args.csv_out):
+        if out is not None and not out.parent.exists():
+            raise CliError(f"output folder {out.parent} does not exist")
+    needs_draft = any(MODE_RUNNERS[m].needs_draft for m in modes) and args.proposer != "ngram"
+    pair, engine = _load(args, needs_draft)
+    ctx = BenchContext(
+        pair, engine,
+        make_request=lambda prompt, mode, max_new: _request(args, prompt, mode, max_new),
+        reload_pair=lambda: load_pair(args.target, args.draft, device=args.device, dtype=args.dtype,
+                                      with_draft=needs_draft),
+    )
+    with tqdm(total=len(prompts) * len(modes), file=sys.stderr, desc="bench", unit="run", disable=None) as bar:
+        def progress(done: int, _total: int, note: str) -> None:
+            bar.set_postfix_str(note)
+            bar.update(done - bar.n)
+
+        result = run_bench(ctx, prompts, modes, max_new_tokens=args.max_new_tokens, warmup=args.warmup, k=args.k,
+                           cost_model=args.proposer != "ngram", progress=progress)
+    config = {**_model_config(engine, args), "modes": list(result.modes), "prompts": str(args.prompts),
+              "warmup": args.warmup, "wall_s": result.wall_s, **_environment(engine)}
+    table = format_table(result.summary, result.modes)
+    try:
+        if args.json_out is not None:
+            args.json_out.write_text(result_json(result, config), encoding="utf-8")
+        if args.csv_out is not None:
+            with open(args.csv_out, "w", newline="", encoding="utf-8") as f:
+                names = [n for n in RunRecord.__dataclass_fields__ if n != "token_ids"]
+                writer = csv.DictWriter(f, fieldnames=names, extrasaction="ignore")
+                writer.writeheader()
+                writer.writerows(asdict(r) for r in result.runs)
+    except OSError as e:
+        # The table still goes to stdout, so a long run is not lost to a bad output path.
+        print(table)
+        raise CliError(f"cannot write results: {e.strerror or e} ({e.filename})") from None
+    print(f"{engine.info.target_name} / {engine.info.draft_name or '-'} on {engine.info.device} "
+          f"({engine.info.dtype}, {engine.info.fast_path}), {len(prompts)} prompts, k={args.k}, "
+          f"temperature={args.temperature}, max_new_tokens={args.max_new_tokens}")
+    print(table)
+    return 0
+
+
+# --------------------------------------------------------------------------- entry point
+
+def _fail(message: str) -> int:
+    first = (message.strip().splitlines() or ["unknown error"])[0]
+    print(f"{PROG}: error: {first}", file=sys.stderr)
+    return 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs one command; bad input and engine errors are one stderr line and exit code 2."""
+    try:
+        args = build_parser().parse_args(argv)
+    except CliError as e:
+        return _fail(str(e))
+    except SystemExit as e:  # --help and --version exit through argparse
+        return int(e.code or 0)
+    _setup_logging(args.verbose)
+    import torch
+
+    try:
+        return cmd_generate(args) if args.command == "generate" else cmd_bench(args)
+    except (CliError, EngineError) as e:
+        return _fail(str(e))
+    except torch.OutOfMemoryError:
+        return _fail("out of memory while generating: lower --max-new-tokens or --k, use --dtype bfloat16, "
+                     "or a smaller model")
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # `specdec-studio generate ... | head` closed the pipe: not an error
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,18 @@
+"""One source for the limits every layer reads: draft length, cached context, measured widths."""
+from __future__ import annotations
+
+# Largest K (draft tokens per step) anywhere: the loop accepts it, the UI offers it, the fast path
+# captures a verify graph for every width up to K_MAX + 1, and the cost model measures those widths.
+# Acceptance decays geometrically with draft position, so longer drafts never paid in any
+# measurement (H200 and CPU sweeps peak at K = 2..6).
+K_MAX = 12
+
+# Draft length when a person has not chosen one.
+DEFAULT_K = 5
+
+# Cache positions of the static-cache fast path when the caller does not say (capped by the
+# model's own max_position_embeddings).
+DEFAULT_MAX_LENGTH = 8192
+
+# New tokens a single request may ask for (the UI's spin box and the CLI share it).
+MAX_NEW_TOKENS = 4096

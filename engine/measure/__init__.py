@@ -1,0 +1,1 @@
+"""Measurement: step statistics, the cost model, Hugging Face baselines and benchmarks."""

@@ -1,0 +1,59 @@
+"""The eager runner: a Hugging Face model with a DynamicCache (CPU, and any model the fast path cannot take)."""
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+from engine.runners.base import measure_forward_costs
+
+
+class EagerRunner:
+    """Hugging Face model with a DynamicCache; rollback is a crop."""
+
+    name = "eager"
+
+    def __init__(self, model: PreTrainedModel, max_length: int | None = None) -> None:
+        self.model = model
+        self.device = model.device
+        self.vocab_size = model.get_output_embeddings().out_features
+        self.max_length = max_length or int(getattr(model.config, "max_position_embeddings", 32768))
+        self.cache = DynamicCache(config=model.config)
+        self.length = 0
+
+    def reset(self) -> None:
+        self.cache = DynamicCache(config=self.model.config)
+        self.length = 0
+
+    @torch.inference_mode()
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        width = ids.shape[-1]
+        positions = torch.arange(self.length, self.length + width, device=self.device)
+        out = self.model(
+            input_ids=ids.view(1, width),  # [1, W]
+            past_key_values=self.cache,
+            cache_position=positions,
+            use_cache=True,
+        )
+        self.length += width
+        assert self.cache.get_seq_length() == self.length, "cache and runner disagree on length"
+        return out.logits[0].float()  # [W, V]
+
+    @torch.inference_mode()
+    def prefill(self, ids: torch.Tensor) -> None:
+        width = ids.shape[-1]
+        positions = torch.arange(self.length, self.length + width, device=self.device)
+        # logits_to_keep=1: a long prompt's [W, V] float logits would otherwise be allocated for nothing.
+        self.model(input_ids=ids.view(1, width), past_key_values=self.cache, cache_position=positions,
+                   use_cache=True, logits_to_keep=1)
+        self.length += width
+
+    def measure_costs(self, widths: Iterable[int], iters: int = 3) -> dict[int, float]:
+        return measure_forward_costs(self, widths, iters)
+
+    def rollback(self, length: int) -> None:
+        assert 0 <= length <= self.length, f"cannot roll back to {length} from {self.length}"
+        if length < self.length:
+            self.cache.crop(length - self.length)  # negative: tokens to remove
+            self.length = length
