@@ -11,6 +11,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn, TextIO
 
+from app.export import cell
 from app.session import build_request
 from engine.errors import EngineError
 from engine.measure.bench import MODE_RUNNERS
@@ -271,7 +272,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 names = [n for n in RunRecord.__dataclass_fields__ if n != "token_ids"]
                 writer = csv.DictWriter(f, fieldnames=names, extrasaction="ignore")
                 writer.writeheader()
-                writer.writerows(asdict(r) for r in result.runs)
+                writer.writerows({k: cell(v) for k, v in asdict(r).items()} for r in result.runs)
     except OSError as e:
         # The table still goes to stdout, so a long run is not lost to a bad output path.
         print(table)

@@ -39,18 +39,40 @@ def now_iso() -> str:
     return datetime.now().astimezone().isoformat(timespec="seconds")
 
 
+# A spreadsheet runs a cell that starts with one of these as a formula (=HYPERLINK(...) and worse).
+FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")
+
+
+def neutralise(text: str) -> str:
+    """Text as a spreadsheet shows it, never runs it (the OWASP CSV-injection rule: a leading quote).
+
+    Text that already starts with a quote gets one too, so `restore` gives back exactly what was written.
+    """
+    return "'" + text if text.startswith(FORMULA_STARTS + ("'",)) else text
+
+
+def restore(text: str) -> str:
+    """The text `neutralise` was given (for readers of our own CSV files)."""
+    return text[1:] if text.startswith("'") else text
+
+
 def cell(value: object) -> object:
     """One CSV cell: sequences become "a;b;c" (one answer stays one row), floats keep full precision
-    (the file reads back to the same floats), booleans are "true"/"false", None is empty."""
+    (the file reads back to the same floats), booleans are "true"/"false", None is empty.
+
+    Text (model output, prompt ids, model names) is neutralised; numbers stay numbers, negative ones too.
+    """
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, (tuple, list)):
-        return ";".join(str(cell(v)) for v in value)
+        joined = ";".join(v if isinstance(v, str) else str(cell(v)) for v in value)
+        numeric = all(isinstance(v, (int, float)) for v in value)
+        return joined if numeric else neutralise(joined)
     if isinstance(value, float):
         return repr(value)
-    if value is None:
-        return ""
-    return str(value) if not isinstance(value, (int, str)) else value
+    if isinstance(value, int) or value is None:
+        return "" if value is None else value
+    return neutralise(str(value))
 
 
 def session_rows(records: Iterable[AnswerRecord]) -> list[dict[str, object]]:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, fields
 from importlib import resources
 from typing import Literal
 
-from app.export import ENCODING, cell, write_csv
+from app.export import ENCODING, cell, restore, write_csv
 from engine.types import Mode, Step, Summary
 
 NEAR_TIE = 0.05  # target probabilities closer than this are a near-tie: rounding can flip argmax
@@ -284,7 +284,7 @@ def _parse(kind: str, text: str) -> object:
         return int(text)
     if kind.startswith("float"):
         return float(text)
-    return text
+    return restore(text)
 
 
 def read_race_csv(path: str | os.PathLike[str]) -> list[RaceRow]:

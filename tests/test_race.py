@@ -385,6 +385,18 @@ def test_csv_writes_empty_cells_for_sampled_races(tmp_path):
     assert summarize_race([r]).identical is None
 
 
+def test_csv_neutralises_formula_text_and_reads_it_back(tmp_path):
+    std, spec = standard_steps(), speculative_steps(STD_IDS)
+    r = race_result(race_id=4, repeat=0, prompt=BenchPrompt("=1+1", "@cmd", "x"), k=5, temperature=0.0, seed=1,
+                    standard=(std, summary_of(std, "standard", 2)), speculative=(spec, summary_of(spec, "speculative", 1)))
+    path = tmp_path / "hostile.csv"
+    write_race_csv(path, [r])
+    raw = path.read_text(encoding="utf-8-sig")
+    assert ",=1+1," not in raw and ",@cmd," not in raw and ",'=1+1,'@cmd," in raw
+    rows = read_race_csv(path)
+    assert rows == race_rows([r]) and rows[0].prompt_id == "=1+1" and rows[0].category == "@cmd"
+
+
 def test_stop_ends_the_race_and_keeps_finished_repeats(race_setup, qtbot):
     engine = RaceEngine(standard_steps(), speculative_steps(STD_IDS), delay_s=0.02)
     controller, view = race_setup(engine)
