@@ -191,6 +191,10 @@ class Engine:
                 text = "\n".join(f"{m['role']}: {m['content']}" for m in chat) + "\nassistant: "
         else:
             text = request.prompt or ""
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:  # lone surrogates: undecodable bytes smuggled in as text
+            raise GenerationError("The prompt is not valid UTF-8 text.") from None
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
         if not ids:
             raise GenerationError("The prompt is empty.")
@@ -211,7 +215,7 @@ class Engine:
         if s.temperature < 0 or not (0.0 < s.top_p <= 1.0) or s.top_k < 0:
             raise GenerationError("temperature must be >= 0, top_p in (0, 1], top_k >= 0.")
         prompt = self.encode(request)
-        room = self.target_runner.max_length - len(prompt) - (request.k + 1)
+        room = self.target_runner.max_length - len(prompt) - _width(request)
         if room < 1:
             raise GenerationError(
                 f"The prompt is {len(prompt)} tokens; the model's context holds "
@@ -260,7 +264,7 @@ class Generation(Iterator[Step]):
         detok = Detokenizer(eng.tokenizer, self.prompt)
         target = eng.target_runner
         lookahead = eng.device.type == "cuda" if eng.lookahead is None else eng.lookahead
-        max_new = min(req.max_new_tokens, target.max_length - len(self.prompt) - (req.k + 1))
+        max_new = min(req.max_new_tokens, target.max_length - len(self.prompt) - _width(req))
         steps: list[Step] = []
         text = ""
         stop_reason: StopReason = "max_new_tokens" if max_new == req.max_new_tokens else "context_full"
@@ -508,6 +512,11 @@ class Generation(Iterator[Step]):
             elapsed_s=time.perf_counter() - t0,
         )
         return step, text
+
+
+def _width(request: GenerationRequest) -> int:
+    """Cache positions one round may write: K drafts + 1 when speculative; standard rounds write one (K unused)."""
+    return request.k + 1 if request.mode == "speculative" else 1
 
 
 def _mark(cuda: bool):

@@ -14,6 +14,7 @@ from torch import nn
 from transformers import StaticCache
 
 from engine.errors import GenerationError
+from engine.runners.base import cache_keyword
 from engine.types import Sampling
 
 Variant = Literal["hf", "hf-static", "hf-assisted"]
@@ -79,17 +80,17 @@ def run_hf(
         key = (id(target), slots)
         if key not in _caches:
             _caches[key] = StaticCache(config=target.config, max_cache_len=slots)
-        kwargs["past_key_values"] = _caches[key]
+        kwargs[cache_keyword(target)] = _caches[key]
         compiled = device.type == "cuda"
     seed = sampling.seed if sampling is not None else 0
     with torch.inference_mode():
         if variant == "hf-static":
-            kwargs["past_key_values"].reset()  # its tensors are inference tensors: reset in here
+            _caches[key].reset()  # its tensors are inference tensors: reset in here
         if compiled and key not in _warm:
             torch.manual_seed(seed)
             target.generate(ids, **kwargs)  # compiles and captures: untimed
             _warm.add(key)
-            kwargs["past_key_values"].reset()
+            _caches[key].reset()
         torch.manual_seed(seed)
         _sync(device)
         t0 = time.perf_counter()

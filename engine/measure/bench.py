@@ -164,19 +164,42 @@ def read_prompts(path: Path) -> list[BenchPrompt]:
         reason = getattr(e, "strerror", None) or str(e)
         raise InputError(f"cannot read prompts file {path}: {reason}") from None
     prompts = []
+    seen: set[str] = set()
     for n, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
             row = json.loads(line)
         except ValueError as e:
-            raise InputError(f"{path}:{n}: not valid JSON ({e.msg})") from None
+            raise InputError(f"{path}:{n}: not valid JSON ({getattr(e, 'msg', e)})") from None
+        except RecursionError:
+            raise InputError(f"{path}:{n}: not a prompt record (nested too deeply)") from None
         if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"].strip():
             raise InputError(f'{path}:{n}: each line needs a non-empty "prompt" string')
-        prompts.append(BenchPrompt(str(row.get("id", f"line{n}")), str(row.get("category", "")), row["prompt"]))
+        prompt = BenchPrompt(_field(row.get("id", f"line{n}")), _field(row.get("category", "")), row["prompt"])
+        for value in (prompt.id, prompt.category, prompt.prompt):
+            if not _is_text(value):
+                raise InputError(f"{path}:{n}: not valid UTF-8 text (a \\ud800-style escape of half a character)")
+        if prompt.id in seen:
+            raise InputError(f"{path}:{n}: prompt id {prompt.id!r} appears twice; ids must be unique")
+        seen.add(prompt.id)
+        prompts.append(prompt)
     if not prompts:
         raise InputError(f"prompts file {path} has no prompts")
     return prompts
+
+
+def _field(value: object) -> str:
+    # Ids and categories are labels: numbers are welcome, nested structures are not worth a traceback.
+    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)[:200]
+
+
+def _is_text(value: str) -> bool:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def parse_modes(text: str) -> list[str]:

@@ -433,7 +433,13 @@ class _Prepared:
 def _prepare(source: ModelSource, progress: ProgressFn | None) -> _Prepared:
     """Finds a loadable folder, or a verified GGUF that still needs converting."""
     if source.kind == "folder":
-        return _Prepared(source, folder=Path(source.ref))
+        folder = Path(source.ref)
+        if not (folder / "config.json").is_file():
+            raise ModelLoadError(
+                f"{folder} has no config.json, so it is not a model folder: give a folder with config.json, "
+                f"weights (*.safetensors) and tokenizer files, a .gguf file or a hub id."
+            )
+        return _Prepared(source, folder=folder)
     if source.kind == "hub":
         # Tokenizer and config only: the weights come after the compatibility check passes.
         return _Prepared(source, folder=_hub_folder(source.ref, weights=False), hub_weights_pending=True)

@@ -8,6 +8,7 @@ which is fed at the start of the next step (so every step's first position predi
 """
 from __future__ import annotations
 
+import inspect
 import statistics
 import time
 from collections.abc import Iterable
@@ -88,3 +89,12 @@ def measure_forward_costs(runner: Runner, widths: Iterable[int], iters: int) -> 
                 runner.rollback(saved)
             costs[width] = statistics.median(times)
     return costs
+
+
+def cache_keyword(model: torch.nn.Module) -> str:
+    """The keyword a Hugging Face model's forward (and generate) takes its KV cache by.
+
+    transformers 5.2x renamed `past_key_values` to `cache` and warns (FutureWarning) on the old
+    name; older releases know only the old one. Asking the signature keeps stderr quiet on both.
+    """
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"

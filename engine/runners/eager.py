@@ -6,7 +6,7 @@ from collections.abc import Iterable
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from engine.runners.base import measure_forward_costs
+from engine.runners.base import cache_keyword, measure_forward_costs
 
 
 class EagerRunner:
@@ -21,6 +21,7 @@ class EagerRunner:
         self.max_length = max_length or int(getattr(model.config, "max_position_embeddings", 32768))
         self.cache = DynamicCache(config=model.config)
         self.length = 0
+        self._cache_kw = cache_keyword(model)
 
     def reset(self) -> None:
         self.cache = DynamicCache(config=self.model.config)
@@ -32,7 +33,7 @@ class EagerRunner:
         positions = torch.arange(self.length, self.length + width, device=self.device)
         out = self.model(
             input_ids=ids.view(1, width),  # [1, W]
-            past_key_values=self.cache,
+            **{self._cache_kw: self.cache},
             cache_position=positions,
             use_cache=True,
         )
@@ -45,7 +46,7 @@ class EagerRunner:
         width = ids.shape[-1]
         positions = torch.arange(self.length, self.length + width, device=self.device)
         # logits_to_keep=1: a long prompt's [W, V] float logits would otherwise be allocated for nothing.
-        self.model(input_ids=ids.view(1, width), past_key_values=self.cache, cache_position=positions,
+        self.model(input_ids=ids.view(1, width), **{self._cache_kw: self.cache}, cache_position=positions,
                    use_cache=True, logits_to_keep=1)
         self.length += width
 

@@ -1,0 +1,176 @@
+"""Hostile input on the command line: one stderr line and exit code 2, found before any model loads."""
+from __future__ import annotations
+
+import csv
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+
+import app.cli
+from app.cli import main
+from app.export import restore
+from engine.limits import K_MAX
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def _tmp_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+
+@pytest.fixture
+def no_load(monkeypatch):
+    """Fails the test if the CLI gets as far as loading models: these errors must come first."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("models were loaded before the input was checked")
+
+    monkeypatch.setattr(app.cli, "_load", refuse)
+
+
+def _models(tiny_pair) -> list[str]:
+    return ["--target", str(tiny_pair[0]), "--draft", str(tiny_pair[1]), "--device", "cpu", "--dtype", "float32"]
+
+
+def _one_line(code: int, err: str, *fragments: str) -> str:
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2, err
+    assert len(lines) == 1 and lines[0].startswith("specdec-studio: error: "), err
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+    return lines[0]
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["--temperature", "nan"], "finite"),
+    (["--temperature", "inf"], "finite"),
+    (["--temperature", "-1"], ">= 0"),
+    (["--top-p", "nan"], "finite"),
+    (["--top-p", "0"], "(0, 1]"),
+    (["--top-p", "1.5"], "(0, 1]"),
+    (["--top-k", "-1"], "--top-k"),
+    (["--seed", "100000000000000000000000"], "--seed"),
+    (["--seed", "-1"], "--seed"),
+    (["--seed", "9" * 5000], "--seed"),  # longer than int() parses: still one short line
+    (["--k", str(K_MAX + 1)], f"1 to {K_MAX}"),
+    (["--mode", "standard", "--k", "40000"], f"1 to {K_MAX}"),
+    (["--max-new-tokens", "10000000"], "--max-new-tokens"),
+    (["--device", "cuda:x"], "--device"),
+    (["--prompt", "   "], "empty"),
+    (["--prompt", "caf\udce9"], "UTF-8"),  # what argv holds for the byte 0xE9 (surrogateescape)
+])
+def test_bad_options_fail_before_loading(args, fragment, no_load, capsys):
+    argv = ["generate", "--prompt", "x", *args] if "--prompt" not in args else ["generate", *args]
+    line = _one_line(main(argv), capsys.readouterr().err, fragment)
+    assert len(line) < 200
+
+
+def test_invalid_utf8_prompt_through_a_real_process(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "SPECDEC_CACHE_DIR": str(tmp_path / "cache")}
+    code = "import sys; from app.main import main; sys.exit(main())"
+    proc = subprocess.run([sys.executable, "-c", code, "generate", "--prompt", b"caf\xe9"], env=env,
+                          capture_output=True, timeout=120)
+    _one_line(proc.returncode, proc.stderr.decode("utf-8", "replace"), "UTF-8")
+
+
+@pytest.mark.parametrize("line", [
+    '{"id": "a", "prompt": "bad \\udce9 text"}',
+    '{"id": "\\ud800", "prompt": "x"}',
+    '{"id": "a", "prompt": "x"}\n{"id": "a", "prompt": "y"}',
+    "[" * 100_000,
+])
+def test_bad_prompts_files_fail_before_loading(tmp_path, line, no_load, capsys):
+    path = tmp_path / "p.jsonl"
+    path.write_text(line + "\n", encoding="utf-8")
+    _one_line(main(["bench", "--prompts", str(path)]), capsys.readouterr().err, str(path))
+
+
+def test_prompts_file_with_invalid_utf8_bytes(tmp_path, no_load, capsys):
+    path = tmp_path / "p.jsonl"
+    path.write_bytes(b'{"id": "a", "prompt": "caf\xe9"}\n')
+    _one_line(main(["bench", "--prompts", str(path)]), capsys.readouterr().err, str(path))
+
+
+@pytest.mark.parametrize("where", ["dir", "missing", "same"])
+def test_unwritable_outputs_fail_before_loading(tmp_path, where, no_load, capsys):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"id": "a", "prompt": "hi"}\n')
+    out = {"dir": tmp_path, "missing": tmp_path / "no" / "such" / "out.json", "same": tmp_path / "out.json"}[where]
+    extra = ["--csv", str(out)] if where == "same" else []
+    _one_line(main(["bench", "--prompts", str(prompts), "--json", str(out), *extra]), capsys.readouterr().err)
+
+
+def test_output_on_a_read_only_filesystem_fails_before_loading(tmp_path, no_load, capsys):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"id": "a", "prompt": "hi"}\n')
+    # /proc refuses new files even to root, where permission bits do not.
+    _one_line(main(["bench", "--prompts", str(prompts), "--csv", "/proc/specdec-bench.csv"]),
+              capsys.readouterr().err, "cannot write")
+
+
+def test_folder_without_config_says_what_is_missing(tmp_path, tiny_pair, capsys):
+    empty = tmp_path / "not-a-model"
+    empty.mkdir()
+    line = _one_line(main(["generate", "--prompt", "x", "--target", str(empty), "--draft", str(tiny_pair[1]),
+                           "--device", "cpu"]), capsys.readouterr().err, "config.json")
+    assert line.rstrip().endswith("hub id.")
+
+
+def test_standard_mode_does_not_reserve_room_for_drafts(tiny_pair, capsys):
+    # The tiny target holds 512 positions: a prompt of ~500 tokens fits standard decoding whatever K says.
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_pair[0]))
+    words = "hello world " * 400
+    ids = tok(words, add_special_tokens=False)["input_ids"][:508]
+    prompt = tok.decode(ids)
+    assert len(tok(prompt, add_special_tokens=False)["input_ids"]) > 512 - K_MAX - 1
+    code = main(["generate", "--prompt", prompt, "--raw", "--mode", "standard", "--k", str(K_MAX),
+                 "--max-new-tokens", "2", *_models(tiny_pair)])
+    assert code == 0, capsys.readouterr().err
+
+
+def test_no_future_warning_from_our_calls(tiny_pair):
+    """transformers 5.2x renamed past_key_values; the old name prints a FutureWarning before every error."""
+    import torch
+
+    from engine.measure.baselines import run_hf
+    from engine.types import GenerationRequest
+    from tests.engine_fixtures import tiny_engine
+
+    engine = tiny_engine(*tiny_pair)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        list(engine.generate(GenerationRequest(prompt="def add(a, b):", max_new_tokens=4, k=2)))
+        for variant in ("hf", "hf-static"):
+            run_hf(engine.target, engine.tokenizer, torch.tensor([1, 2, 3]), 3, variant)
+
+
+def test_error_after_loading_is_one_stderr_line(tmp_path, tiny_pair):
+    """A real process: nothing (warnings, progress bars) comes before the one error line."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "SPECDEC_CACHE_DIR": str(tmp_path / "cache"),
+           "HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "default"}
+    long_prompt = "The quick brown fox jumps over the lazy dog. " * 200  # more than the 512 positions
+    proc = subprocess.run([sys.executable, "-m", "app.main", "generate", "--prompt", long_prompt, "--raw",
+                           *_models(tiny_pair)], env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    _one_line(proc.returncode, proc.stderr, "context")
+
+
+def test_bench_csv_neutralises_formula_text(tiny_pair, tmp_path, capsys):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"id": "=HYPERLINK(\\"http://evil.example\\")", "category": "@cmd", "prompt": "hi"}\n')
+    out = tmp_path / "runs.csv"
+    code = main(["bench", "--prompts", str(prompts), "--modes", "standard", "--max-new-tokens", "4",
+                 "--warmup", "0", "--csv", str(out), *_models(tiny_pair)])
+    assert code == 0, capsys.readouterr().err
+    with open(out, newline="", encoding="utf-8") as f:
+        row = next(csv.DictReader(f))
+    assert row["prompt_id"].startswith("'=") and restore(row["prompt_id"]) == '=HYPERLINK("http://evil.example")'
+    assert row["category"] == "'@cmd" and row["mode"] == "standard"
+    assert int(row["new_tokens"]) > 0 and float(row["seconds"]) > 0
