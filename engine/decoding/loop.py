@@ -333,11 +333,12 @@ class Generation(Iterator[Step]):
                 # Text already streamed cannot be taken back: cut inside this step's text only.
                 start = len(text) - len(step.text)
                 cut_at = max(text.index(hit), start)
-                step = replace(step, text=step.text[: cut_at - start])
+                step = _with_text(step, step.text[: cut_at - start])
                 text, stop_reason, done = text[:cut_at], "stop_string", True
             if done:
+                # The detokenizer still holds the bytes of a character the answer ended inside of.
                 tail = detok.flush() if hit is None else ""
-                step = replace(step, text=step.text + tail, stop_reason=stop_reason)
+                step = replace(_with_text(step, step.text + tail), stop_reason=stop_reason)
                 text += tail
             steps.append(step)
             yield step
@@ -512,6 +513,25 @@ class Generation(Iterator[Step]):
             elapsed_s=time.perf_counter() - t0,
         )
         return step, text
+
+
+def _with_text(step: Step, text: str) -> Step:
+    """The step with `text`, its committed token views re-cut so their texts still add up to it.
+
+    Text cut by a stop string leaves later views shorter or empty; text added by the final
+    flush (the bytes of an unfinished character) goes to the last committed token, which ended it.
+    """
+    kept = [i for i, v in enumerate(step.tokens) if v.status != "rejected"]
+    if not kept:
+        return replace(step, text=text)
+    views = list(step.tokens)
+    rest = text
+    for i in kept:
+        piece, rest = rest[: len(views[i].text)], rest[len(views[i].text):]
+        views[i] = replace(views[i], text=piece)
+    if rest:
+        views[kept[-1]] = replace(views[kept[-1]], text=views[kept[-1]].text + rest)
+    return replace(step, text=text, tokens=tuple(views))
 
 
 def _width(request: GenerationRequest) -> int:
