@@ -18,6 +18,7 @@ _MAGIC = b"GGUF"
 _SCALAR = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 _STRING, _ARRAY = 8, 9
 _LIMIT = 1 << 30  # no honest header string or array is this large
+_MAX_DEPTH = 4  # arrays of arrays: real files nest one level; a crafted one could nest until Python's stack ends
 
 
 @dataclass(frozen=True)
@@ -57,7 +58,9 @@ class _Buffer:
         n = self.scalar("Q")
         return self.take(n).decode("utf-8", errors="replace")
 
-    def value(self, vtype: int) -> Any:
+    def value(self, vtype: int, depth: int = 0) -> Any:
+        if depth > _MAX_DEPTH:
+            raise ValueError(f"its metadata nests arrays more than {_MAX_DEPTH} deep")
         if vtype == _STRING:
             return self.string()
         if vtype == _ARRAY:
@@ -69,7 +72,7 @@ class _Buffer:
             if sub in _SCALAR:
                 fmt = _SCALAR[sub]
                 return list(struct.unpack(f"<{count}{fmt}", self.take(count * struct.calcsize(fmt))))
-            return [self.value(sub) for _ in range(count)]
+            return [self.value(sub, depth + 1) for _ in range(count)]
         if vtype in _SCALAR:
             return self.scalar(_SCALAR[vtype])
         raise ValueError(f"unknown GGUF value type {vtype}")
@@ -97,6 +100,6 @@ def read_gguf_header(path: Path) -> GgufHeader:
                 shapes[name] = tuple(buf.scalar("Q") for _ in range(n_dims))
                 buf.scalar("I")  # ggml type
                 buf.scalar("Q")  # data offset
-    except (OSError, ValueError, OverflowError, struct.error, MemoryError) as e:
+    except (OSError, ValueError, OverflowError, struct.error, MemoryError, RecursionError) as e:
         raise ModelLoadError(f"{path} is not a readable GGUF file: {e}.") from None
     return GgufHeader(version=version, fields=fields, tensor_shapes=shapes)
