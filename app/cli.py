@@ -5,22 +5,19 @@ import argparse
 import csv
 import json
 import logging
-import math
-import os
 import platform
-import re
 import sys
-import tempfile
 from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn, TextIO
 
+from app import cli_options as opt
 from app.export import cell
 from app.session import build_request
 from engine.errors import EngineError
 from engine.limits import DEFAULT_K, K_MAX, MAX_NEW_TOKENS
 from engine.measure.bench import MODE_RUNNERS
-from engine.settings import TOP_K_RANGE, GenerationSettings
+from engine.settings import GenerationSettings
 from engine.types import MODES, PROPOSERS, GenerationRequest, Message, Summary
 
 if TYPE_CHECKING:  # heavy imports (torch, transformers) wait until a command really runs
@@ -28,9 +25,6 @@ if TYPE_CHECKING:  # heavy imports (torch, transformers) wait until a command re
     from engine.models.store import LoadedPair, LoadProgress
 
 PROG = "specdec-studio"
-MAX_SEED = 2**63 - 1  # every torch generator takes it
-MAX_WARMUP = 100  # untimed generations per mode; more is a typo, not a plan
-DEVICE_NAME = re.compile(r"auto|cpu|cuda(:\d{1,3})?")
 log = logging.getLogger(__name__)
 
 
@@ -43,113 +37,28 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         if message.endswith("required: command"):
-            message = "a command is needed: generate or bench (see --help)"
+            message = "a command is needed: generate, bench or cache (see --help)"
         raise CliError(message)
-
-
-def _whole(text: str, low: int, high: int, what: str) -> int:
-    try:
-        value = int(text.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{what} must be a whole number, got {_short(text)!r}") from None
-    if not low <= value <= high:
-        raise argparse.ArgumentTypeError(f"{what} must be from {low} to {high}, got {_short(text)}")
-    return value
-
-
-def _short(text: str, limit: int = 40) -> str:
-    """An echoed value stays short: a 10,000-digit number is not worth a screenful."""
-    text = text.strip()
-    return text if len(text) <= limit else text[:limit] + "…"
-
-
-def _number(text: str, what: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{what} must be a number, got {_short(text)!r}") from None
-    if not math.isfinite(value):  # nan slips through every comparison; inf samples uniformly
-        raise argparse.ArgumentTypeError(f"{what} must be a finite number, got {_short(text)}")
-    return value
-
-
-def _k(text: str) -> int:
-    return _whole(text, 1, K_MAX, "K (draft tokens per step)")
-
-
-def _max_new_tokens(text: str) -> int:
-    return _whole(text, 1, MAX_NEW_TOKENS, "max new tokens")
-
-
-def _warmup(text: str) -> int:
-    return _whole(text, 0, MAX_WARMUP, "warm-up runs")
-
-
-def _seed(text: str) -> int:
-    return _whole(text, 0, MAX_SEED, "the seed")
-
-
-def _top_k(text: str) -> int:
-    return _whole(text, 0, TOP_K_RANGE[1], "top-k")
-
-
-def _temperature(text: str) -> float:
-    value = _number(text, "temperature")
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"temperature must be >= 0 (0 = greedy), got {value}")
-    return value
-
-
-def _top_p(text: str) -> float:
-    value = _number(text, "top-p")
-    if not 0.0 < value <= 1.0:
-        raise argparse.ArgumentTypeError(f"top-p must be in (0, 1] (1 disables it), got {value}")
-    return value
-
-
-def _device(text: str) -> str:
-    if not DEVICE_NAME.fullmatch(text.strip()):
-        raise argparse.ArgumentTypeError(f"a device must be auto, cpu, cuda or cuda:N, got {_short(text)!r}")
-    return text.strip()
-
-
-def _text(text: str, what: str) -> str:
-    """Text from the command line, which may carry undecodable bytes as surrogate escapes."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        raise argparse.ArgumentTypeError(f"{what} is not valid UTF-8 text") from None
-    return text
-
-
-def _prompt(text: str) -> str:
-    if not _text(text, "the prompt").strip():
-        raise argparse.ArgumentTypeError("the prompt is empty")
-    return text
-
-
-def _model_spec(text: str) -> str:
-    return _text(text, "a model path or hub id")
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("models")
-    g.add_argument("--target", default=None, type=_model_spec,
+    g.add_argument("--target", default=None, type=opt.model_spec,
                    help="model folder, .gguf file or hub id (default: packaged Qwen2.5-Coder-1.5B-Instruct)")
-    g.add_argument("--draft", default=None, type=_model_spec,
+    g.add_argument("--draft", default=None, type=opt.model_spec,
                    help="model folder, .gguf file or hub id (default: packaged Qwen2.5-Coder-0.5B-Instruct)")
-    g.add_argument("--device", default="auto", type=_device, help="auto, cpu, cuda or cuda:N (default: auto)")
+    g.add_argument("--device", default="auto", type=opt.device, help="auto, cpu, cuda or cuda:N (default: auto)")
     g.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
                    help="auto: bf16 on CUDA and on CPUs with native bf16, else float32")
     g.add_argument("--fast-path", default="auto", choices=["auto", "eager", "static", "compiled"],
                    help="auto: static cache + CUDA graphs where possible, else eager; compiled: also "
                         "torch.compile the per-step forwards for --k (CUDA; minutes of warm-up)")
     d = p.add_argument_group("decoding")
-    d.add_argument("--k", type=_k, default=DEFAULT_K, help=f"draft tokens proposed per step (1 to {K_MAX})")
-    d.add_argument("--temperature", type=_temperature, default=0.0, help="0 = greedy")
-    d.add_argument("--top-k", type=_top_k, default=0, help="0 disables")
-    d.add_argument("--top-p", type=_top_p, default=1.0, help="1 disables")
-    d.add_argument("--seed", type=_seed, default=0, help=f"0 to {MAX_SEED}")
+    d.add_argument("--k", type=opt.k, default=DEFAULT_K, help=f"draft tokens proposed per step (1 to {K_MAX})")
+    d.add_argument("--temperature", type=opt.temperature, default=0.0, help="0 = greedy")
+    d.add_argument("--top-k", type=opt.top_k, default=0, help="0 disables")
+    d.add_argument("--top-p", type=opt.top_p, default=1.0, help="1 disables")
+    d.add_argument("--seed", type=opt.seed, default=0, help=f"0 to {opt.MAX_SEED}")
     d.add_argument("--proposer", default="draft", choices=list(PROPOSERS))
     d.add_argument("-v", "--verbose", action="store_true", help="log what the engine does (stderr)")
 
@@ -159,10 +68,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     gen = sub.add_parser("generate", help="generate one answer, streaming it to stdout")
-    gen.add_argument("--prompt", required=True, type=_prompt, help="the user message (or raw text with --raw)")
+    gen.add_argument("--prompt", required=True, type=opt.prompt, help="the user message (or raw text with --raw)")
     gen.add_argument("--raw", action="store_true", help="feed the prompt as-is, without the chat template")
     gen.add_argument("--mode", default="speculative", choices=list(MODES))
-    gen.add_argument("--max-new-tokens", type=_max_new_tokens, default=128, help=f"1 to {MAX_NEW_TOKENS}")
+    gen.add_argument("--max-new-tokens", type=opt.max_new_tokens, default=128, help=f"1 to {MAX_NEW_TOKENS}")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     _add_model_args(gen)
 
@@ -170,12 +79,19 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--prompts", required=True, type=Path, help='JSONL: {"id", "category", "prompt"} per line')
     bench.add_argument("--modes", default="standard,speculative",
                        help=f"comma-separated, run in this order per prompt (known: {', '.join(MODE_RUNNERS)})")
-    bench.add_argument("--max-new-tokens", type=_max_new_tokens, default=128, help=f"1 to {MAX_NEW_TOKENS}")
+    bench.add_argument("--max-new-tokens", type=opt.max_new_tokens, default=128, help=f"1 to {MAX_NEW_TOKENS}")
     bench.add_argument("--json", dest="json_out", type=Path, default=None, help="write the full results here")
     bench.add_argument("--csv", dest="csv_out", type=Path, default=None, help="write one row per run here")
-    bench.add_argument("--warmup", type=_warmup, default=1, help="untimed warm-up generations per mode")
+    bench.add_argument("--warmup", type=opt.warmup, default=1, help="untimed warm-up generations per mode")
     bench.add_argument("--raw", action="store_true", help="feed prompts as-is, without the chat template")
     _add_model_args(bench)
+
+    cache = sub.add_parser("cache", help="show, check or free the converted-model cache")
+    cache.add_argument("action", choices=["info", "clean", "verify"],
+                       help="info: what is there; clean: remove leftovers and assembled GGUFs; "
+                            "verify: hash every converted file (damaged models are removed and converted again)")
+    cache.add_argument("--all", action="store_true", help="clean: converted models too (converted again on next use)")
+    cache.add_argument("-v", "--verbose", action="store_true", help="log what the cache does (stderr)")
     return parser
 
 
@@ -202,8 +118,9 @@ class _LoadReporter:
 
     def __call__(self, p: LoadProgress) -> None:
         # Only a person at a terminal needs to hear about it; scripts keep stderr for errors.
-        interesting = p.stage in ("assemble", "verify", "convert") and self.stream.isatty()
-        if (interesting or self.verbose) and p.message != self.last:
+        interesting = p.stage in ("wait", "assemble", "verify", "convert") and self.stream.isatty()
+        # A damaged cache is news for scripts too: what was loaded is not what was converted.
+        if (interesting or p.stage == "repair" or self.verbose) and p.message != self.last:
             self.last = p.message
             print(f"{PROG}: {p.message}", file=self.stream, flush=True)
 
@@ -253,26 +170,6 @@ def _model_config(engine: Engine, args: argparse.Namespace) -> dict[str, Any]:
             "fast_path": info.fast_path, "vocab_size": info.vocab_size, "k": args.k,
             "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed,
             "max_new_tokens": args.max_new_tokens, "proposer": args.proposer, "raw": args.raw}
-
-
-def check_writable(path: Path) -> None:
-    """Fails now, before minutes of loading and timing, if a results file could not be written later."""
-    where = path.parent if str(path.parent) else Path(".")
-    if path.is_dir():
-        raise CliError(f"output {path} is a folder; give a file name")
-    if not where.is_dir():
-        raise CliError(f"output folder {where} does not exist")
-    # Trying is the only honest test (permissions, read-only mounts, root, ACLs): append to an existing
-    # file (its content and time stay), or create and delete a scratch file beside a new one.
-    try:
-        if path.exists():
-            open(path, "ab").close()
-        else:
-            fd, scratch = tempfile.mkstemp(dir=where, prefix=f".{path.name}.", suffix=".check")
-            os.close(fd)
-            os.unlink(scratch)
-    except OSError as e:
-        raise CliError(f"cannot write {path}: {e.strerror or e}") from None
 
 
 # --------------------------------------------------------------------------- generate
@@ -335,7 +232,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if len(outputs) == 2 and outputs[0].resolve() == outputs[1].resolve():
         raise CliError(f"--json and --csv name the same file {outputs[0]}")
     for out in outputs:
-        check_writable(out)
+        try:
+            opt.check_writable(out)
+        except argparse.ArgumentTypeError as e:
+            raise CliError(str(e)) from None
     needs_draft = any(MODE_RUNNERS[m].needs_draft for m in modes) and args.proposer != "ngram"
     pair, engine = _load(args, needs_draft)
     ctx = BenchContext(
@@ -374,6 +274,44 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+# --------------------------------------------------------------------------- cache
+
+def _size(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    raise AssertionError("unreachable")
+
+
+def cmd_cache(args: argparse.Namespace) -> int:
+    from engine.models import cache
+
+    root = cache.cache_dir()
+    if args.action == "clean":
+        print(f"freed {_size(cache.clean(models=args.all))} in {root}")
+        return 0
+    if args.action == "verify":
+        results = cache.verify_all()
+        for r in results:
+            print(f"{'ok' if r.problem is None else 'DAMAGED':<8} {r.name}" + (f": {r.problem}" if r.problem else ""))
+        damaged = [r for r in results if r.problem is not None]
+        if damaged:
+            raise CliError(f"{len(damaged)} of {len(results)} converted models were damaged and have been removed; "
+                           f"they are converted again on next use")
+        print(f"{len(results)} converted models in {root}, every file matches its SHA-256")
+        return 0
+    items = cache.cache_items()
+    print(f"cache: {root}")
+    for item in items:
+        print(f"  {_size(item.size):>9}  {item.kind:<8}  {item.name}  ({item.path.name})")
+    total = sum(i.size for i in items)
+    spare = sum(i.size for i in items if i.kind in ("leftover", "gguf"))
+    models = sum(i.size for i in items if i.kind == "model")
+    print(f"total {_size(total)}: `{PROG} cache clean` frees {_size(spare)}, `clean --all` {_size(spare + models)}")
+    return 0
+
+
 # --------------------------------------------------------------------------- entry point
 
 def _fail(message: str) -> int:
@@ -390,6 +328,15 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(str(e))
     except SystemExit as e:  # --help and --version exit through argparse
         return int(e.code or 0)
+    if args.command == "cache":  # no torch, no transformers: answers in a moment
+        logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, stream=sys.stderr,
+                            format="%(levelname)s %(name)s: %(message)s")
+        try:
+            return cmd_cache(args)
+        except (CliError, EngineError) as e:
+            return _fail(str(e))
+        except OSError as e:
+            return _fail(f"cannot use the cache: {e.strerror or e} ({e.filename})")
     _setup_logging(args.verbose)
     import torch
 

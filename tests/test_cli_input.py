@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import csv
 import os
+import struct
 import subprocess
 import sys
 import warnings
@@ -174,3 +175,30 @@ def test_bench_csv_neutralises_formula_text(tiny_pair, tmp_path, capsys):
     assert row["prompt_id"].startswith("'=") and restore(row["prompt_id"]) == '=HYPERLINK("http://evil.example")'
     assert row["category"] == "'@cmd" and row["mode"] == "standard"
     assert int(row["new_tokens"]) > 0 and float(row["seconds"]) > 0
+
+
+def _gguf(fields: bytes, n_fields: int) -> bytes:
+    return b"GGUF" + struct.pack("<IQQ", 3, 0, n_fields) + fields
+
+
+def _key(name: str) -> bytes:
+    return struct.pack("<Q", len(name)) + name.encode()
+
+
+def _nested_arrays(depth: int) -> bytes:
+    # key "x": an array of one array of one array ... of nothing.
+    return _key("x") + struct.pack("<I", 9) + struct.pack("<IQ", 9, 1) * depth + struct.pack("<IQ", 0, 0)
+
+
+@pytest.mark.parametrize("name, blob, fragment", [
+    ("nested", _gguf(_nested_arrays(100_000), 1), "nests arrays"),
+    ("tokens-an-int", _gguf(_key("tokenizer.ggml.tokens") + struct.pack("<IQ", 10, 7), 1), "tokenizer metadata"),
+    ("eos-a-string", _gguf(_key("tokenizer.ggml.tokens") + struct.pack("<IIQ", 9, 8, 1) + _key("a")
+                           + _key("tokenizer.ggml.eos_token_id") + struct.pack("<I", 8) + _key("zz"), 2),
+     "tokenizer metadata"),
+], ids=["nested", "tokens-an-int", "eos-a-string"])
+def test_crafted_gguf_is_one_line(tmp_path, name, blob, fragment, capsys):
+    path = tmp_path / f"{name}.gguf"
+    path.write_bytes(blob)
+    code = main(["generate", "--prompt", "x", "--target", str(path), "--mode", "standard", "--device", "cpu"])
+    _one_line(code, capsys.readouterr().err, fragment)

@@ -10,6 +10,7 @@ import re
 import shutil
 import tempfile
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Literal
@@ -23,6 +24,19 @@ from transformers import (
 )
 
 from engine.errors import IncompatibleModelsError, ModelLoadError
+from engine.models.cache import (
+    CACHE_FORMAT,
+    MARKER,
+    cache_dir,
+    cache_lock,
+    complete_marker,
+    damage,
+    read_marker,
+    sweep,
+    temp_dir_prefix,
+    upgrade_marker,
+    write_marker,
+)
 from engine.models.device import (
     cpu_has_native_bf16,
     dtype_name,
@@ -36,7 +50,7 @@ __all__ = [
     "LoadProgress", "ProgressFn", "LoadedPair", "ModelSource", "TokenizerInfo", "PackagedModel",
     "DEFAULT_MODELS", "INSTALL_HINT", "resolve_source", "pick_device", "pick_dtype",
     "cpu_has_native_bf16", "check_compatible", "tokenizer_info", "load_pair", "load_tokenizer",
-    "cache_dir",
+    "cache_dir", "MARKER", "CACHE_FORMAT",
 ]
 
 log = logging.getLogger(__name__)
@@ -44,14 +58,12 @@ log = logging.getLogger(__name__)
 Role = Literal["target", "draft"]
 SourceKind = Literal["default", "folder", "gguf", "hub"]
 INSTALL_HINT = ".venv/bin/pip install -e '.[models]'"
-MARKER = "specdec.json"  # written last into a converted folder: its presence means "complete"
-CACHE_FORMAT = 1  # bump to invalidate every converted folder after a change in conversion
 _CHUNK = 8 * 1024 * 1024  # streaming block size for assembling and hashing
 
 
 @dataclass(frozen=True)
 class LoadProgress:
-    stage: str  # "check" | "assemble" | "verify" | "convert" | "load" | "warmup"
+    stage: str  # "check" | "wait" | "assemble" | "verify" | "repair" | "convert" | "load" | "warmup"
     fraction: float  # 0..1 within the stage
     message: str  # human-readable, e.g. "Assembling Qwen2.5-Coder-1.5B-Instruct GGUF (12/22 parts)"
 
@@ -165,16 +177,6 @@ def resolve_source(spec: str | None, role: Role) -> ModelSource:
     return ModelSource("hub", spec, role, spec)
 
 
-def cache_dir() -> Path:
-    """Where converted models live: $SPECDEC_CACHE_DIR, else the platform's user cache folder."""
-    env = os.environ.get("SPECDEC_CACHE_DIR")
-    if env:
-        return Path(env).expanduser()
-    import platformdirs
-
-    return Path(platformdirs.user_cache_dir("specdec-studio"))
-
-
 def _safe(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", name)[:80]
 
@@ -245,9 +247,11 @@ def _assemble_default(model: PackagedModel, progress: ProgressFn | None) -> Path
                     while block := src.read(_CHUNK):
                         h.update(block)
                         dst.write(block)
-    except OSError as e:
-        partial.unlink(missing_ok=True)
-        raise ModelLoadError(f"Could not assemble {model.name} into {out_dir}: {e.strerror or e}") from None
+    except BaseException as e:
+        partial.unlink(missing_ok=True)  # Ctrl+C and a cancel too: never leave hundreds of MB behind
+        if isinstance(e, OSError):
+            raise ModelLoadError(f"Could not assemble {model.name} into {out_dir}: {e.strerror or e}") from None
+        raise
     _emit(progress, "assemble", 1.0, f"Assembled {model.name} GGUF ({len(parts)}/{len(parts)} parts)")
     digest = h.hexdigest()
     if digest != model.sha256:
@@ -268,17 +272,26 @@ def _read_gguf_tokenizer(path: Path, name: str) -> TokenizerInfo:
     tokens = fields.get("tokenizer.ggml.tokens")
     if not tokens:
         raise ModelLoadError(f"{path} has no tokenizer in its GGUF metadata; it cannot be used here.")
+    merges = fields.get("tokenizer.ggml.merges") or []
+    # A crafted or damaged file can hold any type under these keys: check before indexing with them.
+    if not isinstance(tokens, list) or not all(isinstance(t, str) for t in tokens) \
+            or not isinstance(merges, list) or not all(isinstance(m, str) for m in merges):
+        raise ModelLoadError(f"{path} has damaged tokenizer metadata (tokens or merges are not lists of text).")
 
     def tok(key: str) -> str | None:
         i = fields.get(key)
-        return tokens[int(i)] if i is not None and 0 <= int(i) < len(tokens) else None
+        if i is None:
+            return None
+        if not isinstance(i, int) or isinstance(i, bool):
+            raise ModelLoadError(f"{path} has damaged tokenizer metadata ({key} is not a token id).")
+        return tokens[i] if 0 <= i < len(tokens) else None
 
     # GGUF lists dims fastest-first: [hidden, vocab]; an untied head has its own output.weight.
     shape = header.tensor_shapes.get("output.weight") or header.tensor_shapes.get("token_embd.weight")
     return TokenizerInfo(
         name=name,
         vocab={t: i for i, t in enumerate(tokens) if not _is_placeholder(t)},
-        merges=tuple(fields.get("tokenizer.ggml.merges") or ()),
+        merges=tuple(merges),
         eos=tok("tokenizer.ggml.eos_token_id"),
         bos=tok("tokenizer.ggml.bos_token_id") if fields.get("tokenizer.ggml.add_bos_token") else None,
         pad=tok("tokenizer.ggml.padding_token_id"),
@@ -352,26 +365,32 @@ def _cache_entry(source: ModelSource) -> Path:
     return cache_dir() / "models" / key
 
 
-def _marker(entry: Path) -> dict | None:
-    try:
-        meta = json.loads((entry / MARKER).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    return meta if meta.get("format") == CACHE_FORMAT else None
-
-
-def _cached_folder(source: ModelSource) -> Path | None:
-    """The converted folder for a GGUF source if it is complete and still matches its file."""
+def _cached_folder(source: ModelSource) -> tuple[Path | None, str | None]:
+    """(the converted folder of a GGUF source if it is complete, intact and still matches its file,
+    what is wrong with it if it is damaged)."""
     entry = _cache_entry(source)
-    meta = _marker(entry)
+    meta = read_marker(entry)
     if meta is None:
-        return None
+        return None, None
     if source.kind == "default":
-        return entry if meta.get("sha256") == DEFAULT_MODELS[source.ref].sha256 else None
-    st = Path(source.ref).stat()
-    if meta.get("size") == st.st_size and meta.get("mtime_ns") == st.st_mtime_ns:
-        return entry  # unchanged since it was hashed: trust the recorded SHA-256
-    return None  # changed or touched: the caller re-hashes and reconverts if the content changed
+        if meta.get("sha256") != DEFAULT_MODELS[source.ref].sha256:
+            return None, None
+    else:
+        st = Path(source.ref).stat()
+        if meta.get("size") != st.st_size or meta.get("mtime_ns") != st.st_mtime_ns:
+            return None, None  # changed or touched: the caller re-hashes and reconverts if the content changed
+    return _checked(entry, meta)
+
+
+def _checked(entry: Path, meta: dict) -> tuple[Path | None, str | None]:
+    """Checks a converted folder cheaply: (entry, None) if intact, (None, what is wrong) if not."""
+    problem = damage(entry, meta)
+    if problem is not None:
+        log.info("cached model in %s is damaged: %s", entry, problem)
+        return None, problem
+    if "files" not in meta:
+        upgrade_marker(entry, meta)  # converted before files were recorded: record them from now on
+    return entry, None
 
 
 def _convert(gguf: Path, entry: Path, meta: dict, name: str, progress: ProgressFn | None) -> Path:
@@ -380,10 +399,19 @@ def _convert(gguf: Path, entry: Path, meta: dict, name: str, progress: ProgressF
     from transformers import GgufConfig
 
     entry.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{entry.name}-", dir=entry.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=temp_dir_prefix(entry), dir=entry.parent))
     started = time.perf_counter()
+    raised_by_progress: list[BaseException] = []  # a cancel from the caller passes through unchanged
+
+    def report(stage: str, fraction: float, message: str) -> None:
+        try:
+            _emit(progress, stage, fraction, message)
+        except BaseException as e:
+            raised_by_progress.append(e)
+            raise
+
     try:
-        _emit(progress, "convert", 0.0, f"Converting {name} from GGUF (once; dequantizing takes a minute)")
+        report("convert", 0.0, f"Converting {name} from GGUF (once; dequantizing takes a minute)")
         model = AutoModelForCausalLM.from_pretrained(
             str(gguf.parent), gguf_file=gguf.name, dtype=torch.bfloat16,
             quantization_config=GgufConfig(dequantize=True),
@@ -394,15 +422,16 @@ def _convert(gguf: Path, entry: Path, meta: dict, name: str, progress: ProgressF
             model.is_quantized = False
             if hasattr(model.config, "quantization_config"):
                 del model.config.quantization_config
-        _emit(progress, "convert", 0.6, f"Saving {name} as safetensors")
+        report("convert", 0.6, f"Saving {name} as safetensors")
         model.save_pretrained(str(tmp))
         del model
-        _emit(progress, "convert", 0.75, f"Building the {name} tokenizer from GGUF")
+        report("convert", 0.75, f"Building the {name} tokenizer from GGUF")
         tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
         tokenizer.save_pretrained(str(tmp))
-        meta = {**meta, "format": CACHE_FORMAT, "name": name, "transformers": transformers.__version__,
+        report("convert", 0.9, f"Recording checksums of {name}")
+        meta = {**meta, "name": name, "transformers": transformers.__version__,
                 "torch": torch.__version__, "converted_s": round(time.perf_counter() - started, 1)}
-        (tmp / MARKER).write_text(json.dumps(meta, indent=2), encoding="utf-8")
+        write_marker(tmp, complete_marker(tmp, meta))
         if entry.exists():
             shutil.rmtree(entry)
         os.replace(tmp, entry)
@@ -410,7 +439,8 @@ def _convert(gguf: Path, entry: Path, meta: dict, name: str, progress: ProgressF
         shutil.rmtree(tmp, ignore_errors=True)  # never leave a half-written folder behind
         if isinstance(e, (torch.OutOfMemoryError, MemoryError)):
             raise ModelLoadError(f"Out of memory converting {name}; close other programs and try again.") from None
-        if isinstance(e, (OSError, ValueError, RuntimeError, KeyError, TypeError, AttributeError)):
+        if isinstance(e, Exception) and not isinstance(e, ModelLoadError) and e not in raised_by_progress:
+            # transformers' GGUF reader fails on a crafted file with any exception type it meets.
             raise ModelLoadError(
                 f"Could not convert {gguf} to a model folder ({type(e).__name__}: {_first_line(e)})."
             ) from None
@@ -430,8 +460,12 @@ class _Prepared:
     hub_weights_pending: bool = False  # a hub snapshot that has its tokenizer but not yet its weights
 
 
-def _prepare(source: ModelSource, progress: ProgressFn | None) -> _Prepared:
-    """Finds a loadable folder, or a verified GGUF that still needs converting."""
+def _prepare(source: ModelSource, progress: ProgressFn | None, stack: ExitStack) -> _Prepared:
+    """Finds a loadable folder, or a verified GGUF that still needs converting.
+
+    Assembling and converting happen under the cache's lock, entered on `stack`: the caller keeps
+    it until the conversion is done, so a second process waits and then uses the result.
+    """
     if source.kind == "folder":
         folder = Path(source.ref)
         if not (folder / "config.json").is_file():
@@ -443,23 +477,34 @@ def _prepare(source: ModelSource, progress: ProgressFn | None) -> _Prepared:
     if source.kind == "hub":
         # Tokenizer and config only: the weights come after the compatibility check passes.
         return _Prepared(source, folder=_hub_folder(source.ref, weights=False), hub_weights_pending=True)
-    cached = _cached_folder(source)
+    cached, problem = _cached_folder(source)
     if cached is not None:
         return _Prepared(source, folder=cached)
+    stack.enter_context(cache_lock(lambda stage, fraction, message: _emit(progress, stage, fraction, message)))
+    sweep()  # temp files of processes that died converting
+    cached, problem_now = _cached_folder(source)  # another process may have converted it while we waited
+    if cached is not None:
+        return _Prepared(source, folder=cached)
+    path = Path(source.ref)
+    if source.kind == "gguf":
+        st = path.stat()
+        sha = _sha256_file(path, progress, path.name)
+        entry = _cache_entry(source)
+        meta = {"sha256": sha, "source": str(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+        old = read_marker(entry)
+        if old is not None and old.get("sha256") == sha:
+            cached, problem_now = _checked(entry, old)
+            if cached is not None:
+                # Touched but identical: record the new mtime so the next load skips hashing.
+                write_marker(entry, {**(read_marker(entry) or old), **meta})
+                return _Prepared(source, folder=entry)
+    problem = problem or problem_now
+    if problem is not None:
+        _emit(progress, "repair", 0.0, f"The cached {source.name} is damaged ({problem}); converting it again")
     if source.kind == "default":
         model = DEFAULT_MODELS[source.ref]
         gguf = _assemble_default(model, progress)
         return _Prepared(source, gguf=gguf, meta={"sha256": model.sha256, "source": "packaged"})
-    path = Path(source.ref)
-    st = path.stat()
-    sha = _sha256_file(path, progress, path.name)
-    entry = _cache_entry(source)
-    meta = {"sha256": sha, "source": str(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
-    old = _marker(entry)
-    if old is not None and old.get("sha256") == sha:
-        # Touched but identical: record the new mtime so the next load skips hashing.
-        (entry / MARKER).write_text(json.dumps({**old, **meta}, indent=2), encoding="utf-8")
-        return _Prepared(source, folder=entry)
     return _Prepared(source, gguf=path, meta=meta)
 
 
@@ -504,7 +549,8 @@ def _tokenizer_info(prepared: _Prepared) -> TokenizerInfo:
 
 def tokenizer_info(spec: str | None, role: Role, progress: ProgressFn | None = None) -> TokenizerInfo:
     """Tokenizer facts for one model spec, without loading weights."""
-    return _tokenizer_info(_prepare(resolve_source(spec, role), progress))
+    with ExitStack() as stack:
+        return _tokenizer_info(_prepare(resolve_source(spec, role), progress, stack))
 
 
 # --------------------------------------------------------------------------- compatibility
@@ -559,7 +605,7 @@ def _load_model(folder: Path, name: str, device: torch.device, dtype: torch.dtyp
         raise ModelLoadError(f"Could not load {name} from {folder}: {_first_line(e)}") from None
     except ModelLoadError:
         raise
-    except (OSError, ValueError, KeyError) as e:
+    except Exception as e:  # a damaged folder fails inside transformers or safetensors with any type
         raise ModelLoadError(f"Could not load {name} from {folder}: {_first_line(e)}") from None
     model.eval()
     model.requires_grad_(False)
@@ -594,14 +640,16 @@ def load_pair(
     sources = [resolve_source(target, "target")]
     if with_draft:
         sources.append(resolve_source(draft, "draft"))
-    prepared = [_prepare(s, progress) for s in sources]
+    sweep()  # temp files of processes that died (kill -9 mid-conversion): hundreds of MB to GBs each
+    with ExitStack() as stack:  # holds the cache lock from assembling to the last conversion, if either runs
+        prepared = [_prepare(s, progress, stack) for s in sources]
 
-    _emit(progress, "check", 0.5, "Checking that draft and target share a tokenizer")
-    infos = [_tokenizer_info(p) for p in prepared]
-    shared = check_compatible(infos[0], infos[1]) if with_draft else infos[0].head_rows
-    _emit(progress, "check", 1.0, f"Tokenizers match (shared vocabulary {shared:,})")
+        _emit(progress, "check", 0.5, "Checking that draft and target share a tokenizer")
+        infos = [_tokenizer_info(p) for p in prepared]
+        shared = check_compatible(infos[0], infos[1]) if with_draft else infos[0].head_rows
+        _emit(progress, "check", 1.0, f"Tokenizers match (shared vocabulary {shared:,})")
 
-    folders = [_ensure_folder(p, progress) for p in prepared]
+        folders = [_ensure_folder(p, progress) for p in prepared]
 
     models: list[PreTrainedModel] = []
     for i, (p, folder) in enumerate(zip(prepared, folders)):
@@ -623,8 +671,13 @@ def load_pair(
     _emit(progress, "warmup", 0.0, "Warming up")
     with torch.inference_mode():
         ids = torch.tensor([[tokenizer.eos_token_id or 0]], device=torch_device)
-        for m in models:
-            m(input_ids=ids)  # first call pays one-time allocator / kernel selection costs
+        for m, source in zip(models, sources):
+            try:
+                m(input_ids=ids)  # first call pays one-time allocator / kernel selection costs
+            except (torch.OutOfMemoryError, MemoryError):
+                raise _out_of_memory(source.name, torch_device, torch_dtype) from None
+            except Exception as e:  # weights that load but cannot run (a damaged or odd config)
+                raise ModelLoadError(f"{source.name} loaded but cannot run: {_first_line(e)}") from None
     # The engine continues this stage (fast-path set-up, cost measurement) before the pair is ready.
     _emit(progress, "warmup", 0.4, f"Models warmed up in {time.perf_counter() - started:.1f} s")
 
@@ -642,11 +695,12 @@ def load_pair(
 
 def load_tokenizer(spec: str | None, role: Role) -> PreTrainedTokenizerBase:
     """The tokenizer of one model spec (from its converted folder when there is one)."""
-    prepared = _prepare(resolve_source(spec, role), None)
-    try:
-        if prepared.folder is not None:
-            return AutoTokenizer.from_pretrained(str(prepared.folder))
-        assert prepared.gguf is not None
-        return AutoTokenizer.from_pretrained(str(prepared.gguf.parent), gguf_file=prepared.gguf.name)
-    except Exception as e:
-        raise ModelLoadError(f"Could not load the tokenizer of {prepared.source.name}: {_first_line(e)}") from None
+    with ExitStack() as stack:
+        prepared = _prepare(resolve_source(spec, role), None, stack)
+        try:
+            if prepared.folder is not None:
+                return AutoTokenizer.from_pretrained(str(prepared.folder))
+            assert prepared.gguf is not None
+            return AutoTokenizer.from_pretrained(str(prepared.gguf.parent), gguf_file=prepared.gguf.name)
+        except Exception as e:
+            raise ModelLoadError(f"Could not load the tokenizer of {prepared.source.name}: {_first_line(e)}") from None

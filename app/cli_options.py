@@ -1,0 +1,121 @@
+"""Command-line option types: each checks one value before any model loads and says what is wrong in one line."""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import re
+import tempfile
+from pathlib import Path
+
+from engine.limits import K_MAX, MAX_NEW_TOKENS
+from engine.settings import TOP_K_RANGE
+
+MAX_SEED = 2**63 - 1  # every torch generator takes it
+MAX_WARMUP = 100  # untimed generations per mode; more is a typo, not a plan
+DEVICE_NAME = re.compile(r"auto|cpu|cuda(:\d{1,3})?")
+
+
+def whole(text: str, low: int, high: int, what: str) -> int:
+    try:
+        value = int(text.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{what} must be a whole number, got {short(text)!r}") from None
+    if not low <= value <= high:
+        raise argparse.ArgumentTypeError(f"{what} must be from {low} to {high}, got {short(text)}")
+    return value
+
+
+def short(text: str, limit: int = 40) -> str:
+    """An echoed value stays short: a 10,000-digit number is not worth a screenful."""
+    text = text.strip()
+    return text if len(text) <= limit else text[:limit] + "…"
+
+
+def number(text: str, what: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{what} must be a number, got {short(text)!r}") from None
+    if not math.isfinite(value):  # nan slips through every comparison; inf samples uniformly
+        raise argparse.ArgumentTypeError(f"{what} must be a finite number, got {short(text)}")
+    return value
+
+
+def k(text: str) -> int:
+    return whole(text, 1, K_MAX, "K (draft tokens per step)")
+
+
+def max_new_tokens(text: str) -> int:
+    return whole(text, 1, MAX_NEW_TOKENS, "max new tokens")
+
+
+def warmup(text: str) -> int:
+    return whole(text, 0, MAX_WARMUP, "warm-up runs")
+
+
+def seed(text: str) -> int:
+    return whole(text, 0, MAX_SEED, "the seed")
+
+
+def top_k(text: str) -> int:
+    return whole(text, 0, TOP_K_RANGE[1], "top-k")
+
+
+def temperature(text: str) -> float:
+    value = number(text, "temperature")
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"temperature must be >= 0 (0 = greedy), got {value}")
+    return value
+
+
+def top_p(text: str) -> float:
+    value = number(text, "top-p")
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"top-p must be in (0, 1] (1 disables it), got {value}")
+    return value
+
+
+def device(text: str) -> str:
+    if not DEVICE_NAME.fullmatch(text.strip()):
+        raise argparse.ArgumentTypeError(f"a device must be auto, cpu, cuda or cuda:N, got {short(text)!r}")
+    return text.strip()
+
+
+def utf8(text: str, what: str) -> str:
+    """Text from the command line, which may carry undecodable bytes as surrogate escapes."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise argparse.ArgumentTypeError(f"{what} is not valid UTF-8 text") from None
+    return text
+
+
+def prompt(text: str) -> str:
+    if not utf8(text, "the prompt").strip():
+        raise argparse.ArgumentTypeError("the prompt is empty")
+    return text
+
+
+def model_spec(text: str) -> str:
+    return utf8(text, "a model path or hub id")
+
+
+def check_writable(path: Path) -> None:
+    """Raises ArgumentTypeError now, before minutes of loading and timing, if a results file could not be written later."""
+    where = path.parent if str(path.parent) else Path(".")
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"output {path} is a folder; give a file name")
+    if not where.is_dir():
+        raise argparse.ArgumentTypeError(f"output folder {where} does not exist")
+    # Trying is the only honest test (permissions, read-only mounts, root, ACLs): append to an existing
+    # file (its content and time stay), or create and delete a scratch file beside a new one.
+    try:
+        if path.exists():
+            open(path, "ab").close()
+        else:
+            fd, scratch = tempfile.mkstemp(dir=where, prefix=f".{path.name}.", suffix=".check")
+            os.close(fd)
+            os.unlink(scratch)
+    except OSError as e:
+        raise argparse.ArgumentTypeError(f"cannot write {path}: {e.strerror or e}") from None
