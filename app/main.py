@@ -28,6 +28,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--demo", action="store_true", help="no models: a scripted engine streams a sample answer")
     p.add_argument("--settings", default=None, help="use this .ini file for settings instead of the user's")
     p.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
+    # For tests and scripted checks: close the window after this many milliseconds (as if by Ctrl+Q).
+    p.add_argument("--quit-after-ms", type=int, default=None, help=argparse.SUPPRESS)
     return p
 
 
@@ -76,6 +78,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         window = MainWindow(settings=settings)
     window.show()
+    if args.quit_after_ms is not None:
+        from PySide6.QtCore import QTimer
+
+        QTimer.singleShot(min(max(0, args.quit_after_ms), 2**31 - 1), window.close)
     # The default (or remembered) pair loads in the background while the window is already usable.
     window.load_models(_selection_from_args(args, settings.models()))
     code = app.exec()

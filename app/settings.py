@@ -17,6 +17,9 @@ ORGANIZATION = "SpecDec Studio"
 APPLICATION = "SpecDec Studio"
 SETTINGS_ENV = "SPECDEC_SETTINGS"  # path of an .ini file to use instead of the platform store
 VERSION = 1  # bump when the stored layout changes incompatibly
+MAX_VALUE_CHARS = 1_000_000  # a stored JSON value longer than this is damage, not settings
+MAX_GEOMETRY_BYTES = 4096  # Qt's saved geometry is ~70 bytes; anything huge is not one
+MAX_PANE_PIXELS = 100_000  # no screen is wider; Qt's sizes are C ints and overflow beyond 2**31
 
 
 class AppSettings:
@@ -63,7 +66,9 @@ class AppSettings:
 
     def geometry(self) -> QByteArray | None:
         value = self._qs.value("window/geometry")
-        return value if isinstance(value, QByteArray) and not value.isEmpty() else None
+        # restoreGeometry refuses bytes it does not understand, so only the size needs a check here.
+        ok = isinstance(value, QByteArray) and 0 < value.size() <= MAX_GEOMETRY_BYTES
+        return value if ok else None
 
     def set_geometry(self, geometry: QByteArray) -> None:
         self._qs.setValue("window/geometry", geometry)
@@ -71,8 +76,11 @@ class AppSettings:
     def splitter_sizes(self) -> list[int] | None:
         raw = self._json("window/splitter")
         sizes = raw.get("sizes")
-        if isinstance(sizes, list) and sizes and all(isinstance(s, int) and s >= 0 for s in sizes):
+        if isinstance(sizes, list) and 0 < len(sizes) <= 8 and all(
+                isinstance(s, int) and not isinstance(s, bool) and 0 <= s <= MAX_PANE_PIXELS for s in sizes):
             return sizes
+        if raw:
+            log.warning("ignoring damaged splitter sizes in %s", self.file_name())
         return None
 
     def set_splitter_sizes(self, sizes: list[int]) -> None:
@@ -91,9 +99,12 @@ class AppSettings:
         value = self._qs.value(key)
         if not value:
             return {}
+        text = value if isinstance(value, str) else str(value)
         try:
-            data = json.loads(str(value))
-        except ValueError:
+            if len(text) > MAX_VALUE_CHARS:
+                raise ValueError(f"{len(text):,} characters")
+            data = json.loads(text)
+        except (ValueError, RecursionError):  # RecursionError: "[[[[…" nested deeper than Python's stack
             log.warning("ignoring damaged setting %s in %s", key, self.file_name())
             return {}
         return data if isinstance(data, dict) else {}

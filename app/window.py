@@ -89,10 +89,7 @@ class MainWindow(QMainWindow):
             parent=self,
         )
         self.race.running_changed.connect(lambda _running: self._set_ready_state())
-        self.panel.set_values(self.settings.generation())
-        self.panel.set_display(self.settings.display())
-        self._apply_display(self.panel.display())
-        self._restore_layout()
+        self._restore_saved()
         self._set_ready_state()
 
         self._memory_timer = QTimer(self)
@@ -218,6 +215,18 @@ class MainWindow(QMainWindow):
         w.steps.connect(self._on_steps)
         w.generation_finished.connect(self._on_generation_finished)
         w.generation_failed.connect(self._on_generation_failed)
+
+    def _restore_saved(self) -> None:
+        """Applies the stored settings and layout. AppSettings validates every value; should one still
+        fail to apply, it is dropped with a warning: a settings file must never stop the app."""
+        for what, apply in (("generation settings", lambda: self.panel.set_values(self.settings.generation())),
+                            ("display settings", lambda: self.panel.set_display(self.settings.display())),
+                            ("window layout", self._restore_layout)):
+            try:
+                apply()
+            except Exception:
+                log.exception("ignoring stored %s that could not be applied", what)
+        self._apply_display(self.panel.display())
 
     def _restore_layout(self) -> None:
         geometry = self.settings.geometry()

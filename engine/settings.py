@@ -18,6 +18,8 @@ TEMPERATURE_RANGE = (0.0, 2.0)
 SEED_RANGE = (0, 2**31 - 1)  # what a Qt spin box holds, and every torch generator accepts
 TOP_K_RANGE = (0, 1_000_000)
 DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant."
+MAX_SYSTEM_PROMPT_CHARS = 100_000  # longer than any context we load; a stored megabyte is damage
+MAX_PATH_CHARS = 4096  # PATH_MAX on Linux; longer stored "paths" are damage
 SOURCE_KINDS = ("default", "folder", "gguf", "hub")
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
@@ -60,7 +62,7 @@ class GenerationSettings:
             top_p=_clamp(top_p, 0.01, 1.0),
             seed=_clamp(self.seed, *SEED_RANGE),
             max_new_tokens=_clamp(self.max_new_tokens, *MAX_NEW_TOKENS_RANGE),
-            system_prompt=self.system_prompt,
+            system_prompt=self.system_prompt[:MAX_SYSTEM_PROMPT_CHARS],
         )
 
 
@@ -106,7 +108,8 @@ class ModelSelection:
             if not isinstance(value, dict):
                 return ModelChoice()
             c = ModelChoice(**_coerce(ModelChoice, value))
-            return c if c.kind in SOURCE_KINDS else ModelChoice()
+            usable = len(c.value) <= MAX_PATH_CHARS and "\x00" not in c.value
+            return c if c.kind in SOURCE_KINDS and usable else ModelChoice()
 
         values = _coerce(cls, {k: v for k, v in raw.items() if k not in ("target", "draft")})
         selection = cls(**{**values, "target": choice(raw.get("target")), "draft": choice(raw.get("draft"))})

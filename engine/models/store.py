@@ -161,7 +161,12 @@ def resolve_source(spec: str | None, role: Role) -> ModelSource:
     if spec is None or spec.strip() in ("", "default"):
         return ModelSource("default", role, role, DEFAULT_MODELS[role].name)
     spec = spec.strip()
-    path = Path(spec).expanduser()
+    try:
+        path = Path(spec).expanduser()
+        path.is_dir()
+    except (OSError, ValueError, RuntimeError) as e:  # NUL bytes, names too long, "~nobody/x"
+        shown = spec if len(spec) <= 80 else spec[:80] + "…"
+        raise ModelLoadError(f"Model path {shown!r} cannot be used: {getattr(e, 'strerror', None) or e}.") from None
     if path.is_dir():
         path = path.resolve()
         return ModelSource("folder", str(path), role, path.name)
