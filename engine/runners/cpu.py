@@ -39,18 +39,78 @@ class PackedLinear(nn.Module):
         return out.view(*shape[:-1], self.out_features)
 
 
+class CompactEmbedding(nn.Module):
+    """An input embedding kept in bfloat16 whose lookups come out in the model's dtype.
+
+    Used for a float32 model whose tied output head has been packed: the embedding is then only
+    looked up, a few rows per step, and holding it in float32 beside the packed head costs 1.5 GB
+    for the default pair. Only taken when every value is a bfloat16 number (weights converted from
+    a bfloat16 file), so lookups are exact. The weight is a buffer, so `model.dtype` stays float32.
+    """
+
+    def __init__(self, embedding: nn.Embedding, compact: torch.Tensor) -> None:
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = compact.shape
+        self.padding_idx = embedding.padding_idx
+        self.out_dtype = embedding.weight.dtype
+        self.register_buffer("weight", compact, persistent=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return nn.functional.embedding(ids, self.weight, self.padding_idx).to(self.out_dtype)
+
+
+def _exact_in_bf16(weight: torch.Tensor, rows: int = 8192) -> torch.Tensor | None:
+    """weight as bfloat16 if that loses nothing (checked in blocks: no second full float32 copy), else None."""
+    compact = torch.empty(weight.shape, dtype=torch.bfloat16)
+    for i in range(0, weight.shape[0], rows):
+        block = weight[i:i + rows]
+        compact[i:i + rows] = block
+        if not torch.equal(compact[i:i + rows].float(), block):
+            return None
+    return compact
+
+
 def pack_linears(model: nn.Module) -> int:
     """Replaces every nn.Linear of a CPU model in place; returns how many were packed.
 
-    A tied output head keeps its embedding (the embedding lookup needs it); untied weights are
-    released once packed, so memory stays about the same.
+    What packing replaced is released: untied weights are dropped, and the pages of weights
+    memory-mapped from their file are given back as each is packed (otherwise the file stays
+    resident beside the packed copies: 4.4 -> 8.3 GB for the default pair in bfloat16). A tied
+    output head keeps its embedding for lookups: its pages are read back from the file as rows are
+    needed (bfloat16), or it is held in bfloat16 when that is exact (float32, see CompactEmbedding).
     """
-    targets = [(name, m) for name, m in model.named_modules() if type(m) is nn.Linear]
-    for name, linear in targets:
+    from engine.models.memory import MappedFiles, release_pages
+
+    mapped = MappedFiles()
+    names = [name for name, m in model.named_modules() if type(m) is nn.Linear]
+    packed_weights: set[int] = set()
+    for name in names:
+        # One layer at a time, holding no reference to the ones already replaced: their float32
+        # weights go back to the allocator as we go, so the peak is one layer above the result.
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
+        linear = getattr(parent, child)
         setattr(parent, child, PackedLinear(linear))
-    return len(targets)
+        release_pages([linear.weight], mapped)
+        packed_weights.add(id(linear.weight))
+        del linear
+    _compact_tied_embedding(model, packed_weights)
+    return len(names)
+
+
+def _compact_tied_embedding(model: nn.Module, packed_weights: set[int]) -> None:
+    get = getattr(model, "get_input_embeddings", None)
+    embedding = get() if get is not None else None
+    if type(embedding) is not nn.Embedding or id(embedding.weight) not in packed_weights:
+        return  # untied: the embedding is the only copy of itself
+    if embedding.weight.dtype != torch.float32:
+        return  # bfloat16: already compact, and its pages come back from the file on demand
+    with torch.no_grad():
+        compact = _exact_in_bf16(embedding.weight.detach())
+    if compact is None:
+        return  # real float32 values: keep them exact
+    model.set_input_embeddings(CompactEmbedding(embedding, compact))
+    log.info("kept the tied embedding in bfloat16 (exact): %.0f MB saved", compact.numel() * 2 / 2**20)
 
 
 def try_pack(model: nn.Module) -> str | None:

@@ -1,0 +1,115 @@
+"""Host memory on the CPU fast path: what packing replaced is released, mapped file pages are given back."""
+from __future__ import annotations
+
+import gc
+import sys
+import weakref
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from engine.decoding import Engine
+from engine.models.store import load_pair
+from engine.runners import cpu
+from engine.types import GenerationRequest
+from tests.tiny import build_model, build_tokenizer
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux") or not cpu.onednn_available(),
+                                reason="reads /proc and needs oneDNN")
+
+
+@pytest.fixture(autouse=True)
+def _tmp_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path / "cache"))
+
+
+@pytest.fixture(scope="module")
+def bf16_folder(tmp_path_factory) -> Path:
+    """A model saved in bfloat16, as the cache holds converted models: ~20 MB of weights."""
+    tok = build_tokenizer()
+    model = build_model(len(tok), seed=4, layers=4, hidden=512).to(torch.bfloat16)
+    model.config.eos_token_id = tok.eos_token_id
+    folder = tmp_path_factory.mktemp("bf16") / "model"
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
+
+
+def _mapped_rss(path: Path) -> int:
+    """Bytes of `path` resident through this process's mappings of it (from /proc/self/smaps)."""
+    total, inside = 0, False
+    target = str(path.resolve())
+    with open("/proc/self/smaps", encoding="utf-8", errors="replace") as f:
+        for line in f:
+            head = line.split()
+            if head and "-" in head[0] and len(head) >= 5 and not head[0].endswith(":"):
+                inside = len(head) >= 6 and head[5] == target
+            elif inside and head and head[0] == "Rss:":
+                total += int(head[1]) * 1024
+    return total
+
+
+def _weights(folder: Path) -> Path:
+    return folder / "model.safetensors"
+
+
+def test_packing_holds_one_replaced_layer_at_a_time(tiny_pair, monkeypatch):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_pair[0]), dtype=torch.float32).eval()
+    originals = [weakref.ref(m.weight) for m in model.modules() if type(m) is nn.Linear]
+    alive_at_each_pack: list[int] = []
+    real_init = cpu.PackedLinear.__init__
+
+    def counting_init(self, linear):
+        gc.collect()
+        alive_at_each_pack.append(sum(r() is not None for r in originals))
+        real_init(self, linear)
+
+    monkeypatch.setattr(cpu.PackedLinear, "__init__", counting_init)
+    assert cpu.pack_linears(model) == len(originals)
+    gc.collect()
+    # The tied head's weight is the embedding: it stays. Every other replaced weight is gone, and
+    # while packing, layers already replaced were gone too (the old code held all of them: 2x peak).
+    assert sum(r() is not None for r in originals) <= 1
+    n = len(originals)
+    assert all(alive <= n - i + 1 for i, alive in enumerate(alive_at_each_pack)), alive_at_each_pack
+
+
+def test_bfloat16_pages_of_packed_weights_are_given_back(bf16_folder):
+    pair = load_pair(str(bf16_folder), None, device="cpu", dtype="bfloat16", with_draft=False)
+    size = _weights(bf16_folder).stat().st_size
+    with torch.no_grad():
+        pair.target(torch.tensor([[1, 2, 3]]))  # every weight touched: all pages resident
+    assert _mapped_rss(_weights(bf16_folder)) > 0.9 * size
+    engine = Engine.from_pair(pair, fast_path="auto")
+    assert engine.info.fast_path == "cpu-onednn"
+    assert _mapped_rss(_weights(bf16_folder)) < 0.1 * size, "packed weights' file pages must not stay resident"
+    list(engine.generate(GenerationRequest(prompt="def add(a, b):", mode="standard", max_new_tokens=4)))
+
+
+def test_float32_from_a_bfloat16_file_is_exact_and_keeps_no_pages(bf16_folder):
+    from transformers import AutoModelForCausalLM
+
+    reference = AutoModelForCausalLM.from_pretrained(str(bf16_folder), dtype=torch.float32).eval()
+    pair = load_pair(str(bf16_folder), None, device="cpu", dtype="float32", with_draft=False)
+    assert pair.target.dtype == torch.float32 and all(p.dtype == torch.float32 for p in pair.target.parameters())
+    assert _mapped_rss(_weights(bf16_folder)) < 0.1 * _weights(bf16_folder).stat().st_size
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    with torch.no_grad():
+        assert torch.equal(pair.target(ids).logits, reference(ids).logits)  # bf16 -> fp32 is exact either way
+    tied = pair.target.get_input_embeddings().weight is pair.target.get_output_embeddings().weight
+    engine = Engine.from_pair(pair, fast_path="auto")
+    embedding = engine.target.get_input_embeddings()
+    if tied:
+        # The packed head replaced the float32 copy of the tied embedding; lookups use an exact bf16 one.
+        assert isinstance(embedding, cpu.CompactEmbedding) and embedding.weight.dtype == torch.bfloat16
+        assert not any(p.dtype != torch.float32 for p in engine.target.parameters())
+    eager = Engine.from_pair(load_pair(str(bf16_folder), None, device="cpu", dtype="float32", with_draft=False),
+                             fast_path="eager")
+    request = GenerationRequest(prompt="def add(a, b):", mode="standard", max_new_tokens=12)
+    fast_run, eager_run = engine.generate(request), eager.generate(request)
+    list(fast_run), list(eager_run)
+    assert fast_run.token_ids == eager_run.token_ids
