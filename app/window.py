@@ -212,6 +212,7 @@ class MainWindow(QMainWindow):
         w.load_progress.connect(self._on_load_progress)
         w.load_finished.connect(self._on_load_finished)
         w.load_failed.connect(self._on_load_failed)
+        w.engine_released.connect(self._on_engine_released)
         w.steps.connect(self._on_steps)
         w.generation_finished.connect(self._on_generation_finished)
         w.generation_failed.connect(self._on_generation_failed)
@@ -303,6 +304,13 @@ class MainWindow(QMainWindow):
         gc.collect()
         gc.freeze()
         self.models_loaded.emit(info)
+
+    def _on_engine_released(self, note: str) -> None:
+        # Both pairs would not fit in memory: the old one is gone while the new one loads.
+        self.session.info = None
+        self.model_label.setText("No model")
+        self.chat.add_system_note(note)
+        self._set_ready_state()
 
     def _on_load_failed(self, message: str) -> None:
         self._loading_selection = None

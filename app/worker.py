@@ -8,6 +8,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from PySide6.QtCore import QObject, Qt, QThread, Signal, Slot
@@ -40,6 +41,19 @@ class EngineLike(Protocol):
 
 ProgressCallback = Callable[[Any], None]
 EngineFactory = Callable[[LoadRequest, ProgressCallback], EngineLike]
+# (request, engine in use) -> (bytes the new pair will hold, bytes free for it beside the old one);
+# None where it cannot tell, and then both pairs are kept while the new one loads.
+RoomCheck = Callable[[LoadRequest, EngineLike], tuple[int | None, int | None]]
+RELEASE_STAGES = ("convert", "load")  # the first stages that need memory: checks and downloads come before
+
+
+@dataclass(frozen=True)
+class WorkerNotice:
+    """A load stage the worker itself reports (same fields as engine.models.store.LoadProgress)."""
+
+    stage: str  # "release"
+    fraction: float  # 0..1
+    message: str  # one line for the status bar
 
 
 class LoadCancelled(Exception):
@@ -54,6 +68,26 @@ def default_engine_factory(request: LoadRequest, progress: ProgressCallback) -> 
     pair = load_pair(request.target, request.draft, device=request.device, dtype=request.dtype,
                      progress=progress, with_draft=request.with_draft)
     return Engine.from_pair(pair, fast_path=request.fast_path, progress=progress)
+
+
+def measure_room(request: LoadRequest, engine: EngineLike) -> tuple[int | None, int | None]:
+    """The new pair's size from its files' headers, and the memory free beside the pair in use."""
+    from engine.models import memory
+
+    try:
+        need = memory.pair_bytes(request.target, request.draft, with_draft=request.with_draft,
+                                 device=request.device, dtype=request.dtype)
+    except Exception as e:  # an estimate is advice; the load itself reports real problems
+        log.info("no memory estimate for the new pair: %s", e)
+        return None, None
+    if need is None:  # not converted yet, or a hub model: guess it is as big as the pair in use
+        need = memory.model_bytes(getattr(engine, "target", None), getattr(engine, "draft", None)) or None
+    free = memory.available_bytes()
+    return need, None if free is None else free - memory.headroom_bytes()
+
+
+def _no_room_check(_request: LoadRequest, _engine: EngineLike) -> tuple[None, None]:
+    return None, None
 
 
 def _is_out_of_memory(exc: BaseException) -> bool:
@@ -81,18 +115,22 @@ class EngineWorker(QObject):
     load_started = Signal(object)  # LoadRequest
     load_progress = Signal(object)  # engine.models.store.LoadProgress
     load_finished = Signal(object)  # ModelInfo of the pair now in use
-    load_failed = Signal(str)  # one-line message; the previous engine stays in use
+    load_failed = Signal(str)  # one-line message; the previous engine stays in use (or was loaded again)
+    engine_released = Signal(str)  # the pair in use was released to make room for a new one; why
     generation_started = Signal(int)  # request_id
     steps = Signal(int, object)  # request_id, tuple[Step, ...] in order
     generation_finished = Signal(int, object)  # request_id, Summary
     generation_failed = Signal(int, str)  # request_id, one-line message
 
     def __init__(self, engine_factory: EngineFactory = default_engine_factory,
-                 flush_interval_s: float = FLUSH_INTERVAL_S) -> None:
+                 flush_interval_s: float = FLUSH_INTERVAL_S, room: RoomCheck | None = None) -> None:
         super().__init__()
         self._factory = engine_factory
         self._flush_interval_s = flush_interval_s
+        # Real models are measured; a custom factory (tests, the demo) holds what it holds.
+        self._room = room or (measure_room if engine_factory is default_engine_factory else _no_room_check)
         self.engine: EngineLike | None = None
+        self._engine_request: LoadRequest | None = None  # how the engine in use was loaded (to load it again)
         self.stop_event = threading.Event()  # set from the UI thread; checked between steps
         self._cancel_upto = 0  # requests with an id <= this are cancelled (even before they start)
         self._closing = threading.Event()
@@ -118,10 +156,17 @@ class EngineWorker(QObject):
         if self._closing.is_set():
             return
         self.load_started.emit(request)
+        release_note = self._release_note(request)
+        released = False
 
         def progress(p: Any) -> None:
+            nonlocal released
             if self._closing.is_set():
                 raise LoadCancelled()
+            if release_note is not None and not released and getattr(p, "stage", None) in RELEASE_STAGES:
+                # Checks passed; weights come next. Both pairs would not fit: let the old one go first.
+                released = True
+                self._release_engine(release_note)
             self.load_progress.emit(p)
 
         try:
@@ -130,21 +175,49 @@ class EngineWorker(QObject):
             log.info("model load cancelled because the app is closing")
             self.load_failed.emit("Loading was cancelled.")
             return
-        except EngineError as e:
-            log.warning("load failed: %s", e)
-            self.load_failed.emit(_first_line(e))
-            return
-        except Exception as e:  # anything else is a bug or an environment problem: say it, keep going
-            if _is_out_of_memory(e):
-                self.load_failed.emit("Out of memory while loading: choose smaller models, bfloat16, or free memory.")
-            else:
-                log.exception("unexpected error while loading models")
-                self.load_failed.emit(f"Could not load the models ({type(e).__name__}: {_first_line(e)}).")
+        except Exception as e:
+            message = _load_error_message(e)
+            if released:
+                message += self._load_previous_again()
+            self.load_failed.emit(message)
+            if released and self.engine is not None:
+                self.load_finished.emit(self.engine.info)
             return
         old, self.engine = self.engine, engine
+        self._engine_request = request
         del old
         _release_memory()
         self.load_finished.emit(engine.info)
+
+    def _release_note(self, request: LoadRequest) -> str | None:
+        """What to say when the pair in use must go before the new one loads; None if both fit."""
+        if self.engine is None:
+            return None
+        need, free = self._room(request, self.engine)
+        if need is None or free is None or need <= free:
+            return None
+        return (f"Releasing the current models first: the new pair needs about {need / 1e9:.1f} GB and only "
+                f"{max(free, 0) / 1e9:.1f} GB is free beside them.")
+
+    def _release_engine(self, note: str) -> None:
+        log.info("%s", note)
+        self.engine = None
+        _release_memory()
+        self.engine_released.emit(note)
+        self.load_progress.emit(WorkerNotice("release", 0.0, note))
+
+    def _load_previous_again(self) -> str:
+        """After a failed load that released the pair in use: loads that pair again; says how it went."""
+        previous = self._engine_request
+        if previous is None:
+            return ""
+        try:
+            self.engine = self._factory(previous, lambda _p: None)
+        except Exception as e:
+            log.warning("could not load the previous models again: %s", e)
+            self._engine_request = None
+            return f" The previous models were released to make room and could not be loaded again ({_first_line(e)})."
+        return " The previous models were released to make room; they have been loaded again."
 
     @Slot(object)
     def _on_generate_requested(self, request: GenerationRequest) -> None:
@@ -186,6 +259,17 @@ class EngineWorker(QObject):
             self.generation_failed.emit(rid, _generation_error_message(e))
             return
         self.generation_finished.emit(rid, summary)
+
+
+def _load_error_message(exc: BaseException) -> str:
+    if isinstance(exc, EngineError):
+        log.warning("load failed: %s", exc)
+        return _first_line(exc)
+    if _is_out_of_memory(exc):
+        return "Out of memory while loading: choose smaller models, bfloat16, or free memory."
+    # Anything else is a bug or an environment problem: say it, keep going.
+    log.exception("unexpected error while loading models")
+    return f"Could not load the models ({type(exc).__name__}: {_first_line(exc)})."
 
 
 def _generation_error_message(exc: BaseException) -> str:

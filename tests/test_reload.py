@@ -1,0 +1,135 @@
+"""Reloading models in the app: when two pairs do not fit in memory, the old one goes first (and comes back on failure)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import pytest
+import torch
+
+from app.demo import DEMO_INFO
+from app.session import LoadRequest
+from app.worker import EngineWorker
+from engine.errors import ModelLoadError
+from engine.models import memory
+
+
+@dataclass
+class Stage:
+    stage: str
+    fraction: float
+    message: str
+
+
+class Factory:
+    """Scripted loads: reports check then load stages, records whether the old engine was gone by then."""
+
+    def __init__(self, worker_ref: list[EngineWorker], fail: dict[str, str] | None = None) -> None:
+        self.worker_ref = worker_ref
+        self.fail = fail or {}  # target name -> stage at which loading it fails
+        self.engine_at_load: list[object] = []  # the worker's engine when each load reached its weights
+        self.calls: list[str] = []
+
+    def __call__(self, request: LoadRequest, progress):
+        name = request.target or "default"
+        self.calls.append(name)
+        progress(Stage("check", 0.0, "Checking tokenizers"))
+        if self.fail.get(name) == "check":
+            raise ModelLoadError(f"{name}: different tokenizers")
+        progress(Stage("load", 0.0, "Loading weights"))
+        self.engine_at_load.append(self.worker_ref[0].engine)
+        if self.fail.get(name) == "load":
+            raise ModelLoadError(f"{name}: out of memory loading weights")
+        return type("E", (), {"info": replace(DEMO_INFO, target_name=name), "generate": None})()
+
+
+@pytest.fixture
+def make_worker(qapp):
+    def make(fits: bool, fail: dict[str, str] | None = None):
+        ref: list[EngineWorker] = []
+        factory = Factory(ref, fail)
+        worker = EngineWorker(factory, room=lambda _req, _engine: (10, 100 if fits else 5))
+        ref.append(worker)
+        events: list[tuple[str, object]] = []
+        worker.load_finished.connect(lambda info: events.append(("finished", info.target_name)))
+        worker.load_failed.connect(lambda m: events.append(("failed", m)))
+        worker.engine_released.connect(lambda m: events.append(("released", m)))
+        worker._on_load_requested(LoadRequest(target="first"))
+        events.clear()
+        return worker, factory, events
+
+    return make
+
+
+def test_pairs_that_fit_together_keep_the_old_one_until_the_new_is_ready(make_worker):
+    worker, factory, events = make_worker(fits=True)
+    old = worker.engine
+    worker._on_load_requested(LoadRequest(target="second"))
+    assert factory.engine_at_load[-1] is old  # still answering while the new weights load
+    assert events == [("finished", "second")] and worker.engine.info.target_name == "second"
+
+
+def test_pairs_that_do_not_fit_release_the_old_one_first_and_say_so(make_worker):
+    worker, factory, events = make_worker(fits=False)
+    worker._on_load_requested(LoadRequest(target="second"))
+    assert factory.engine_at_load[-1] is None  # released before the new weights came in
+    (kind, note), finished = events
+    assert kind == "released" and "Releasing the current models first" in note
+    assert finished == ("finished", "second")
+
+
+def test_a_failed_load_after_release_loads_the_old_pair_again(make_worker):
+    worker, factory, events = make_worker(fits=False, fail={"second": "load"})
+    worker._on_load_requested(LoadRequest(target="second"))
+    kinds = [k for k, _ in events]
+    assert kinds == ["released", "failed", "finished"]
+    assert "out of memory" in events[1][1] and "loaded again" in events[1][1]
+    assert events[2] == ("finished", "first") and worker.engine.info.target_name == "first"
+    assert factory.calls == ["first", "second", "first"]
+
+
+def test_a_failure_before_the_weights_keeps_the_old_pair(make_worker):
+    worker, factory, events = make_worker(fits=False, fail={"second": "check"})
+    old = worker.engine
+    worker._on_load_requested(LoadRequest(target="second"))
+    assert events == [("failed", "second: different tokenizers")] and worker.engine is old
+
+
+def test_when_the_old_pair_cannot_come_back_either(make_worker):
+    worker, factory, events = make_worker(fits=False, fail={"second": "load"})
+    factory.fail["first"] = "load"
+    worker._on_load_requested(LoadRequest(target="second"))
+    assert [k for k, _ in events] == ["released", "failed"]
+    assert "could not be loaded again" in events[1][1] and worker.engine is None
+
+
+def test_window_shows_the_release_and_disables_send(qtbot, tmp_path):
+    from app.settings import AppSettings
+    from app.window import MainWindow
+    from engine.settings import ModelSelection
+
+    w = MainWindow(engine_factory=lambda _r, _p: type("E", (), {"info": DEMO_INFO})(),
+                   settings=AppSettings(tmp_path / "s.ini"))
+    qtbot.addWidget(w)
+    with qtbot.waitSignal(w.models_loaded, timeout=5000):
+        w.load_models(ModelSelection())
+    assert w.info is not None
+    with qtbot.waitSignal(w.worker.engine_released, timeout=5000):
+        w.worker.engine_released.emit("Releasing the current models first: test")
+    qtbot.waitUntil(lambda: w.info is None)
+    assert not w.prompt.button.isEnabled() and w.send("hi") is None
+    notes = []
+    w.chat.add_system_note = notes.append  # what the window says in the chat from now on
+    w.worker.engine_released.emit("Releasing the current models first: again")
+    qtbot.waitUntil(lambda: bool(notes))
+    assert notes == ["Releasing the current models first: again"]
+    w.close()
+
+
+def test_pair_bytes_from_headers(tiny_pair):
+    size = memory.pair_bytes(str(tiny_pair[0]), str(tiny_pair[1]), with_draft=True, device="cpu", dtype="float32")
+    from transformers import AutoModelForCausalLM
+
+    params = sum(sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(str(f)).parameters()) for f in tiny_pair)
+    assert size == params * 4  # a tied head is stored, and counted, once
+    half = memory.pair_bytes(str(tiny_pair[0]), None, with_draft=False, device="cpu", dtype="bfloat16")
+    assert half == memory.folder_bytes(tiny_pair[0], torch.bfloat16)
