@@ -265,16 +265,23 @@ def test_cache_clean_frees_space_and_waits_for_no_one(packaged, tmp_path, capsys
 # --------------------------------------------------------------------------- two processes
 
 _WORKER = """
-import json, sys, time
+import json, os, sys, time
 sys.path[:0] = [{root!r}, {pkgs!r}]
 from engine.models import store
 store.DEFAULT_MODELS["target"] = store.PackagedModel("Fake-Target", {names!r}, {sha!r}, {size!r})
 slow = sys.argv[1] == "slow"
+ready = {ready!r}  # the second process creates it once its imports are done
+if not slow:
+    open(ready, "w").close()
 
 def progress(p):
     print(json.dumps([p.stage, p.message]), flush=True)
     if slow and p.stage == "convert" and p.fraction == 0.0:
-        time.sleep(6)  # long enough for the second process to arrive while this one converts
+        # Converting, with the lock held: go on only once the other process is about to ask for it.
+        deadline = time.time() + 120
+        while not os.path.exists(ready) and time.time() < deadline:
+            time.sleep(0.1)
+        time.sleep(3)
 
 pair = store.load_pair(None, None, device="cpu", dtype="float32", with_draft=False, progress=progress)
 print(json.dumps(["done", pair.info.target_name]), flush=True)
@@ -285,7 +292,7 @@ def _worker(packaged, tmp_path, mode: str) -> subprocess.Popen:
     model, pkgs = packaged
     script = tmp_path / "worker.py"
     script.write_text(_WORKER.format(root=str(ROOT), pkgs=str(pkgs), names=model.packages, sha=model.sha256,
-                                     size=model.size))
+                                     size=model.size, ready=str(tmp_path / "second-ready")))
     return subprocess.Popen([sys.executable, str(script), mode], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env={**os.environ, "TRANSFORMERS_VERBOSITY": "error"})
 

@@ -202,3 +202,15 @@ def test_crafted_gguf_is_one_line(tmp_path, name, blob, fragment, capsys):
     path.write_bytes(blob)
     code = main(["generate", "--prompt", "x", "--target", str(path), "--mode", "standard", "--device", "cpu"])
     _one_line(code, capsys.readouterr().err, fragment)
+
+
+def test_gguf_cut_inside_its_tensor_data_is_one_line(tmp_path, capsys):
+    from tests.test_store import write_tiny_gguf
+    from tests.tiny import build_model, build_tokenizer
+
+    tok = build_tokenizer()
+    whole = write_tiny_gguf(tmp_path / "whole.gguf", tok, build_model(len(tok), seed=1)).read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(whole[: len(whole) * 3 // 4])  # the header and table intact, the last tensors missing
+    code = main(["generate", "--prompt", "x", "--target", str(cut), "--mode", "standard", "--device", "cpu"])
+    _one_line(code, capsys.readouterr().err, "beyond the end of the file")

@@ -38,6 +38,10 @@ class _Buffer:
         self.data = b""
         self.pos = 0
 
+    def offset(self) -> int:
+        """Position in the file of the next byte to be read."""
+        return self.f.tell() - (len(self.data) - self.pos)
+
     def take(self, n: int) -> bytes:
         if n > _LIMIT:
             raise ValueError(f"a header entry claims {n} bytes")  # garbage length: damaged file
@@ -94,12 +98,40 @@ def read_gguf_header(path: Path) -> GgufHeader:
                 key = buf.string()
                 fields[key] = buf.value(buf.scalar("I"))
             shapes: dict[str, tuple[int, ...]] = {}
+            placed: list[tuple[str, tuple[int, ...], int, int]] = []  # name, dims, ggml type, data offset
             for _ in range(n_tensors):
                 name = buf.string()
                 n_dims = buf.scalar("I")
+                if n_dims > 8:
+                    raise ValueError(f"tensor {name[:60]!r} claims {n_dims} dimensions")
                 shapes[name] = tuple(buf.scalar("Q") for _ in range(n_dims))
-                buf.scalar("I")  # ggml type
-                buf.scalar("Q")  # data offset
+                placed.append((name, shapes[name], buf.scalar("I"), buf.scalar("Q")))
+            _check_tensor_data(path, fields, placed, buf.offset())
     except (OSError, ValueError, OverflowError, struct.error, MemoryError, RecursionError) as e:
         raise ModelLoadError(f"{path} is not a readable GGUF file: {e}.") from None
     return GgufHeader(version=version, fields=fields, tensor_shapes=shapes)
+
+
+def _check_tensor_data(path: Path, fields: dict[str, Any], placed: list, header_end: int) -> None:
+    """Every tensor's bytes lie inside the file: a damaged table must not send a reader past its end."""
+    try:
+        from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+    except ImportError:  # without the gguf package nothing here can read tensor data either
+        return
+    alignment = fields.get("general.alignment", 32)
+    if not isinstance(alignment, int) or isinstance(alignment, bool) or alignment < 1 or alignment > 1 << 20:
+        raise ValueError(f"its alignment {alignment!r} is not a usable number")
+    start = -(-header_end // alignment) * alignment
+    size = path.stat().st_size
+    for name, dims, kind, offset in placed:
+        try:
+            block, width = GGML_QUANT_SIZES[GGMLQuantizationType(kind)]
+        except (ValueError, KeyError):
+            raise ValueError(f"tensor {name[:60]!r} has unknown type {kind}") from None
+        count = 1
+        for d in dims:
+            count *= d
+        if count % block:
+            raise ValueError(f"tensor {name[:60]!r} does not fill whole blocks")
+        if start + offset + count // block * width > size:
+            raise ValueError(f"tensor {name[:60]!r} lies beyond the end of the file")
