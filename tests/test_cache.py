@@ -17,8 +17,8 @@ from app.cli import main
 from engine.errors import ModelLoadError
 from engine.models import cache, store
 from engine.models.store import LoadProgress, PackagedModel, load_pair
-from tests.test_store import _fake_packages, write_tiny_gguf
-from tests.tiny import build_model, build_tokenizer
+from tests.test_store import _fake_packages
+from tests.tiny import build_model, build_tokenizer, write_tiny_gguf
 
 ROOT = Path(__file__).resolve().parents[1]
 

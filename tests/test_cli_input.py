@@ -205,8 +205,7 @@ def test_crafted_gguf_is_one_line(tmp_path, name, blob, fragment, capsys):
 
 
 def test_gguf_cut_inside_its_tensor_data_is_one_line(tmp_path, capsys):
-    from tests.test_store import write_tiny_gguf
-    from tests.tiny import build_model, build_tokenizer
+    from tests.tiny import build_model, build_tokenizer, write_tiny_gguf
 
     tok = build_tokenizer()
     whole = write_tiny_gguf(tmp_path / "whole.gguf", tok, build_model(len(tok), seed=1)).read_bytes()
