@@ -213,3 +213,14 @@ def test_gguf_cut_inside_its_tensor_data_is_one_line(tmp_path, capsys):
     cut.write_bytes(whole[: len(whole) * 3 // 4])  # the header and table intact, the last tensors missing
     code = main(["generate", "--prompt", "x", "--target", str(cut), "--mode", "standard", "--device", "cpu"])
     _one_line(code, capsys.readouterr().err, "beyond the end of the file")
+
+
+def test_converting_a_gguf_draws_no_progress_bar(tmp_path, tiny_pair, capsys):
+    from tests.tiny import build_model, build_tokenizer, write_tiny_gguf
+
+    tok = build_tokenizer()
+    gguf = write_tiny_gguf(tmp_path / "draft.gguf", tok, build_model(len(tok), seed=1))
+    long_prompt = "The quick brown fox jumps over the lazy dog. " * 200  # an error after loading and converting
+    code = main(["generate", "--prompt", long_prompt, "--raw", "--target", str(tiny_pair[0]), "--draft", str(gguf),
+                 "--device", "cpu"])
+    _one_line(code, capsys.readouterr().err, "context")
