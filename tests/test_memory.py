@@ -27,9 +27,12 @@ def _tmp_cache(tmp_path, monkeypatch):
 
 @pytest.fixture(scope="module")
 def bf16_folder(tmp_path_factory) -> Path:
-    """A model saved in bfloat16, as the cache holds converted models: ~20 MB of weights."""
+    """A model saved in bfloat16, as the cache holds converted models (untied head too): ~20 MB of weights."""
     tok = build_tokenizer()
-    model = build_model(len(tok), seed=4, layers=4, hidden=512).to(torch.bfloat16)
+    model = build_model(len(tok), seed=4, layers=4, hidden=512)
+    model.config.tie_word_embeddings = False
+    model.lm_head.weight = nn.Parameter(model.lm_head.weight.detach().clone())
+    model = model.to(torch.bfloat16)
     model.config.eos_token_id = tok.eos_token_id
     folder = tmp_path_factory.mktemp("bf16") / "model"
     model.save_pretrained(folder)
@@ -100,13 +103,12 @@ def test_float32_from_a_bfloat16_file_is_exact_and_keeps_no_pages(bf16_folder):
     ids = torch.tensor([[5, 6, 7, 8, 9]])
     with torch.no_grad():
         assert torch.equal(pair.target(ids).logits, reference(ids).logits)  # bf16 -> fp32 is exact either way
-    tied = pair.target.get_input_embeddings().weight is pair.target.get_output_embeddings().weight
     engine = Engine.from_pair(pair, fast_path="auto")
     embedding = engine.target.get_input_embeddings()
-    if tied:
-        # The packed head replaced the float32 copy of the tied embedding; lookups use an exact bf16 one.
-        assert isinstance(embedding, cpu.CompactEmbedding) and embedding.weight.dtype == torch.bfloat16
-        assert not any(p.dtype != torch.float32 for p in engine.target.parameters())
+    # Only looked up now (the head is packed): an exact bfloat16 copy instead of float32 rows.
+    assert isinstance(embedding, cpu.CompactEmbedding) and embedding.weight.dtype == torch.bfloat16
+    assert engine.target.dtype == torch.float32
+    assert not any(p.dtype != torch.float32 for p in engine.target.parameters())
     eager = Engine.from_pair(load_pair(str(bf16_folder), None, device="cpu", dtype="float32", with_draft=False),
                              fast_path="eager")
     request = GenerationRequest(prompt="def add(a, b):", mode="standard", max_new_tokens=12)

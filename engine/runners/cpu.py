@@ -42,10 +42,10 @@ class PackedLinear(nn.Module):
 class CompactEmbedding(nn.Module):
     """An input embedding kept in bfloat16 whose lookups come out in the model's dtype.
 
-    Used for a float32 model whose tied output head has been packed: the embedding is then only
-    looked up, a few rows per step, and holding it in float32 beside the packed head costs 1.5 GB
-    for the default pair. Only taken when every value is a bfloat16 number (weights converted from
-    a bfloat16 file), so lookups are exact. The weight is a buffer, so `model.dtype` stays float32.
+    For a float32 model on the fast path the embedding is only looked up, a few rows per step (its
+    own head is separate, or packed): held in float32 it costs 1.5 GB for the default pair. Only
+    taken when every value is a bfloat16 number (weights converted from a bfloat16 file), so
+    lookups are exact. The weight is a buffer, so `model.dtype` stays float32.
     """
 
     def __init__(self, embedding: nn.Embedding, compact: torch.Tensor) -> None:
@@ -75,9 +75,9 @@ def pack_linears(model: nn.Module) -> int:
 
     What packing replaced is released: untied weights are dropped, and the pages of weights
     memory-mapped from their file are given back as each is packed (otherwise the file stays
-    resident beside the packed copies: 4.4 -> 8.3 GB for the default pair in bfloat16). A tied
-    output head keeps its embedding for lookups: its pages are read back from the file as rows are
-    needed (bfloat16), or it is held in bfloat16 when that is exact (float32, see CompactEmbedding).
+    resident beside the packed copies: 4.4 -> 8.3 GB for the default pair in bfloat16). The input
+    embedding is only looked up: its pages are read back from the file as rows are needed
+    (bfloat16), or it is held in bfloat16 when that is exact (float32, see CompactEmbedding).
     """
     from engine.models.memory import MappedFiles, release_pages
 
@@ -94,23 +94,24 @@ def pack_linears(model: nn.Module) -> int:
         release_pages([linear.weight], mapped)
         packed_weights.add(id(linear.weight))
         del linear
-    _compact_tied_embedding(model, packed_weights)
+    _compact_embedding(model, packed_weights)
     return len(names)
 
 
-def _compact_tied_embedding(model: nn.Module, packed_weights: set[int]) -> None:
+def _compact_embedding(model: nn.Module, packed_weights: set[int]) -> None:
     get = getattr(model, "get_input_embeddings", None)
     embedding = get() if get is not None else None
-    if type(embedding) is not nn.Embedding or id(embedding.weight) not in packed_weights:
-        return  # untied: the embedding is the only copy of itself
-    if embedding.weight.dtype != torch.float32:
-        return  # bfloat16: already compact, and its pages come back from the file on demand
+    if type(embedding) is not nn.Embedding or embedding.weight.dtype != torch.float32:
+        return  # bfloat16 is compact already, and its file pages come back on demand
+    head = getattr(model, "get_output_embeddings", lambda: None)()
+    if head is not None and getattr(head, "weight", None) is embedding.weight and id(embedding.weight) not in packed_weights:
+        return  # a tied head that was not packed still multiplies by this weight in float32
     with torch.no_grad():
         compact = _exact_in_bf16(embedding.weight.detach())
     if compact is None:
         return  # real float32 values: keep them exact
     model.set_input_embeddings(CompactEmbedding(embedding, compact))
-    log.info("kept the tied embedding in bfloat16 (exact): %.0f MB saved", compact.numel() * 2 / 2**20)
+    log.info("input embedding kept in bfloat16 (exact): %.0f MB saved", compact.numel() * 2 / 2**20)
 
 
 def try_pack(model: nn.Module) -> str | None:
