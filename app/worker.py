@@ -287,6 +287,9 @@ def _generation_error_message(exc: BaseException) -> str:
 def _release_memory() -> None:
     # The replaced engine's weights go now, not at some later collection, so a new pair fits.
     gc.collect()
+    memory = sys.modules.get("engine.models.memory")
+    if memory is not None:
+        memory.trim_heap()
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_available():
         torch.cuda.empty_cache()

@@ -84,6 +84,16 @@ def release_pages(tensors: Iterable[torch.Tensor], mapped: MappedFiles | None = 
     return released
 
 
+def trim_heap() -> None:
+    """Hands memory the C heap kept after large frees back to the system (glibc; elsewhere nothing).
+
+    Packing frees hundreds of weights of a few MB each; glibc keeps such chunks for reuse, which
+    measured 0.25 GB of the default pair's float32 packing.
+    """
+    if _LIBC is not None and hasattr(_LIBC, "malloc_trim"):
+        _LIBC.malloc_trim(0)
+
+
 def cast_releasing_pages(model: torch.nn.Module, dtype: torch.dtype) -> None:
     """model.to(dtype) one tensor at a time, giving back each file-mapped source as it is copied.
 

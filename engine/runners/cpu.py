@@ -79,7 +79,7 @@ def pack_linears(model: nn.Module) -> int:
     embedding is only looked up: its pages are read back from the file as rows are needed
     (bfloat16), or it is held in bfloat16 when that is exact (float32, see CompactEmbedding).
     """
-    from engine.models.memory import MappedFiles, release_pages
+    from engine.models.memory import MappedFiles, release_pages, trim_heap
 
     mapped = MappedFiles()
     names = [name for name, m in model.named_modules() if type(m) is nn.Linear]
@@ -95,6 +95,7 @@ def pack_linears(model: nn.Module) -> int:
         packed_weights.add(id(linear.weight))
         del linear
     _compact_embedding(model, packed_weights)
+    trim_heap()
     return len(names)
 
 
