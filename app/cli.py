@@ -352,6 +352,9 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except BrokenPipeError:  # `specdec-studio generate ... | head` closed the pipe: not an error
         return 0
+    except OSError as e:  # a file or folder the checks above could not foresee (a full disk, a vanished file)
+        log.debug("OSError", exc_info=True)
+        return _fail(f"{e.strerror or e}" + (f": {e.filename}" if e.filename else ""))
 
 
 if __name__ == "__main__":

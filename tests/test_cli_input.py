@@ -224,3 +224,10 @@ def test_converting_a_gguf_draws_no_progress_bar(tmp_path, tiny_pair, capsys):
     code = main(["generate", "--prompt", long_prompt, "--raw", "--target", str(tiny_pair[0]), "--draft", str(gguf),
                  "--device", "cpu"])
     _one_line(code, capsys.readouterr().err, "context")
+
+
+@pytest.mark.parametrize("command", [["generate", "--prompt", "x", "--mode", "standard", "--device", "cpu"],
+                                     ["cache", "clean"]])
+def test_an_unusable_cache_folder_is_one_line(monkeypatch, command, capsys):
+    monkeypatch.setenv("SPECDEC_CACHE_DIR", "/proc/specdec-cache")  # not creatable, even for root
+    _one_line(main(command), capsys.readouterr().err, "SPECDEC_CACHE_DIR")

