@@ -316,6 +316,8 @@ def cmd_cache(args: argparse.Namespace) -> int:
 
 def _fail(message: str) -> int:
     first = (message.strip().splitlines() or ["unknown error"])[0]
+    # A file name or prompt can carry control characters (NUL, terminal escapes): show them, never send them.
+    first = "".join(c if c.isprintable() else repr(c)[1:-1] for c in first)
     print(f"{PROG}: error: {first}", file=sys.stderr)
     return 2
 

@@ -197,8 +197,10 @@ def damage(entry: Path, meta: dict) -> str | None:
     weights, then sizes and the sampled checksums.
     """
     recorded = meta.get("files") if isinstance(meta.get("files"), dict) else {}
-    if not all(isinstance(facts, dict) for facts in recorded.values()):
-        return "its marker is damaged"
+    plain = all(isinstance(facts, dict) and Path(name).name == name and name not in ("", ".", "..")
+                for name, facts in recorded.items())
+    if not plain:
+        return "its marker is damaged"  # names are plain file names inside the folder, nothing else
     for name in list(recorded) + [n for n in TOKENIZER_FILES if n not in recorded]:
         if not (entry / name).is_file():
             return f"{name} is missing"
