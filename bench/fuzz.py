@@ -464,11 +464,35 @@ def run_in_process(kind: str, argv: list[str]) -> Outcome:
         signal.signal(signal.SIGALRM, previous)
     if stuck.is_set() and not problems:
         problems.append(f"hang: the event loop ran more than {CASE_TIMEOUT_S} s")
+    _forget_windows()
     gc.collect()
     outcome = Outcome(kind, argv, "process", rc, out.getvalue(), err.getvalue(), time.perf_counter() - started,
                       problems)
     judge(outcome)
     return outcome
+
+
+def _forget_windows() -> None:
+    """After an app case in this process: its window is collected, as it is when a real app exits.
+
+    The window freezes the garbage collector's view once models load (gc.freeze), so without this
+    every window of every case would stay alive, and each new stylesheet would re-polish them all.
+    """
+    gc.unfreeze()
+    widgets = sys.modules.get("PySide6.QtWidgets")
+    app = widgets.QApplication.instance() if widgets is not None else None
+    if app is None:
+        return
+    import shiboken6
+
+    from app.window import MainWindow
+
+    for widget in app.topLevelWidgets():
+        # Signal connections to the window's own lambdas keep it alive through C++: delete it the
+        # way the end of a real process does.
+        if isinstance(widget, MainWindow) and not widget.isVisible():
+            shiboken6.delete(widget)
+    gc.collect()
 
 
 def run_subprocess(kind: str, argv: list, world: World) -> Outcome:
@@ -609,6 +633,10 @@ def report(outcomes: list[Outcome], failures: list[Outcome], seconds: float) -> 
                                                                         sorted(counts["by_kind"].items())))
     print("exit codes: " + ", ".join(f"{k}: {v}" for k, v in sorted(counts["exit_codes"].items())))
     print(f"slowest case {slowest.seconds:.1f} s ({slowest.where}): {_show(slowest.argv)}")
+    kinds = sorted({(o.kind, o.where) for o in outcomes})
+    print("mean seconds per case: " + ", ".join(
+        f"{k} ({w}) {sum(o.seconds for o in outcomes if (o.kind, o.where) == (k, w)) / sum((o.kind, o.where) == (k, w) for o in outcomes):.1f}"
+        for k, w in kinds))
     hangs = sum(any(p.startswith("hang") for p in o.problems) for o in outcomes)
     tracebacks = sum(any(p.startswith(("traceback", "exception")) for p in o.problems) for o in outcomes)
     others = sum(any(p.startswith("exit code") for p in o.problems) for o in outcomes)
