@@ -131,7 +131,7 @@ def _load(args: argparse.Namespace, needs_draft: bool) -> tuple[LoadedPair, Engi
 
     reporter = _LoadReporter(sys.stderr, args.verbose)
     pair = load_pair(args.target, args.draft, device=args.device, dtype=args.dtype,
-                     progress=reporter, with_draft=needs_draft)
+                     progress=reporter, with_draft=needs_draft, pack_cpu=args.fast_path in ("auto", "static"))
     return pair, Engine.from_pair(pair, fast_path=args.fast_path, progress=reporter, compile_k=args.k)
 
 

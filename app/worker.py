@@ -66,7 +66,8 @@ def default_engine_factory(request: LoadRequest, progress: ProgressCallback) -> 
     from engine.models.store import load_pair
 
     pair = load_pair(request.target, request.draft, device=request.device, dtype=request.dtype,
-                     progress=progress, with_draft=request.with_draft)
+                     progress=progress, with_draft=request.with_draft,
+                     pack_cpu=request.fast_path in ("auto", "static"))
     return Engine.from_pair(pair, fast_path=request.fast_path, progress=progress)
 
 

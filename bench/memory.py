@@ -15,6 +15,7 @@ Runs against whichever code is on PYTHONPATH (compare a branch with main by poin
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import sys
@@ -55,7 +56,9 @@ def phase_load(args: argparse.Namespace) -> dict:
     out: dict = {"baseline": _round(_status())}
     _reset_peak()
     started = time.perf_counter()
-    pair = load_pair(args.target, args.draft, device="cpu", dtype=args.dtype)
+    # As the CLI and the app load: packed as each model loads (where this code can), then the engine.
+    packs = "pack_cpu" in inspect.signature(load_pair).parameters and args.fast_path == "auto"
+    pair = load_pair(args.target, args.draft, device="cpu", dtype=args.dtype, **({"pack_cpu": True} if packs else {}))
     out["after_load_pair"] = _round(_status())
     engine = Engine.from_pair(pair, fast_path=args.fast_path)
     del pair

@@ -115,3 +115,30 @@ def test_float32_from_a_bfloat16_file_is_exact_and_keeps_no_pages(bf16_folder):
     fast_run, eager_run = engine.generate(request), eager.generate(request)
     list(fast_run), list(eager_run)
     assert fast_run.token_ids == eager_run.token_ids
+
+
+def test_pack_cpu_packs_each_model_before_the_next_loads(tiny_pair, monkeypatch):
+    from engine.models import store
+
+    loaded: list[nn.Module] = []
+    unpacked_when_loading: list[int] = []
+    real = store._load_model
+
+    def recording(*args, **kwargs):
+        unpacked_when_loading.append(sum(type(m) is nn.Linear for model in loaded for m in model.modules()))
+        model = real(*args, **kwargs)
+        loaded.append(model)
+        return model
+
+    monkeypatch.setattr(store, "_load_model", recording)
+    pair = store.load_pair(str(tiny_pair[0]), str(tiny_pair[1]), device="cpu", dtype="float32", pack_cpu=True)
+    assert unpacked_when_loading == [0, 0]  # the draft loaded beside an already packed target
+    assert not any(type(m) is nn.Linear for model in (pair.target, pair.draft) for m in model.modules())
+    engine = Engine.from_pair(pair, fast_path="auto")
+    assert engine.info.fast_path == "cpu-onednn"
+    plain = Engine.from_pair(store.load_pair(str(tiny_pair[0]), str(tiny_pair[1]), device="cpu", dtype="float32"),
+                             fast_path="eager")
+    request = GenerationRequest(prompt="def add(a, b):", mode="speculative", k=3, max_new_tokens=12)
+    a, b = engine.generate(request), plain.generate(request)
+    list(a), list(b)
+    assert a.token_ids == b.token_ids

@@ -689,8 +689,15 @@ def load_pair(
     dtype: str = "auto",
     progress: ProgressFn | None = None,
     with_draft: bool = True,
+    pack_cpu: bool = False,
 ) -> LoadedPair:
-    """Resolves, checks (before any weights load), converts if needed, and loads target + draft."""
+    """Resolves, checks (before any weights load), converts if needed, and loads target + draft.
+
+    pack_cpu: on the CPU, pack each model's linear layers for oneDNN right after it loads (what
+    Engine.from_pair would do for the fast path), so the draft never loads beside an unpacked
+    target: the float32 peak stays near the final size. Leave False for models that must stay as
+    Hugging Face ships them (the bench's hf baselines).
+    """
     started = time.perf_counter()
     _emit(progress, "check", 0.0, "Finding the models")
     torch_device = pick_device(device)
@@ -713,7 +720,14 @@ def load_pair(
     for i, (p, folder) in enumerate(zip(prepared, folders)):
         _emit(progress, "load", i / len(folders),
               f"Loading {p.source.name} ({p.source.role}) on {torch_device} in {dtype_name(torch_dtype)}")
-        models.append(_load_model(folder, p.source.name, torch_device, torch_dtype))
+        model = _load_model(folder, p.source.name, torch_device, torch_dtype)
+        if pack_cpu and torch_device.type == "cpu":
+            from engine.runners.cpu import try_pack
+
+            _emit(progress, "load", (i + 0.5) / len(folders), f"Packing {p.source.name} for the CPU fast path")
+            try_pack(model)
+        models.append(model)
+        del model
     _emit(progress, "load", 1.0, "Models loaded")
     if with_draft:
         # Real heads can differ from config.json (e.g. resized embeddings): trust the loaded weights.

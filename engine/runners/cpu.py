@@ -74,39 +74,42 @@ def pack_linears(model: nn.Module) -> int:
     """Replaces every nn.Linear of a CPU model in place; returns how many were packed.
 
     What packing replaced is released: untied weights are dropped, and the pages of weights
-    memory-mapped from their file are given back as each is packed (otherwise the file stays
-    resident beside the packed copies: 4.4 -> 8.3 GB for the default pair in bfloat16). The input
-    embedding is only looked up: its pages are read back from the file as rows are needed
-    (bfloat16), or it is held in bfloat16 when that is exact (float32, see CompactEmbedding).
+    memory-mapped from their file are given back (otherwise the file stays resident beside the
+    packed copies: 4.4 -> 8.3 GB for the default pair in bfloat16). The input embedding is only
+    looked up: its pages are read back from the file as rows are needed (bfloat16), or it is held
+    in bfloat16 when that is exact (float32, see CompactEmbedding).
+
+    Peak memory is the result plus about one layer: mapped pages are given back before packing
+    starts (each weight's pages come back from the page cache while it is packed, then go again),
+    the largest weights go first, and no reference to a replaced layer is kept.
     """
     from engine.models.memory import MappedFiles, release_pages, trim_heap
 
     mapped = MappedFiles()
-    names = [name for name, m in model.named_modules() if type(m) is nn.Linear]
-    packed_weights: set[int] = set()
+    linears = [(name, m.weight.numel()) for name, m in model.named_modules() if type(m) is nn.Linear]
+    names = [name for name, _ in sorted(linears, key=lambda nm: -nm[1])]
+    release_pages([model.get_submodule(name).weight for name in names], mapped)
+    _compact_embedding(model, {id(model.get_submodule(name).weight) for name in names})
     for name in names:
-        # One layer at a time, holding no reference to the ones already replaced: their float32
-        # weights go back to the allocator as we go, so the peak is one layer above the result.
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         linear = getattr(parent, child)
         setattr(parent, child, PackedLinear(linear))
         release_pages([linear.weight], mapped)
-        packed_weights.add(id(linear.weight))
         del linear
-    _compact_embedding(model, packed_weights)
     trim_heap()
     return len(names)
 
 
-def _compact_embedding(model: nn.Module, packed_weights: set[int]) -> None:
+def _compact_embedding(model: nn.Module, to_be_packed: set[int]) -> None:
+    """Before packing: a float32 input embedding nothing else will multiply by becomes exact bfloat16."""
     get = getattr(model, "get_input_embeddings", None)
     embedding = get() if get is not None else None
     if type(embedding) is not nn.Embedding or embedding.weight.dtype != torch.float32:
         return  # bfloat16 is compact already, and its file pages come back on demand
     head = getattr(model, "get_output_embeddings", lambda: None)()
-    if head is not None and getattr(head, "weight", None) is embedding.weight and id(embedding.weight) not in packed_weights:
-        return  # a tied head that was not packed still multiplies by this weight in float32
+    if getattr(head, "weight", None) is embedding.weight and id(embedding.weight) not in to_be_packed:
+        return  # a tied head that stays unpacked still multiplies by this weight in float32
     with torch.no_grad():
         compact = _exact_in_bf16(embedding.weight.detach())
     if compact is None:
