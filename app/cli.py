@@ -285,7 +285,7 @@ def _size(n: float) -> str:
 
 
 def cmd_cache(args: argparse.Namespace) -> int:
-    from engine.models import cache
+    from engine.models import cache_space as cache
 
     root = cache.cache_dir()
     if args.action == "clean":

@@ -15,7 +15,7 @@ import torch
 
 from app.cli import main
 from engine.errors import ModelLoadError
-from engine.models import cache, store
+from engine.models import cache, cache_space, store
 from engine.models.store import LoadProgress, PackagedModel, load_pair
 from tests.test_store import _fake_packages
 from tests.tiny import build_model, build_tokenizer, write_tiny_gguf
@@ -55,7 +55,7 @@ def _load(spec, events=None):
 
 
 def _entry(tmp_path) -> Path:
-    (entry,) = cache.model_entries(tmp_path / "cache")
+    (entry,) = cache_space.model_entries(tmp_path / "cache")
     return entry
 
 
@@ -224,7 +224,7 @@ def test_leftovers_of_dead_processes_are_swept_and_live_ones_kept(gguf_file, tmp
     (temp / "model.safetensors").write_bytes(b"y" * 7000)
     old_style = root / "models" / ".tiny-0123456789ab-a1b2c3d4"  # before temp folders named their process
     old_style.mkdir()
-    os.utime(old_style, (time.time() - 2 * cache.STALE_AFTER_S,) * 2)
+    os.utime(old_style, (time.time() - 2 * cache_space.STALE_AFTER_S,) * 2)
     mine = root / "gguf" / f"Other.gguf.{os.getpid()}.partial"  # a live process: never touched
     mine.write_bytes(b"z")
 
@@ -241,7 +241,7 @@ def test_cache_clean_frees_space_and_waits_for_no_one(packaged, tmp_path, capsys
     (gguf_dir / "Fake-Target-0123.gguf").write_bytes(b"g" * 1000)  # an assembled copy kept by a failed convert
     assert main(["cache", "clean"]) == 0
     assert "freed 1.0 KB" in capsys.readouterr().out
-    assert cache.model_entries() and not list(gguf_dir.iterdir())
+    assert cache_space.model_entries() and not list(gguf_dir.iterdir())
 
     held, release = threading.Event(), threading.Event()
 
@@ -255,11 +255,11 @@ def test_cache_clean_frees_space_and_waits_for_no_one(packaged, tmp_path, capsys
     held.wait(30)
     try:
         with pytest.raises(ModelLoadError, match="Another SpecDec Studio process"):
-            cache.clean(models=True)
+            cache_space.clean(models=True)
     finally:
         release.set()
         other.join()
-    assert main(["cache", "clean", "--all"]) == 0 and not cache.model_entries()
+    assert main(["cache", "clean", "--all"]) == 0 and not cache_space.model_entries()
 
 
 # --------------------------------------------------------------------------- two processes
@@ -321,7 +321,7 @@ def test_two_first_runs_at_once_share_one_conversion(packaged, tmp_path):
     assert "wait" in stages, out2  # it said it was waiting, through its progress callback
     assert "assemble" not in stages and "convert" not in stages, "the second process used the first one's result"
     assert stages[-1] == "done"
-    assert not list((tmp_path / "cache" / "gguf").glob("*")) and len(cache.model_entries()) == 1
+    assert not list((tmp_path / "cache" / "gguf").glob("*")) and len(cache_space.model_entries()) == 1
 
 
 def test_kill_during_conversion_leaves_files_the_next_start_sweeps(packaged, tmp_path):

@@ -6,7 +6,10 @@ the tensor data.
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import struct
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -135,3 +138,26 @@ def _check_tensor_data(path: Path, fields: dict[str, Any], placed: list, header_
             raise ValueError(f"tensor {name[:60]!r} does not fill whole blocks")
         if start + offset + count // block * width > size:
             raise ValueError(f"tensor {name[:60]!r} lies beyond the end of the file")
+
+
+@contextlib.contextmanager
+def quiet_gguf_bars() -> Iterator[None]:
+    """transformers' GGUF reader draws its own tqdm bar, ignoring disable_progress_bar(); make it listen.
+
+    The CLI turns progress bars off so stderr holds its one-line messages; this bar printed anyway.
+    """
+    try:
+        from transformers import modeling_gguf_pytorch_utils as reader
+        from transformers.utils import logging as hf_logging
+    except ImportError:
+        yield
+        return
+    original = getattr(reader, "tqdm", None)
+    if original is None or hf_logging.is_progress_bar_enabled():
+        yield
+        return
+    reader.tqdm = functools.partial(original, disable=True)
+    try:
+        yield
+    finally:
+        reader.tqdm = original

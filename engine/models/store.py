@@ -1,8 +1,6 @@
 """The model store: finds, verifies, converts, caches and loads a target/draft pair."""
 from __future__ import annotations
 
-import contextlib
-import functools
 import hashlib
 import importlib.util
 import json
@@ -35,18 +33,18 @@ from engine.models.cache import (
     complete_marker,
     damage,
     read_marker,
-    sweep,
     temp_dir_prefix,
     upgrade_marker,
     write_marker,
 )
+from engine.models.cache_space import sweep
 from engine.models.device import (
     cpu_has_native_bf16,
     dtype_name,
     pick_device,
     pick_dtype,
 )
-from engine.models.gguf import read_gguf_header
+from engine.models.gguf import quiet_gguf_bars, read_gguf_header
 from engine.types import ModelInfo
 
 __all__ = [
@@ -415,29 +413,6 @@ def _checked(entry: Path, meta: dict) -> tuple[Path | None, str | None]:
     return entry, None
 
 
-@contextlib.contextmanager
-def _gguf_bars_follow_transformers():
-    """transformers' GGUF reader draws its own tqdm bar, ignoring disable_progress_bar(); make it listen.
-
-    The CLI turns progress bars off so stderr holds its one-line messages; this bar printed anyway.
-    """
-    try:
-        from transformers import modeling_gguf_pytorch_utils as reader
-        from transformers.utils import logging as hf_logging
-    except ImportError:
-        yield
-        return
-    original = getattr(reader, "tqdm", None)
-    if original is None or hf_logging.is_progress_bar_enabled():
-        yield
-        return
-    reader.tqdm = functools.partial(original, disable=True)
-    try:
-        yield
-    finally:
-        reader.tqdm = original
-
-
 def _convert(gguf: Path, entry: Path, meta: dict, name: str, progress: ProgressFn | None) -> Path:
     """GGUF -> bf16 safetensors folder, written to a temp dir and renamed so it is all-or-nothing."""
     import transformers
@@ -457,7 +432,7 @@ def _convert(gguf: Path, entry: Path, meta: dict, name: str, progress: ProgressF
 
     try:
         report("convert", 0.0, f"Converting {name} from GGUF (once; dequantizing takes a minute)")
-        with _gguf_bars_follow_transformers():
+        with quiet_gguf_bars():
             model = AutoModelForCausalLM.from_pretrained(
                 str(gguf.parent), gguf_file=gguf.name, dtype=torch.bfloat16,
                 quantization_config=GgufConfig(dequantize=True),
