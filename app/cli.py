@@ -357,6 +357,10 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as e:  # a file or folder the checks above could not foresee (a full disk, a vanished file)
         log.debug("OSError", exc_info=True)
         return _fail(f"{e.strerror or e}" + (f": {e.filename}" if e.filename else ""))
+    except Exception as e:  # a bug: still one line for the person (the details with -v), never a traceback
+        log.info("internal error", exc_info=True)
+        return _fail(f"internal error ({type(e).__name__}: {e}); run again with -v for the details, and "
+                     f"please report it")
 
 
 if __name__ == "__main__":

@@ -530,6 +530,8 @@ def judge(o: Outcome) -> None:
     lines = [line for line in o.err.splitlines() if line.strip()]
     if "Warning:" in o.err or "FutureWarning" in o.err:
         o.problems.append("a warning on stderr")
+    if "internal error (" in o.err:
+        o.problems.append("internal error (a bug the CLI's safety net caught)")
     if o.rc == 2 and headless:
         verbose = "-v" in o.argv or "--verbose" in o.argv  # logs come first by request; the error is last
         errors = [line for line in lines if not line.startswith(NOTICES)][-1:] if verbose else \

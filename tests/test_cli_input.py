@@ -231,3 +231,53 @@ def test_converting_a_gguf_draws_no_progress_bar(tmp_path, tiny_pair, capsys):
 def test_an_unusable_cache_folder_is_one_line(monkeypatch, command, capsys):
     monkeypatch.setenv("SPECDEC_CACHE_DIR", "/proc/specdec-cache")  # not creatable, even for root
     _one_line(main(command), capsys.readouterr().err, "SPECDEC_CACHE_DIR")
+
+
+@pytest.fixture
+def nan_model(tmp_path, tiny_pair):
+    """The tiny target with one row of its embedding NaN: what flipped bits in a weight file give."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_pair[0]))
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_pair[0]))
+
+    def save(rows: list[int]) -> str:
+        import torch
+
+        with torch.no_grad():
+            model.get_input_embeddings().weight[rows] = float("nan")
+        folder = tmp_path / f"nan{len(rows)}"
+        model.save_pretrained(folder)
+        tok.save_pretrained(folder)
+        return str(folder)
+
+    return tok, save
+
+
+def test_weights_that_compute_nan_are_refused_at_load(nan_model, capsys):
+    tok, save = nan_model
+    folder = save(list(range(len(tok))))  # every row: the warm-up forward sees it
+    capsys.readouterr()
+    code = main(["generate", "--prompt", "hi", "--target", folder, "--mode", "standard", "--device", "cpu"])
+    _one_line(code, capsys.readouterr().err, "not finite")
+
+
+def test_nan_scores_while_sampling_are_one_line(nan_model, capsys):
+    tok, save = nan_model
+    ids = tok("hello world", add_special_tokens=False)["input_ids"]
+    folder = save(ids)  # only the prompt's tokens: the load is fine, the first sampled step is not
+    capsys.readouterr()
+    code = main(["generate", "--prompt", "hello world", "--raw", "--target", folder, "--mode", "standard",
+                 "--temperature", "1", "--device", "cpu", "--dtype", "float32"])
+    _one_line(code, capsys.readouterr().err, "not finite")
+
+
+def test_a_bug_is_still_one_line(tiny_pair, monkeypatch, capsys):
+    import engine.decoding
+
+    def bug(*args, **kwargs):
+        raise ZeroDivisionError("a bug\nwith a second line")
+
+    monkeypatch.setattr(engine.decoding.Engine, "generate", bug)
+    code = main(["generate", "--prompt", "x", *_models(tiny_pair)])
+    _one_line(code, capsys.readouterr().err, "internal error (ZeroDivisionError: a bug", "-v")

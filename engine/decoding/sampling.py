@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from engine.errors import GenerationError
 from engine.types import Sampling
 
 
@@ -35,8 +36,21 @@ def display_probs(logits: torch.Tensor, processed: torch.Tensor, sampling: Sampl
 
 
 def draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """One token per row of probs [R, V] -> [R]."""
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    """One token per row of probs [R, V] -> [R].
+
+    Scores that are not numbers (damaged weights, an overflowing dtype) reach here as NaN rows;
+    torch says so in a RuntimeError, which becomes a GenerationError a person can act on (checking
+    for them on every step instead would cost a host sync per step).
+    """
+    try:
+        return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    except RuntimeError as e:
+        if "probability tensor" not in str(e):
+            raise
+        raise GenerationError(
+            "The model's scores are not finite numbers (NaN or infinity): its weights may be damaged, or "
+            "they overflow in this dtype; try --dtype float32 or another model."
+        ) from None
 
 
 def accept_draft(

@@ -720,7 +720,14 @@ def load_pair(
         ids = torch.tensor([[tokenizer.eos_token_id or 0]], device=torch_device)
         for m, source in zip(models, sources):
             try:
-                m(input_ids=ids)  # first call pays one-time allocator / kernel selection costs
+                logits = m(input_ids=ids).logits  # first call pays one-time allocator / kernel selection costs
+                if not bool(torch.isfinite(logits).all()):
+                    raise ModelLoadError(
+                        f"{source.name} computes scores that are not finite numbers (NaN or infinity): its "
+                        f"weights are damaged, or they overflow in {dtype_name(torch_dtype)}; try float32."
+                    )
+            except ModelLoadError:
+                raise
             except (torch.OutOfMemoryError, MemoryError):
                 raise _out_of_memory(source.name, torch_device, torch_dtype) from None
             except Exception as e:  # weights that load but cannot run (a damaged or odd config)
