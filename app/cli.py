@@ -359,7 +359,8 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(f"{e.strerror or e}" + (f": {e.filename}" if e.filename else ""))
     except Exception as e:  # a bug: still one line for the person (the details with -v), never a traceback
         log.info("internal error", exc_info=True)
-        return _fail(f"internal error ({type(e).__name__}: {e}); run again with -v for the details, and "
+        what = (str(e).strip().splitlines() or [""])[0][:200]
+        return _fail(f"internal error ({type(e).__name__}: {what}); run again with -v for the details, and "
                      f"please report it")
 
 
