@@ -66,10 +66,10 @@ def test_packing_holds_one_replaced_layer_at_a_time(tiny_pair, monkeypatch):
     alive_at_each_pack: list[int] = []
     real_init = cpu.PackedLinear.__init__
 
-    def counting_init(self, linear):
+    def counting_init(self, linear, dtype=None):
         gc.collect()
         alive_at_each_pack.append(sum(r() is not None for r in originals))
-        real_init(self, linear)
+        real_init(self, linear, dtype)
 
     monkeypatch.setattr(cpu.PackedLinear, "__init__", counting_init)
     assert cpu.pack_linears(model) == len(originals)
@@ -142,3 +142,36 @@ def test_pack_cpu_packs_each_model_before_the_next_loads(tiny_pair, monkeypatch)
     a, b = engine.generate(request), plain.generate(request)
     list(a), list(b)
     assert a.token_ids == b.token_ids
+
+
+def test_float32_pack_cpu_casts_each_weight_as_it_packs(bf16_folder, monkeypatch):
+    from engine.models import store
+
+    seen: list[torch.dtype] = []
+    real = cpu.PackedLinear.__init__
+
+    def recording(self, linear, dtype=None):
+        seen.append(linear.weight.dtype)  # what the packer was handed: still the file's bfloat16
+        real(self, linear, dtype)
+
+    monkeypatch.setattr(cpu.PackedLinear, "__init__", recording)
+    pair = store.load_pair(str(bf16_folder), None, device="cpu", dtype="float32", with_draft=False, pack_cpu=True)
+    assert seen[1:] and set(seen[1:]) == {torch.bfloat16}  # after the 8x8 float32 probe of try_pack
+    assert all(t.dtype == torch.float32 for t in pair.target.parameters())
+    monkeypatch.setattr(cpu.PackedLinear, "__init__", real)
+    reference = Engine.from_pair(store.load_pair(str(bf16_folder), None, device="cpu", dtype="float32",
+                                                 with_draft=False), fast_path="eager")
+    engine = Engine.from_pair(pair, fast_path="auto")
+    request = GenerationRequest(prompt="def add(a, b):", mode="standard", max_new_tokens=12)
+    a, b = engine.generate(request), reference.generate(request)
+    list(a), list(b)
+    assert a.token_ids == b.token_ids
+
+
+def test_without_onednn_pack_cpu_still_gives_a_float32_model(bf16_folder, monkeypatch):
+    from engine.models import store
+
+    monkeypatch.setattr(cpu, "onednn_available", lambda: False)
+    pair = store.load_pair(str(bf16_folder), None, device="cpu", dtype="float32", with_draft=False, pack_cpu=True)
+    assert all(t.dtype == torch.float32 for t in pair.target.parameters())
+    assert any(type(m) is nn.Linear for m in pair.target.modules())

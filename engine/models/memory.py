@@ -94,18 +94,21 @@ def trim_heap() -> None:
         _LIBC.malloc_trim(0)
 
 
-def cast_releasing_pages(model: torch.nn.Module, dtype: torch.dtype) -> None:
+def cast_releasing_pages(model: torch.nn.Module, dtype: torch.dtype, *, keep_linear_weights: bool = False) -> None:
     """model.to(dtype) one tensor at a time, giving back each file-mapped source as it is copied.
 
     Casting all at once keeps every page of the mapped files resident beside the new copies until
     the end (bfloat16 files to float32: 4.8 GB of pages plus 9.6 GB of copies for the default pair).
+    keep_linear_weights: leave nn.Linear weights as they are (still mapped), for a caller that
+    packs them next and casts each on its way (see engine.runners.cpu.pack_linears).
     """
     mapped = MappedFiles()
     done: dict[int, torch.Tensor] = {}  # id(old) -> new: tied weights stay one tensor
     with torch.no_grad():
         for module in model.modules():
+            skip_weight = keep_linear_weights and type(module) is torch.nn.Linear
             for name, t in list(module._parameters.items()) + list(module._buffers.items()):
-                if t is None or not t.is_floating_point() or t.dtype == dtype:
+                if t is None or not t.is_floating_point() or t.dtype == dtype or (skip_weight and name == "weight"):
                     continue
                 if id(t) not in done:
                     new = t.detach().to(dtype)

@@ -607,7 +607,8 @@ def check_compatible(target_tok_info: TokenizerInfo, draft_tok_info: TokenizerIn
 
 # --------------------------------------------------------------------------- loading
 
-def _load_model(folder: Path, name: str, device: torch.device, dtype: torch.dtype) -> PreTrainedModel:
+def _load_model(folder: Path, name: str, device: torch.device, dtype: torch.dtype, *,
+                keep_linear_weights: bool = False) -> PreTrainedModel:
     # On the CPU, a file in a narrower float type loads memory-mapped without a copy and is then cast
     # one tensor at a time, each mapped source given back as it goes: casting in from_pretrained
     # would keep every mapped page resident beside the copies until the end (a 4.8 GB higher peak).
@@ -627,8 +628,9 @@ def _load_model(folder: Path, name: str, device: torch.device, dtype: torch.dtyp
             log.info("%s does not support SDPA attention; using eager attention", name)
             model = attempt("eager")
         if load_dtype != dtype:
-            memory.cast_releasing_pages(model, dtype)
-        model = model.to(device=device, dtype=dtype)
+            # keep_linear_weights: the packer casts those one at a time next (load_pair, pack_cpu).
+            memory.cast_releasing_pages(model, dtype, keep_linear_weights=keep_linear_weights)
+        model = model.to(device=device) if keep_linear_weights else model.to(device=device, dtype=dtype)
     except (torch.OutOfMemoryError, MemoryError):
         raise _out_of_memory(name, device, dtype) from None
     except RuntimeError as e:
@@ -695,12 +697,14 @@ def load_pair(
     for i, (p, folder) in enumerate(zip(prepared, folders)):
         _emit(progress, "load", i / len(folders),
               f"Loading {p.source.name} ({p.source.role}) on {torch_device} in {dtype_name(torch_dtype)}")
-        model = _load_model(folder, p.source.name, torch_device, torch_dtype)
-        if pack_cpu and torch_device.type == "cpu":
+        packing = pack_cpu and torch_device.type == "cpu"
+        model = _load_model(folder, p.source.name, torch_device, torch_dtype, keep_linear_weights=packing)
+        if packing:
             from engine.runners.cpu import try_pack
 
             _emit(progress, "load", (i + 0.5) / len(folders), f"Packing {p.source.name} for the CPU fast path")
-            try_pack(model)
+            try_pack(model, torch_dtype)
+            memory.cast_releasing_pages(model, torch_dtype)  # whatever packing did not take (none, or all)
         models.append(model)
         del model
     _emit(progress, "load", 1.0, "Models loaded")

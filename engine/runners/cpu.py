@@ -25,12 +25,16 @@ def onednn_available() -> bool:
 class PackedLinear(nn.Module):
     """nn.Linear with its weight reordered for oneDNN; same maths, float32 or bfloat16."""
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, linear: nn.Linear, dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.in_features = linear.in_features
         self.out_features = linear.out_features
         with torch.no_grad():
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), BATCH_HINT)
+            weight = linear.weight.detach()
+            # A weight still in its file's dtype is cast here, one layer at a time (see pack_linears).
+            weight = weight if dtype is None or weight.dtype == dtype else weight.to(dtype)
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, BATCH_HINT)
+            del weight
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -70,7 +74,7 @@ def _exact_in_bf16(weight: torch.Tensor, rows: int = 8192) -> torch.Tensor | Non
     return compact
 
 
-def pack_linears(model: nn.Module) -> int:
+def pack_linears(model: nn.Module, dtype: torch.dtype | None = None) -> int:
     """Replaces every nn.Linear of a CPU model in place; returns how many were packed.
 
     What packing replaced is released: untied weights are dropped, and the pages of weights
@@ -81,7 +85,8 @@ def pack_linears(model: nn.Module) -> int:
 
     Peak memory is the result plus about one layer: mapped pages are given back before packing
     starts (each weight's pages come back from the page cache while it is packed, then go again),
-    the largest weights go first, and no reference to a replaced layer is kept.
+    the largest weights go first, and no reference to a replaced layer is kept. With `dtype`, weights
+    still in another dtype (left mapped by load_pair for this) are cast as each is packed.
     """
     from engine.models.memory import MappedFiles, release_pages, trim_heap
 
@@ -94,7 +99,7 @@ def pack_linears(model: nn.Module) -> int:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         linear = getattr(parent, child)
-        setattr(parent, child, PackedLinear(linear))
+        setattr(parent, child, PackedLinear(linear, dtype))
         release_pages([linear.weight], mapped)
         del linear
     trim_heap()
@@ -118,17 +123,21 @@ def _compact_embedding(model: nn.Module, to_be_packed: set[int]) -> None:
     log.info("input embedding kept in bfloat16 (exact): %.0f MB saved", compact.numel() * 2 / 2**20)
 
 
-def try_pack(model: nn.Module) -> str | None:
-    """Packs a CPU float32/bfloat16 model when oneDNN can; returns the fast path's name or None."""
+def try_pack(model: nn.Module, dtype: torch.dtype | None = None) -> str | None:
+    """Packs a CPU float32/bfloat16 model when oneDNN can; returns the fast path's name or None.
+
+    dtype: the model's compute dtype when some linear weights are still in another one.
+    """
     param = next(model.parameters())
-    if param.device.type != "cpu" or param.dtype not in (torch.float32, torch.bfloat16) or not onednn_available():
+    dtype = dtype or param.dtype
+    if param.device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16) or not onednn_available():
         return None
     try:
-        probe = nn.Linear(8, 8, dtype=param.dtype)
-        PackedLinear(probe)(torch.zeros(2, 8, dtype=param.dtype))
+        probe = nn.Linear(8, 8, dtype=dtype)
+        PackedLinear(probe)(torch.zeros(2, 8, dtype=dtype))
     except Exception as exc:  # an old or unusual build: stay on the plain path
         log.info("oneDNN packed linears unavailable: %s", exc)
         return None
-    count = pack_linears(model)
+    count = pack_linears(model, dtype)
     log.info("packed %d linear layers for oneDNN", count)
     return "cpu-onednn"
