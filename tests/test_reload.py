@@ -133,3 +133,17 @@ def test_pair_bytes_from_headers(tiny_pair):
     assert size == params * 4  # a tied head is stored, and counted, once
     half = memory.pair_bytes(str(tiny_pair[0]), None, with_draft=False, device="cpu", dtype="bfloat16")
     assert half == memory.folder_bytes(tiny_pair[0], torch.bfloat16)
+
+
+def test_measure_room_compares_the_headers_with_free_memory(tiny_pair, monkeypatch):
+    from app.worker import measure_room
+
+    request = LoadRequest(target=str(tiny_pair[0]), draft=str(tiny_pair[1]), device="cpu", dtype="float32")
+    monkeypatch.setattr(memory, "available_bytes", lambda: 64 << 30)
+    monkeypatch.setattr(memory, "total_bytes", lambda: 64 << 30)
+    need, free = measure_room(request, object())
+    assert need == memory.pair_bytes(request.target, request.draft, with_draft=True, device="cpu", dtype="float32")
+    assert free == (64 << 30) - (16 << 30)  # a quarter of the machine stays free
+    monkeypatch.setattr(memory, "available_bytes", lambda: need)  # exactly the new pair: not with the margin
+    need, free = measure_room(request, object())
+    assert free < need
