@@ -158,6 +158,8 @@ def test_float32_pack_cpu_casts_each_weight_as_it_packs(bf16_folder, monkeypatch
     pair = store.load_pair(str(bf16_folder), None, device="cpu", dtype="float32", with_draft=False, pack_cpu=True)
     assert seen[1:] and set(seen[1:]) == {torch.bfloat16}  # after the 8x8 float32 probe of try_pack
     assert all(t.dtype == torch.float32 for t in pair.target.parameters())
+    embedding = pair.target.get_input_embeddings()
+    assert isinstance(embedding, cpu.CompactEmbedding) and embedding.weight.dtype == torch.bfloat16
     monkeypatch.setattr(cpu.PackedLinear, "__init__", real)
     reference = Engine.from_pair(store.load_pair(str(bf16_folder), None, device="cpu", dtype="float32",
                                                  with_draft=False), fast_path="eager")

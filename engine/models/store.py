@@ -703,8 +703,8 @@ def load_pair(
             from engine.runners.cpu import try_pack
 
             _emit(progress, "load", (i + 0.5) / len(folders), f"Packing {p.source.name} for the CPU fast path")
-            try_pack(model, torch_dtype)
-            memory.cast_releasing_pages(model, torch_dtype)  # whatever packing did not take (none, or all)
+            if try_pack(model, torch_dtype) is None:  # no oneDNN here: the linear weights still need casting
+                memory.cast_releasing_pages(model, torch_dtype)
         models.append(model)
         del model
     _emit(progress, "load", 1.0, "Models loaded")
