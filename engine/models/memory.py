@@ -209,9 +209,7 @@ def model_bytes(*models: object) -> int:
             continue
         for module in model.modules():
             tensors = list(module._parameters.values()) + list(module._buffers.values())
-            packed = getattr(module, "packed", None)
-            if isinstance(packed, torch.Tensor):
-                tensors.append(packed)
+            tensors += [t for t in getattr(module, "blocks", ()) if isinstance(t, torch.Tensor)]  # packed weights
             for t in tensors:
                 if t is not None and id(t) not in seen:
                     seen.add(id(t))

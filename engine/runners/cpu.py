@@ -8,6 +8,7 @@ verify costs about 1.4 forwards and single-token decoding gets faster too.
 """
 from __future__ import annotations
 
+import gc
 import logging
 
 import torch
@@ -16,6 +17,7 @@ from torch import nn
 log = logging.getLogger(__name__)
 
 BATCH_HINT = 8  # rows oneDNN tunes the packed layout for: the verify widths K+1 we expect
+CAST_BLOCK = 1 << 25  # elements of a weight cast and packed at a time (128 MB in float32)
 
 
 def onednn_available() -> bool:
@@ -23,7 +25,12 @@ def onednn_available() -> bool:
 
 
 class PackedLinear(nn.Module):
-    """nn.Linear with its weight reordered for oneDNN; same maths, float32 or bfloat16."""
+    """nn.Linear with its weight reordered for oneDNN; same maths, float32 or bfloat16.
+
+    A weight still in its file's dtype (load_pair leaves them mapped for this) is cast on its way
+    in, in row blocks of at most CAST_BLOCK elements, each packed on its own: the float32 copy of a
+    151936 x 1536 output head would otherwise exist whole beside its packed copy (0.9 GB more).
+    """
 
     def __init__(self, linear: nn.Linear, dtype: torch.dtype | None = None) -> None:
         super().__init__()
@@ -31,15 +38,25 @@ class PackedLinear(nn.Module):
         self.out_features = linear.out_features
         with torch.no_grad():
             weight = linear.weight.detach()
-            # A weight still in its file's dtype is cast here, one layer at a time (see pack_linears).
-            weight = weight if dtype is None or weight.dtype == dtype else weight.to(dtype)
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, BATCH_HINT)
+            cast = dtype is not None and weight.dtype != dtype
+            rows = max(1, CAST_BLOCK // self.in_features) if cast else self.out_features
+            self.blocks = [  # [rows_i, in] each, in oneDNN's layout; usually just one
+                torch.ops.mkldnn._reorder_linear_weight(weight[i:i + rows].to(dtype) if cast else weight, BATCH_HINT)
+                for i in range(0, self.out_features, rows)
+            ]
             del weight
-        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
+        bias = None if linear.bias is None else linear.bias.detach()
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self._bias_blocks = [None if bias is None else bias[i:i + rows] for i in range(0, self.out_features, rows)]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, shape[-1]), self.packed, self.bias, "none", [], "")
+        flat = x.reshape(-1, shape[-1])  # [M, in]
+        if len(self.blocks) == 1:
+            out = torch.ops.mkldnn._linear_pointwise(flat, self.blocks[0], self.bias, "none", [], "")
+        else:
+            out = torch.cat([torch.ops.mkldnn._linear_pointwise(flat, w, b, "none", [], "")
+                             for w, b in zip(self.blocks, self._bias_blocks)], dim=-1)  # [M, out]
         return out.view(*shape[:-1], self.out_features)
 
 
@@ -120,6 +137,8 @@ def _compact_embedding(model: nn.Module, to_be_packed: set[int]) -> None:
     if compact is None:
         return  # real float32 values: keep them exact
     model.set_input_embeddings(CompactEmbedding(embedding, compact))
+    del embedding
+    gc.collect()  # the replaced module can sit in a reference cycle: free its float32 weight before packing
     log.info("input embedding kept in bfloat16 (exact): %.0f MB saved", compact.numel() * 2 / 2**20)
 
 
@@ -129,8 +148,9 @@ def try_pack(model: nn.Module, dtype: torch.dtype | None = None) -> str | None:
     dtype: the model's compute dtype when some linear weights are still in another one.
     """
     param = next(model.parameters())
-    dtype = dtype or param.dtype
-    if param.device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16) or not onednn_available():
+    dtype, device = dtype or param.dtype, param.device
+    del param  # it is the embedding's weight: held here, packing could not release it
+    if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16) or not onednn_available():
         return None
     try:
         probe = nn.Linear(8, 8, dtype=dtype)
