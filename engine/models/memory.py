@@ -209,7 +209,9 @@ def model_bytes(*models: object) -> int:
             continue
         for module in model.modules():
             tensors = list(module._parameters.values()) + list(module._buffers.values())
-            tensors += [t for t in getattr(module, "blocks", ()) if isinstance(t, torch.Tensor)]  # packed weights
+            packed = getattr(module, "packed", None)  # a oneDNN-packed weight (engine.runners.cpu)
+            if isinstance(packed, torch.Tensor):
+                tensors.append(packed)
             for t in tensors:
                 if t is not None and id(t) not in seen:
                     seen.add(id(t))
