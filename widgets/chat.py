@@ -1,125 +1,41 @@
-"""The conversation: user bubbles, streaming assistant bubbles with coloured tokens, notes and stats."""
+"""The conversation: questions, streaming answers with coloured tokens (markdown once done), notes and stats."""
 from __future__ import annotations
 
+import itertools
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
-from PySide6.QtCore import Qt, Signal
+from PySide6.QtCore import Qt, QTimer, Signal
 from PySide6.QtGui import QGuiApplication, QResizeEvent
-from PySide6.QtWidgets import (
-    QFrame,
-    QHBoxLayout,
-    QLabel,
-    QScrollArea,
-    QSizePolicy,
-    QToolButton,
-    QVBoxLayout,
-    QWidget,
-)
+from PySide6.QtWidgets import QFrame, QScrollArea, QVBoxLayout, QWidget
 
 from engine.types import Step, Summary
+from widgets.chat_bubbles import AssistantBubble, NoteBubble, UserBubble
+from widgets.markdown import MarkdownView, shared_renderer
 from widgets.token_text import TokenTextView
 
 log = logging.getLogger(__name__)
 
 USER_BUBBLE_WIDTH = 0.75  # share of the viewport a user bubble may take
 _FOLLOW_SLACK_PX = 24  # "at the bottom" tolerance, so a near-bottom reader keeps following
+LOAD_CHUNK = 6  # bubbles built per event-loop turn when a saved conversation opens (UI stays live)
+_view_ids = itertools.count(1)
 
 
-def _plain_label(text: str, object_name: str, parent: QWidget) -> QLabel:
-    label = QLabel(text, parent)
-    label.setObjectName(object_name)
-    label.setTextFormat(Qt.TextFormat.PlainText)  # people's text is never HTML
-    label.setWordWrap(True)
-    label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
-    return label
+@dataclass(frozen=True)
+class ShownMessage:
+    """One message of a saved conversation, as the chat shows it (plain data from the app)."""
 
-
-class _UserBubble(QWidget):
-    """A right-aligned bubble with the user's text."""
-
-    def __init__(self, text: str, parent: QWidget) -> None:
-        super().__init__(parent)
-        self._text = text
-        row = QHBoxLayout(self)
-        row.setContentsMargins(0, 0, 0, 0)
-        row.addStretch(1)
-        self.frame = QFrame(self)
-        self.frame.setObjectName("userBubble")
-        inner = QVBoxLayout(self.frame)
-        inner.setContentsMargins(12, 8, 12, 8)
-        inner.addWidget(_plain_label(text, "userText", self.frame))
-        row.addWidget(self.frame)
-
-    def plain_text(self) -> str:
-        return self._text
-
-
-class _NoteBubble(QLabel):
-    """A centred grey line: model loaded, generation stopped, ..."""
-
-    def __init__(self, text: str, parent: QWidget) -> None:
-        super().__init__(text, parent)
-        self.setObjectName("systemNote")
-        self.setTextFormat(Qt.TextFormat.PlainText)
-        self.setWordWrap(True)
-        self.setAlignment(Qt.AlignmentFlag.AlignHCenter)
-
-    def plain_text(self) -> str:
-        return self.text()
-
-
-class _AssistantBubble(QFrame):
-    """Header, the streaming token view, an error line, then stats and Copy / Regenerate."""
-
-    def __init__(self, request_id: int, header: str, parent: QWidget) -> None:
-        super().__init__(parent)
-        self.setObjectName("assistantBubble")
-        self.request_id = request_id
-        self.done = False
-        self._final_text: str | None = None
-        layout = QVBoxLayout(self)
-        layout.setContentsMargins(12, 8, 12, 8)
-        layout.setSpacing(4)
-        self.header = QLabel(header, self)
-        self.header.setObjectName("bubbleHeader")
-        self.header.setTextFormat(Qt.TextFormat.PlainText)
-        self.header.setVisible(bool(header))
-        layout.addWidget(self.header)
-        self.view = TokenTextView(self, fit_content=True)
-        self.view.setObjectName("assistantText")
-        self.view.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Fixed)
-        layout.addWidget(self.view)
-        self.error = _plain_label("", "bubbleError", self)
-        self.error.hide()
-        layout.addWidget(self.error)
-        footer = QHBoxLayout()
-        footer.setContentsMargins(0, 0, 0, 0)
-        self.stats = _plain_label("", "statsLine", self)
-        self.stats.hide()
-        footer.addWidget(self.stats, 1)
-        self.copy_button = QToolButton(self)
-        self.copy_button.setObjectName("bubbleButton")
-        self.copy_button.setText("Copy")
-        self.copy_button.setToolTip("Copy this answer as plain text")
-        self.regenerate_button = QToolButton(self)
-        self.regenerate_button.setObjectName("bubbleButton")
-        self.regenerate_button.setText("Regenerate")
-        self.regenerate_button.setToolTip("Generate this answer again")
-        for button in (self.copy_button, self.regenerate_button):
-            button.setCursor(Qt.CursorShape.PointingHandCursor)
-            button.hide()
-            footer.addWidget(button, 0, Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter)
-        layout.addLayout(footer)
-
-    def plain_text(self) -> str:
-        return self._final_text if self._final_text is not None else self.view.committed_text()
-
-    def finish(self, final_text: str | None) -> None:
-        self.done = True
-        self._final_text = final_text
-        self.view.finish()
-        self.copy_button.show()
+    role: str  # "user", "assistant" or "note"
+    text: str  # the message (an answer's committed text)
+    key: str = ""  # the turn id, echoed back in edit / branch signals
+    branch: tuple[int, int] = (0, 1)  # (index, count) among the alternatives at this place
+    request_id: int = 0  # answers: the id the chat knows the bubble by
+    header: str = ""  # answers: model and settings line
+    steps: tuple[Step, ...] | None = None  # answers: tokens to colour (None: saved without them)
+    stats: str = ""  # answers: the figures line
+    error: str = ""  # answers: why it failed, if it did
 
 
 class ChatView(QScrollArea):
@@ -129,7 +45,10 @@ class ChatView(QScrollArea):
     bubble's height changes (once per batch), never per token.
     """
 
-    regenerate_requested = Signal()  # Regenerate clicked on the last answer
+    regenerate_requested = Signal(int)  # Regenerate clicked on an answer: its request id
+    edit_submitted = Signal(str, str)  # a question was edited and sent again: turn key, new text
+    branch_requested = Signal(str, int)  # show another version of a message: turn key, -1 / +1
+    loading_finished = Signal()  # show_messages() has built every bubble
 
     def __init__(self, parent: QWidget | None = None) -> None:
         super().__init__(parent)
@@ -145,31 +64,81 @@ class ChatView(QScrollArea):
         self._layout.addStretch(1)  # keeps bubbles at the top while the chat is short
         self.setWidget(self._contents)
         self._messages: list[QWidget] = []
-        self._assistants: dict[int, _AssistantBubble] = {}
+        self._assistants: dict[int, AssistantBubble] = {}
         self._colouring = True
         self._show_rejected = True
+        self._markdown = True  # finished answers rendered as markdown (the global preference)
+        self._busy = False  # an answer is streaming: no Edit / Regenerate meanwhile
         self._follow = True
+        self._view_id = next(_view_ids)
+        self._queue: list[ShownMessage] = []  # show_messages() still to build
+        self._load_timer = QTimer(self)
+        self._load_timer.setInterval(0)
+        self._load_timer.timeout.connect(self._build_some)
+        shared_renderer().rendered.connect(self._on_rendered)
         bar = self.verticalScrollBar()
         bar.rangeChanged.connect(self._on_range_changed)
         bar.valueChanged.connect(self._on_value_changed)
 
     # --- public API -------------------------------------------------------------------------
 
-    def add_user_message(self, text: str) -> int:
-        bubble = _UserBubble(text, self._contents)
+    def add_user_message(self, text: str, key: str = "", branch: tuple[int, int] = (0, 1)) -> int:
+        bubble = UserBubble(text, key, self._contents)
         bubble.frame.setMaximumWidth(self._user_width())
+        bubble.branches.set_branch(*branch)
+        bubble.copy_requested.connect(lambda: self.copy_message(self._messages.index(bubble)))
+        bubble.edit_submitted.connect(lambda text: self.edit_submitted.emit(bubble.key, text))
+        bubble.branches.moved.connect(lambda delta: self.branch_requested.emit(bubble.key, delta))
+        bubble.edit_button.setVisible(bool(key) and not self._busy)
         self._follow = True  # the reader just sent this; show it and the answer that follows
         return self._add(bubble)
 
-    def begin_assistant_message(self, request_id: int, header: str) -> None:
-        bubble = _AssistantBubble(request_id, header, self._contents)
+    def begin_assistant_message(self, request_id: int, header: str, key: str = "",
+                                branch: tuple[int, int] = (0, 1)) -> None:
+        bubble = AssistantBubble(request_id, header, key, self._contents)
         bubble.view.set_colouring(self._colouring)
         bubble.view.set_show_rejected(self._show_rejected)
+        bubble.branches.set_branch(*branch)
         bubble.copy_button.clicked.connect(lambda: self.copy_message(self._messages.index(bubble)))
-        bubble.regenerate_button.clicked.connect(self.regenerate_requested)
+        bubble.regenerate_button.clicked.connect(lambda: self.regenerate_requested.emit(bubble.request_id))
+        bubble.tokens_button.toggled.connect(lambda tokens: self._toggle(bubble, not tokens))
+        bubble.branches.moved.connect(lambda delta: self.branch_requested.emit(bubble.key, delta))
         self._assistants[request_id] = bubble
         self._add(bubble)
         self._update_regenerate()
+
+    def add_answer(self, message: ShownMessage) -> None:
+        """A finished answer from a saved conversation: tokens replayed lazily, markdown rendered off-thread."""
+        self.begin_assistant_message(message.request_id, message.header, message.key, message.branch)
+        bubble = self._assistants[message.request_id]
+        bubble.has_tokens = message.steps is not None
+        if message.steps:
+            if self._markdown and message.text:
+                bubble.set_pending_steps(message.steps)  # built only if someone asks for the tokens
+            else:
+                bubble.view.append_steps(message.steps)
+        bubble.finish(message.text)
+        if message.error:
+            bubble.error.setText(f"⚠ {message.error}")
+            bubble.error.show()
+        bubble.stats.setText(message.stats)
+        bubble.stats.setVisible(bool(message.stats))
+        self._finish_view(bubble)
+        self._update_regenerate()
+
+    def show_messages(self, messages: Sequence[ShownMessage]) -> None:
+        """Replaces the chat with a saved conversation, built a few bubbles per event-loop turn."""
+        self.clear()
+        self._queue = list(messages)
+        self._load_timer.start()
+
+    def is_loading(self) -> bool:
+        return bool(self._queue)
+
+    def set_branch(self, key: str, index: int, count: int) -> None:
+        for widget in self._messages:
+            if isinstance(widget, (UserBubble, AssistantBubble)) and widget.key == key:
+                widget.branches.set_branch(index, count)
 
     def append_steps(self, request_id: int, steps: Sequence[Step]) -> None:
         bubble = self._assistants.get(request_id)
@@ -186,6 +155,7 @@ class ChatView(QScrollArea):
         bubble.finish(summary.text)
         bubble.stats.setText(stats_text)
         bubble.stats.setVisible(bool(stats_text))
+        self._finish_view(bubble)
         self._update_regenerate()
 
     def fail_assistant_message(self, request_id: int, message: str) -> None:
@@ -210,15 +180,43 @@ class ChatView(QScrollArea):
         self._update_regenerate()
 
     def add_system_note(self, text: str) -> int:
-        return self._add(_NoteBubble(text, self._contents))
+        return self._add(NoteBubble(text, self._contents))
 
     def clear(self) -> None:
+        self._queue = []
+        self._load_timer.stop()
         for widget in self._messages:
             self._layout.removeWidget(widget)
             widget.deleteLater()
         self._messages.clear()
         self._assistants.clear()
         self._follow = True
+
+    def set_busy(self, busy: bool) -> None:
+        """While an answer streams, Edit and Regenerate wait (one generation at a time)."""
+        self._busy = busy
+        for widget in self._messages:
+            if isinstance(widget, UserBubble):
+                widget.edit_button.setVisible(bool(widget.key) and not busy)
+        self._update_regenerate()
+
+    def set_render_markdown(self, on: bool) -> None:
+        """The global preference: finished answers formatted (True) or as coloured tokens (False)."""
+        self._markdown = on
+        for bubble in self._assistants.values():
+            if bubble.done and bubble.plain_text().strip():
+                self._toggle(bubble, on)
+
+    def render_markdown(self) -> bool:
+        return self._markdown
+
+    def refresh_theme(self) -> None:
+        """The palette changed: token colours rebuilt, rendered answers rendered again (code colours)."""
+        for bubble in self._assistants.values():
+            bubble.view.refresh_palette()
+            if bubble.segments is not None:
+                bubble.segments = None
+                self._request_render(bubble, force=True)
 
     def set_colouring(self, on: bool) -> None:
         self._colouring = on
@@ -243,7 +241,29 @@ class ChatView(QScrollArea):
     def token_view(self, request_id: int) -> TokenTextView | None:
         """The token view of an answer, for hover tooltips and tests."""
         bubble = self._assistants.get(request_id)
-        return bubble.view if bubble is not None else None
+        if bubble is None:
+            return None
+        bubble.ensure_tokens()
+        return bubble.view
+
+    def markdown_view(self, request_id: int) -> MarkdownView | None:
+        """The rendered answer, once it is rendered and shown (None while tokens are shown)."""
+        bubble = self._assistants.get(request_id)
+        return bubble.markdown if bubble is not None and bubble.showing_markdown() else None
+
+    def set_answer_markdown(self, request_id: int, on: bool) -> None:
+        """The per-answer toggle (the bubble's Tokens button)."""
+        bubble = self._assistants.get(request_id)
+        if bubble is not None and bubble.done:
+            self._toggle(bubble, on)
+
+    def answer_ids(self) -> list[int]:
+        return [w.request_id for w in self._messages if isinstance(w, AssistantBubble)]
+
+    def user_bubble(self, index: int) -> UserBubble | None:
+        """The index-th question shown (0-based), for edits and tests."""
+        users = [w for w in self._messages if isinstance(w, UserBubble)]
+        return users[index] if 0 <= index < len(users) else None
 
     def stats_text(self, request_id: int) -> str:
         """The stats line under an answer ("" while it streams)."""
@@ -264,7 +284,7 @@ class ChatView(QScrollArea):
         super().resizeEvent(event)
         width = self._user_width()
         for widget in self._messages:
-            if isinstance(widget, _UserBubble):
+            if isinstance(widget, UserBubble):
                 widget.frame.setMaximumWidth(width)
 
     # --- internals ------------------------------------------------------------------------------
@@ -278,9 +298,48 @@ class ChatView(QScrollArea):
         return max(200, int(self.viewport().width() * USER_BUBBLE_WIDTH))
 
     def _update_regenerate(self) -> None:
-        last = next((w for w in reversed(self._messages) if isinstance(w, _AssistantBubble)), None)
         for bubble in self._assistants.values():
-            bubble.regenerate_button.setVisible(bubble is last and bubble.done)
+            bubble.regenerate_button.setVisible(bubble.done and not self._busy)
+
+    def _finish_view(self, bubble: AssistantBubble) -> None:
+        """A finished answer shows the view the global preference asks for, rendering it if needed."""
+        if not bubble.plain_text().strip():
+            return  # nothing to format (failed before any text): the tokens, if any, stay
+        bubble.tokens_button.setVisible(bubble.has_tokens)
+        bubble.show_markdown(self._markdown)
+        self._request_render(bubble)
+
+    def _toggle(self, bubble: AssistantBubble, markdown: bool) -> None:
+        bubble.show_markdown(markdown)
+        self._request_render(bubble)
+
+    def _request_render(self, bubble: AssistantBubble, *, force: bool = False) -> None:
+        text = bubble.plain_text()
+        if bubble.done and text.strip() and bubble.wants_markdown and (bubble.segments is None or force):
+            shared_renderer().request((self._view_id, bubble.request_id), text)
+
+    def _on_rendered(self, key: object, segments: tuple) -> None:
+        view_id, request_id = key  # type: ignore[misc]
+        if view_id != self._view_id:
+            return
+        bubble = self._assistants.get(request_id)
+        if bubble is not None and bubble.done:
+            bubble.set_segments(segments)
+
+    def _build_some(self) -> None:
+        for _ in range(LOAD_CHUNK):
+            if not self._queue:
+                break
+            message = self._queue.pop(0)
+            if message.role == "user":
+                self.add_user_message(message.text, message.key, message.branch)
+            elif message.role == "assistant":
+                self.add_answer(message)
+            else:
+                self.add_system_note(message.text)
+        if not self._queue:
+            self._load_timer.stop()
+            self.loading_finished.emit()
 
     def _on_range_changed(self, _minimum: int, maximum: int) -> None:
         if self._follow:
