@@ -296,9 +296,14 @@ class BackgroundWriter:
         self._pending: dict[str, dict[str, Any]] = {}
         self._lock = threading.Lock()
         self._last: Future[None] | None = None
+        self._closed = False
 
     def save(self, conversation: Conversation) -> None:
         snapshot = conversation.to_json()  # cheap: frozen turns are shared, not copied
+        if self._closed:  # an answer that ended while the app closed: written here and now
+            self._pending[conversation.id] = snapshot
+            self._write(conversation.id)
+            return
         with self._lock:
             queued = conversation.id in self._pending
             self._pending[conversation.id] = snapshot
@@ -307,11 +312,14 @@ class BackgroundWriter:
 
     def flush(self) -> None:
         """Waits for every queued save (on close, and in tests)."""
-        self._pool.submit(lambda: None).result()
+        if not self._closed:
+            self._pool.submit(lambda: None).result()
 
     def close(self) -> None:
-        self.flush()
-        self._pool.shutdown(wait=True)
+        if not self._closed:
+            self.flush()
+            self._closed = True
+            self._pool.shutdown(wait=True)
 
     def _write(self, conversation_id: str) -> None:
         with self._lock:

@@ -8,6 +8,11 @@ import pytest
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# Conversations of windows a test builds without a store go to a throw-away folder, never the user's.
+if "SPECDEC_DATA_DIR" not in os.environ:
+    import tempfile
+
+    os.environ["SPECDEC_DATA_DIR"] = tempfile.mkdtemp(prefix="specdec-test-data-")
 
 
 def pytest_configure(config):

@@ -14,7 +14,7 @@ import pytest
 from app.chat_tree import Conversation, ConversationFormatError, StoredTokens, messages_fitting
 from app.conversations import BackgroundWriter, ConversationStore, default_folder
 from app.demo import scripted_steps
-from engine.stats import summarize
+from engine.measure.stats import summarize
 from engine.types import GenerationRequest, Message, Sampling
 
 ROOT = Path(__file__).resolve().parents[1]

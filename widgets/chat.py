@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from PySide6.QtCore import Qt, QTimer, Signal
@@ -72,9 +72,10 @@ class ChatView(QScrollArea):
         self._follow = True
         self._view_id = next(_view_ids)
         self._queue: list[ShownMessage] = []  # show_messages() still to build
+        self._building = False
         self._load_timer = QTimer(self)
         self._load_timer.setInterval(0)
-        self._load_timer.timeout.connect(self._build_some)
+        self._load_timer.timeout.connect(lambda: self._build_some())
         shared_renderer().rendered.connect(self._on_rendered)
         bar = self.verticalScrollBar()
         bar.rangeChanged.connect(self._on_range_changed)
@@ -83,6 +84,7 @@ class ChatView(QScrollArea):
     # --- public API -------------------------------------------------------------------------
 
     def add_user_message(self, text: str, key: str = "", branch: tuple[int, int] = (0, 1)) -> int:
+        self._drain()
         bubble = UserBubble(text, key, self._contents)
         bubble.frame.setMaximumWidth(self._user_width())
         bubble.branches.set_branch(*branch)
@@ -95,6 +97,7 @@ class ChatView(QScrollArea):
 
     def begin_assistant_message(self, request_id: int, header: str, key: str = "",
                                 branch: tuple[int, int] = (0, 1)) -> None:
+        self._drain()
         bubble = AssistantBubble(request_id, header, key, self._contents)
         bubble.view.set_colouring(self._colouring)
         bubble.view.set_show_rejected(self._show_rejected)
@@ -129,8 +132,33 @@ class ChatView(QScrollArea):
     def show_messages(self, messages: Sequence[ShownMessage]) -> None:
         """Replaces the chat with a saved conversation, built a few bubbles per event-loop turn."""
         self.clear()
-        self._queue = list(messages)
-        self._load_timer.start()
+        self.append_messages(messages)
+
+    def append_messages(self, messages: Sequence[ShownMessage]) -> None:
+        """Adds saved messages at the end, a few per event-loop turn (anything added later goes after them)."""
+        self._queue.extend(messages)
+        if self._queue:
+            self._load_timer.start()
+
+    def keys(self) -> list[str]:
+        """Turn keys of the questions and answers shown, in order (queued ones built first)."""
+        self._drain()
+        return [w.key for w in self._messages if isinstance(w, (UserBubble, AssistantBubble)) and w.key]
+
+    def truncate_from(self, key: str) -> None:
+        """Removes the message with this key and everything after it (a fork shows another branch)."""
+        self._drain()
+        index = next((i for i, w in enumerate(self._messages)
+                      if isinstance(w, (UserBubble, AssistantBubble)) and w.key == key), None)
+        if index is None:
+            return
+        for widget in self._messages[index:]:
+            self._layout.removeWidget(widget)
+            widget.deleteLater()
+            if isinstance(widget, AssistantBubble):
+                self._assistants.pop(widget.request_id, None)
+        del self._messages[index:]
+        self._update_regenerate()
 
     def is_loading(self) -> bool:
         return bool(self._queue)
@@ -180,6 +208,7 @@ class ChatView(QScrollArea):
         self._update_regenerate()
 
     def add_system_note(self, text: str) -> int:
+        self._drain()
         return self._add(NoteBubble(text, self._contents))
 
     def clear(self) -> None:
@@ -326,18 +355,27 @@ class ChatView(QScrollArea):
         if bubble is not None and bubble.done:
             bubble.set_segments(segments)
 
-    def _build_some(self) -> None:
-        for _ in range(LOAD_CHUNK):
-            if not self._queue:
-                break
-            message = self._queue.pop(0)
-            if message.role == "user":
-                self.add_user_message(message.text, message.key, message.branch)
-            elif message.role == "assistant":
-                self.add_answer(message)
-            else:
-                self.add_system_note(message.text)
-        if not self._queue:
+    def _drain(self) -> None:
+        # Something is added out of the loader's turn: build what is queued first, to keep the order.
+        if self._queue and not self._building:
+            self._build_some(len(self._queue))
+
+    def _build_some(self, count: int = LOAD_CHUNK) -> None:
+        self._building = True
+        try:
+            for _ in range(count):
+                if not self._queue:
+                    break
+                message = self._queue.pop(0)
+                if message.role == "user":
+                    self.add_user_message(message.text, message.key, message.branch)
+                elif message.role == "assistant":
+                    self.add_answer(message)
+                else:
+                    self.add_system_note(message.text)
+        finally:
+            self._building = False
+        if not self._queue and self._load_timer.isActive():
             self._load_timer.stop()
             self.loading_finished.emit()
 

@@ -92,6 +92,10 @@ def apply_theme(theme: str) -> None:
     set_current_theme(theme)
     app = QApplication.instance()
     if isinstance(app, QApplication):
-        app.setPalette(qt_palette(load_palette(theme)))
-        app.setStyleSheet(load_stylesheet(theme))
+        palette = qt_palette(load_palette(theme))
+        if app.palette() != palette:
+            app.setPalette(palette)
+        sheet = load_stylesheet(theme)
+        if app.styleSheet() != sheet:  # re-polishing every widget is costly; skip when nothing changes
+            app.setStyleSheet(sheet)
     log.debug("theme %s applied", theme)
