@@ -5,12 +5,17 @@ import logging
 from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from PySide6.QtCore import QObject, Qt, QTimer, Signal
+from PySide6.QtWidgets import QMessageBox
 
 from app.chat_tree import messages_fitting
+from app.session import system_messages
 from engine.types import Message
+
+if TYPE_CHECKING:
+    from app.window import MainWindow
 
 log = logging.getLogger(__name__)
 
@@ -198,3 +203,71 @@ class ContextCounter(QObject):
         dropped = messages_fitting(items, counts, budget) if trim and items else 0
         used = frame + sum(per_message[dropped:]) + draft_tokens + reserve
         return ContextCount(used, counter.context_length, dropped, per_message)
+
+
+class ContextGuard(QObject):
+    """Keeps the meter under the prompt current as one types, and decides what to do at Send when the
+    conversation no longer fits: start a new chat or leave the oldest turns out (asked once per conversation)."""
+
+    def __init__(self, window: MainWindow) -> None:
+        super().__init__(window)
+        self.window = window
+        window.prompt.edit.textChanged.connect(self.update)
+        window.context.counted.connect(lambda count: window.context_meter.set_usage(
+            count.used, count.limit, dropped=count.dropped))
+
+    def reserve(self) -> int:
+        # The engine needs room for one round of K drafts + 1 beyond the prompt (engine.decoding).
+        settings = self.window.panel.values()
+        return (settings.k if settings.mode == "speculative" else 0) + 1
+
+    def update(self, *_: object, now: bool = False) -> None:
+        w = self.window
+        w.context.update(system_messages(w.panel.values()), w.session.conversation.messages(), w.prompt.text(),
+                         self.reserve(), w.session.conversation.trim_oldest, now=now)
+
+    def count(self, draft: str, trim: bool) -> ContextCount | None:
+        w = self.window
+        return w.context.count_now(system_messages(w.panel.values()), w.session.conversation.messages(), draft,
+                                   self.reserve(), trim)
+
+    def drop_count(self) -> int:
+        """Oldest turns left out of the next request (only once the person chose that for this conversation)."""
+        if not self.window.session.conversation.trim_oldest:
+            return 0
+        count = self.count("", True)
+        return count.dropped if count is not None else 0
+
+    def room_for(self, text: str) -> int | None:
+        """How many oldest turns to leave out so the question fits (mostly 0); None when the person cancelled."""
+        conversation = self.window.session.conversation
+        count = self.count(text, conversation.trim_oldest)
+        if count is None or count.used < count.limit or not conversation.messages():
+            return count.dropped if count is not None else 0  # a lone prompt too long: the engine says so
+        if conversation.trim_oldest:
+            return count.dropped
+        choice = self.window.ask_overflow(count)
+        if choice == "new":
+            self.window.new_chat()
+            return 0
+        if choice == "drop":
+            self.window.session.set_trim_oldest(True)
+            trimmed = self.count(text, True)
+            return trimmed.dropped if trimmed is not None else 0
+        return None
+
+
+def ask_overflow(parent, count: ContextCount) -> str:
+    """"new", "drop" or "cancel", asked in a dialog."""
+    box = QMessageBox(parent)
+    box.setIcon(QMessageBox.Icon.Question)
+    box.setWindowTitle("The conversation is longer than the model's context")
+    box.setText(f"With this message the conversation needs {count.used:,} tokens; the model holds {count.limit:,}.")
+    box.setInformativeText("Start a new chat with this message, or leave the oldest turns out of what is sent "
+                           "(they stay in the saved conversation).")
+    new = box.addButton("Start a new chat", QMessageBox.ButtonRole.AcceptRole)
+    drop = box.addButton("Drop the oldest turns", QMessageBox.ButtonRole.ActionRole)
+    box.addButton(QMessageBox.StandardButton.Cancel)
+    box.setDefaultButton(new)
+    box.exec()
+    return "new" if box.clickedButton() is new else "drop" if box.clickedButton() is drop else "cancel"

@@ -1,4 +1,5 @@
-"""Wires the conversations sidebar to the chat session: list, open, rename, delete + Undo, search, export."""
+"""Wires the conversations sidebar and the chat to the session: list, open, rename, delete + Undo, search,
+export, and the chat showing the branch the session shows."""
 from __future__ import annotations
 
 import logging
@@ -13,7 +14,10 @@ from PySide6.QtWidgets import QFileDialog
 from app.chat_tree import Conversation, search_text
 from app.conversations import ConversationHeader
 from app.export import write_conversation_json, write_conversation_markdown
+from app.session import ShownTurn, answer_header
+from widgets.chat import ShownMessage
 from widgets.conversation_list import SidebarEntry
+from widgets.stats_line import format_stats_line
 
 if TYPE_CHECKING:
     from app.window import MainWindow
@@ -54,6 +58,7 @@ class ConversationsController(QObject):
         self._search_generation = 0
         self._query = ""
         self._current_hit: str | None = None  # the shown conversation, when it matches the query
+        self.bubble_turn: dict[int, str] = {}  # answer bubble (its request id) -> its turn in the conversation
         s = self.sidebar
         s.new_requested.connect(window.new_chat)
         s.selected.connect(window.open_conversation)
@@ -166,13 +171,49 @@ class ConversationsController(QObject):
             if not path:
                 return False
         try:
-            (write_conversation_markdown if kind == "markdown" else write_conversation_json)(path, conversation)
+            if kind == "markdown":
+                write_conversation_markdown(path, conversation, format_stats_line)
+            else:
+                write_conversation_json(path, conversation)
         except OSError as e:
             self.window._show_error("Export failed", f"Could not write {path}: {e.strerror or e}. Choose another "
                                                      "location; the conversation is kept.")
             return False
         self.window.statusBar().showMessage(f"Exported “{conversation.title}” to {path}", 5000)
         return True
+
+    def sync_chat(self, until: str | None = None) -> None:
+        """Makes the chat show the branch shown, rebuilding only from the first difference (up to, not
+        including, the turn `until`: the answer about to stream)."""
+        shown = self.session.shown()
+        if until is not None:
+            shown = shown[: next((i for i, t in enumerate(shown) if t.turn.id == until), len(shown))]
+        keys = self.window.chat.keys()
+        same = 0
+        while same < min(len(shown), len(keys)) and keys[same] == shown[same].turn.id:
+            same += 1
+        for item in shown[:same]:
+            self.window.chat.set_branch(item.turn.id, item.index, item.count)
+        if same < len(keys):
+            self.window.chat.truncate_from(keys[same])
+        kept = set(self.window.chat.answer_ids())
+        self.bubble_turn = {r: t for r, t in self.bubble_turn.items() if r in kept}
+        self.window.chat.append_messages([self._shown_message(item) for item in shown[same:]])
+
+    def _shown_message(self, item: ShownTurn) -> ShownMessage:
+        turn = item.turn
+        if turn.role == "user":
+            return ShownMessage("user", turn.content, turn.id, (item.index, item.count))
+        rid = self.session.allocate_request_id()
+        self.bubble_turn[rid] = turn.id
+        name = turn.model.split(" + ")[0] if turn.model else "model"
+        header = answer_header(turn.request, None).replace("model", name, 1) if turn.request is not None else name
+        return ShownMessage(
+            "assistant", turn.content, turn.id, (item.index, item.count), request_id=rid, header=header,
+            steps=tuple(turn.tokens.to_steps()) if turn.tokens is not None else None,
+            stats=format_stats_line(turn.summary, turn.request) if turn.summary is not None else "",
+            error=turn.error or ("" if turn.content or turn.summary else "No answer was saved."),
+        )
 
     def shutdown(self) -> None:
         self._search_generation += 1

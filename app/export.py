@@ -4,7 +4,7 @@ from __future__ import annotations
 import contextlib
 import csv
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, fields
 from datetime import datetime
 from pathlib import Path
@@ -135,10 +135,12 @@ def write_trace_csv(path: str | os.PathLike[str], records: Iterable[AnswerRecord
 
 # --- conversations ----------------------------------------------------------------------------------
 
-def conversation_markdown(conversation: Conversation) -> str:
-    """The shown branch as Markdown: a heading per message; answers keep their own markdown as written."""
-    from widgets.stats_line import format_stats_line
+StatsLine = Callable[[Summary, "GenerationRequest | None"], str]
 
+
+def conversation_markdown(conversation: Conversation, stats_line: StatsLine | None = None) -> str:
+    """The shown branch as Markdown: a heading per message; answers keep their own markdown as written,
+    followed by their figures (`stats_line`, e.g. widgets.stats_line.format_stats_line) in italics."""
     lines = [f"# {conversation.title or 'Untitled conversation'}", "",
              f"_Exported from SpecDec Studio on {now_iso()}; started {conversation.created}._", ""]
     for turn in conversation.path():
@@ -146,16 +148,17 @@ def conversation_markdown(conversation: Conversation) -> str:
             lines += ["## You", "", turn.content, ""]
             continue
         lines += [f"## Assistant ({turn.model})" if turn.model else "## Assistant", "", turn.content, ""]
-        if turn.summary is not None:
-            lines += [f"_{format_stats_line(turn.summary, turn.request)}_", ""]
+        if turn.summary is not None and stats_line is not None:
+            lines += [f"_{stats_line(turn.summary, turn.request)}_", ""]
         if turn.error:
             lines += [f"> ⚠ {turn.error}", ""]
     return "\n".join(lines)
 
 
-def write_conversation_markdown(path: str | os.PathLike[str], conversation: Conversation) -> None:
+def write_conversation_markdown(path: str | os.PathLike[str], conversation: Conversation,
+                                stats_line: StatsLine | None = None) -> None:
     """Raises OSError if the path is not writable; an existing file is replaced whole or not at all."""
-    write_atomically(_file_path(path), conversation_markdown(conversation).encode("utf-8"))
+    write_atomically(_file_path(path), conversation_markdown(conversation, stats_line).encode("utf-8"))
 
 
 def write_conversation_json(path: str | os.PathLike[str], conversation: Conversation) -> None:

@@ -23,7 +23,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app.context import ContextCount, ContextCounter, counter_for
+from app.context import ContextCounter, ContextGuard, ask_overflow, counter_for
 from app.conversations import ConversationStore, default_folder
 from app.conversations_ui import ConversationsController
 from app.export import write_session_csv, write_trace_csv
@@ -31,18 +31,16 @@ from app.race import RaceController
 from app.session import (
     ChatSession,
     LoadRequest,
-    ShownTurn,
     answer_header,
     cost_verdict,
     load_request_for,
-    system_messages,
 )
 from app.settings import AppSettings
 from app.worker import EngineFactory, WorkerHost, default_engine_factory
 from engine.settings import GenerationSettings, ModelSelection
 from engine.types import Message, ModelInfo, Step, Summary
 from widgets.charts import LiveCharts
-from widgets.chat import ChatView, ShownMessage
+from widgets.chat import ChatView
 from widgets.context_meter import ContextMeter
 from widgets.conversation_list import ConversationList
 from widgets.legend import Legend
@@ -98,7 +96,6 @@ class MainWindow(QMainWindow):
         self.host = WorkerHost(engine_factory, self)
         self.worker = self.host.worker
         self.session = ChatSession(store or _open_store(), on_save_error=self._on_save_error_thread)
-        self._bubble_turn: dict[int, str] = {}  # answer bubble (its request id) -> its turn in the conversation
         self.selection = self.settings.models()  # what was last loaded successfully (or asked for)
         self._loading_selection: ModelSelection | None = None
         self._closed = False
@@ -106,7 +103,7 @@ class MainWindow(QMainWindow):
 
         self.themes = ThemeManager(self.settings.theme(), self)
         self.themes.apply(force=True)  # cheap when the app already has this theme's palette and stylesheet
-        self.context = ContextCounter(self)
+        self.context = ContextCounter(self)  # counts off the UI thread; ContextGuard decides what to do
         self._build_ui()
         self._build_menus()
         self._build_status_bar()
@@ -124,9 +121,10 @@ class MainWindow(QMainWindow):
         self.chat.set_render_markdown(self.settings.render_markdown())
         self.markdown_action.setChecked(self.settings.render_markdown())
         self.conversations = ConversationsController(self)
+        self.guard = ContextGuard(self)
         self._restore_layout()
         self._set_ready_state()
-        self._update_context()
+        self.guard.update()
 
         self._memory_timer = QTimer(self)
         self._memory_timer.setInterval(MEMORY_REFRESH_MS)
@@ -195,8 +193,6 @@ class MainWindow(QMainWindow):
         self.chat.edit_submitted.connect(self.edit_and_resend)
         self.chat.branch_requested.connect(self.show_branch)
         self.panel.settings_changed.connect(self._on_settings_changed)
-        self.prompt.edit.textChanged.connect(self._update_context)
-        self.context.counted.connect(self._on_counted)
         self.themes.changed.connect(self._on_theme_changed)
         self.panel.display_changed.connect(self._on_display_changed)
 
@@ -353,7 +349,7 @@ class MainWindow(QMainWindow):
         self._show_costs(info, None)
         self.panel.set_draft_available(info.draft_name is not None)
         self.context.set_counter(counter_for(self.worker.engine))
-        self._update_context(now=True)
+        self.guard.update(now=True)
         self.chat.add_system_note(f"Loaded {names} on {info.device} ({info.dtype}, {info.fast_path}).")
         self._set_ready_state()
         self._update_memory()
@@ -379,7 +375,7 @@ class MainWindow(QMainWindow):
         text = text.strip()
         if not text or not self._can_chat():
             return None
-        drop = self._room_for(text)
+        drop = self.guard.room_for(text)
         if drop is None:
             self.prompt.set_text(text)  # nothing is lost: the question goes back into the box
             return None
@@ -389,30 +385,30 @@ class MainWindow(QMainWindow):
         """A new version of an answer (the last one by default); the old one stays as another version."""
         if not self._can_chat():
             return None
-        turn = self._bubble_turn.get(request_id) if request_id is not None else None
-        started = self.session.regenerate(self.panel.values(), turn, self._drop_count())
+        turn = self.conversations.bubble_turn.get(request_id) if request_id is not None else None
+        started = self.session.regenerate(self.panel.values(), turn, self.guard.drop_count())
         return self._submit(started[0]) if started is not None else None
 
     def edit_and_resend(self, turn_id: str, text: str) -> int | None:
         """The edited question replaces the old one on a new branch, and is answered."""
         if not self._can_chat() or turn_id not in self.session.conversation.turns:
             return None
-        return self._submit(self.session.edit(turn_id, text, self.panel.values(), self._drop_count()))
+        return self._submit(self.session.edit(turn_id, text, self.panel.values(), self.guard.drop_count()))
 
     def show_branch(self, turn_id: str, delta: int) -> None:
         """Shows the previous / next version of a message (not while an answer streams)."""
         if self.active_request is not None or turn_id not in self.session.conversation.turns:
             return
         self.session.switch(turn_id, delta)
-        self._sync_chat()
+        self.conversations.sync_chat()
         self._set_ready_state()
-        self._update_context()
+        self.guard.update()
 
     def new_chat(self) -> None:
         self._leave(self.session.new_chat())
         self.conversations.refresh()
         self._set_ready_state()
-        self._update_context()
+        self.guard.update()
 
     def open_conversation(self, conversation_id: str) -> bool:
         """Shows a saved conversation; False (and one line saying why) if it cannot be read."""
@@ -425,10 +421,10 @@ class MainWindow(QMainWindow):
             self.conversations.refresh()
             return False
         self._leave(streaming)
-        self._sync_chat()
+        self.conversations.sync_chat()
         self.conversations.refresh()
         self._set_ready_state()
-        self._update_context()
+        self.guard.update()
         return True
 
     def stop(self) -> None:
@@ -439,7 +435,7 @@ class MainWindow(QMainWindow):
         return self.session.history
 
     def messages_for_request(self) -> tuple[Message, ...]:
-        return self.session.messages_for(self.panel.values(), self._drop_count())
+        return self.session.messages_for(self.panel.values(), self.guard.drop_count())
 
     def allocate_request_id(self) -> int:
         """One counter for chat and race: the worker cancels by id, so ids must never repeat."""
@@ -450,7 +446,7 @@ class MainWindow(QMainWindow):
         if streaming is not None:
             self.worker.stop(streaming)
         self.chat.clear()
-        self._bubble_turn.clear()
+        self.conversations.bubble_turn.clear()
         self.charts.reset()
 
     def _can_chat(self) -> bool:
@@ -459,9 +455,9 @@ class MainWindow(QMainWindow):
     def _submit(self, request) -> int:
         rid = request.request_id
         turn_id = self.session.turn_of(rid)
-        self._sync_chat(until=turn_id)  # the question (and a fork) shown, then the new answer's bubble
+        self.conversations.sync_chat(until=turn_id)  # the question (and a fork) shown, then the new answer's bubble
         siblings = self.session.conversation.siblings(turn_id) if turn_id else []
-        self._bubble_turn[rid] = turn_id or ""
+        self.conversations.bubble_turn[rid] = turn_id or ""
         self.chat.begin_assistant_message(rid, answer_header(request, self.info), turn_id or "",
                                           (max(0, len(siblings) - 1), max(1, len(siblings))))
         self.charts.reset()
@@ -469,39 +465,6 @@ class MainWindow(QMainWindow):
         self.conversations.touch_current()
         self.worker.generate_requested.emit(request)
         return rid
-
-    def _sync_chat(self, until: str | None = None) -> None:
-        """Makes the chat show the branch shown, rebuilding only from the first difference (up to, not
-        including, the turn `until`: the answer about to stream)."""
-        shown = self.session.shown()
-        if until is not None:
-            shown = shown[: next((i for i, t in enumerate(shown) if t.turn.id == until), len(shown))]
-        keys = self.chat.keys()
-        same = 0
-        while same < min(len(shown), len(keys)) and keys[same] == shown[same].turn.id:
-            same += 1
-        for item in shown[:same]:
-            self.chat.set_branch(item.turn.id, item.index, item.count)
-        if same < len(keys):
-            self.chat.truncate_from(keys[same])
-        kept = set(self.chat.answer_ids())
-        self._bubble_turn = {r: t for r, t in self._bubble_turn.items() if r in kept}
-        self.chat.append_messages([self._shown_message(item) for item in shown[same:]])
-
-    def _shown_message(self, item: ShownTurn) -> ShownMessage:
-        turn = item.turn
-        if turn.role == "user":
-            return ShownMessage("user", turn.content, turn.id, (item.index, item.count))
-        rid = self.allocate_request_id()
-        self._bubble_turn[rid] = turn.id
-        name = turn.model.split(" + ")[0] if turn.model else "model"
-        header = answer_header(turn.request, None).replace("model", name, 1) if turn.request is not None else name
-        return ShownMessage(
-            "assistant", turn.content, turn.id, (item.index, item.count), request_id=rid, header=header,
-            steps=tuple(turn.tokens.to_steps()) if turn.tokens is not None else None,
-            stats=format_stats_line(turn.summary, turn.request) if turn.summary is not None else "",
-            error=turn.error or ("" if turn.content or turn.summary else "No answer was saved."),
-        )
 
     def _on_steps(self, request_id: int, steps: tuple[Step, ...]) -> None:
         # The hot path: one edit block in one bubble, ring-buffer appends for the charts (drawn by their timer).
@@ -521,7 +484,7 @@ class MainWindow(QMainWindow):
             self._show_costs(record.info, summary)
         self._set_ready_state()
         self.conversations.touch_current()
-        self._update_context()
+        self.guard.update()
         self.answer_finished.emit(request_id, summary)
 
     def _on_generation_failed(self, request_id: int, message: str) -> None:
@@ -555,66 +518,11 @@ class MainWindow(QMainWindow):
 
     def _on_settings_changed(self, settings: GenerationSettings) -> None:
         self.settings.set_generation(settings)
-        self._update_context()  # the system prompt and K change what a request needs
+        self.guard.update()  # the system prompt and K change what a request needs
 
-    # --- context ---------------------------------------------------------------------------------
-
-    def _reserve(self) -> int:
-        # The engine needs room for one round of K drafts + 1 beyond the prompt (engine.decoding).
-        settings = self.panel.values()
-        return (settings.k if settings.mode == "speculative" else 0) + 1
-
-    def _update_context(self, *_: object, now: bool = False) -> None:
-        self.context.update(system_messages(self.panel.values()), self.session.conversation.messages(),
-                            self.prompt.text(), self._reserve(), self.session.conversation.trim_oldest, now=now)
-
-    def _on_counted(self, count: ContextCount) -> None:
-        self.context_meter.set_usage(count.used, count.limit, dropped=count.dropped)
-
-    def _count(self, draft: str, trim: bool) -> ContextCount | None:
-        return self.context.count_now(system_messages(self.panel.values()), self.session.conversation.messages(),
-                                      draft, self._reserve(), trim)
-
-    def _drop_count(self) -> int:
-        """Oldest turns left out of the next request (only once the person chose that for this conversation)."""
-        if not self.session.conversation.trim_oldest:
-            return 0
-        count = self._count("", True)
-        return count.dropped if count is not None else 0
-
-    def _room_for(self, text: str) -> int | None:
-        """How many oldest turns to leave out so the question fits (0 mostly); None when the person
-        cancelled. Asks what to do the first time a conversation outgrows the context."""
-        count = self._count(text, self.session.conversation.trim_oldest)
-        if count is None or count.used < count.limit or not self.session.conversation.messages():
-            return count.dropped if count is not None else 0  # a lone prompt too long: the engine says so
-        if self.session.conversation.trim_oldest:
-            return count.dropped
-        choice = self.ask_overflow(count)
-        if choice == "new":
-            self.new_chat()
-            return 0
-        if choice == "drop":
-            self.session.set_trim_oldest(True)
-            trimmed = self._count(text, True)
-            return trimmed.dropped if trimmed is not None else 0
-        return None
-
-    def ask_overflow(self, count: ContextCount) -> str:
-        """"new", "drop" or "cancel": what to do when the conversation no longer fits the context."""
-        box = QMessageBox(self)
-        box.setIcon(QMessageBox.Icon.Question)
-        box.setWindowTitle("The conversation is longer than the model's context")
-        box.setText(f"With this message the conversation needs {count.used:,} tokens; the model holds "
-                    f"{count.limit:,}.")
-        box.setInformativeText("Start a new chat with this message, or leave the oldest turns out of what is "
-                               "sent (they stay in the saved conversation).")
-        new = box.addButton("Start a new chat", QMessageBox.ButtonRole.AcceptRole)
-        drop = box.addButton("Drop the oldest turns", QMessageBox.ButtonRole.ActionRole)
-        box.addButton(QMessageBox.StandardButton.Cancel)
-        box.setDefaultButton(new)
-        box.exec()
-        return "new" if box.clickedButton() is new else "drop" if box.clickedButton() is drop else "cancel"
+    def ask_overflow(self, count) -> str:
+        """"new", "drop" or "cancel" when the conversation no longer fits (a dialog; tests replace it)."""
+        return ask_overflow(self, count)
 
     # --- theme and formatting ---------------------------------------------------------------------
 
