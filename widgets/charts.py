@@ -62,6 +62,8 @@ def theme_plot(plot: pg.PlotItem) -> None:
     if plot.legend is not None:
         plot.legend.setBrush(pg.mkBrush(chart.get("legend", "#ffffffc8")))
         plot.legend.setLabelTextColor(fg)
+        for _sample, label in plot.legend.items:  # existing labels keep their colour until set again
+            label.setText(label.text, color=fg)
 
 
 class LiveCharts(QWidget):

@@ -4,8 +4,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from PySide6.QtCore import QPoint, Qt, QTimer, Signal
+from PySide6.QtCore import QModelIndex, QPoint, QRect, QSize, Qt, QTimer, Signal
+from PySide6.QtGui import QFont, QFontMetrics, QPainter
 from PySide6.QtWidgets import (
+    QStyle,
+    QStyledItemDelegate,
+    QStyleOptionViewItem,
     QFrame,
     QHBoxLayout,
     QInputDialog,
@@ -23,6 +27,41 @@ from PySide6.QtWidgets import (
 SEARCH_DEBOUNCE_MS = 250  # a search starts once typing pauses
 UNDO_MS = 10_000  # how long Undo stays offered after a delete
 _ID = Qt.ItemDataRole.UserRole
+_SUBTITLE = Qt.ItemDataRole.UserRole + 1
+_PAD = 6  # pixels around the two lines of an item
+
+
+class _EntryDelegate(QStyledItemDelegate):
+    """Two lines per conversation, each elided on its own: the title, then date · model in muted text."""
+
+    def sizeHint(self, option: QStyleOptionViewItem, index: QModelIndex) -> QSize:
+        # CJK glyphs come from a fallback font with a taller line; leave room for it.
+        line = max(QFontMetrics(option.font).height(), round(QFontMetrics(option.font).height() * 1.25))
+        return QSize(option.rect.width(), 2 * line + 2 * _PAD)
+
+    def paint(self, painter: QPainter, option: QStyleOptionViewItem, index: QModelIndex) -> None:
+        opt = QStyleOptionViewItem(option)
+        self.initStyleOption(opt, index)
+        title, opt.text = opt.text, ""
+        style = opt.widget.style() if opt.widget is not None else None
+        if style is not None:
+            style.drawControl(QStyle.ControlElement.CE_ItemViewItem, opt, painter, opt.widget)
+        rect = opt.rect.adjusted(_PAD + 2, _PAD, -_PAD, -_PAD)
+        half = rect.height() // 2
+        painter.save()
+        painter.setPen(opt.palette.text().color())
+        painter.setFont(opt.font)
+        metrics = QFontMetrics(opt.font)
+        painter.drawText(QRect(rect.left(), rect.top(), rect.width(), half), Qt.AlignmentFlag.AlignVCenter,
+                         metrics.elidedText(title, Qt.TextElideMode.ElideRight, rect.width()))
+        small = QFont(opt.font)
+        small.setPointSizeF(max(7.0, opt.font.pointSizeF() * 0.85))
+        painter.setFont(small)
+        painter.setPen(opt.palette.placeholderText().color())
+        subtitle = str(index.data(_SUBTITLE) or "")
+        painter.drawText(QRect(rect.left(), rect.top() + half, rect.width(), half), Qt.AlignmentFlag.AlignVCenter,
+                         QFontMetrics(small).elidedText(subtitle, Qt.TextElideMode.ElideRight, rect.width()))
+        painter.restore()
 
 
 @dataclass(frozen=True)
@@ -64,8 +103,9 @@ class ConversationList(QWidget):
         self.list = QListWidget(self)
         self.list.setObjectName("conversationList")
         self.list.setContextMenuPolicy(Qt.ContextMenuPolicy.CustomContextMenu)
-        self.list.setWordWrap(True)
-        self.list.setUniformItemSizes(True)  # 100+ items lay out in one pass
+        self.list.setItemDelegate(_EntryDelegate(self.list))
+        self.list.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        self.list.setUniformItemSizes(True)  # 100+ items lay out in one pass (every item is two lines)
         layout.addWidget(self.list, 1)
         self.undo_bar = QFrame(self)
         self.undo_bar.setObjectName("undoBar")
@@ -108,9 +148,10 @@ class ConversationList(QWidget):
         self.list.blockSignals(True)
         self.list.clear()
         for entry in entries:
-            item = QListWidgetItem(f"{entry.title}\n{entry.subtitle}")
+            item = QListWidgetItem(entry.title)
             item.setData(_ID, entry.id)
-            item.setToolTip(entry.title)
+            item.setData(_SUBTITLE, entry.subtitle)
+            item.setToolTip(f"{entry.title}\n{entry.subtitle}")
             self.list.addItem(item)
         self.list.blockSignals(False)
         self.set_current(current)
@@ -128,7 +169,7 @@ class ConversationList(QWidget):
         return [self.list.item(i).data(_ID) for i in range(self.list.count()) if not self.list.item(i).isHidden()]
 
     def titles(self) -> list[str]:
-        return [self.list.item(i).text().split("\n")[0] for i in range(self.list.count())
+        return [self.list.item(i).text() for i in range(self.list.count())
                 if not self.list.item(i).isHidden()]
 
     def set_filter(self, ids: Sequence[str] | None) -> None:
@@ -160,7 +201,7 @@ class ConversationList(QWidget):
         item = self._item(conversation_id)
         if item is None:
             return
-        title, ok = QInputDialog.getText(self, "Rename conversation", "Title:", text=item.text().split("\n")[0])
+        title, ok = QInputDialog.getText(self, "Rename conversation", "Title:", text=item.text())
         if ok and title.strip():
             self.rename_requested.emit(conversation_id, title.strip())
 

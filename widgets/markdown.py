@@ -74,7 +74,7 @@ class CodeBlock(QFrame):
         layout.addWidget(header)
         self.text = FitTextBrowser(self, mono=True)
         self.text.setObjectName("codeText")
-        self.text.setViewportMargins(6, 4, 6, 4)
+        self.text.document().setDocumentMargin(8)
         self.text.setHtml(segment.html)
         layout.addWidget(self.text)
 

@@ -94,7 +94,8 @@ def highlight(code: str, language: str, colours: Mapping[str, str]) -> str:
     if tail:
         parts.append("\n" + html.escape(tail))
     body = "".join(parts)
-    return f'<pre style="color:{colours.get("text", "#000")}; margin:0">{body}</pre>'
+    # pre-wrap: Qt's <pre> never wraps, and a long line would be cut off in a bubble that does not scroll.
+    return f'<pre style="color:{colours.get("text", "#000")}; margin:0; white-space:pre-wrap">{body}</pre>'
 
 
 _TABLE = re.compile(r"<table>")
