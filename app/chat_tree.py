@@ -26,7 +26,8 @@ class ConversationFormatError(ValueError):
 
 
 def now_iso() -> str:
-    return datetime.now().astimezone().isoformat(timespec="seconds")
+    # Milliseconds: two changes within a second still sort in the order they happened.
+    return datetime.now().astimezone().isoformat(timespec="milliseconds")
 
 
 def new_id() -> str:

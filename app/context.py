@@ -32,8 +32,8 @@ class TokenCounter(Protocol):
 
     def count_text(self, text: str) -> int: ...
 
-    def message_overhead(self) -> int:
-        """Template tokens one more message adds around its text."""
+    def message_overhead(self, role: str) -> int:
+        """Template tokens one more message of this role adds around its text."""
 
 
 class TokenizerCounter:
@@ -46,13 +46,15 @@ class TokenizerCounter:
     def __init__(self, tokenizer: Any, context_length: int) -> None:
         self.tokenizer = tokenizer
         self.context_length = context_length
-        self._overhead: int | None = None
+        self._overhead: dict[str, int] = {}
 
-    def message_overhead(self) -> int:
-        if self._overhead is None:  # measured on the template itself: Qwen's is 5 (<|im_start|>user\n…<|im_end|>\n)
+    def message_overhead(self, role: str) -> int:
+        # Measured on the template itself (Qwen's: 5 tokens, <|im_start|>user\n … <|im_end|>\n).
+        if role not in self._overhead:
             one = [Message("user", "a")]
-            self._overhead = max(0, self.count_prompt(one * 2) - self.count_prompt(one) - self.count_text("a"))
-        return self._overhead
+            two = one + [Message(role, "a")]  # type: ignore[arg-type]
+            self._overhead[role] = max(0, self.count_prompt(two) - self.count_prompt(one) - self.count_text("a"))
+        return self._overhead[role]
 
     def count_text(self, text: str) -> int:
         return len(self.tokenizer(text, add_special_tokens=False)["input_ids"]) if text else 0
@@ -80,7 +82,7 @@ class ApproxCounter:
     def count_prompt(self, messages: Sequence[Message]) -> int:
         return sum(self.count_text(m.content) + PER_MESSAGE_OVERHEAD for m in messages) + 3
 
-    def message_overhead(self) -> int:
+    def message_overhead(self, role: str) -> int:
         return PER_MESSAGE_OVERHEAD
 
 
@@ -189,9 +191,9 @@ class ContextCounter(QObject):
         # counted once per system prompt; each message's own tokens are cached by its text, so typing
         # re-encodes only the draft and a long conversation is encoded once.
         frame = self._cached(counter, ("frame", system), lambda: counter.count_prompt(system + (Message("user", ""),)))
-        overhead = counter.message_overhead()
         per_message = tuple(
-            self._cached(counter, ("msg", m.content), lambda m=m: counter.count_text(m.content)) + overhead
+            self._cached(counter, ("msg", m.content), lambda m=m: counter.count_text(m.content))
+            + counter.message_overhead(m.role)
             for m in messages
         )
         draft_tokens = counter.count_text(draft)

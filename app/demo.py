@@ -162,6 +162,7 @@ class ScriptedEngine:
     fail_at: int | None = None  # raise before this step index (tests of generation_failed)
     fail_with: Callable[[], BaseException] | None = None  # exception factory for fail_at
     requests_seen: int = 0  # how many generations were started (tests of regenerate)
+    context_length: int = 32768  # tokens the "model" holds (the context meter reads it)
 
     def generate(self, request: GenerationRequest, cancel: threading.Event | None = None) -> ScriptedGeneration:
         if request.mode == "speculative" and request.k < 1:
