@@ -15,14 +15,7 @@ from app.demo import DEMO_ANSWER, ScriptedEngine, demo_conversations
 from app.window import MainWindow
 from engine.settings import ModelSelection
 from engine.types import Message
-from tests.test_app import (  # noqa: F401  (fixtures used by name)
-    SCRIPT_STATUSES,
-    SCRIPT_TEXT,
-    FakeEngine,
-    dialogs,
-    long_script,
-    no_dangling_threads,
-)
+from tests.test_app import SCRIPT_STATUSES, SCRIPT_TEXT, FakeEngine, long_script
 
 
 @pytest.fixture
