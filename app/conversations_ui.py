@@ -210,7 +210,7 @@ class ConversationsController(QObject):
         header = answer_header(turn.request, None).replace("model", name, 1) if turn.request is not None else name
         return ShownMessage(
             "assistant", turn.content, turn.id, (item.index, item.count), request_id=rid, header=header,
-            steps=tuple(turn.tokens.to_steps()) if turn.tokens is not None else None,
+            steps=turn.tokens.to_steps if turn.tokens is not None else None,  # made when first shown
             stats=format_stats_line(turn.summary, turn.request) if turn.summary is not None else "",
             error=turn.error or ("" if turn.content or turn.summary else "No answer was saved."),
         )

@@ -204,8 +204,11 @@ def demo_conversations(store, count: int, turns: int = 6, answer: str = DEMO_ANS
         for t in range(turns // 2):
             question = f"{DEMO_TITLES[(i + t) % len(DEMO_TITLES)]} (part {t + 1})"
             conversation.add(conversation.current, "user", question)
-            conversation.add(conversation.current, "assistant", answer, model="demo-target + demo-draft",
-                             request=request, summary=summary, tokens=stored)
+            # Every answer differs (by its last line), so nothing is rendered once and reused.
+            suffix = f"\n\nNote {i}.{t}: done."
+            tokens_of = StoredTokens(stored.texts + (suffix,), stored.statuses + "b") if stored else None
+            conversation.add(conversation.current, "assistant", answer + suffix, model="demo-target + demo-draft",
+                             request=request, summary=replace(summary, text=answer + suffix), tokens=tokens_of)
         conversation.title = DEMO_TITLES[i % len(DEMO_TITLES)]
         conversation.updated = (start + timedelta(hours=i)).isoformat(timespec="seconds")
         store.save(conversation)

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -19,7 +21,7 @@ log = logging.getLogger(__name__)
 
 USER_BUBBLE_WIDTH = 0.75  # share of the viewport a user bubble may take
 _FOLLOW_SLACK_PX = 24  # "at the bottom" tolerance, so a near-bottom reader keeps following
-LOAD_CHUNK = 6  # bubbles built per event-loop turn when a saved conversation opens (UI stays live)
+BUILD_BUDGET_S = 0.012  # bubbles are built for at most this long per event-loop turn when a conversation opens
 _view_ids = itertools.count(1)
 
 
@@ -33,7 +35,8 @@ class ShownMessage:
     branch: tuple[int, int] = (0, 1)  # (index, count) among the alternatives at this place
     request_id: int = 0  # answers: the id the chat knows the bubble by
     header: str = ""  # answers: model and settings line
-    steps: tuple[Step, ...] | None = None  # answers: tokens to colour (None: saved without them)
+    # answers: tokens to colour, or a function that makes them when first shown (None: saved without them)
+    steps: tuple[Step, ...] | Callable[[], Sequence[Step]] | None = None
     stats: str = ""  # answers: the figures line
     error: str = ""  # answers: why it failed, if it did
 
@@ -76,6 +79,12 @@ class ChatView(QScrollArea):
         self._load_timer = QTimer(self)
         self._load_timer.setInterval(0)
         self._load_timer.timeout.connect(lambda: self._build_some())
+        # Rendered answers arrive in bursts (a conversation opened); one is applied per event-loop turn,
+        # so input and painting get their turn between them.
+        self._rendered: deque[tuple[int, tuple]] = deque()
+        self._apply_timer = QTimer(self)
+        self._apply_timer.setInterval(0)
+        self._apply_timer.timeout.connect(self._apply_one)
         shared_renderer().rendered.connect(self._on_rendered)
         bar = self.verticalScrollBar()
         bar.rangeChanged.connect(self._on_range_changed)
@@ -115,11 +124,11 @@ class ChatView(QScrollArea):
         self.begin_assistant_message(message.request_id, message.header, message.key, message.branch)
         bubble = self._assistants[message.request_id]
         bubble.has_tokens = message.steps is not None
-        if message.steps:
+        if message.steps is not None:
             if self._markdown and message.text:
                 bubble.set_pending_steps(message.steps)  # built only if someone asks for the tokens
             else:
-                bubble.view.append_steps(message.steps)
+                bubble.view.append_steps(message.steps() if callable(message.steps) else message.steps)
         bubble.finish(message.text)
         if message.error:
             bubble.error.setText(f"⚠ {message.error}")
@@ -351,6 +360,14 @@ class ChatView(QScrollArea):
         view_id, request_id = key  # type: ignore[misc]
         if view_id != self._view_id:
             return
+        self._rendered.append((request_id, segments))
+        self._apply_timer.start()
+
+    def _apply_one(self) -> None:
+        if not self._rendered:
+            self._apply_timer.stop()
+            return
+        request_id, segments = self._rendered.popleft()
         bubble = self._assistants.get(request_id)
         if bubble is not None and bubble.done:
             bubble.set_segments(segments)
@@ -360,12 +377,14 @@ class ChatView(QScrollArea):
         if self._queue and not self._building:
             self._build_some(len(self._queue))
 
-    def _build_some(self, count: int = LOAD_CHUNK) -> None:
+    def _build_some(self, count: int = 0) -> None:
+        """Builds queued bubbles: `count` of them, or (0) as many as fit in BUILD_BUDGET_S."""
         self._building = True
+        deadline = time.perf_counter() + BUILD_BUDGET_S
         try:
-            for _ in range(count):
-                if not self._queue:
-                    break
+            built = 0
+            while self._queue and (built < count if count else built == 0 or time.perf_counter() < deadline):
+                built += 1
                 message = self._queue.pop(0)
                 if message.role == "user":
                     self.add_user_message(message.text, message.key, message.branch)

@@ -1,7 +1,7 @@
 """The chat's message bubbles: a question (editable, with its branches), a note, an answer (tokens or markdown)."""
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from PySide6.QtCore import Qt, Signal
 from PySide6.QtWidgets import (
@@ -171,7 +171,8 @@ class AssistantBubble(QFrame):
         self.key = key  # the turn id ("" when not backed by a conversation)
         self.done = False
         self._final_text: str | None = None
-        self._pending_steps: Sequence[Step] | None = None  # a reloaded answer's tokens, replayed on demand
+        # A reloaded answer's tokens (or the function that makes them), replayed only when first shown.
+        self._pending_steps: Sequence[Step] | Callable[[], Sequence[Step]] | None = None
         self.segments: tuple[Segment, ...] | None = None  # the rendered markdown, once it arrived
         self.wants_markdown = False  # the view this answer should show when finished
         self.has_tokens = True  # False for a reloaded answer saved without its tokens: markdown only
@@ -219,14 +220,14 @@ class AssistantBubble(QFrame):
         self.view.finish()
         self.copy_button.show()
 
-    def set_pending_steps(self, steps: Sequence[Step]) -> None:
+    def set_pending_steps(self, steps: Sequence[Step] | Callable[[], Sequence[Step]]) -> None:
         """Tokens to replay into the token view only when someone looks at it (reloaded answers)."""
         self._pending_steps = steps
 
     def ensure_tokens(self) -> None:
         if self._pending_steps is not None:
             steps, self._pending_steps = self._pending_steps, None
-            self.view.append_steps(steps)
+            self.view.append_steps(steps() if callable(steps) else steps)
             self.view.finish()
 
     def showing_markdown(self) -> bool:
