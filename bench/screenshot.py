@@ -113,7 +113,7 @@ def save_beside(window, path: str, wait_for) -> None:
     rid = window.chat.answer_ids()[-1]
     bubble = window.chat._assistants[rid]
     window.chat.set_answer_markdown(rid, True)
-    wait_for(lambda: bubble.showing_markdown(), 10)
+    wait_for(lambda: bubble.showing_markdown() and bubble.markdown.is_complete(), 10)
     wait_for(lambda: False, 0.3)
     rendered = bubble.grab()
     window.chat.set_answer_markdown(rid, False)

@@ -122,7 +122,8 @@ def run_history(conversations: int, messages: int, target_ms: float) -> bool:
 
     def all_rendered() -> bool:
         chat = window.chat
-        return not chat.is_loading() and all(chat._assistants[r].segments is not None for r in chat.answer_ids())
+        return not chat.is_loading() and all(chat.markdown_view(r) is not None and chat.markdown_view(r).is_complete()
+                                             for r in chat.answer_ids())
 
     def open_and_scroll(conversation_id: str) -> tuple[float, float, float, int]:
         """(max gap while opening, seconds until every answer is rendered, max gap while scrolling, answers)."""

@@ -107,7 +107,7 @@ def run(scenario: Scenario, tokens: int) -> dict[str, float]:
     wall = time.perf_counter() - started
     # The answer is rendered as markdown once it ends (off the UI thread); keep probing through that.
     done_at = time.perf_counter()
-    spin_until(lambda: window.chat.markdown_view(rid) is not None, 30)
+    spin_until(lambda: window.chat.markdown_view(rid) is not None and window.chat.markdown_view(rid).is_complete(), 30)
     render_s = time.perf_counter() - done_at
     spin_until(lambda: False, 0.3)
     probe.stop()

@@ -270,4 +270,4 @@ def test_opening_a_conversation_while_an_answer_streams_saves_it_to_its_own(open
     w.session.writer.flush()
     stopped = ConversationStore(data).load(first)
     assert stopped.path()[-1].summary is not None and stopped.path()[-1].summary.stop_reason == "cancelled"
-    assert w.session.conversation.id == ids[0] and DEMO_ANSWER in [m.content for m in w.history()]
+    assert w.session.conversation.id == ids[0] and w.history()[1].content.startswith(DEMO_ANSWER)

@@ -98,7 +98,7 @@ def chat(qtbot):
 
 def test_a_finished_answer_is_rendered_and_toggles_back_to_its_tokens(chat, qtbot):
     steps = finished_answer(chat, qtbot)
-    qtbot.waitUntil(lambda: chat.markdown_view(1) is not None, timeout=5000)
+    qtbot.waitUntil(lambda: chat.markdown_view(1) is not None and chat.markdown_view(1).is_complete(), timeout=5000)
     view = chat.markdown_view(1)
     assert not chat.token_view(1).isVisible()
     blocks = view.code_blocks()
@@ -193,7 +193,7 @@ def test_theme_switch_recolours_tokens_charts_and_code(chat, qtbot, light_theme)
     # The charts' background follows, and the code block is highlighted with the dark colours again.
     assert charts._graphics.backgroundBrush().color() == QColor(load_palette("dark").chart["background"])
     dark_keyword = load_palette("dark").code["keyword"]
-    qtbot.waitUntil(lambda: chat.markdown_view(1) is not None
+    qtbot.waitUntil(lambda: chat.markdown_view(1) is not None and chat.markdown_view(1).code_blocks()
                     and dark_keyword in chat.markdown_view(1).code_blocks()[0].segment.html, timeout=5000)
     manager.set_preference("light")
     assert current_theme() == "light"

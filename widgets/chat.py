@@ -5,9 +5,10 @@ import itertools
 import logging
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import shiboken6
 from PySide6.QtCore import Qt, QTimer, Signal
 from PySide6.QtGui import QGuiApplication, QResizeEvent
 from PySide6.QtWidgets import QFrame, QScrollArea, QVBoxLayout, QWidget
@@ -85,6 +86,10 @@ class ChatView(QScrollArea):
         self._apply_timer = QTimer(self)
         self._apply_timer.setInterval(0)
         self._apply_timer.timeout.connect(self._apply_one)
+        self._graveyard: deque[QWidget] = deque()  # removed bubbles, destroyed on a time budget
+        self._graveyard_timer = QTimer(self)
+        self._graveyard_timer.setInterval(0)
+        self._graveyard_timer.timeout.connect(self._bury_some)
         shared_renderer().rendered.connect(self._on_rendered)
         bar = self.verticalScrollBar()
         bar.rangeChanged.connect(self._on_range_changed)
@@ -162,8 +167,7 @@ class ChatView(QScrollArea):
         if index is None:
             return
         for widget in self._messages[index:]:
-            self._layout.removeWidget(widget)
-            widget.deleteLater()
+            self._discard(widget)
             if isinstance(widget, AssistantBubble):
                 self._assistants.pop(widget.request_id, None)
         del self._messages[index:]
@@ -212,8 +216,7 @@ class ChatView(QScrollArea):
         if bubble is None:
             return
         self._messages.remove(bubble)
-        self._layout.removeWidget(bubble)
-        bubble.deleteLater()
+        self._discard(bubble)
         self._update_regenerate()
 
     def add_system_note(self, text: str) -> int:
@@ -224,8 +227,7 @@ class ChatView(QScrollArea):
         self._queue = []
         self._load_timer.stop()
         for widget in self._messages:
-            self._layout.removeWidget(widget)
-            widget.deleteLater()
+            self._discard(widget)
         self._messages.clear()
         self._assistants.clear()
         self._follow = True
@@ -371,6 +373,23 @@ class ChatView(QScrollArea):
         bubble = self._assistants.get(request_id)
         if bubble is not None and bubble.done:
             bubble.set_segments(segments)
+
+    def _discard(self, widget: QWidget) -> None:
+        # Hidden now, destroyed a few at a time: deleting a long conversation's bubbles at once
+        # (deleteLater) would stall the UI for hundreds of ms when another conversation opens.
+        self._layout.removeWidget(widget)
+        widget.hide()
+        self._graveyard.append(widget)
+        self._graveyard_timer.start()
+
+    def _bury_some(self) -> None:
+        deadline = time.perf_counter() + BUILD_BUDGET_S
+        while self._graveyard and time.perf_counter() < deadline:
+            widget = self._graveyard.popleft()
+            if shiboken6.isValid(widget):
+                shiboken6.delete(widget)  # safe here: no handler of this widget is running (a timer is)
+        if not self._graveyard:
+            self._graveyard_timer.stop()
 
     def _drain(self) -> None:
         # Something is added out of the loader's turn: build what is queued first, to keep the order.

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -16,6 +17,7 @@ from widgets.palette import current_palette, current_theme, load_palette
 
 log = logging.getLogger(__name__)
 
+BUILD_BUDGET_S = 0.008  # segment widgets built per event-loop turn
 CACHE_SIZE = 256  # rendered answers kept; switching conversations back and forth re-renders nothing
 COPIED_MS = 1200  # how long a Copy button says "Copied"
 
@@ -92,7 +94,13 @@ class CodeBlock(QFrame):
 
 
 class MarkdownView(QWidget):
-    """The segments of one rendered answer, stacked: FitTextBrowser for prose, CodeBlock for code."""
+    """The segments of one rendered answer, stacked: FitTextBrowser for prose, CodeBlock for code.
+
+    Widgets are built a few at a time (BUILD_BUDGET_S per event-loop turn), so a long answer, or many
+    answers of a conversation being opened, never holds the UI thread for long.
+    """
+
+    completed = Signal()  # every segment has its widget
 
     def __init__(self, parent: QWidget | None = None) -> None:
         super().__init__(parent)
@@ -101,6 +109,10 @@ class MarkdownView(QWidget):
         self._layout.setContentsMargins(0, 0, 0, 0)
         self._layout.setSpacing(6)
         self._segments: tuple[Segment, ...] = ()
+        self._next = 0  # index of the next segment to build
+        self._timer = QTimer(self)
+        self._timer.setInterval(0)
+        self._timer.timeout.connect(self._build_some)
 
     def set_segments(self, segments: Sequence[Segment]) -> None:
         while self._layout.count():
@@ -108,14 +120,13 @@ class MarkdownView(QWidget):
             if item.widget() is not None:
                 item.widget().deleteLater()
         self._segments = tuple(segments)
-        for segment in self._segments:
-            if isinstance(segment, CodeSegment):
-                self._layout.addWidget(CodeBlock(segment, self))
-            else:
-                text = FitTextBrowser(self)
-                text.setObjectName("markdownText")
-                text.setHtml(segment.html)
-                self._layout.addWidget(text)
+        self._next = 0
+        self._build_some()
+        if not self.is_complete():
+            self._timer.start()
+
+    def is_complete(self) -> bool:
+        return self._next >= len(self._segments)
 
     def segments(self) -> tuple[Segment, ...]:
         return self._segments
@@ -134,6 +145,22 @@ class MarkdownView(QWidget):
             elif isinstance(widget, FitTextBrowser):
                 parts.append(widget.toPlainText())
         return "\n".join(parts)
+
+    def _build_some(self) -> None:
+        deadline = time.perf_counter() + BUILD_BUDGET_S
+        while not self.is_complete() and (time.perf_counter() < deadline or self._layout.count() == 0):
+            segment = self._segments[self._next]
+            self._next += 1
+            if isinstance(segment, CodeSegment):
+                self._layout.addWidget(CodeBlock(segment, self))
+            else:
+                text = FitTextBrowser(self)
+                text.setObjectName("markdownText")
+                text.setHtml(segment.html)
+                self._layout.addWidget(text)
+        if self.is_complete():
+            self._timer.stop()
+            self.completed.emit()
 
 
 class MarkdownRenderer(QObject):
