@@ -158,15 +158,17 @@ def run_history(conversations: int, messages: int, target_ms: float) -> bool:
     gc.collect()
     memory = [rss_mib()]
     gaps = [open_gap, scroll_gap]
+    cycles = []
     for i in range(OPEN_CYCLES):
         g_open, _, g_scroll, _ = open_and_scroll(ids[1 + i % 2])
         gaps += [g_open, g_scroll]
+        cycles.append(f"{g_open:.0f}/{g_scroll:.0f}")
         gc.collect()
         memory.append(rss_mib())
     growth = memory[-1] - memory[1]
     print(f"    memory after each of {OPEN_CYCLES} more opens (two conversations in turn): "
-          + ", ".join(f"{m:.0f}" for m in memory) + f" MiB (growth after the second open: {growth:+.0f} MiB)",
-          flush=True)
+          + ", ".join(f"{m:.0f}" for m in memory) + f" MiB (growth after the second open: {growth:+.0f} MiB); "
+          f"max gap open/scroll per cycle: {', '.join(cycles)} ms", flush=True)
     worst = float(np.max(gaps))
     passed = ok and worst < target_ms and growth < 50
     print(f"[history] max UI gap {worst:.1f} ms over {1 + OPEN_CYCLES} opens and scrolls; "

@@ -22,6 +22,7 @@ log = logging.getLogger(__name__)
 
 USER_BUBBLE_WIDTH = 0.75  # share of the viewport a user bubble may take
 _FOLLOW_SLACK_PX = 24  # "at the bottom" tolerance, so a near-bottom reader keeps following
+PAGE_SIZE = 8  # messages per page: a change relayouts its page and the list of pages, not every message
 BUILD_BUDGET_S = 0.012  # bubbles are built for at most this long per event-loop turn when a conversation opens
 _view_ids = itertools.count(1)
 
@@ -60,13 +61,7 @@ class ChatView(QScrollArea):
         self.setWidgetResizable(True)
         self.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
         self.setFrameShape(QFrame.Shape.NoFrame)
-        self._contents = QWidget(self)
-        self._contents.setObjectName("chatContents")
-        self._layout = QVBoxLayout(self._contents)
-        self._layout.setContentsMargins(14, 14, 14, 14)
-        self._layout.setSpacing(12)
-        self._layout.addStretch(1)  # keeps bubbles at the top while the chat is short
-        self.setWidget(self._contents)
+        self._new_contents()
         self._messages: list[QWidget] = []
         self._assistants: dict[int, AssistantBubble] = {}
         self._colouring = True
@@ -226,8 +221,15 @@ class ChatView(QScrollArea):
     def clear(self) -> None:
         self._queue = []
         self._load_timer.stop()
-        for widget in self._messages:
-            self._discard(widget)
+        # The whole list is swapped for an empty one at once; the old bubbles (hidden with it, never
+        # reparented: that would re-polish and re-wrap every text) are destroyed a few per turn.
+        old = self._contents
+        old.hide()
+        self._holder.layout().removeWidget(old)
+        self._graveyard.extend(self._messages)
+        self._graveyard.append(old)
+        self._graveyard_timer.start()
+        self._new_contents()
         self._messages.clear()
         self._assistants.clear()
         self._follow = True
@@ -330,7 +332,15 @@ class ChatView(QScrollArea):
     # --- internals ------------------------------------------------------------------------------
 
     def _add(self, widget: QWidget) -> int:
-        self._layout.insertWidget(self._layout.count() - 1, widget)
+        if not self._pages or self._pages[-1].layout().count() >= PAGE_SIZE:
+            page = QWidget(self._contents)
+            page.setObjectName("chatPage")
+            column = QVBoxLayout(page)
+            column.setContentsMargins(0, 0, 0, 0)
+            column.setSpacing(self._layout.spacing())
+            self._layout.insertWidget(self._layout.count() - 1, page)
+            self._pages.append(page)
+        self._pages[-1].layout().addWidget(widget)
         self._messages.append(widget)
         return len(self._messages) - 1
 
@@ -374,12 +384,36 @@ class ChatView(QScrollArea):
         if bubble is not None and bubble.done:
             bubble.set_segments(segments)
 
+    def _new_contents(self) -> None:
+        if not hasattr(self, "_holder"):
+            # The scroll area's one widget; the list of messages inside it is swapped on clear().
+            self._holder = QWidget(self)
+            self._holder.setObjectName("chatContents")
+            holder_layout = QVBoxLayout(self._holder)
+            holder_layout.setContentsMargins(0, 0, 0, 0)
+            self.setWidget(self._holder)
+        self._contents = QWidget(self._holder)
+        self._contents.setObjectName("chatContents")
+        self._layout = QVBoxLayout(self._contents)
+        self._layout.setContentsMargins(14, 14, 14, 14)
+        self._layout.setSpacing(12)
+        self._layout.addStretch(1)  # keeps bubbles at the top while the chat is short
+        self._pages: list[QWidget] = []  # containers of PAGE_SIZE messages each, in order
+        self._holder.layout().addWidget(self._contents)
+
     def _discard(self, widget: QWidget) -> None:
         # Hidden now, destroyed a few at a time: deleting a long conversation's bubbles at once
         # (deleteLater) would stall the UI for hundreds of ms when another conversation opens.
-        self._layout.removeWidget(widget)
+        page = widget.parentWidget()
+        if page is not None and page.layout() is not None:
+            page.layout().removeWidget(widget)
         widget.hide()
         self._graveyard.append(widget)
+        if page in self._pages and page.layout().count() == 0:  # an empty page goes too
+            self._pages.remove(page)
+            self._layout.removeWidget(page)
+            page.hide()
+            self._graveyard.append(page)
         self._graveyard_timer.start()
 
     def _bury_some(self) -> None:

@@ -89,21 +89,9 @@ class UserBubble(QWidget):
         inner.setContentsMargins(12, 8, 12, 8)
         self.label = plain_label(text, "userText", self.frame)
         inner.addWidget(self.label)
-        self.editor = QPlainTextEdit(self.frame)
-        self.editor.setObjectName("editEdit")
-        self.editor.hide()
-        inner.addWidget(self.editor)
-        self.edit_buttons = QWidget(self.frame)
-        buttons = QHBoxLayout(self.edit_buttons)
-        buttons.setContentsMargins(0, 0, 0, 0)
-        buttons.addStretch(1)
-        self.cancel_button = QPushButton("Cancel", self.edit_buttons)
-        self.send_button = QPushButton("Send", self.edit_buttons)
-        self.send_button.setObjectName("primaryButton")
-        buttons.addWidget(self.cancel_button)
-        buttons.addWidget(self.send_button)
-        self.edit_buttons.hide()
-        inner.addWidget(self.edit_buttons)
+        self._inner = inner
+        self.editor: QPlainTextEdit | None = None  # built on the first Edit: most questions are never edited
+        self.edit_buttons: QWidget | None = None
         row.addWidget(self.frame)
         outer.addLayout(row)
         footer = QHBoxLayout()
@@ -119,16 +107,16 @@ class UserBubble(QWidget):
         self.edit_button.setVisible(bool(key))
         self.edit_button.clicked.connect(self.start_edit)
         self.copy_button.clicked.connect(self.copy_requested)
-        self.cancel_button.clicked.connect(self.cancel_edit)
-        self.send_button.clicked.connect(self._submit)
 
     def plain_text(self) -> str:
         return self._text
 
     def is_editing(self) -> bool:
-        return not self.editor.isHidden()
+        return self.editor is not None and not self.editor.isHidden()
 
     def start_edit(self) -> None:
+        if self.editor is None:
+            self._build_editor()
         self.editor.setPlainText(self._text)
         self.frame.setMaximumWidth(16777215)  # room to edit
         for widget, show in ((self.label, False), (self.editor, True), (self.edit_buttons, True)):
@@ -136,8 +124,27 @@ class UserBubble(QWidget):
         self.editor.setFocus()
 
     def cancel_edit(self) -> None:
+        if self.editor is None:
+            return
         for widget, show in ((self.label, True), (self.editor, False), (self.edit_buttons, False)):
             widget.setVisible(show)
+
+    def _build_editor(self) -> None:
+        self.editor = QPlainTextEdit(self.frame)
+        self.editor.setObjectName("editEdit")
+        self._inner.addWidget(self.editor)
+        self.edit_buttons = QWidget(self.frame)
+        buttons = QHBoxLayout(self.edit_buttons)
+        buttons.setContentsMargins(0, 0, 0, 0)
+        buttons.addStretch(1)
+        self.cancel_button = QPushButton("Cancel", self.edit_buttons)
+        self.send_button = QPushButton("Send", self.edit_buttons)
+        self.send_button.setObjectName("primaryButton")
+        buttons.addWidget(self.cancel_button)
+        buttons.addWidget(self.send_button)
+        self._inner.addWidget(self.edit_buttons)
+        self.cancel_button.clicked.connect(self.cancel_edit)
+        self.send_button.clicked.connect(self._submit)
 
     def _submit(self) -> None:
         text = self.editor.toPlainText().strip()
