@@ -107,22 +107,16 @@ class ChatView(QScrollArea):
     def begin_assistant_message(self, request_id: int, header: str, key: str = "",
                                 branch: tuple[int, int] = (0, 1)) -> None:
         self._drain()
-        bubble = AssistantBubble(request_id, header, key, self._contents)
-        bubble.view.set_colouring(self._colouring)
-        bubble.view.set_show_rejected(self._show_rejected)
-        bubble.branches.set_branch(*branch)
-        bubble.copy_button.clicked.connect(lambda: self.copy_message(self._messages.index(bubble)))
-        bubble.regenerate_button.clicked.connect(lambda: self.regenerate_requested.emit(bubble.request_id))
-        bubble.tokens_button.toggled.connect(lambda tokens: self._toggle(bubble, not tokens))
-        bubble.branches.moved.connect(lambda delta: self.branch_requested.emit(bubble.key, delta))
-        self._assistants[request_id] = bubble
+        bubble = self._new_assistant(request_id, header, key, branch)
         self._add(bubble)
-        self._update_regenerate()
+        self._update_regenerate(bubble)
 
     def add_answer(self, message: ShownMessage) -> None:
-        """A finished answer from a saved conversation: tokens replayed lazily, markdown rendered off-thread."""
-        self.begin_assistant_message(message.request_id, message.header, message.key, message.branch)
-        bubble = self._assistants[message.request_id]
+        """A finished answer from a saved conversation: tokens replayed lazily, markdown rendered off-thread.
+
+        The bubble is complete before it is shown (one layout, not one per label)."""
+        self._drain()
+        bubble = self._new_assistant(message.request_id, message.header, message.key, message.branch)
         bubble.has_tokens = message.steps is not None
         if message.steps is not None:
             if self._markdown and message.text:
@@ -136,7 +130,20 @@ class ChatView(QScrollArea):
         bubble.stats.setText(message.stats)
         bubble.stats.setVisible(bool(message.stats))
         self._finish_view(bubble)
-        self._update_regenerate()
+        self._update_regenerate(bubble)
+        self._add(bubble)
+
+    def _new_assistant(self, request_id: int, header: str, key: str, branch: tuple[int, int]) -> AssistantBubble:
+        bubble = AssistantBubble(request_id, header, key, self._contents)
+        bubble.view.set_colouring(self._colouring)
+        bubble.view.set_show_rejected(self._show_rejected)
+        bubble.branches.set_branch(*branch)
+        bubble.copy_button.clicked.connect(lambda: self.copy_message(self._messages.index(bubble)))
+        bubble.regenerate_button.clicked.connect(lambda: self.regenerate_requested.emit(bubble.request_id))
+        bubble.tokens_button.toggled.connect(lambda tokens: self._toggle(bubble, not tokens))
+        bubble.branches.moved.connect(lambda delta: self.branch_requested.emit(bubble.key, delta))
+        self._assistants[request_id] = bubble
+        return bubble
 
     def show_messages(self, messages: Sequence[ShownMessage]) -> None:
         """Replaces the chat with a saved conversation, built a few bubbles per event-loop turn."""
@@ -339,16 +346,20 @@ class ChatView(QScrollArea):
             column.setContentsMargins(0, 0, 0, 0)
             column.setSpacing(self._layout.spacing())
             self._layout.insertWidget(self._layout.count() - 1, page)
+            page.show()
             self._pages.append(page)
         self._pages[-1].layout().addWidget(widget)
+        # Shown now, inside the caller's time budget: a layout would otherwise queue the show, and a
+        # conversation's worth of queued shows runs as one long stall.
+        widget.show()
         self._messages.append(widget)
         return len(self._messages) - 1
 
     def _user_width(self) -> int:
         return max(200, int(self.viewport().width() * USER_BUBBLE_WIDTH))
 
-    def _update_regenerate(self) -> None:
-        for bubble in self._assistants.values():
+    def _update_regenerate(self, only: AssistantBubble | None = None) -> None:
+        for bubble in (only,) if only is not None else self._assistants.values():
             bubble.regenerate_button.setVisible(bubble.done and not self._busy)
 
     def _finish_view(self, bubble: AssistantBubble) -> None:

@@ -22,11 +22,41 @@ from widgets.markdown_render import Segment
 from widgets.token_text import TokenTextView
 
 
+class WrapLabel(QLabel):
+    """A word-wrapped label that takes the height its text needs at its width, without telling the
+    layout it depends on the width (heightForWidth). A chat of 100 bubbles whose labels did would
+    have every relayout ask all of them again: hundreds of ms per change."""
+
+    def __init__(self, text: str, parent: QWidget) -> None:
+        super().__init__(text, parent)
+        self.setWordWrap(True)
+        self.setSizePolicy(QSizePolicy.Policy.Preferred, QSizePolicy.Policy.Fixed)
+        self._fitted_width = -1
+
+    def hasHeightForWidth(self) -> bool:
+        return False
+
+    def setText(self, text: str) -> None:
+        super().setText(text)
+        self._fitted_width = -1
+        self._fit()
+
+    def resizeEvent(self, event) -> None:
+        super().resizeEvent(event)
+        self._fit()
+
+    def _fit(self) -> None:
+        width = self.width()
+        if width != self._fitted_width:
+            self._fitted_width = width
+            self.setMinimumHeight(0)  # QLabel's heightForWidth never goes below the minimum height
+            self.setFixedHeight(max(QLabel.heightForWidth(self, width), self.fontMetrics().height()))
+
+
 def plain_label(text: str, object_name: str, parent: QWidget) -> QLabel:
-    label = QLabel(text, parent)
+    label = WrapLabel(text, parent)
     label.setObjectName(object_name)
     label.setTextFormat(Qt.TextFormat.PlainText)  # people's text is never HTML
-    label.setWordWrap(True)
     label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
     return label
 
@@ -153,14 +183,13 @@ class UserBubble(QWidget):
             self.edit_submitted.emit(text)
 
 
-class NoteBubble(QLabel):
+class NoteBubble(WrapLabel):
     """A centred grey line: model loaded, generation stopped, ..."""
 
     def __init__(self, text: str, parent: QWidget) -> None:
         super().__init__(text, parent)
         self.setObjectName("systemNote")
         self.setTextFormat(Qt.TextFormat.PlainText)
-        self.setWordWrap(True)
         self.setAlignment(Qt.AlignmentFlag.AlignHCenter)
 
     def plain_text(self) -> str:
@@ -251,9 +280,12 @@ class AssistantBubble(QFrame):
                 self._layout.insertWidget(self._layout.indexOf(self.view) + 1, self.markdown)
             self.markdown.show()
             self.view.hide()
+        elif on:
+            # Waiting for the rendering: a streamed answer keeps its tokens meanwhile; a reloaded one
+            # (tokens not built yet) shows nothing rather than building them only to hide them.
+            self.view.setVisible(self._pending_steps is None and self.has_tokens)
         else:
-            if not on:
-                self.ensure_tokens()
+            self.ensure_tokens()
             if self.markdown is not None:
                 self.markdown.hide()
             self.view.show()

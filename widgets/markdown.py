@@ -152,12 +152,13 @@ class MarkdownView(QWidget):
             segment = self._segments[self._next]
             self._next += 1
             if isinstance(segment, CodeSegment):
-                self._layout.addWidget(CodeBlock(segment, self))
+                widget: QWidget = CodeBlock(segment, self)
             else:
-                text = FitTextBrowser(self)
-                text.setObjectName("markdownText")
-                text.setHtml(segment.html)
-                self._layout.addWidget(text)
+                widget = FitTextBrowser(self)
+                widget.setObjectName("markdownText")
+                widget.setHtml(segment.html)
+            self._layout.addWidget(widget)
+            widget.show()  # now, within the budget, not as a queued show later
         if self.is_complete():
             self._timer.stop()
             self.completed.emit()
