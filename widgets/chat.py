@@ -8,21 +8,19 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-import shiboken6
-from PySide6.QtCore import Qt, QTimer, Signal
+from PySide6.QtCore import QTimer, Signal
 from PySide6.QtGui import QGuiApplication, QResizeEvent
-from PySide6.QtWidgets import QFrame, QScrollArea, QVBoxLayout, QWidget
+from PySide6.QtWidgets import QWidget
 
 from engine.types import Step, Summary
 from widgets.chat_bubbles import AssistantBubble, NoteBubble, UserBubble
+from widgets.chat_pages import PagedColumn
 from widgets.markdown import MarkdownView, shared_renderer
 from widgets.token_text import TokenTextView
 
 log = logging.getLogger(__name__)
 
 USER_BUBBLE_WIDTH = 0.75  # share of the viewport a user bubble may take
-_FOLLOW_SLACK_PX = 24  # "at the bottom" tolerance, so a near-bottom reader keeps following
-PAGE_SIZE = 8  # messages per page: a change relayouts its page and the list of pages, not every message
 BUILD_BUDGET_S = 0.012  # bubbles are built for at most this long per event-loop turn when a conversation opens
 _view_ids = itertools.count(1)
 
@@ -43,7 +41,7 @@ class ShownMessage:
     error: str = ""  # answers: why it failed, if it did
 
 
-class ChatView(QScrollArea):
+class ChatView(PagedColumn):
     """A vertical list of message bubbles that follows the newest text unless the reader scrolled up.
 
     Streaming touches only the active bubble's TokenTextView; the list relayouts when that
@@ -58,17 +56,11 @@ class ChatView(QScrollArea):
     def __init__(self, parent: QWidget | None = None) -> None:
         super().__init__(parent)
         self.setObjectName("chatView")
-        self.setWidgetResizable(True)
-        self.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
-        self.setFrameShape(QFrame.Shape.NoFrame)
-        self._new_contents()
-        self._messages: list[QWidget] = []
         self._assistants: dict[int, AssistantBubble] = {}
         self._colouring = True
         self._show_rejected = True
         self._markdown = True  # finished answers rendered as markdown (the global preference)
         self._busy = False  # an answer is streaming: no Edit / Regenerate meanwhile
-        self._follow = True
         self._view_id = next(_view_ids)
         self._queue: list[ShownMessage] = []  # show_messages() still to build
         self._building = False
@@ -81,14 +73,7 @@ class ChatView(QScrollArea):
         self._apply_timer = QTimer(self)
         self._apply_timer.setInterval(0)
         self._apply_timer.timeout.connect(self._apply_one)
-        self._graveyard: deque[QWidget] = deque()  # removed bubbles, destroyed on a time budget
-        self._graveyard_timer = QTimer(self)
-        self._graveyard_timer.setInterval(0)
-        self._graveyard_timer.timeout.connect(self._bury_some)
         shared_renderer().rendered.connect(self._on_rendered)
-        bar = self.verticalScrollBar()
-        bar.rangeChanged.connect(self._on_range_changed)
-        bar.valueChanged.connect(self._on_value_changed)
 
     # --- public API -------------------------------------------------------------------------
 
@@ -228,16 +213,7 @@ class ChatView(QScrollArea):
     def clear(self) -> None:
         self._queue = []
         self._load_timer.stop()
-        # The whole list is swapped for an empty one at once; the old bubbles (hidden with it, never
-        # reparented: that would re-polish and re-wrap every text) are destroyed a few per turn.
-        old = self._contents
-        old.hide()
-        self._holder.layout().removeWidget(old)
-        self._graveyard.extend(self._messages)
-        self._graveyard.append(old)
-        self._graveyard_timer.start()
-        self._new_contents()
-        self._messages.clear()
+        self._swap_contents()
         self._assistants.clear()
         self._follow = True
 
@@ -323,10 +299,6 @@ class ChatView(QScrollArea):
         bubble = self._assistants.get(request_id)
         return bubble is not None and not bubble.regenerate_button.isHidden()
 
-    def is_following(self) -> bool:
-        """True while the view sticks to the bottom as text streams in."""
-        return self._follow
-
     # --- Qt overrides ---------------------------------------------------------------------------
 
     def resizeEvent(self, event: QResizeEvent) -> None:
@@ -337,23 +309,6 @@ class ChatView(QScrollArea):
                 widget.frame.setMaximumWidth(width)
 
     # --- internals ------------------------------------------------------------------------------
-
-    def _add(self, widget: QWidget) -> int:
-        if not self._pages or self._pages[-1].layout().count() >= PAGE_SIZE:
-            page = QWidget(self._contents)
-            page.setObjectName("chatPage")
-            column = QVBoxLayout(page)
-            column.setContentsMargins(0, 0, 0, 0)
-            column.setSpacing(self._layout.spacing())
-            self._layout.insertWidget(self._layout.count() - 1, page)
-            page.show()
-            self._pages.append(page)
-        self._pages[-1].layout().addWidget(widget)
-        # Shown now, inside the caller's time budget: a layout would otherwise queue the show, and a
-        # conversation's worth of queued shows runs as one long stall.
-        widget.show()
-        self._messages.append(widget)
-        return len(self._messages) - 1
 
     def _user_width(self) -> int:
         return max(200, int(self.viewport().width() * USER_BUBBLE_WIDTH))
@@ -395,47 +350,6 @@ class ChatView(QScrollArea):
         if bubble is not None and bubble.done:
             bubble.set_segments(segments)
 
-    def _new_contents(self) -> None:
-        if not hasattr(self, "_holder"):
-            # The scroll area's one widget; the list of messages inside it is swapped on clear().
-            self._holder = QWidget(self)
-            self._holder.setObjectName("chatContents")
-            holder_layout = QVBoxLayout(self._holder)
-            holder_layout.setContentsMargins(0, 0, 0, 0)
-            self.setWidget(self._holder)
-        self._contents = QWidget(self._holder)
-        self._contents.setObjectName("chatContents")
-        self._layout = QVBoxLayout(self._contents)
-        self._layout.setContentsMargins(14, 14, 14, 14)
-        self._layout.setSpacing(12)
-        self._layout.addStretch(1)  # keeps bubbles at the top while the chat is short
-        self._pages: list[QWidget] = []  # containers of PAGE_SIZE messages each, in order
-        self._holder.layout().addWidget(self._contents)
-
-    def _discard(self, widget: QWidget) -> None:
-        # Hidden now, destroyed a few at a time: deleting a long conversation's bubbles at once
-        # (deleteLater) would stall the UI for hundreds of ms when another conversation opens.
-        page = widget.parentWidget()
-        if page is not None and page.layout() is not None:
-            page.layout().removeWidget(widget)
-        widget.hide()
-        self._graveyard.append(widget)
-        if page in self._pages and page.layout().count() == 0:  # an empty page goes too
-            self._pages.remove(page)
-            self._layout.removeWidget(page)
-            page.hide()
-            self._graveyard.append(page)
-        self._graveyard_timer.start()
-
-    def _bury_some(self) -> None:
-        deadline = time.perf_counter() + BUILD_BUDGET_S
-        while self._graveyard and time.perf_counter() < deadline:
-            widget = self._graveyard.popleft()
-            if shiboken6.isValid(widget):
-                shiboken6.delete(widget)  # safe here: no handler of this widget is running (a timer is)
-        if not self._graveyard:
-            self._graveyard_timer.stop()
-
     def _drain(self) -> None:
         # Something is added out of the loader's turn: build what is queued first, to keep the order.
         if self._queue and not self._building:
@@ -461,10 +375,3 @@ class ChatView(QScrollArea):
         if not self._queue and self._load_timer.isActive():
             self._load_timer.stop()
             self.loading_finished.emit()
-
-    def _on_range_changed(self, _minimum: int, maximum: int) -> None:
-        if self._follow:
-            self.verticalScrollBar().setValue(maximum)
-
-    def _on_value_changed(self, value: int) -> None:
-        self._follow = value >= self.verticalScrollBar().maximum() - _FOLLOW_SLACK_PX
