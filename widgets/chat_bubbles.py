@@ -149,14 +149,16 @@ class UserBubble(QWidget):
             self._build_editor()
         self.editor.setPlainText(self._text)
         self.frame.setMaximumWidth(16777215)  # room to edit
-        for widget, show in ((self.label, False), (self.editor, True), (self.edit_buttons, True)):
+        for widget, show in ((self.label, False), (self.editor, True), (self.edit_buttons, True),
+                             (self.edit_button, False)):
             widget.setVisible(show)
         self.editor.setFocus()
 
     def cancel_edit(self) -> None:
         if self.editor is None:
             return
-        for widget, show in ((self.label, True), (self.editor, False), (self.edit_buttons, False)):
+        for widget, show in ((self.label, True), (self.editor, False), (self.edit_buttons, False),
+                             (self.edit_button, bool(self.key))):
             widget.setVisible(show)
 
     def _build_editor(self) -> None:
