@@ -8,7 +8,7 @@ import os
 import shutil
 import threading
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -295,7 +295,6 @@ class BackgroundWriter:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="conversation-writer")
         self._pending: dict[str, dict[str, Any]] = {}
         self._lock = threading.Lock()
-        self._last: Future[None] | None = None
         self._closed = False
 
     def save(self, conversation: Conversation) -> None:
@@ -308,7 +307,7 @@ class BackgroundWriter:
             queued = conversation.id in self._pending
             self._pending[conversation.id] = snapshot
         if not queued:
-            self._last = self._pool.submit(self._write, conversation.id)
+            self._pool.submit(self._write, conversation.id)
 
     def flush(self) -> None:
         """Waits for every queued save (on close, and in tests)."""
