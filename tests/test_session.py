@@ -56,10 +56,12 @@ def test_chat_turns_requests_and_records():
     assert record is not None and len(record.steps) == 1 and record.info == INFO
     assert session.active_request is None and not session.owns(first.request_id)
     assert session.history == [Message("user", "hello"), Message("assistant", "Hi")]
-    # Regenerate drops the last answer and asks the last user turn again.
+    # Regenerate asks the last user turn again; the old answer stays as another version (a branch).
+    first_answer = session.conversation.path()[-1].id
     again, replaced = session.regenerate(settings)
-    assert replaced == first.request_id and again.request_id != first.request_id
+    assert replaced == first_answer and again.request_id != first.request_id
     assert again.messages[-1] == Message("user", "hello") and session.history == [Message("user", "hello")]
+    assert len(session.conversation.siblings(first_answer)) == 2
     assert session.fail(again.request_id) and not session.fail(again.request_id)
     assert session.records == [record]
 
