@@ -1,4 +1,4 @@
-"""Headless command line: `specdec-studio generate` streams one answer, `specdec-studio bench` measures."""
+"""Headless command line: `specdec-studio generate` streams one answer, `bench` measures modes, `sweep` tunes."""
 from __future__ import annotations
 
 import argparse
@@ -11,8 +11,10 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn, TextIO
 
+from app.export import cell
 from app.session import build_request
 from engine.errors import EngineError
+from engine.limits import DEFAULT_K, K_AUTO, K_MAX
 from engine.measure.bench import MODE_RUNNERS
 from engine.settings import GenerationSettings
 from engine.types import MODES, PROPOSERS, GenerationRequest, Message, Summary
@@ -34,7 +36,7 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         if message.endswith("required: command"):
-            message = "a command is needed: generate or bench (see --help)"
+            message = "a command is needed: generate, bench or sweep (see --help)"
         raise CliError(message)
 
 
@@ -49,10 +51,16 @@ def _positive_int(text: str) -> int:
 
 
 def _k(text: str) -> int:
+    """1..K_MAX, or "auto" (K_AUTO: chosen per step)."""
+    if text.strip().lower() == "auto":
+        return K_AUTO
     try:
-        return _positive_int(text)
+        value = _positive_int(text)
     except argparse.ArgumentTypeError as e:
-        raise argparse.ArgumentTypeError(f"K (draft tokens per step) {e}") from None
+        raise argparse.ArgumentTypeError(f"K (draft tokens per step) {e}, or auto") from None
+    if value > K_MAX:
+        raise argparse.ArgumentTypeError(f"K (draft tokens per step) must be at most {K_MAX}, or auto")
+    return value
 
 
 def _non_negative_float(text: str) -> float:
@@ -65,7 +73,7 @@ def _non_negative_float(text: str) -> float:
     return value
 
 
-def _add_model_args(p: argparse.ArgumentParser) -> None:
+def _add_model_args(p: argparse.ArgumentParser, decoding: bool = True) -> None:
     g = p.add_argument_group("models")
     g.add_argument("--target", default=None,
                    help="model folder, .gguf file or hub id (default: packaged Qwen2.5-Coder-1.5B-Instruct)")
@@ -78,13 +86,18 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="auto: static cache + CUDA graphs where possible, else eager; compiled: also "
                         "torch.compile the per-step forwards for --k (CUDA; minutes of warm-up)")
     d = p.add_argument_group("decoding")
-    d.add_argument("--k", type=_k, default=5, help="draft tokens proposed per step (>= 1)")
+    d.add_argument("-v", "--verbose", action="store_true", help="log what the engine does (stderr)")
+    if not decoding:
+        return
+    d.add_argument("--k", type=_k, default=DEFAULT_K,
+                   help=f"draft tokens proposed per step (1..{K_MAX}), or auto: chosen per step from measured "
+                        "costs and acceptance (0 = a standard step)")
     d.add_argument("--temperature", type=_non_negative_float, default=0.0, help="0 = greedy")
     d.add_argument("--top-k", type=int, default=0, help="0 disables")
     d.add_argument("--top-p", type=float, default=1.0, help="1 disables")
     d.add_argument("--seed", type=int, default=0)
-    d.add_argument("--proposer", default="draft", choices=list(PROPOSERS))
-    d.add_argument("-v", "--verbose", action="store_true", help="log what the engine does (stderr)")
+    d.add_argument("--proposer", default="draft", choices=list(PROPOSERS),
+                   help="draft, ngram or draft+ngram (in auto mode draft+ngram is routed per step)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -94,7 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="generate one answer, streaming it to stdout")
     gen.add_argument("--prompt", required=True, help="the user message (or raw text with --raw)")
     gen.add_argument("--raw", action="store_true", help="feed the prompt as-is, without the chat template")
-    gen.add_argument("--mode", default="speculative", choices=list(MODES))
+    gen.add_argument("--mode", default="speculative", choices=list(MODES),
+                     help="auto: the router, speculative decoding whose K (0 = standard) and proposer are chosen "
+                          "per step")
     gen.add_argument("--max-new-tokens", type=_positive_int, default=128)
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     _add_model_args(gen)
@@ -107,8 +122,22 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", dest="json_out", type=Path, default=None, help="write the full results here")
     bench.add_argument("--csv", dest="csv_out", type=Path, default=None, help="write one row per run here")
     bench.add_argument("--warmup", type=int, default=1, help="untimed warm-up generations per mode")
+    bench.add_argument("--repeat", type=_positive_int, default=1,
+                       help="time every prompt in every mode N times: median and spread (mode order rotates)")
     bench.add_argument("--raw", action="store_true", help="feed prompts as-is, without the chat template")
     _add_model_args(bench)
+
+    sweep = sub.add_parser("sweep", help="measure proposer x K x temperature; write sweep.csv and sweep.png")
+    sweep.add_argument("--prompts", required=True, type=Path, help='JSONL: {"id", "category", "prompt"} per line')
+    sweep.add_argument("--k", dest="ks", default="1,2,3,5,8,12", help="comma-separated K values (1..12, or auto)")
+    sweep.add_argument("--temperature", dest="temperatures", default="0", help="comma-separated temperatures")
+    sweep.add_argument("--proposer", dest="proposers", default="draft", help="comma-separated: draft, ngram, draft+ngram")
+    sweep.add_argument("--auto", action="store_true", help="also measure --mode auto per proposer")
+    sweep.add_argument("--repeat", type=_positive_int, default=1, help="time every configuration N times")
+    sweep.add_argument("--max-new-tokens", type=_positive_int, default=64)
+    sweep.add_argument("--out", required=True, type=Path, help="folder for sweep.csv, sweep.png, sweep.json")
+    sweep.add_argument("--raw", action="store_true", help="feed prompts as-is, without the chat template")
+    _add_model_args(sweep, decoding=False)
     return parser
 
 
@@ -148,7 +177,8 @@ def _load(args: argparse.Namespace, needs_draft: bool) -> tuple[LoadedPair, Engi
     reporter = _LoadReporter(sys.stderr, args.verbose)
     pair = load_pair(args.target, args.draft, device=args.device, dtype=args.dtype,
                      progress=reporter, with_draft=needs_draft)
-    return pair, Engine.from_pair(pair, fast_path=args.fast_path, progress=reporter, compile_k=args.k)
+    compile_k = getattr(args, "k", DEFAULT_K) or DEFAULT_K  # K auto: compile the default K's widths
+    return pair, Engine.from_pair(pair, fast_path=args.fast_path, progress=reporter, compile_k=compile_k)
 
 
 def _settings(args: argparse.Namespace, mode: str, max_new_tokens: int) -> GenerationSettings:
@@ -183,7 +213,7 @@ def _environment(engine: Engine) -> dict[str, Any]:
 def _model_config(engine: Engine, args: argparse.Namespace) -> dict[str, Any]:
     info = engine.info
     return {"target": info.target_name, "draft": info.draft_name, "device": info.device, "dtype": info.dtype,
-            "fast_path": info.fast_path, "vocab_size": info.vocab_size, "k": args.k,
+            "fast_path": info.fast_path, "vocab_size": info.vocab_size, "k": "auto" if args.k == K_AUTO else args.k,
             "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed,
             "max_new_tokens": args.max_new_tokens, "proposer": args.proposer, "raw": args.raw}
 
@@ -191,7 +221,7 @@ def _model_config(engine: Engine, args: argparse.Namespace) -> dict[str, Any]:
 # --------------------------------------------------------------------------- generate
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    needs_draft = args.mode == "speculative" and args.proposer != "ngram"
+    needs_draft = args.mode != "standard" and args.proposer != "ngram"
     _, engine = _load(args, needs_draft)
     generation = engine.generate(_request(args, args.prompt, args.mode, args.max_new_tokens))
     tokens: list[dict[str, str]] = []
@@ -215,11 +245,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _summary_line(s: Summary) -> str:
+    from engine.measure.explain import describe_decision, time_split
+
     line = (f"[{s.mode}] {s.new_tokens} tokens in {s.seconds:.2f} s ({s.tokens_per_s:.1f} tok/s), "
             f"stop: {s.stop_reason}")
-    if s.mode == "speculative":
+    if s.mode != "standard":
         line += (f"; acceptance {s.acceptance_rate:.0%} ({s.accepted}/{s.drafted}), "
-                 f"{s.tokens_per_target_forward:.2f} tokens per target forward")
+                 f"{s.tokens_per_target_forward:.2f} tokens per target forward, mean K {s.k_mean:.1f}")
+    line += f"; {time_split(s)}"
+    if s.decision is not None and s.decision.reason != "fixed":
+        line += f"; {describe_decision(s.decision)}"
     return line
 
 
@@ -253,15 +288,17 @@ def cmd_bench(args: argparse.Namespace) -> int:
         reload_pair=lambda: load_pair(args.target, args.draft, device=args.device, dtype=args.dtype,
                                       with_draft=needs_draft),
     )
-    with tqdm(total=len(prompts) * len(modes), file=sys.stderr, desc="bench", unit="run", disable=None) as bar:
+    total = len(prompts) * len(modes) * args.repeat
+    with tqdm(total=total, file=sys.stderr, desc="bench", unit="run", disable=None) as bar:
         def progress(done: int, _total: int, note: str) -> None:
             bar.set_postfix_str(note)
             bar.update(done - bar.n)
 
-        result = run_bench(ctx, prompts, modes, max_new_tokens=args.max_new_tokens, warmup=args.warmup, k=args.k,
-                           cost_model=args.proposer != "ngram", progress=progress)
+        result = run_bench(ctx, prompts, modes, max_new_tokens=args.max_new_tokens, warmup=args.warmup,
+                           repeat=args.repeat, progress=progress)
+    result.summary["diagnostics"] = _diagnose(engine, args, result.summary)
     config = {**_model_config(engine, args), "modes": list(result.modes), "prompts": str(args.prompts),
-              "warmup": args.warmup, "wall_s": result.wall_s, **_environment(engine)}
+              "warmup": args.warmup, "repeat": args.repeat, "wall_s": result.wall_s, **_environment(engine)}
     table = format_table(result.summary, result.modes)
     try:
         if args.json_out is not None:
@@ -271,16 +308,111 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 names = [n for n in RunRecord.__dataclass_fields__ if n != "token_ids"]
                 writer = csv.DictWriter(f, fieldnames=names, extrasaction="ignore")
                 writer.writeheader()
-                writer.writerows(asdict(r) for r in result.runs)
+                writer.writerows({k: cell(v) for k, v in asdict(r).items()} for r in result.runs)
     except OSError as e:
         # The table still goes to stdout, so a long run is not lost to a bad output path.
         print(table)
         raise CliError(f"cannot write results: {e.strerror or e} ({e.filename})") from None
     print(f"{engine.info.target_name} / {engine.info.draft_name or '-'} on {engine.info.device} "
-          f"({engine.info.dtype}, {engine.info.fast_path}), {len(prompts)} prompts, k={args.k}, "
+          f"({engine.info.dtype}, {engine.info.fast_path}), {len(prompts)} prompts, k={args.k or 'auto'}, "
           f"temperature={args.temperature}, max_new_tokens={args.max_new_tokens}")
     print(table)
     return 0
+
+
+def _diagnose(engine: Engine, args: argparse.Namespace, summary: dict[str, Any]) -> list[str]:
+    """The troubleshooting rules on what this bench measured, as lines to print and keep in the JSON."""
+    from engine.measure.diagnostics import diagnose, from_bench
+    from engine.measure.explain import describe_diagnosis
+
+    evidence = from_bench(summary, engine.info, k=args.k, temperature=args.temperature, proposer=args.proposer)
+    return [" ".join(describe_diagnosis(d)) for d in diagnose(evidence)]
+
+
+# --------------------------------------------------------------------------- sweep
+
+def cmd_sweep(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from engine.measure import sweep as sw
+    from engine.measure.bench import read_prompts
+
+    # Cheap checks first: a typo in a list should not cost a model load.
+    prompts = read_prompts(args.prompts)
+    ks = sw.parse_list(args.ks, sw.parse_k, "k")
+    temperatures = sw.parse_list(args.temperatures, float, "temperature")
+    proposers = sw.parse_list(args.proposers, str, "proposer")
+    configs = sw.plan(proposers, ks, temperatures, auto=args.auto)
+    try:
+        args.out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise CliError(f"cannot create {args.out}: {e.strerror or e}") from None
+    args.k = DEFAULT_K  # only for the compiled fast path's choice of widths
+    _, engine = _load(args, sw.needs_draft(configs))
+    raw = args.raw
+
+    def make_request(prompt: str, config: sw.SweepConfig, max_new: int) -> GenerationRequest:
+        settings = GenerationSettings(mode=config.mode, proposer=config.proposer or "draft", k=config.k,
+                                      temperature=config.temperature, max_new_tokens=max_new, system_prompt="")
+        return build_request(settings, (), prompt=prompt) if raw else build_request(settings, (Message("user", prompt),))
+
+    total = len(prompts) * len(configs) * args.repeat
+    with tqdm(total=total, file=sys.stderr, desc="sweep", unit="run", disable=None) as bar:
+        def progress(done: int, _total: int, record) -> None:
+            bar.set_postfix_str(f"{record.prompt_id} {record.mode}")
+            bar.update(done - bar.n)
+
+        records = sw.run_sweep(engine, prompts, configs, make_request=make_request,
+                               max_new_tokens=args.max_new_tokens, repeat=args.repeat, progress=progress)
+    rows = sw.rows(records, configs, engine.info)
+    lines = _sweep_diagnoses(engine, rows)
+    csv_path, png_path, json_path = args.out / "sweep.csv", args.out / "sweep.png", args.out / "sweep.json"
+    try:
+        sw.write_csv(csv_path, rows)
+        json_path.write_text(json.dumps({
+            "config": {**_model_config_sweep(engine, args), **_environment(engine)},
+            "rows": [sw.csv_row(r) for r in rows], "diagnostics": lines,
+            "runs": [{**asdict(r), "token_ids": list(r.token_ids)} for r in records],
+        }, indent=2, ensure_ascii=False), encoding="utf-8")
+    except OSError as e:
+        print(sw.format_rows(rows))
+        raise CliError(f"cannot write results: {e.strerror or e} ({e.filename})") from None
+    png_note = _write_png(rows, png_path)
+    info = engine.info
+    print(f"{info.target_name} / {info.draft_name or '-'} on {info.device} ({info.dtype}, {info.fast_path}), "
+          f"{len(prompts)} prompts x {args.repeat}, max_new_tokens={args.max_new_tokens}")
+    print(sw.format_rows(rows))
+    for line in lines:
+        print(f"diagnosis: {line}")
+    print(f"wrote {csv_path}, {json_path}{png_note}")
+    return 0
+
+
+def _model_config_sweep(engine: Engine, args: argparse.Namespace) -> dict[str, Any]:
+    info = engine.info
+    return {"target": info.target_name, "draft": info.draft_name, "device": info.device, "dtype": info.dtype,
+            "fast_path": info.fast_path, "ks": args.ks, "temperatures": args.temperatures,
+            "proposers": args.proposers, "auto": args.auto, "repeat": args.repeat,
+            "max_new_tokens": args.max_new_tokens, "prompts": str(args.prompts),
+            "target_ms": dict(info.target_ms), "proposer_costs": [asdict(c) for c in info.proposer_costs],
+            "measure_s": info.measure_s}
+
+
+def _sweep_diagnoses(engine: Engine, rows) -> list[str]:
+    from engine.measure.diagnostics import Evidence, diagnose
+    from engine.measure.explain import describe_diagnosis
+
+    return [" ".join(describe_diagnosis(d)) for d in diagnose(Evidence(sweep=tuple(rows), info=engine.info))]
+
+
+def _write_png(rows, path: Path) -> str:
+    """The plot, rendered offscreen with the Tune tab's own charts; skipped (and said) where Qt is missing."""
+    try:
+        from app.sweep_png import write_sweep_png
+    except ImportError as e:  # a GPU box without PySide6: the CSV and JSON hold every figure
+        return f" (no {path.name}: {e.name or 'PySide6'} is not installed)"
+    write_sweep_png(rows, path)
+    return f", {path}"
 
 
 # --------------------------------------------------------------------------- entry point
@@ -302,8 +434,9 @@ def main(argv: list[str] | None = None) -> int:
     _setup_logging(args.verbose)
     import torch
 
+    command = {"generate": cmd_generate, "bench": cmd_bench, "sweep": cmd_sweep}[args.command]
     try:
-        return cmd_generate(args) if args.command == "generate" else cmd_bench(args)
+        return command(args)
     except (CliError, EngineError) as e:
         return _fail(str(e))
     except torch.OutOfMemoryError:

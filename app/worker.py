@@ -86,6 +86,10 @@ class EngineWorker(QObject):
     steps = Signal(int, object)  # request_id, tuple[Step, ...] in order
     generation_finished = Signal(int, object)  # request_id, Summary
     generation_failed = Signal(int, str)  # request_id, one-line message
+    sweep_requested = Signal(object)  # SweepJob (UI -> worker)
+    sweep_progress = Signal(int, int, object)  # done, total, the RunRecord just measured
+    sweep_finished = Signal(object)  # list[RunRecord]: every run measured (all of them, or up to a stop)
+    sweep_failed = Signal(str)  # one-line message; the runs measured before it are lost
 
     def __init__(self, engine_factory: EngineFactory = default_engine_factory,
                  flush_interval_s: float = FLUSH_INTERVAL_S) -> None:
@@ -94,10 +98,12 @@ class EngineWorker(QObject):
         self._flush_interval_s = flush_interval_s
         self.engine: EngineLike | None = None
         self.stop_event = threading.Event()  # set from the UI thread; checked between steps
+        self.sweep_stop = threading.Event()  # set from the UI thread; checked between a sweep's runs
         self._cancel_upto = 0  # requests with an id <= this are cancelled (even before they start)
         self._closing = threading.Event()
         self.load_requested.connect(self._on_load_requested, Qt.ConnectionType.QueuedConnection)
         self.generate_requested.connect(self._on_generate_requested, Qt.ConnectionType.QueuedConnection)
+        self.sweep_requested.connect(self._on_sweep_requested, Qt.ConnectionType.QueuedConnection)
 
     # --- called from the UI thread -------------------------------------------------------------
 
@@ -106,10 +112,15 @@ class EngineWorker(QObject):
         self._cancel_upto = max(self._cancel_upto, request_id)
         self.stop_event.set()
 
+    def stop_sweep(self) -> None:
+        """Ends the sweep after its run in progress; safe from any thread."""
+        self.sweep_stop.set()
+
     def close(self) -> None:
         """Makes the current generation and any load stop at their next checkpoint."""
         self._closing.set()
         self.stop_event.set()
+        self.sweep_stop.set()
 
     # --- slots (worker thread) -----------------------------------------------------------------
 
@@ -186,6 +197,26 @@ class EngineWorker(QObject):
             self.generation_failed.emit(rid, _generation_error_message(e))
             return
         self.generation_finished.emit(rid, summary)
+
+
+    @Slot(object)
+    def _on_sweep_requested(self, job: Any) -> None:
+        """Runs a sweep (engine.measure.sweep.run_sweep) on the resident engine; one terminal signal."""
+        from engine.measure.sweep import run_sweep
+
+        self.sweep_stop.clear()
+        if self.engine is None:
+            self.sweep_failed.emit("No model is loaded yet; wait for loading to finish or load models.")
+            return
+        try:
+            records = run_sweep(self.engine, job.prompts, job.configs, make_request=job.make_request,  # type: ignore[arg-type]
+                                max_new_tokens=job.max_new_tokens, repeat=job.repeat,
+                                progress=lambda done, total, record: self.sweep_progress.emit(done, total, record),
+                                cancel=self.sweep_stop)
+        except Exception as e:
+            self.sweep_failed.emit(_generation_error_message(e))
+            return
+        self.sweep_finished.emit(records)
 
 
 def _generation_error_message(exc: BaseException) -> str:

@@ -139,6 +139,15 @@ class Summary:
 
 
 @dataclass(frozen=True)
+class ProposerCost:
+    """What one proposer's drafting costs, measured by timing its own propose() (engine.measure.costmodel)."""
+
+    source: DraftSource  # the proposer ("draft", "ngram", ...)
+    per_token_ms: float  # each drafted token (a draft-model forward; ~0 for n-gram lookup)
+    per_proposal_ms: float  # once per step that drafts (set-up, lookups), whatever K
+
+
+@dataclass(frozen=True)
 class ModelInfo:
     """What a loaded pair is, for status bars, exports and bench configs."""
 
@@ -155,9 +164,49 @@ class ModelInfo:
 
 
 @dataclass(frozen=True)
-class ProposerCost:
-    """What one proposer's drafting costs, measured by timing its own propose() (engine.measure.costmodel)."""
+class SweepRow:
+    """One configuration of a sweep, measured over every prompt of it (engine.measure.sweep)."""
 
-    source: DraftSource  # the proposer ("draft", "ngram", ...)
-    per_token_ms: float  # each drafted token (a draft-model forward; ~0 for n-gram lookup)
-    per_proposal_ms: float  # once per step that drafts (set-up, lookups), whatever K
+    mode: Mode  # "standard" (the baseline row of its temperature), "speculative" or "auto"
+    proposer: Proposer | None  # where drafts came from; None for standard
+    k: int  # the fixed K; K_AUTO (0) when chosen per step; 0 for standard
+    temperature: float  # sampling temperature (0 = greedy)
+    tokens_per_s: float  # total tokens / total seconds over the prompts
+    speedup: float  # tok/s over standard decoding at the same temperature, measured in the same run
+    acceptance: float  # accepted / drafted
+    tokens_per_target_forward: float  # new tokens per target forward
+    acceptance_by_position: tuple[float, ...]  # P(accepted | reached) per draft position
+    drafting_share: float  # share of the wall time spent drafting
+    predicted_speedup: float | None  # what the cost model predicts from its measured acceptance and overheads
+    identical: int | None  # greedy: outputs identical to standard's; None when sampling
+    compared: int  # outputs compared for identity (0 when sampling)
+    runs: int  # timed generations behind the row
+    k_mean: float = 0.0  # mean K chosen per step (equals k for a fixed K)
+
+    @property
+    def label(self) -> str:
+        """"standard", "draft K=3", "ngram K=auto", "auto draft+ngram" (the temperature is separate)."""
+        if self.mode == "standard":
+            return "standard"
+        if self.mode == "auto":
+            return f"auto {self.proposer}"
+        return f"{self.proposer} K={self.k or 'auto'}"
+
+
+# Which troubleshooting rule fired (engine/measure/diagnostics.py says it in words).
+DiagnosisKind = Literal["position_one", "temperature", "draft_cost", "best_k", "memory", "category"]
+# What the app can do about it with one click, if anything.
+DiagnosisAction = Literal["apply_k", "lower_temperature", "use_auto", "none"]
+
+
+@dataclass(frozen=True)
+class Diagnosis:
+    """A finding from this session's measured data, the number behind it and what to do."""
+
+    kind: DiagnosisKind  # the rule that fired
+    value: float  # the measured number behind it (an acceptance, a speedup, a share of memory)
+    reference: float  # what it is compared with (the other positions, standard decoding, the limit)
+    action: DiagnosisAction  # what applying it does
+    k: int = 0  # for apply_k: the K to apply
+    temperature: float = 0.0  # the temperature it concerns (temperature rule: the lower one)
+    category: str = ""  # for category: the prompt category where speculation loses

@@ -11,7 +11,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 ENGINE_FORBIDDEN = ("PySide6", "shiboken6", "pyqtgraph", "PyQt5", "PyQt6", "qtpy", "app", "widgets")
 WIDGETS_FORBIDDEN = ("torch", "transformers", "accelerate", "bitsandbytes", "app")
-WIDGETS_ALLOWED_ENGINE = ("engine.types", "engine.measure.stats", "engine.errors", "engine.settings", "engine.limits")
+WIDGETS_ALLOWED_ENGINE = ("engine.types", "engine.measure.stats", "engine.measure.explain", "engine.errors",
+                          "engine.settings", "engine.limits")
 
 
 def imports(path: Path) -> list[tuple[int, str]]:

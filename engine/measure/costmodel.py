@@ -161,6 +161,9 @@ def estimate_alpha(summary: Summary) -> float | None:
     """
     if summary.drafted == 0:
         return None
+    if summary.k == 0 and summary.per_position_acceptance:
+        # K chosen per step: the histogram mixes drafts of different lengths, positions do not.
+        return alpha_from_per_position(summary.per_position_acceptance)
     histogram = summary.accepted_length_histogram
     if histogram:
         rejections = sum(histogram[:-1])
