@@ -365,13 +365,14 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         records = sw.run_sweep(engine, prompts, configs, make_request=make_request,
                                max_new_tokens=args.max_new_tokens, repeat=args.repeat, progress=progress)
     rows = sw.rows(records, configs, engine.info)
-    lines = _sweep_diagnoses(engine, rows)
+    categories = sw.category_speedups(records, configs)
+    lines = _sweep_diagnoses(engine, rows, categories, configs)
     csv_path, png_path, json_path = args.out / "sweep.csv", args.out / "sweep.png", args.out / "sweep.json"
     try:
         sw.write_csv(csv_path, rows)
         json_path.write_text(json.dumps({
             "config": {**_model_config_sweep(engine, args), **_environment(engine)},
-            "rows": [sw.csv_row(r) for r in rows], "diagnostics": lines,
+            "rows": [sw.csv_row(r) for r in rows], "categories": categories, "diagnostics": lines,
             "runs": [{**asdict(r), "token_ids": list(r.token_ids)} for r in records],
         }, indent=2, ensure_ascii=False), encoding="utf-8")
     except OSError as e:
@@ -382,6 +383,13 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     print(f"{info.target_name} / {info.draft_name or '-'} on {info.device} ({info.dtype}, {info.fast_path}), "
           f"{len(prompts)} prompts x {args.repeat}, max_new_tokens={args.max_new_tokens}")
     print(sw.format_rows(rows))
+    top = sw.best(rows, fixed_only=True)
+    shown = [c.label for c in configs if c.mode == "auto" or c.k == K_AUTO]
+    shown += [sw.label_of(top, configs)] if top is not None and top.mode != "standard" else []
+    for label in shown:
+        if len(categories.get(label, {})) > 1:
+            print(f"per category, {label} over standard: "
+                  + ", ".join(f"{cat} {x:.2f}x" for cat, x in categories[label].items()))
     for line in lines:
         print(f"diagnosis: {line}")
     print(f"wrote {csv_path}, {json_path}{png_note}")
@@ -398,20 +406,28 @@ def _model_config_sweep(engine: Engine, args: argparse.Namespace) -> dict[str, A
             "measure_s": info.measure_s}
 
 
-def _sweep_diagnoses(engine: Engine, rows) -> list[str]:
+def _sweep_diagnoses(engine: Engine, rows, categories: dict[str, dict[str, float]], configs) -> list[str]:
+    from engine.measure import sweep as sw
     from engine.measure.diagnostics import Evidence, diagnose
     from engine.measure.explain import describe_diagnosis
 
-    return [" ".join(describe_diagnosis(d)) for d in diagnose(Evidence(sweep=tuple(rows), info=engine.info))]
+    top = sw.best(rows, fixed_only=True)  # where does the best fixed configuration lose?
+    per_category = categories.get(sw.label_of(top, configs), {}) if top is not None and top.mode != "standard" else {}
+    evidence = Evidence(sweep=tuple(rows), info=engine.info,
+                        categories=tuple(per_category.items()) if len(per_category) > 1 else ())
+    return [" ".join(describe_diagnosis(d)) for d in diagnose(evidence)]
 
 
 def _write_png(rows, path: Path) -> str:
     """The plot, rendered offscreen with the Tune tab's own charts; skipped (and said) where Qt is missing."""
+    from app.sweep_png import write_sweep_png
+
     try:
-        from app.sweep_png import write_sweep_png
+        write_sweep_png(rows, path)
     except ImportError as e:  # a GPU box without PySide6: the CSV and JSON hold every figure
         return f" (no {path.name}: {e.name or 'PySide6'} is not installed)"
-    write_sweep_png(rows, path)
+    except OSError as e:
+        return f" (no {path.name}: {e})"
     return f", {path}"
 
 

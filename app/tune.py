@@ -20,7 +20,7 @@ from app.session import build_request, system_messages
 from engine.limits import K_AUTO
 from engine.measure import diagnostics as dx
 from engine.measure import sweep as sw
-from engine.measure.experiment import BenchPrompt, RunRecord, by_category, packaged_prompts
+from engine.measure.experiment import BenchPrompt, RunRecord, packaged_prompts
 from engine.measure.explain import describe_diagnosis
 from engine.settings import GenerationSettings
 from engine.types import Diagnosis, GenerationRequest, Message, ModelInfo, SweepRow
@@ -160,16 +160,11 @@ class TuneController(QObject):
 
     def _categories(self, records: Sequence[RunRecord]) -> tuple[tuple[str, float], ...]:
         """Per prompt category: the best fixed configuration's speedup there (does it lose anywhere?)."""
-        top = sw.best([r for r in self.rows if r.mode == "speculative" and r.k != K_AUTO])
-        if top is None:
+        top = sw.best(self.rows, fixed_only=True)
+        if top is None or top.mode == "standard":
             return ()
-        label = next(c.label for c in self._configs if c.mode == top.mode and c.proposer == top.proposer
-                     and c.k == top.k and c.temperature == top.temperature)
-        base = sw.SweepConfig("standard", None, 0, top.temperature).label
-        table = by_category([r for r in records if r.mode in (label, base)], [base, label], base=base)
-        if len(table) < 2:
-            return ()
-        return tuple((cat, entry[f"vs_{base}"][label]) for cat, entry in table.items())
+        per_category = sw.category_speedups(records, self._configs).get(sw.label_of(top, self._configs), {})
+        return tuple(per_category.items()) if len(per_category) > 1 else ()
 
     def _set_running(self, running: bool) -> None:
         self._running = running

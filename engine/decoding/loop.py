@@ -342,7 +342,7 @@ class Generation(Iterator[Step]):
         #    queued, so the device never waits for the host. A speculative round needs the host's
         #    decision (how much was accepted), so it is queued once the previous one is committed.
         #    The controller picks each round's K first (K = 0: a standard round).
-        depth = 2 if lookahead else 1  # rounds in flight
+        depth = 2 if lookahead and proposers.queue_standard else 1  # rounds in flight
         queue: deque[_Launched] = deque()
 
         def top_up() -> None:

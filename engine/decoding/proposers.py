@@ -132,6 +132,9 @@ class ProposerSet:
     def __init__(self, parts: Sequence[Proposer], device: torch.device) -> None:
         self.parts = tuple(parts)
         self._empty = empty_proposal(device)  # made once: no allocation per standard step
+        # A proposer that reads the target's outputs of every round (a head reading hidden rows)
+        # declares `reads_target = True`: standard rounds are then not queued ahead of its commit.
+        self.queue_standard = not any(getattr(p, "reads_target", False) for p in self.parts)
         self._offered: dict[str, Proposer] = {}  # source -> the part that offered it last
         self._drafter: Proposer | None = None  # the part that drafted the round in flight
 

@@ -22,6 +22,7 @@ from engine.measure.experiment import (
     BenchPrompt,
     RunRecord,
     Task,
+    by_category,
     first_difference,
     position_acceptance,
     predicted_speedup,
@@ -186,6 +187,25 @@ def rows(records: Sequence[RunRecord], configs: Sequence[SweepConfig], info: Mod
             k_mean=t["k_mean"],
         ))
     return out
+
+
+def category_speedups(records: Sequence[RunRecord], configs: Sequence[SweepConfig]) -> dict[str, dict[str, float]]:
+    """Per configuration label: its speedup over standard (same temperature) in each prompt category."""
+    out: dict[str, dict[str, float]] = {}
+    for config in configs:
+        if config.mode == "standard":
+            continue
+        base = SweepConfig("standard", None, 0, config.temperature).label
+        table = by_category([r for r in records if r.mode in (base, config.label)], [base, config.label], base=base)
+        out[config.label] = {cat: entry[f"vs_{base}"][config.label] for cat, entry in table.items()
+                             if f"vs_{base}" in entry}
+    return out
+
+
+def label_of(row: SweepRow, configs: Sequence[SweepConfig]) -> str:
+    """The run label of the configuration a row describes."""
+    return next(c.label for c in configs if (c.mode, c.proposer, c.k, c.temperature)
+                == (row.mode, row.proposer, row.k, row.temperature))
 
 
 def best(sweep: Sequence[SweepRow], *, fixed_only: bool = False) -> SweepRow | None:
