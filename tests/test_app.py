@@ -257,6 +257,26 @@ def test_the_default_is_auto_mode_with_k_chosen_per_step(make_window, qtbot):
     assert (r.mode, r.k, r.proposer) == ("auto", K_AUTO, "draft+ngram")
 
 
+def test_exports_carry_the_k_chosen_the_reason_and_the_time_split(tmp_path):
+    from dataclasses import replace
+
+    from app.export import AnswerRecord, write_session_csv, write_trace_csv
+    from engine.types import Decision
+
+    decision = Decision(3, "draft", "best", 0.8, 1.3, 3, 1.3)
+    steps = [replace(s, decision=decision, overhead_ms=0.25) for s in script()]
+    summary = summarize(steps, mode="auto", k=K_AUTO, prompt_tokens=4, seconds=1.0, stop_reason="eos", prefill_s=0.1)
+    record = AnswerRecord(GenerationRequest(mode="auto", k=K_AUTO), summary, FAKE_INFO, "now", tuple(steps))
+    write_session_csv(tmp_path / "s.csv", [record])
+    write_trace_csv(tmp_path / "t.csv", [record])
+    [row] = read_csv(tmp_path / "s.csv")
+    assert (row["request_mode"], row["request_k"], row["decision_k"], row["decision_reason"]) == ("auto", "auto", "3", "best")
+    assert float(row["prefill_s"]) == 0.1 and float(row["draft_s"]) == pytest.approx(0.006)
+    assert float(row["overhead_s"]) == pytest.approx(1.0 - 0.1 - 0.006 - 0.024)
+    trace = read_csv(tmp_path / "t.csv")
+    assert [(t["k_chosen"], t["k_reason"], t["overhead_ms"]) for t in trace] == [("3", "best", "0.25")] * 3
+
+
 def test_settings_reach_the_request(make_window, qtbot):
     engine = FakeEngine()
     w = make_window(engine)
