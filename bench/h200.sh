@@ -34,6 +34,8 @@ edit)
   done
   ;;
 auto)
+  # 0. Any K sequence (0 included) is lossless on CUDA graphs with rounds queued ahead, and no launch syncs.
+  $PY -m pytest tests/test_control.py -m gpu -q -p no:cacheprovider 2>&1 | tail -3
   # 1. The router on the 20 prompts, default fast path, greedy: auto (0.5B draft) against standard, K=5 for reference.
   timeout 240 "${B[@]}" --prompts assets/bench_prompts.jsonl --modes standard,auto,speculative --proposer draft --k 5 \
       --json "$OUT/h200_auto.json" 2>&1 | tail -16

@@ -44,7 +44,7 @@ class ScriptedK:
         pass
 
 
-def _generate(engine, controller=None, lookahead: bool = False, **kw):
+def _generate(engine, controller=None, lookahead: bool | None = False, **kw):
     saved = engine.make_controller, engine.lookahead
     if controller is not None:
         engine.make_controller = lambda request: controller
@@ -256,3 +256,42 @@ def test_fixed_k_and_standard():
     assert FixedK(0).choose(DRAFT, 10).k == 0
     d = FixedK(5).choose(DRAFT, 3)
     assert (d.k, d.source, d.reason) == (3, "draft", "fixed")
+
+
+# --------------------------------------------------------------------------- CUDA only
+
+@pytest.mark.gpu
+def test_cuda_graphs_any_k_sequence_is_lossless_and_launches_never_sync(tiny_pair, monkeypatch):
+    """On CUDA graphs, rounds queued ahead: random K per round (0 included), K auto and auto mode all
+    give float32 greedy standard output, and no launch waits for the device."""
+    import torch
+
+    from engine.decoding import Engine, Generation
+    from engine.runners.graphs import build_runners
+
+    eager = tiny_engine(*tiny_pair)
+    target, draft = eager.target.to("cuda"), eager.draft.to("cuda")
+    t, d, name = build_runners(target, draft, max_length=512)
+    assert name == "cuda-graphs", t.fallback_reason
+    fast = Engine(target, eager.tokenizer, eager.info, draft=draft, target_runner=t, draft_runner=d)
+    launch = Generation._launch
+
+    def strict_launch(self, *args):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return launch(self, *args)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    prompt = "def add(a, b):\n    return a + b\ndef add(a, b):"
+    ref_text = "".join(s.text for s in fast.generate(GenerationRequest(prompt=prompt, mode="standard",
+                                                                        max_new_tokens=48)))
+    fast.measure_costs()
+    with monkeypatch.context() as m:
+        m.setattr(Generation, "_launch", strict_launch)
+        for seed, kw in enumerate((dict(mode="speculative", proposer="draft"), dict(mode="auto", proposer="draft+ngram"))):
+            gen, steps = _generate(fast, ScriptedK(seed), lookahead=None, prompt=prompt, max_new_tokens=48, **kw)
+            assert "".join(s.text for s in steps) == ref_text, kw
+        for kw in (dict(mode="speculative", k=K_AUTO), dict(mode="auto", proposer="draft+ngram")):
+            gen, steps = _generate(fast, None, lookahead=None, prompt=prompt, max_new_tokens=48, **kw)
+            assert "".join(s.text for s in steps) == ref_text, kw
