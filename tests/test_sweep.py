@@ -61,6 +61,20 @@ def test_committed_ids_are_kept_drafts_then_the_targets_token():
     assert ex.committed_ids(steps) == [0, 1, 100, 101]
 
 
+def test_record_counts_the_draft_models_catch_ups():
+    """After two standard steps the draft feeds 1 + 2 tokens first: one catch-up of width 3."""
+    from engine.measure.stats import summarize
+
+    class Done:
+        summary = summarize([], mode="auto", k=0, prompt_tokens=1, seconds=1.0, stop_reason="eos")
+
+    steps = [_step(0, 3, 3), _step(1, 2, 1), _step(2, 0, 0), _step(3, 0, 0), _step(4, 2, 0)]
+    record = ex.record_run(Done(), steps, ex.BenchPrompt("a", "c", "x"), "auto")
+    widths = record.catch_up_widths
+    assert widths[3] == 1 and sum(widths) == 1
+    assert record.drafted_steps[:4] == (2, 0, 2, 1) and record.drafted_by == (("draft", 3, 7),)
+
+
 # --------------------------------------------------------------------------- the sweep's arithmetic
 
 COSTS = ModelInfo("t", "d", "cpu", "float32", "eager", 100, draft_ms=2.0,

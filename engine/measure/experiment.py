@@ -99,6 +99,8 @@ class RunRecord:
     position_accepted: tuple[int, ...] = ()  # per draft position: steps that accepted it
     drafted_steps: tuple[int, ...] = ()  # index n: steps that drafted n tokens (0..K_MAX)
     drafted_by: tuple[tuple[str, int, int], ...] = ()  # (proposer, steps it drafted, tokens it drafted)
+    # The draft model's catch-ups: after steps it did not draft it first feeds what they committed.
+    catch_up_widths: tuple[int, ...] = ()  # index w: draft proposals whose first forward was w tokens wide (w > 2)
 
 
 def record_run(generation: Generation, steps: Sequence[Step], prompt: BenchPrompt, label: str,
@@ -108,6 +110,8 @@ def record_run(generation: Generation, steps: Sequence[Step], prompt: BenchPromp
     assert s is not None, "a finished generation has a summary"
     reached, hits, lengths = [0] * K_MAX, [0] * K_MAX, [0] * (K_MAX + 1)
     by_source: dict[str, list[int]] = {}
+    catch_ups = [0] * (K_MAX + 2)
+    pending = 1  # tokens the draft model feeds first next time (DraftModelProposer.pending)
     for step in steps:
         n = len(step.proposed)
         lengths[min(n, K_MAX)] += 1
@@ -115,6 +119,12 @@ def record_run(generation: Generation, steps: Sequence[Step], prompt: BenchPromp
             counts = by_source.setdefault(step.sources[0], [0, 0])
             counts[0] += 1
             counts[1] += n
+        if n and step.sources[0] == "draft":
+            if pending > 2:
+                catch_ups[min(pending, K_MAX + 1)] += 1
+            pending = 2 if step.accepted == n else 1
+        else:
+            pending += step.new_tokens
         for i in range(min(n, step.accepted + 1, K_MAX)):  # position i reached when all before it were accepted
             reached[i] += 1
             hits[i] += i < step.accepted
@@ -127,6 +137,7 @@ def record_run(generation: Generation, steps: Sequence[Step], prompt: BenchPromp
         k_mean=s.k_mean, standard_steps=s.standard_steps, position_reached=tuple(reached),
         position_accepted=tuple(hits), drafted_steps=tuple(lengths),
         drafted_by=tuple((src, n, tokens) for src, (n, tokens) in by_source.items()),
+        catch_up_widths=tuple(catch_ups) if any(catch_ups) else (),
     )
 
 
@@ -246,7 +257,9 @@ def predicted_speedup(info: ModelInfo, runs: Sequence[RunRecord], standard_runs:
     From the forward costs measured at load (every verify width, each proposer's own cost) and,
     measured in these very runs, the acceptance per draft position, the draft lengths and
     proposers used, and the per-step overhead outside the forwards (which the textbook formula
-    leaves out: on an H200 it put measured speedups 3-10% under the prediction). None without costs.
+    leaves out: on an H200 it put measured speedups 3-10% under the prediction). A draft model's
+    catch-up forward (after steps it did not draft) is costed like a target forward of that width,
+    scaled to the draft. None without costs.
     """
     target = dict(info.target_ms)
     costs = {c.source: c for c in info.proposer_costs}
@@ -265,6 +278,10 @@ def predicted_speedup(info: ModelInfo, runs: Sequence[RunRecord], standard_runs:
             if cost is None:
                 return None
             drafting += (n_steps * cost.per_proposal_ms + n_tokens * cost.per_token_ms) / 1000
+        draft = costs.get("draft")
+        for width, count in enumerate(r.catch_up_widths):
+            if count and draft is not None:  # a w-token draft forward, costed like the target's widths
+                drafting += count * draft.per_token_ms * (target[width] / target[1] - 1) / 1000
     seconds = sum(r.prefill_s + r.overhead_s for r in runs) + drafting + verify / 1000
     std_seconds = sum(r.prefill_s + r.overhead_s for r in standard_runs) + std_steps * target[1] / 1000
     std_tokens = sum(r.new_tokens for r in standard_runs)
