@@ -295,3 +295,32 @@ def test_cuda_graphs_any_k_sequence_is_lossless_and_launches_never_sync(tiny_pai
         for kw in (dict(mode="speculative", k=K_AUTO), dict(mode="auto", proposer="draft+ngram")):
             gen, steps = _generate(fast, None, lookahead=None, prompt=prompt, max_new_tokens=48, **kw)
             assert "".join(s.text for s in steps) == ref_text, kw
+
+
+def test_sampling_with_random_k_per_round_keeps_the_targets_law(engine):
+    """K chosen before each round (0 included) from the past only: the first two tokens still follow
+    the target's processed law (chi-square against the exact law from the target's logits)."""
+    import torch
+    from scipy import stats as scipy_stats
+
+    from engine.decoding.sampling import process
+
+    sampling = dict(temperature=1.2, top_k=4)
+    prompt = "hello world"
+    ids = engine.encode(GenerationRequest(prompt=prompt))
+    exact: dict[tuple[int, int], float] = {}
+    with torch.inference_mode():
+        p1 = process(engine.target(torch.tensor([ids])).logits[0, -1].float(), Sampling(**sampling))
+        for t1 in torch.nonzero(p1).flatten().tolist():
+            p2 = process(engine.target(torch.tensor([ids + [t1]])).logits[0, -1].float(), Sampling(**sampling))
+            for t2 in torch.nonzero(p2).flatten().tolist():
+                exact[(t1, t2)] = p1[t1].item() * p2[t2].item()
+    trials, counts = 1500, dict.fromkeys(exact, 0)
+    for seed in range(trials):
+        gen, _ = _generate(engine, ScriptedK(seed), prompt=prompt, mode="speculative", proposer="draft",
+                           max_new_tokens=2, sampling=Sampling(seed=seed, **sampling))
+        counts[tuple(gen.token_ids)] += 1
+    keys = [k for k in exact if exact[k] * trials >= 5]
+    observed = [counts[k] for k in keys] + [trials - sum(counts[k] for k in keys)]
+    expected = [exact[k] * trials for k in keys] + [trials * (1 - sum(exact[k] for k in keys))]
+    assert scipy_stats.chisquare(observed, expected).pvalue > 1e-3

@@ -177,7 +177,8 @@ class TuneView(QWidget):
         split.addWidget(self.plots)
         split.addWidget(self.table)
         split.addWidget(box)
-        split.setSizes([320, 220, 160])
+        split.setSizes([300, 300, 100])
+        split.setStretchFactor(1, 1)
         outer.addWidget(split, 1)
         self.show_diagnoses([])
 
