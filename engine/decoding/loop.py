@@ -161,7 +161,7 @@ class Engine:
         with the machine's memory bandwidth (right after load and next to other work it can be 2x
         slower for seconds), so after one discarded pass, `rounds` passes each time every width and
         every proposer, in turn, and the median is kept: costs are measured side by side. The
-        default pair in bf16 on this project's 2 shared cores: 17 s (39 target forwards, 12 draft
+        default pair in bf16 on this project's 2 shared cores: 17 s (39 target forwards, 15 draft
         forwards and 6 short draft prefills); ModelInfo.measure_s says what it took. Never fails a
         load: without figures the app and bench say nothing about costs, and adaptive K measures
         on its first request.

@@ -162,7 +162,7 @@ class ProposerSet:
 
 
 def measure_proposer(proposer: Proposer, source: DraftSource, prompt: list[int], device: torch.device, *,
-                     k: int = 3, iters: int = 3, warm: bool = True) -> ProposerCost:
+                     k: int = 4, iters: int = 3, warm: bool = True) -> ProposerCost:
     """A proposer's own cost, measured the way the loop calls it: propose(1) and propose(k), then commit.
 
     per token = (t(k) - t(1)) / (k - 1); per proposal = t(1) - per token. Medians over `iters`
@@ -185,5 +185,7 @@ def measure_proposer(proposer: Proposer, source: DraftSource, prompt: list[int],
             if i or not warm:  # a warm round pays for allocator growth, kernel choice, caches
                 samples[n].append((time.perf_counter() - t0) * 1000)
     one, many = (sorted(v)[len(v) // 2] for v in (samples[1], samples[k]))
-    per_token = max((many - one) / (k - 1), 0.0)
+    if many <= one:  # noise swamped the difference (a busy machine, a nearly free proposer): no split
+        return ProposerCost(source, many / k, 0.0)
+    per_token = (many - one) / (k - 1)
     return ProposerCost(source, per_token, max(one - per_token, 0.0))
