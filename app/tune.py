@@ -138,7 +138,7 @@ class TuneController(QObject):
         if not self._running:
             return
         self._show(records)
-        stopped = len(records) < len(self.records) or self.worker.sweep_stop.is_set()
+        stopped = self.worker.sweep_stop.is_set()  # cleared by the worker when the next sweep starts
         top = sw.best(self.rows)
         note = f"Best: {top.label} at T={top.temperature:g}, {top.speedup:.2f}× standard." if top else ""
         self.view.show_status(("Stopped. " if stopped else "Sweep finished. ") + note)

@@ -169,6 +169,7 @@ def measure_proposer(proposer: Proposer, source: DraftSource, prompt: list[int],
     rounds, after one untimed round when `warm`; every round restarts from `prompt`.
     """
     assert k >= 2, "two draft lengths are needed to tell per-token from per-proposal cost"
+
     def sync() -> None:  # CUDA work is asynchronous: the clock reads only after it has run
         if device.type == "cuda":
             torch.cuda.synchronize(device)
