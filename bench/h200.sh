@@ -7,7 +7,8 @@
 #   bench/h200.sh edit          # edit-prompts.jsonl: n-gram and draft+n-gram against standard
 #   bench/h200.sh auto          # issue 10, ~5 min: auto mode vs standard (20 x 256); n-gram K sweep + auto on the
 #                               # edit prompts; a draft/n-gram sweep (8 x 128, T 0 and 0.7) checking predictions
-# Try any part on the CPU first with tiny models: T=/tmp/tiny/target D=/tmp/tiny/draft N=16 bench/h200.sh auto
+# Try a part on the CPU first with tiny models (4 min here): .venv/bin/python -m tests.tiny /tmp/tiny, then
+#   T=/tmp/tiny/target D=/tmp/tiny/draft N=16 PY=.venv/bin/python bench/h200.sh auto
 set -u -o pipefail
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 SPECDEC_CACHE_DIR=/tmp/specdec-cache
 OUT=${OUT:-out}; mkdir -p "$OUT"
