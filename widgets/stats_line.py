@@ -34,10 +34,12 @@ def format_stats_line(summary: Summary, request: GenerationRequest | None = None
     parts.append(f"{_rate(summary.tokens_per_s)} tok/s")
     parts.append(f"{summary.new_tokens} tokens")
     parts.append(f"{summary.seconds:.1f} s")
-    if summary.seconds > 0 and (summary.draft_s or summary.verify_s):
-        other = max(summary.seconds - summary.draft_s - summary.verify_s, 0.0)
-        parts.append(f"draft {summary.draft_s / summary.seconds:.0%} / verify {summary.verify_s / summary.seconds:.0%}"
-                     f" / other {other / summary.seconds:.0%} of the time")
+    if summary.draft_s or summary.verify_s:
+        # Shares of the answer's time; never over 100% (steps timed on the device can overlap the host).
+        total = max(summary.seconds, summary.draft_s + summary.verify_s)
+        other = total - summary.draft_s - summary.verify_s
+        parts.append(f"draft {summary.draft_s / total:.0%} / verify {summary.verify_s / total:.0%}"
+                     f" / other {other / total:.0%} of the time")
     if request is not None and not request.sampling.greedy:
         parts.append(f"T={request.sampling.temperature:g}")
     if summary.stop_reason in _NOTABLE_STOPS:

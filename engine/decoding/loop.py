@@ -16,7 +16,7 @@ from engine.decoding.detok import Detokenizer
 from engine.decoding.proposers import DraftModelProposer, Proposal, Proposer, ProposerSet, measure_proposer
 from engine.decoding.sampling import accept_draft, display_probs, draw, process
 from engine.errors import GenerationError
-from engine.limits import K_AUTO, K_MAX
+from engine.limits import K_AUTO, K_MAX, widest_draft
 from engine.measure.stats import summarize
 from engine.runners import EagerRunner, Runner, ids_tensor
 from engine.types import (
@@ -290,9 +290,7 @@ class Engine:
 
 def _widest_draft(request: GenerationRequest) -> int:
     """The most draft tokens one step of this request may verify."""
-    if request.mode == "standard":
-        return 0
-    return K_MAX if request.mode == "auto" or request.k == K_AUTO else request.k
+    return widest_draft(request.mode, request.k)
 
 
 class Generation(Iterator[Step]):

@@ -33,11 +33,11 @@ def describe_decision(d: Decision) -> str:
 
 def time_split(s: Summary) -> str:
     """e.g. "draft 31% · verify 62% · overhead 7%" (prefill counts as overhead here)."""
-    if s.seconds <= 0:
+    total = max(s.seconds, s.draft_s + s.verify_s)  # device-timed steps can overlap the host's clock
+    if total <= 0:
         return "no time measured"
-    other = s.seconds - s.draft_s - s.verify_s
-    return (f"draft {s.draft_s / s.seconds:.0%} · verify {s.verify_s / s.seconds:.0%} · "
-            f"overhead {max(other, 0.0) / s.seconds:.0%}")
+    other = total - s.draft_s - s.verify_s
+    return f"draft {s.draft_s / total:.0%} · verify {s.verify_s / total:.0%} · overhead {other / total:.0%}"
 
 
 def describe_diagnosis(d: Diagnosis) -> tuple[str, str]:
