@@ -580,6 +580,7 @@ class MainWindow(QMainWindow):
 
     def _on_theme_changed(self, _theme: str) -> None:
         self.chat.refresh_theme()
+        self.tune_view.refresh_theme()
         self.charts.refresh_theme()
         self.legend.refresh_palette()
         self.race_view.refresh_theme()

@@ -282,6 +282,8 @@ class LiveCharts(QWidget):
         self._accepted_curve.setPen(pg.mkPen(_colour(accepted), width=1))
         self._tps_scatter.setSymbolBrush(_colour(bonus, 110))
         self._tps_curve.setPen(pg.mkPen(_colour(bonus), width=1))
+        for column, colour in ((_DRAFT_MS, accepted), (_VERIFY_MS, bonus), (_OVERHEAD_MS, palette.muted)):
+            self._time_curves[column].setPen(pg.mkPen(_colour(colour), width=1))
         self._bars.setOpts(brush=_colour(accepted, 200))
 
     def _on_x_changed_manually(self, *_: object) -> None:

@@ -13,9 +13,10 @@ import pyqtgraph as pg
 from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QVBoxLayout, QWidget
 
-import widgets.charts  # noqa: F401  (sets pyqtgraph options once, before any plot exists)
 from engine.limits import K_MAX
 from engine.types import SweepRow
+from widgets.charts import theme_plot  # importing charts also sets pyqtgraph's options once
+from widgets.palette import current_palette
 
 # One colour per temperature (coolest first) and one line style per proposer.
 TEMPERATURE_COLOURS = ((37, 99, 235), (22, 163, 74), (234, 88, 12), (190, 24, 93), (107, 114, 128), (124, 58, 237))
@@ -52,6 +53,13 @@ class SweepPlots(QWidget):
         self._curves: dict[tuple[str, float], tuple[pg.PlotDataItem, pg.PlotDataItem]] = {}
         self._auto: dict[tuple[str, float], tuple[pg.ScatterPlotItem, pg.ScatterPlotItem]] = {}
         self._temperatures: list[float] = []
+        self.refresh_theme()
+
+    def refresh_theme(self) -> None:
+        """Background, axes, titles and legends in the current theme's chart colours."""
+        self.graphics.setBackground(current_palette().chart.get("background", "w"))
+        for plot in (self.speedup_plot, self.acceptance_plot):
+            theme_plot(plot)
 
     def show_rows(self, rows: Sequence[SweepRow]) -> None:
         """Redraws every series from the rows (rows may be partial while a sweep runs)."""

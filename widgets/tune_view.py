@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from PySide6.QtCore import Qt, Signal
-from PySide6.QtGui import QBrush, QColor, QFont
+from PySide6.QtGui import QBrush, QFont
 from PySide6.QtWidgets import (
     QAbstractItemView,
     QCheckBox,
@@ -32,10 +32,10 @@ from PySide6.QtWidgets import (
 
 from engine.limits import K_MAX, MAX_NEW_TOKENS
 from engine.types import PROPOSERS, SweepRow
+from widgets.palette import current_palette
 from widgets.sweep_plots import SweepPlots
 
 COLUMNS = ("Configuration", "T", "tok/s", "Speedup", "Predicted", "Accepted", "Tok/fwd", "Drafting", "Identical")
-BEST_BACKGROUND = QColor(220, 252, 231)
 
 
 @dataclass(frozen=True)
@@ -237,12 +237,17 @@ class TuneView(QWidget):
                 item = QTableWidgetItem(text)
                 if j:
                     item.setTextAlignment(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter)
-                if row is best:
-                    item.setBackground(QBrush(BEST_BACKGROUND))
+                if row is best:  # the theme's "accepted" colours: readable in light and dark
+                    colours = current_palette().colours("accepted")
+                    item.setBackground(QBrush(colours.background))
+                    item.setForeground(QBrush(colours.foreground))
                     item.setFont(bold)
                     item.setToolTip("The fastest configuration measured")
                 self.table.setItem(i, j, item)
         self.apply_button.setEnabled(best is not None)
+
+    def refresh_theme(self) -> None:
+        self.plots.refresh_theme()
 
     def clear(self) -> None:
         self._rows, self._best = [], None
