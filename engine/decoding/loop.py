@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import logging
-import statistics
 import threading
 import time
 from collections import deque
@@ -13,7 +12,7 @@ import torch
 
 from engine.decoding.control import AdaptiveK, FixedK, KController, StepCosts, TuningMemory
 from engine.decoding.detok import Detokenizer
-from engine.decoding.proposers import DraftModelProposer, Proposal, Proposer, ProposerSet, measure_proposer
+from engine.decoding.proposers import DraftModelProposer, Proposal, Proposer, ProposerSet
 from engine.decoding.sampling import accept_draft, display_probs, draw, process
 from engine.errors import GenerationError
 from engine.limits import K_AUTO, K_MAX, widest_draft
@@ -24,7 +23,6 @@ from engine.types import (
     DraftSource,
     GenerationRequest,
     ModelInfo,
-    ProposerCost,
     Sampling,
     Step,
     StopReason,
@@ -153,53 +151,21 @@ class Engine:
         return engine
 
     def measure_costs(self, progress=None, rounds: int = 2) -> None:
-        """The cost model's inputs, measured once at load: ms per target forward of every verify
-        width 1..K_MAX+1, and each proposer's own cost, timed through its propose() as the loop calls it.
+        """The cost model's inputs, measured once at load (engine/decoding/costs.py): every verify width
+        1..K_MAX+1 timed as the loop's own round, and each proposer's own cost through its propose().
 
-        GPU: the mean of 20 back-to-back graph replays per width, and 5 timed proposals per
-        proposer (about a second). CPU: forwards take tens to hundreds of ms and their speed drifts
-        with the machine's memory bandwidth (right after load and next to other work it can be 2x
-        slower for seconds), so after one discarded pass, `rounds` passes each time every width and
-        every proposer, in turn, and the median is kept: costs are measured side by side. The
-        default pair in bf16 on this project's 2 shared cores: 17 s (39 target forwards, 15 draft
-        forwards and 6 short draft prefills); ModelInfo.measure_s says what it took. Never fails a
-        load: without figures the app and bench say nothing about costs, and adaptive K measures
-        on its first request.
+        GPU: the median of 20 rounds per width and 5 timed proposals per proposer (about a second).
+        CPU: forwards take tens to hundreds of ms and their speed drifts with the machine's memory
+        bandwidth (right after load and next to other work it can be 2x slower for seconds), so
+        after one discarded pass, `rounds` passes each time every width and every proposer, in turn,
+        and the median is kept: costs are measured side by side. The default pair in bf16 on this
+        project's 2 shared cores: 17 s (39 verify rounds, 15 draft forwards, 6 short draft
+        prefills); ModelInfo.measure_s says what it took. Never fails a load: without figures the
+        app and bench say nothing about costs, and adaptive K measures on its first request.
         """
-        if progress is not None:
-            from engine.models.store import LoadProgress
+        from engine.decoding.costs import measure_costs
 
-            progress(LoadProgress("warmup", 0.95, "Measuring forward costs for the cost model"))
-        started = time.perf_counter()
-        widths = range(1, K_MAX + 2)  # every verify width the loop may use
-        # A repeating pattern, so that n-gram lookup finds matches as it does on real text.
-        prompt = [(7 * i) % max(self.vocab - 1, 1) + 1 for i in range(12)] * 2
-        sources = self.proposer_sources()
-
-        def proposers(iters: int, warm: bool) -> dict[str, ProposerCost]:
-            greedy = GenerationRequest().sampling
-            return {s: measure_proposer(self._part(s, greedy, None), s, prompt, self.device, iters=iters, warm=warm)
-                    for s in sources}
-
-        try:
-            if self.device.type == "cuda":
-                target = self.target_runner.measure_costs(widths, 20)
-                costs = proposers(5, True)
-            else:
-                passes = [(self.target_runner.measure_costs(widths, 1), proposers(1, False))
-                          for _ in range(rounds + 1)][1:]  # the first pass only warms up (page faults, oneDNN)
-                target = {w: statistics.median(t[w] for t, _ in passes) for w in passes[0][0]}
-                costs = {s: ProposerCost(s, statistics.median(p[s].per_token_ms for _, p in passes),
-                                         statistics.median(p[s].per_proposal_ms for _, p in passes))
-                         for s in sources}
-        except Exception as exc:  # measuring is advice, not a reason to refuse the models
-            log.warning("could not measure forward costs: %s", exc)
-            return
-        draft = costs["draft"].per_token_ms if "draft" in costs else 0.0
-        self.info = replace(self.info, draft_ms=draft, target_ms=tuple(sorted(target.items())),
-                            proposer_costs=tuple(costs.values()), measure_s=time.perf_counter() - started)
-        log.info("measured costs in %.1f s: target %s ms, proposers %s", self.info.measure_s,
-                 {w: round(ms, 2) for w, ms in target.items()}, costs)
+        measure_costs(self, progress, rounds)
 
     def step_costs(self) -> StepCosts:
         """The measured costs as the adaptive controller reads them (measured now if they are missing)."""
