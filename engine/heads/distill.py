@@ -337,8 +337,10 @@ class Distiller:
         autocast = torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda" else contextlib.nullcontext()
         last_ckpt = last_eval = time.perf_counter()
         window: list[StepStats] = []
-        head.train()
         try:
+            if pos["step"] == 0 and eval_seqs:  # the untrained head's acceptance: what training is measured against
+                self._evaluate(eval_seqs, teacher, cos, sin, pos)
+            head.train()
             while not self._stop_at(until) and (plan.max_steps is None or pos["step"] < plan.max_steps):
                 order = batches(train_seqs, pos["batch_tokens"], cfg.max_len,
                                 torch.Generator().manual_seed(plan.seed * 31 + pos["epoch"]))
@@ -467,3 +469,25 @@ def _train_message(window: list[StepStats], pos: dict) -> str:
     acc0 = sum(s.acc[0] for s in window) / n
     return f"step {pos['step']}: loss {sum(s.loss for s in window) / n:.3f}, first-draft agreement {acc0:.1%}"
 
+
+
+def distill(target: str | None, out: Path, *, minutes: float, work: Path | None = None,
+            call_minutes: float | None = None, device: str = "auto", dtype: str = "auto", seed: int = 0,
+            questions: list[str] = (), plan: DistillPlan | None = None, progress: ProgressFn | None = None,
+            cancel: threading.Event | None = None) -> dict:
+    """Loads the target (as the store loads any model) and runs one call of its distillation.
+
+    The work folder defaults to OUT/work; the same command again continues the run.
+    """
+    from engine.models.store import load_pair
+
+    plan = replace(plan or DistillPlan(), minutes=minutes, seed=seed)
+    report = progress or (lambda p: None)
+    report(DistillProgress("load", 0.0, minutes * 60, "loading the target"))
+    pair = load_pair(target, None, device=device, dtype=dtype, with_draft=False)
+    if pair.target.device.type == "cpu" and plan == replace(DistillPlan(), minutes=minutes, seed=seed):
+        log.warning("distilling on the CPU: data and training are slow; expect a weak head in a short budget")
+    distiller = Distiller(pair.target, pair.tokenizer, work=work or out / "work", out=out, plan=plan,
+                          name=f"{pair.info.target_name} head", call_minutes=call_minutes,
+                          extra_questions=list(questions), progress=progress, cancel=cancel)
+    return distiller.run()

@@ -72,17 +72,20 @@ class DraftHead(nn.Module):
 
         The output rows are gathered once ([Vd, H], contiguous): a draft step then reads only them.
         """
-        embed = target.get_input_embeddings().weight
         head = target.get_output_embeddings()
         weight = getattr(head, "weight", None)
         if weight is None:
             raise ValueError("the target's output head has no plain weight (packed already?): bind the head first")
         with torch.no_grad(), torch.inference_mode(False):
             rows = self.d2t.to(weight.device)
-            self.embed = embed.detach()
             self.lm_rows = weight.detach().index_select(0, rows).contiguous()
             bias = getattr(head, "bias", None)
             self.lm_bias = None if bias is None else bias.detach().index_select(0, rows).contiguous()
+        return self.bind_inputs(target)
+
+    def bind_inputs(self, target: nn.Module) -> DraftHead:
+        """Only the embeddings and RoPE (the output rows, once gathered, need no target)."""
+        self.embed = target.get_input_embeddings().weight.detach()
         self.rotary = target.model.rotary_emb
         return self
 

@@ -70,7 +70,7 @@ class HeadRunner:
             self.token = torch.zeros(1, dtype=torch.long, device=dev)  # [1] its last draft (target id)
             self.drafts = torch.zeros(k_max + 1, dtype=torch.long, device=dev)  # [K_max+1] target ids
             self.shown = torch.zeros(k_max + 1, dtype=torch.float32, device=dev)  # softmax prob of each draft
-            self.logits = torch.zeros(c.draft_vocab, dtype=torch.float32, device=dev)  # [Vd] last step's
+            self.last_logits = torch.zeros(c.draft_vocab, dtype=torch.float32, device=dev)  # [Vd] last step's
             self.feat_in: dict[int, torch.Tensor] = {}  # width -> [W, F] catch-up features
             self.ids_in: dict[int, torch.Tensor] = {}  # width -> [W] catch-up tokens
         self.name = "head-eager"
@@ -140,7 +140,7 @@ class HeadRunner:
         logits = self.head.logits(last)[0].float()  # [Vd]
         best = logits.argmax(-1, keepdim=True)  # [1]
         self._shown = torch.softmax(logits, -1).gather(0, best)  # [1]
-        self.logits.copy_(logits)
+        self.last_logits.copy_(logits)
         self.state.copy_(last)
         self.token.copy_(self.head.d2t.index_select(0, best))
 

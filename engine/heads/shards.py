@@ -165,3 +165,20 @@ def open_head(folder: Path, target: nn.Module) -> HeadFiles:
     files = read_manifest(folder)
     check_matches(files.target, fingerprint(target), files.name)
     return files
+
+
+def resolve_head(target: nn.Module, spec: str | Path | None) -> tuple[DraftHead, HeadFiles] | None:
+    """The head for a freshly loaded target, bound to it (before any CPU packing).
+
+    spec: "auto" (a shipped head trained for this target, or none), a head folder (checked: a head
+    for another target is refused with IncompatibleModelsError), or None / "none" (no head).
+    """
+    if spec is None or str(spec) == "none":
+        return None
+    files = head_for(target) if str(spec) == "auto" else open_head(Path(spec), target)
+    if files is None:
+        return None
+    param = next(target.parameters())
+    head = load_head(files, param.device, param.dtype).bind(target)
+    log.info("draft head %s (%d parameters) for %s", files.name, head.num_trained(), files.folder)
+    return head, files
