@@ -16,7 +16,7 @@ from engine.measure.costmodel import CostModel, estimate_alpha
 from engine.settings import GenerationSettings, ModelSelection
 from engine.types import GenerationRequest, Message, ModelInfo, Sampling, Step, Summary
 
-PROPOSER_LABELS = {"draft": "draft", "ngram": "n-gram", "draft+ngram": "draft + n-gram"}
+PROPOSER_LABELS = {"draft": "draft", "ngram": "n-gram", "draft+ngram": "draft + n-gram", "head": "draft head"}
 
 
 @dataclass(frozen=True)

@@ -347,7 +347,7 @@ class MainWindow(QMainWindow):
         self.model_label.setText(names)
         self.device_label.setText(f"{info.device} · {info.dtype} · {info.fast_path}")
         self._show_costs(info, None)
-        self.panel.set_draft_available(info.draft_name is not None)
+        self.panel.set_draft_available(info.draft_name is not None, head=info.head_name is not None)
         self.context.set_counter(counter_for(self.worker.engine))
         self.guard.update(now=True)
         self.chat.add_system_note(f"Loaded {names} on {info.device} ({info.dtype}, {info.fast_path}).")
