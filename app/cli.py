@@ -326,11 +326,18 @@ def cmd_distill(args: argparse.Namespace) -> int:
     budget = args.minutes * 60
     with tqdm(total=round(budget), file=sys.stderr, desc="distill", unit="s", disable=None,
               bar_format="{l_bar}{bar}| {n:.0f}/{total:.0f} s of the budget [{elapsed}<{remaining}] {postfix}") as bar:
+        logged = {"train": 0}
+
         def progress(p) -> None:
             bar.update(max(0, round(p.fraction * budget) - bar.n))
             bar.set_postfix_str(p.message[:70])
-            if p.record is not None and p.record.get("kind") in ("eval", "vocab", "export", "call") or args.verbose:
-                bar.write(f"{PROG}: {p.message}", file=sys.stderr)
+            kind = p.record.get("kind") if p.record is not None else None
+            if kind == "train":
+                logged["train"] += 1
+            # Without a terminal (a GPU job's log) the bar is off: the milestones and every 5th loss go to stderr.
+            quiet = bar.disable and kind == "train" and logged["train"] % 5
+            if (kind is not None and not quiet and (kind != "train" or bar.disable)) or args.verbose:
+                bar.write(f"{PROG}: [{p.fraction:.0%}, {p.eta_s / 60:.1f} min left] {p.message}", file=sys.stderr)
 
         summary = distill(args.target, args.out, minutes=args.minutes, work=args.work, call_minutes=args.call_minutes,
                           device=args.device, dtype=args.dtype, seed=args.seed, questions=questions,

@@ -31,6 +31,18 @@ class LoadRequest:
     fast_path: str = "auto"  # auto / eager / static / compiled, passed to Engine.from_pair
 
 
+@dataclass(frozen=True)
+class TrainRequest:
+    """Train a draft head for the loaded target (the app's "Train a draft head…")."""
+
+    request_id: int  # names every training signal
+    target: str | None  # the loaded target's spec (None: the packaged default)
+    device: str  # where the loaded target runs; training loads its own copy there
+    dtype: str  # the loaded target's dtype
+    minutes: float  # the whole budget: data, training, export
+    out: str  # folder for the head; its work folder (data, checkpoints, log) is out/work
+
+
 def load_request_for(selection: ModelSelection) -> LoadRequest:
     """The one conversion from what the Models dialog (or the command line) chose to a load."""
     return LoadRequest(

@@ -120,3 +120,16 @@ class ModelInfo:
     target_ms: tuple[tuple[int, float], ...] = ()  # measured (width, ms per target forward) at load
     head_name: str | None = None  # the draft head loaded for this target (None: none fits or none asked)
     head_ms: float = 0.0  # measured ms per draft token of the head at load (0: not measured / no head)
+
+
+@dataclass(frozen=True)
+class TrainingProgress:
+    """What a draft-head distillation is doing, for a progress bar and live loss/acceptance curves."""
+
+    phase: str  # "load", "data", "train", "eval", "export" or "done"
+    fraction: float  # of the whole time budget used so far, 0..1
+    eta_s: float  # seconds left in the budget (or in this call, if it ends first)
+    message: str  # one line for people
+    # The log line just written, if any: kind "train" (step, loss, acc per draft step), "eval" (step,
+    # acceptance per draft position), "data", "vocab", "export" or "call".
+    record: dict | None = None

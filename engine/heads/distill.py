@@ -29,6 +29,7 @@ from engine.heads.model import DraftHead
 from engine.heads.shards import save_head
 from engine.heads.train import (Sequence, StepStats, Teacher, TrainConfig, batches, collate, expected_tokens,
                                 greedy_acceptance, head_loss, lr_at)
+from engine.types import TrainingProgress
 
 log = logging.getLogger(__name__)
 
@@ -65,15 +66,7 @@ class DistillPlan:
         return asdict(self)
 
 
-@dataclass(frozen=True)
-class DistillProgress:
-    """What the run is doing, for a progress bar or the app's curves."""
-
-    phase: str  # "load", "data", "train", "eval", "export", "done"
-    fraction: float  # of the whole budget used so far
-    eta_s: float  # seconds left in the budget (or in this call, if it ends first)
-    message: str  # one line for people
-    record: dict | None = None  # the log line just written (loss, acceptance), if any
+DistillProgress = TrainingProgress  # the engine-wide plain type (engine.types), so views can show it
 
 
 ProgressFn = Callable[[DistillProgress], None]
@@ -82,8 +75,8 @@ ProgressFn = Callable[[DistillProgress], None]
 class _Clock:
     """Seconds of the budget used, all calls together (what the state file carried in, plus this call)."""
 
-    def __init__(self, spent: float, call_minutes: float | None) -> None:
-        self.started = time.perf_counter()
+    def __init__(self, spent: float, call_minutes: float | None, started: float | None = None) -> None:
+        self.started = time.perf_counter() if started is None else started
         self.spent = spent
         self.call_end = None if call_minutes is None else self.started + call_minutes * 60
 
@@ -99,7 +92,9 @@ class Distiller:
 
     def __init__(self, target, tokenizer, *, work: Path, out: Path, plan: DistillPlan, name: str,
                  call_minutes: float | None = None, extra_questions: list[str] = (),
-                 progress: ProgressFn | None = None, cancel: threading.Event | None = None) -> None:
+                 progress: ProgressFn | None = None, cancel: threading.Event | None = None,
+                 started: float | None = None) -> None:
+        """started: time.perf_counter() when this call began (loading the target counts against the budget)."""
         self.target = target
         self.tokenizer = tokenizer
         self.work = work
@@ -119,7 +114,7 @@ class Distiller:
         work.mkdir(parents=True, exist_ok=True)
         (work / "data").mkdir(exist_ok=True)
         self.state = self._load_state()
-        self.clock = _Clock(self.state["spent_s"], call_minutes)
+        self.clock = _Clock(self.state["spent_s"], call_minutes, started)
         self.log_path = work / "train_log.jsonl"
         self.head: DraftHead | None = None
 
@@ -471,23 +466,29 @@ def _train_message(window: list[StepStats], pos: dict) -> str:
 
 
 
-def distill(target: str | None, out: Path, *, minutes: float, work: Path | None = None,
+def prepare(target: str | None, out: Path, *, minutes: float, work: Path | None = None,
             call_minutes: float | None = None, device: str = "auto", dtype: str = "auto", seed: int = 0,
             questions: list[str] = (), plan: DistillPlan | None = None, progress: ProgressFn | None = None,
-            cancel: threading.Event | None = None) -> dict:
-    """Loads the target (as the store loads any model) and runs one call of its distillation.
+            cancel: threading.Event | None = None) -> Distiller:
+    """Loads the target (as the store loads any model) and prepares one call of its distillation.
 
-    The work folder defaults to OUT/work; the same command again continues the run.
+    The work folder defaults to OUT/work; preparing and running again with it continues the run.
+    Loading counts against the budget.
     """
+    started = time.perf_counter()
     from engine.models.store import load_pair
 
     plan = replace(plan or DistillPlan(), minutes=minutes, seed=seed)
     report = progress or (lambda p: None)
     report(DistillProgress("load", 0.0, minutes * 60, "loading the target"))
     pair = load_pair(target, None, device=device, dtype=dtype, with_draft=False)
-    if pair.target.device.type == "cpu" and plan == replace(DistillPlan(), minutes=minutes, seed=seed):
+    if pair.target.device.type == "cpu":
         log.warning("distilling on the CPU: data and training are slow; expect a weak head in a short budget")
-    distiller = Distiller(pair.target, pair.tokenizer, work=work or out / "work", out=out, plan=plan,
-                          name=f"{pair.info.target_name} head", call_minutes=call_minutes,
-                          extra_questions=list(questions), progress=progress, cancel=cancel)
-    return distiller.run()
+    return Distiller(pair.target, pair.tokenizer, work=work or out / "work", out=out, plan=plan,
+                     name=f"{pair.info.target_name} head", call_minutes=call_minutes,
+                     extra_questions=list(questions), progress=progress, cancel=cancel, started=started)
+
+
+def distill(target: str | None, out: Path, **options) -> dict:
+    """`specdec-studio distill`: prepare (see there for the options) and run one call; its summary."""
+    return prepare(target, out, **options).run()
