@@ -164,11 +164,13 @@ def _eos_ids(tokenizer, model) -> list[int]:
 
 @torch.inference_mode()
 def sample_batch(
-    model, tokenizer, prompts: list[list[int]], *, max_new: int, temperature: float, top_p: float, seed: int
+    model, tokenizer, prompts: list[list[int]], *, max_new: int, temperature: float, top_p: float, seed: int,
+    max_time: float | None = None,
 ) -> list[tuple[list[int], bool]]:
     """Continues each prompt (left-padded batch, Hugging Face generate); (new ids, ended with EOS) per prompt.
 
-    temperature 0 is greedy. New ids stop after the first EOS (kept).
+    temperature 0 is greedy. New ids stop after the first EOS (kept). max_time (seconds) cuts the
+    whole batch short, so a slow machine cannot overrun a time budget.
     """
     from transformers import GenerationConfig
 
@@ -184,7 +186,7 @@ def sample_batch(
     config = GenerationConfig(
         max_new_tokens=max_new, do_sample=temperature > 0, temperature=temperature if temperature > 0 else None,
         top_p=top_p if temperature > 0 else None, top_k=0 if temperature > 0 else None,
-        pad_token_id=pad, eos_token_id=eos,
+        pad_token_id=pad, eos_token_id=eos, max_time=max_time,
     )
     torch.manual_seed(seed)
     out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=config)

@@ -178,6 +178,11 @@ class Distiller:
 
     # -- data -------------------------------------------------------------------------------------
 
+    def _generate_time(self) -> float | None:
+        """Seconds one generate call may take before this call's reserve (None: no call limit)."""
+        left = self.clock.call_left()
+        return None if left == float("inf") else max(left - self.plan.reserve_s - 5.0, 5.0)
+
     def _rounds(self) -> list[Path]:
         return sorted((self.work / "data").glob("round-*.pt"))
 
@@ -221,7 +226,7 @@ class Distiller:
         order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # similar lengths batch well
         outs = D.sample_batch(self.target, tok, [prompts[i] for i in order], max_new=plan.question_tokens,
                               temperature=plan.question_temperature, top_p=plan.question_top_p,
-                              seed=plan.seed * 7919 + r)
+                              seed=plan.seed * 7919 + r, max_time=self._generate_time())
         kept: list[tuple[str, str]] = []
         counts = Counter()
         if r == 0:
@@ -254,7 +259,8 @@ class Distiller:
         prompts = [D.answer_prompt(tok, q, D.pick_answer_system(rng)) for _, q in questions]
         order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
         outs = D.sample_batch(self.target, tok, [prompts[i] for i in order], max_new=plan.answer_tokens,
-                              temperature=0.0 if greedy else plan.answer_temperature, top_p=1.0, seed=seed)
+                              temperature=0.0 if greedy else plan.answer_temperature, top_p=1.0, seed=seed,
+                              max_time=self._generate_time())
         records = []
         for i, (ids, _) in zip(order, outs):
             if len(ids) < 2:
@@ -336,9 +342,13 @@ class Distiller:
             if pos["step"] == 0 and eval_seqs:  # the untrained head's acceptance: what training is measured against
                 self._evaluate(eval_seqs, teacher, cos, sin, pos)
             head.train()
+            orders: dict[tuple[int, int], list[list[int]]] = {}  # (epoch, batch tokens) -> batches
             while not self._stop_at(until) and (plan.max_steps is None or pos["step"] < plan.max_steps):
-                order = batches(train_seqs, pos["batch_tokens"], cfg.max_len,
-                                torch.Generator().manual_seed(plan.seed * 31 + pos["epoch"]))
+                key = (pos["epoch"], pos["batch_tokens"])
+                if key not in orders:
+                    orders = {key: batches(train_seqs, pos["batch_tokens"], cfg.max_len,
+                                           torch.Generator().manual_seed(plan.seed * 31 + pos["epoch"]))}
+                order = orders[key]
                 if pos["batch"] >= len(order):
                     pos = {**pos, "epoch": pos["epoch"] + 1, "batch": 0}
                     continue
