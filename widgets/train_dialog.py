@@ -145,6 +145,10 @@ class TrainHeadDialog(QDialog):
         self.set_running(False)
         acceptance = summary.get("held_out_acceptance") or []
         by_position = " ".join(f"{a:.0%}" for a in acceptance)
+        if not summary.get("steps"):
+            self.status.setText("Stopped before training began: nothing was saved (the data written so far is "
+                                "kept, and starting again with the same folder and budget continues).")
+            return
         done = "Trained" if summary.get("finished") else "Stopped early; saved what was trained"
         self.status.setText(f"{done}: {summary.get('steps', 0)} steps on {summary.get('sequences', 0)} answers. "
                             f"Held-out acceptance by draft position: {by_position or 'not measured'}. "

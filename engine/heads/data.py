@@ -162,6 +162,20 @@ def _eos_ids(tokenizer, model) -> list[int]:
     return sorted(ids)
 
 
+def sample_batches(model, tokenizer, prompts: list[list[int]], **options) -> list[tuple[list[int], bool]]:
+    """sample_batch, split in halves (recursively) when the device runs out of memory."""
+    try:
+        return sample_batch(model, tokenizer, prompts, **options)
+    except torch.OutOfMemoryError:
+        if len(prompts) < 2:
+            raise
+        torch.cuda.empty_cache()
+        half = len(prompts) // 2
+        log.warning("out of memory generating %d sequences at once; splitting the batch", len(prompts))
+        return (sample_batches(model, tokenizer, prompts[:half], **options)
+                + sample_batches(model, tokenizer, prompts[half:], **options))
+
+
 @torch.inference_mode()
 def sample_batch(
     model, tokenizer, prompts: list[list[int]], *, max_new: int, temperature: float, top_p: float, seed: int,
