@@ -3,7 +3,7 @@
 # default target is a bf16 folder at /root/hf/target. Three device calls on one warm machine:
 #   bench/h200_head.sh train     # call 1: data + training (~9 min), exports the head so far to $OUT
 #   bench/h200_head.sh train     # call 2, the same command: resumes, trains to the end (~9 min), exports
-#   bench/h200_head.sh bench     # call 3: head vs standard, greedy and T = 0.7, 20 prompts x 256 (~3 min)
+#   bench/h200_head.sh bench     # call 3: head vs standard, greedy and T = 0.7, 20 prompts x 256 (~4 min)
 # The work folder (/root/head-work) survives between calls while the machine stays warm; if it went
 # cold after call 1, call 2 starts over (same seed) and still ends with a head. For the bench after
 # a cold start, commit the returned files to assets/heads/qwen2.5-coder-1.5b-instruct/ first and pass
@@ -27,6 +27,8 @@ train)
   ;;
 bench)
   HEAD_DIR=${HEAD:-$WORK/head}
+  # The head's CUDA graphs against its eager path, on a tiny model (~30 s, trains a tiny head on the CPU).
+  timeout 120 python3 -m pytest tests/test_heads.py -m gpu -q -p no:cacheprovider 2>&1 | tail -2
   timeout 570 python3 bench/h200_head.py --target "$T" --head "$HEAD_DIR" --out "$OUT" 2>&1 \
     | grep -v -E "it/s\]|Loading weights"
   ;;

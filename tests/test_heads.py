@@ -159,3 +159,31 @@ def test_distillation_resumes_where_it_stopped(tiny_head, tmp_path):
     assert steps == sorted(steps) and steps[-1] == 30
     with pytest.raises(DistillError, match="other settings"):
         distiller(tiny_head.target, tmp_path / "out", tmp_path / "work", quick_plan(max_rounds=3)).run()
+
+
+@pytest.mark.gpu
+def test_head_graphs_draft_what_the_eager_head_drafts(tiny_head):
+    """On CUDA: the captured catch-up and chain steps reproduce the eager ones (same buffers, positions)."""
+    target, _ = load_target(tiny_head.target)
+    target = target.to("cuda")
+    head = load_head(read_manifest(tiny_head.head), torch.device("cuda"), torch.float32).bind(target)
+    graphs = HeadRunner(head, max_length=1024, k_max=6)
+    graphs.warmup()
+    assert graphs.graphs, "no graph was captured"
+    eager = HeadRunner(head, max_length=1024, k_max=6, use_graphs=False)
+    g = torch.Generator().manual_seed(1)
+    features = torch.randn(40, head.config.features, generator=g).cuda()
+    ids = torch.randint(0, 300, (40,), generator=g).cuda()
+    for runner in (graphs, eager):
+        runner.reset()
+        runner.catch_up(features[:30], ids[:30], runner.span(40))
+        for width in (3, 1, 5):  # verify widths after a round: graphs for each
+            start = runner.length
+            runner.catch_up(features[start : start + width], ids[start : start + width], runner.span(60))
+            for _ in range(4):
+                runner.step(runner.span(60))
+    torch.cuda.synchronize()
+    assert graphs.length == eager.length == 39
+    assert torch.equal(graphs.drafts[:5], eager.drafts[:5])
+    torch.testing.assert_close(graphs.last_logits, eager.last_logits)
+    torch.testing.assert_close(graphs.k_cache[:, :, :43], eager.k_cache[:, :, :43])

@@ -152,7 +152,8 @@ def answer_prompt(tokenizer, question: str, system: str | None) -> list[int]:
 
 # -------------------------------------------------------------------------------- generation
 
-def _eos_ids(tokenizer, model) -> list[int]:
+def eos_ids(tokenizer, model) -> list[int]:
+    """The ids that end an answer (the tokenizer's and the generation config's)."""
     ids = {int(tokenizer.eos_token_id)} if tokenizer.eos_token_id is not None else set()
     eos = getattr(model.generation_config, "eos_token_id", None)
     if isinstance(eos, int):
@@ -196,7 +197,7 @@ def sample_batch(
     for row, p in enumerate(prompts):
         ids[row, width - len(p) :] = torch.tensor(p)
         mask[row, width - len(p) :] = 1
-    eos = _eos_ids(tokenizer, model)
+    eos = eos_ids(tokenizer, model)
     config = GenerationConfig(
         max_new_tokens=max_new, do_sample=temperature > 0, temperature=temperature if temperature > 0 else None,
         top_p=top_p if temperature > 0 else None, top_k=0 if temperature > 0 else None,

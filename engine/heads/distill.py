@@ -292,13 +292,12 @@ class Distiller:
         counts = torch.zeros(vocab, dtype=torch.float64)
         for s in seqs:
             counts.index_add_(0, s.ids[s.prompt_len :].long(), torch.ones(len(s.ids) - s.prompt_len, dtype=torch.float64))
-        eos = D._eos_ids(self.tokenizer, self.target)
-        counts[eos] = float("inf")
         # Unseen ids: lower ids first (byte-level BPE merges earlier, more frequent pieces first).
         score = counts - torch.arange(vocab, dtype=torch.float64) / vocab
+        score[D.eos_ids(self.tokenizer, self.target)] = float("inf")
         d2t = score.topk(size).indices.sort().values
         torch.save(d2t, path)
-        coverage = float(counts[d2t].clamp(max=1e18).sum() / counts.clamp(max=1e18).sum().clamp_min(1))
+        coverage = float(counts[d2t].sum() / counts.sum().clamp_min(1))
         self._log({"kind": "vocab", "size": size, "answer_coverage": round(coverage, 5)}, "train",
                   f"draft vocabulary: {size} ids cover {coverage:.2%} of answer tokens")
         return d2t
