@@ -150,3 +150,39 @@ def test_standard_steps_inside_a_head_generation_keep_it_in_step(engine):
     finally:
         HeadProposer.propose = original
     assert gen.token_ids == std.token_ids
+
+
+def test_cli_generates_with_a_head_and_refuses_one_for_another_target(tiny_head, tiny_pair, capsys):
+    import json
+
+    from app.cli import main
+
+    code = main(["generate", "--prompt", "hello world", "--target", str(tiny_head.target), "--head",
+                 str(tiny_head.head), "--proposer", "head", "--k", "4", "--max-new-tokens", "24", "--device", "cpu",
+                 "--json"])
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    result = json.loads(out.out)
+    assert result["summary"]["accepted"] > 0 and result["config"]["proposer"] == "head"
+    code = main(["generate", "--prompt", "x", "--target", str(tiny_pair[0]), "--head", str(tiny_head.head),
+                 "--proposer", "head", "--device", "cpu"])
+    err = capsys.readouterr().err
+    assert code == 2 and "was trained for a target with layer count" in err and len(err.strip().splitlines()) == 1
+
+
+def test_cli_distill_writes_a_head_and_a_log(tiny_head, tmp_path, monkeypatch, capsys):
+    import json
+
+    import engine.heads.distill as distill_module
+    from app.cli import main
+    from tests.head_fixtures import quick_plan
+
+    monkeypatch.setattr(distill_module, "DistillPlan", lambda: quick_plan(max_rounds=1, max_steps=12))
+    code = main(["distill", "--target", str(tiny_head.target), "--out", str(tmp_path / "head"), "--minutes", "30",
+                 "--device", "cpu", "--dtype", "float32"])
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    summary = json.loads(out.out)
+    assert summary["finished"] and summary["steps"] == 12
+    assert (tmp_path / "head" / "manifest.json").exists() and (tmp_path / "head" / "train_log.jsonl").exists()
+    assert (tmp_path / "head" / "work" / "state.json").exists()

@@ -50,7 +50,7 @@ class DistillPlan:
     question_top_p: float = 0.98
     answer_tokens: int = 320  # longest answer (the benchmarks ask for 256)
     answer_temperature: float = 0.8  # for the sampled rounds
-    sampled_share: float = 0.5  # share of data rounds whose answers are sampled rather than greedy
+    sampled_share: float = 0.4  # share of data rounds whose answers are sampled rather than greedy
     intermediate: int = 1536  # the head's MLP width (keeps the shipped shards near 45 MB)
     draft_vocab: int = 32768  # most frequent target ids the head can propose
     train: TrainConfig = field(default_factory=TrainConfig)  # optimisation
