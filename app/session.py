@@ -87,19 +87,23 @@ def answer_header(request: GenerationRequest, info: ModelInfo | None) -> str:
     return f"{name} · speculative · K={request.k} · {PROPOSER_LABELS.get(request.proposer, request.proposer)}"
 
 
-def cost_verdict(info: ModelInfo | None, summary: Summary | None) -> tuple[str, str]:
+def cost_verdict(info: ModelInfo | None, summary: Summary | None, proposer: str = "draft") -> tuple[str, str]:
     """(status-bar text, tooltip) from the forward costs measured at load and, once an answer
-    exists, its acceptance: what speculative decoding should buy on this machine, said plainly."""
-    if info is None or not info.target_ms or info.draft_ms <= 0:
+    exists, its acceptance: what speculative decoding should buy on this machine, said plainly.
+    With proposer "head" the draft cost is the draft head's (ModelInfo.head_ms)."""
+    head = proposer == "head"
+    draft_ms = (info.head_ms if head else info.draft_ms) if info is not None else 0.0
+    if info is None or not info.target_ms or draft_ms <= 0:
         return "", ""
-    model = CostModel.from_info(info)
+    model = replace(CostModel.from_info(info), draft_ms=draft_ms)
     k_max = model.k_max
-    costs = (f"Measured at load: draft {info.draft_ms:.1f} ms per forward, target "
+    name = "draft head" if head else "draft"
+    costs = (f"Measured at load: {name} {draft_ms:.1f} ms per {'token' if head else 'forward'}, target "
              + ", ".join(f"{ms:.1f} ms ({w} tok)" for w, ms in info.target_ms) + ".")
     alpha = estimate_alpha(summary) if summary is not None else None
     if summary is None or alpha is None:
-        ratio = info.draft_ms / model.target_ms[1]
-        return f"draft = {ratio:.0%} of a target forward", costs + " Send a speculative prompt for a prediction."
+        ratio = draft_ms / model.target_ms[1]
+        return f"{name} = {ratio:.0%} of a target forward", costs + " Send a speculative prompt for a prediction."
     k, best = model.best_k(alpha, k_max)
     predicted = model.predicted_speedup(alpha, summary.k) if summary.k <= k_max else None
     short = (f"predicted {predicted:.2f}× at K={summary.k}" if predicted is not None else f"best K={k}: {best:.2f}×")

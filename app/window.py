@@ -502,8 +502,8 @@ class MainWindow(QMainWindow):
             return
         self.chat.finish_assistant_message(request_id, summary, format_stats_line(summary, request))
         record = self.session.finish(request_id, summary)
-        if summary.mode == "speculative" and request.proposer == "draft" and record is not None:
-            self._show_costs(record.info, summary)
+        if summary.mode == "speculative" and request.proposer in ("draft", "head") and record is not None:
+            self._show_costs(record.info, summary, request.proposer)
         self._set_ready_state()
         self.conversations.touch_current()
         self.guard.update()
@@ -660,8 +660,8 @@ class MainWindow(QMainWindow):
             log.debug("memory figure unavailable: %s", e)
             self.memory_label.setText("")
 
-    def _show_costs(self, info: ModelInfo | None, summary: Summary | None) -> None:
-        short, full = cost_verdict(info, summary)
+    def _show_costs(self, info: ModelInfo | None, summary: Summary | None, proposer: str = "draft") -> None:
+        short, full = cost_verdict(info, summary, proposer)
         self.cost_label.setText(short)
         self.cost_label.setToolTip(full)
 
