@@ -66,7 +66,6 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=Path(os.environ["OUT"]) if os.environ.get("OUT") else None)
     args = ap.parse_args()
 
-    import torch
 
     from app.session import build_request
     from engine.decoding import Engine

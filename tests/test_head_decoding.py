@@ -64,22 +64,34 @@ def test_max_new_tokens_inside_an_accepted_draft(engine):
 
 
 def test_eos_inside_a_draft_stops_both_modes_at_the_same_token(engine):
+    """EOS set to a token the head drafted and the target accepted mid-draft: both modes stop there."""
     hits = 0
     saved = engine.eos_ids
     try:
         for seed in range(10):
             messages = _messages(100 + seed)
             engine.eos_ids = set()
-            free, _ = _run(engine, messages=messages, mode="standard", max_new_tokens=24)
-            for position in (4, 9):
-                engine.eos_ids = {free.token_ids[position]}
+            for k in (3, 8, 12):
+                free, steps = _run(engine, messages=messages, mode="speculative", proposer="head", k=k,
+                                   max_new_tokens=24)
+                # An accepted draft token that is not its step's last committed token, first of its id.
+                done, candidate = 0, None
+                for step in steps:
+                    for i in range(step.accepted if step.added is not None else 0):
+                        token = free.token_ids[done + i]
+                        if candidate is None and token not in free.token_ids[: done + i]:
+                            candidate = token
+                    done += step.new_tokens
+                if candidate is None:
+                    continue
+                engine.eos_ids = {candidate}
                 std, _ = _run(engine, messages=messages, mode="standard", max_new_tokens=24)
-                for k in (3, 8, 12):
-                    spec, steps = _run(engine, messages=messages, mode="speculative", proposer="head", k=k,
-                                       max_new_tokens=24)
-                    assert spec.token_ids == std.token_ids
-                    assert spec.summary.stop_reason == std.summary.stop_reason == "eos"
-                    hits += steps[-1].added is None  # EOS accepted inside a draft: the rest is dropped
+                spec, spec_steps = _run(engine, messages=messages, mode="speculative", proposer="head", k=k,
+                                        max_new_tokens=24)
+                engine.eos_ids = set()
+                assert spec.token_ids == std.token_ids
+                assert spec.summary.stop_reason == std.summary.stop_reason == "eos"
+                hits += spec_steps[-1].added is None  # EOS accepted inside a draft: the rest is dropped
     finally:
         engine.eos_ids = saved
     assert hits > 0, "no case exercised EOS inside an accepted draft"
