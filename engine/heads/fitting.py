@@ -98,6 +98,7 @@ class TrainingPhase:
         autocast = torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda" else contextlib.nullcontext()
         last_ckpt = last_eval = time.perf_counter()
         window: list[StepStats] = []
+        window_start = time.perf_counter()
         try:
             if pos["step"] == 0 and eval_seqs:  # the untrained head's acceptance: what training is measured against
                 self._evaluate(eval_seqs, teacher, cos, sin, pos)
@@ -144,8 +145,10 @@ class TrainingPhase:
                 pos = {**pos, "batch": pos["batch"] + 1, "step": pos["step"] + 1, "tokens": pos["tokens"] + stats.tokens}
                 window.append(stats)
                 if pos["step"] % plan.log_every == 0:
-                    self._log(_train_record(window, pos, lr), "train", _train_message(window, pos))
-                    window = []
+                    record = _train_record(window, pos, lr)
+                    record["step_s"] = round((time.perf_counter() - window_start) / len(window), 3)
+                    self._log(record, "train", _train_message(window, pos))
+                    window, window_start = [], time.perf_counter()
                 now = time.perf_counter()
                 if now - last_eval >= plan.eval_every_s and eval_seqs:
                     self._evaluate(eval_seqs, teacher, cos, sin, pos)
