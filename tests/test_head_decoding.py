@@ -189,7 +189,7 @@ def test_cli_distill_writes_a_head_and_a_log(tiny_head, tmp_path, monkeypatch, c
     from app.cli import main
     from tests.head_fixtures import quick_plan
 
-    monkeypatch.setattr(distill_module, "DistillPlan", lambda: quick_plan(max_rounds=1, max_steps=12))
+    monkeypatch.setattr(distill_module, "CPU_PLAN", quick_plan(max_rounds=1, max_steps=12))
     code = main(["distill", "--target", str(tiny_head.target), "--out", str(tmp_path / "head"), "--minutes", "30",
                  "--device", "cpu", "--dtype", "float32"])
     out = capsys.readouterr()

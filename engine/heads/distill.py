@@ -65,6 +65,12 @@ DistillProgress = TrainingProgress  # the engine-wide plain type (engine.types),
 ProgressFn = Callable[[DistillProgress], None]
 
 
+# On a CPU a 1,024-question round or a 16k-token batch takes a very long time: everything smaller.
+CPU_PLAN = DistillPlan(question_batch=64, question_tokens=96, answer_tokens=192, eval_sequences=16,
+                       eval_every_s=600.0, checkpoint_every_s=300.0, log_every=2,
+                       train=TrainConfig(depth=4, batch_tokens=2048, max_len=320))
+
+
 class _Clock:
     """Seconds of the budget used, all calls together (what the state file carried in, plus this call)."""
 
@@ -171,16 +177,21 @@ class Distiller(TrainingPhase):
 
     # -- data -------------------------------------------------------------------------------------
 
-    def _generate_time(self) -> float | None:
-        """Seconds one generate call may take before this call's reserve (None: no call limit)."""
-        left = self.clock.call_left()
-        return None if left == float("inf") else max(left - self.plan.reserve_s - 5.0, 5.0)
+    def _generate_time(self, share: float = 1.0) -> float:
+        """Seconds one generate call may take: `share` of what is left of the data phase and of this call.
+
+        A slow machine then cuts a round short (shorter answers, fewer finished questions) instead
+        of eating the training's time.
+        """
+        left = min(self._data_until - self.clock.used(), self.clock.call_left() - self.plan.reserve_s - 5.0)
+        return max(share * left, 5.0)
 
     def _rounds(self) -> list[Path]:
         return sorted((self.work / "data").glob("round-*.pt"))
 
     def _data(self, until: float) -> None:
         plan = self.plan
+        self._data_until = until
         seen = set()
         for path in self._rounds():
             seen.update(D.dedupe_key(r["question"]) for r in torch.load(path, weights_only=False))
@@ -219,7 +230,7 @@ class Distiller(TrainingPhase):
         order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # similar lengths batch well
         outs = D.sample_batches(self.target, tok, [prompts[i] for i in order], max_new=plan.question_tokens,
                               temperature=plan.question_temperature, top_p=plan.question_top_p,
-                              seed=plan.seed * 7919 + r, max_time=self._generate_time())
+                              seed=plan.seed * 7919 + r, max_time=self._generate_time(0.3))
         kept: list[tuple[str, str]] = []
         counts = Counter()
         if r == 0:
@@ -274,12 +285,13 @@ def prepare(target: str | None, out: Path, *, minutes: float, work: Path | None 
     started = time.perf_counter()
     from engine.models.store import load_pair
 
-    plan = replace(plan or DistillPlan(), minutes=minutes, seed=seed)
     report = progress or (lambda p: None)
     report(DistillProgress("load", 0.0, minutes * 60, "loading the target"))
     pair = load_pair(target, None, device=device, dtype=dtype, with_draft=False)
-    if pair.target.device.type == "cpu":
+    if plan is None and pair.target.device.type == "cpu":
         log.warning("distilling on the CPU: data and training are slow; expect a weak head in a short budget")
+        plan = CPU_PLAN  # small rounds and batches, so progress shows every few minutes at least
+    plan = replace(plan or DistillPlan(), minutes=minutes, seed=seed)
     return Distiller(pair.target, pair.tokenizer, work=work or out / "work", out=out, plan=plan,
                      name=f"{pair.info.target_name} head", call_minutes=call_minutes,
                      extra_questions=list(questions), progress=progress, cancel=cancel, started=started)
