@@ -159,8 +159,12 @@ class HeadRunner:
         q = q.transpose(0, 1).reshape(1, c.n_kv_heads, group * width, c.head_dim)
         mask = (self.key_pos[None, :span] <= pos[:, None]).repeat(group, 1)  # [G*W, span]
         bias = torch.zeros(mask.shape, dtype=self.dtype, device=self.device).masked_fill_(~mask, float("-inf"))
-        o = F.scaled_dot_product_attention(q, self.k_cache[:, :, :span], self.v_cache[:, :, :span],
-                                           attn_mask=bias, scale=c.head_dim**-0.5)  # [1, Hkv, G*W, D]
+        k_span, v_span = self.k_cache[:, :, :span], self.v_cache[:, :, :span]
+        if self.device.type == "cuda":
+            o = F.scaled_dot_product_attention(q, k_span, v_span, attn_mask=bias, scale=c.head_dim**-0.5)
+        else:  # a handful of query rows: two matmuls beat the CPU flash kernel (8 ms vs 0.1 at span 1024)
+            scores = torch.matmul(q, k_span.transpose(-1, -2)) * c.head_dim**-0.5 + bias  # [1, Hkv, G*W, span]
+            o = torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v_span)  # [1, Hkv, G*W, D]
         o = o.view(c.n_heads, width, c.head_dim).transpose(0, 1).reshape(width, c.n_heads * c.head_dim)
         return head.finish(h, o)
 
