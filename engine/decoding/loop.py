@@ -175,7 +175,7 @@ class Engine:
             runner = HeadRunner(head, max_length=self.target_runner.max_length, k_max=K_MAX)
             runner.warmup()
             try:
-                ms = runner.measure_ms()
+                ms = runner.measure_ms(iters=20 if self.device.type == "cuda" else 3)
             except Exception as exc:  # advice only, as the other costs
                 log.warning("could not measure the draft head's cost: %s", exc)
                 ms = 0.0
