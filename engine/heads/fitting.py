@@ -73,7 +73,11 @@ class TrainingPhase:
             feature_layers=feature_layers(cfg.num_hidden_layers), draft_vocab=int(d2t.numel()),
         )
         torch.manual_seed(self.plan.seed)
-        return DraftHead(head_cfg, d2t).to(self.device).bind(self.target)
+        head = DraftHead(head_cfg, d2t).to(self.device).bind(self.target)
+        with torch.no_grad():
+            # The output rows expect the target's final-norm scaling: start from it rather than ones.
+            head.final_norm.copy_(self.target.model.norm.weight.detach().float())
+        return head
 
     def _train(self, until: float) -> dict:
         plan, cfg = self.plan, self.plan.train
