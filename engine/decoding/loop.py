@@ -202,9 +202,9 @@ class Engine:
 
             progress(LoadProgress("warmup", 0.95, "Measuring forward costs for the cost model"))
         try:
-            # Without a draft model (a head only) the draft figure stays 0; the head's is head_ms.
-            draft_cost = (lambda iters: self.draft_runner.measure_costs((1,), iters)[1]) if self.draft_runner else (
-                lambda iters: 0.0)
+            def draft_cost(iters: int) -> float:  # 0 without a draft model (a head only: see head_ms)
+                return self.draft_runner.measure_costs((1,), iters)[1] if self.draft_runner is not None else 0.0
+
             if on_gpu:
                 target = self.target_runner.measure_costs(widths, 20)
                 draft = draft_cost(20)
