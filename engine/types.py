@@ -8,11 +8,11 @@ Mode = Literal["speculative", "standard"]
 # How a token came to be; one palette entry per value (assets/palette.json).
 TokenStatus = Literal["accepted", "rejected", "corrected", "bonus", "target"]
 # Which proposer produced a draft token.
-DraftSource = Literal["draft", "ngram"]
-Proposer = Literal["draft", "ngram", "draft+ngram"]
+DraftSource = Literal["draft", "ngram", "head"]
+Proposer = Literal["draft", "ngram", "draft+ngram", "head"]
 StopReason = Literal["eos", "stop_string", "max_new_tokens", "cancelled", "context_full"]
 MODES: tuple[Mode, ...] = ("speculative", "standard")
-PROPOSERS: tuple[Proposer, ...] = ("draft", "ngram", "draft+ngram")
+PROPOSERS: tuple[Proposer, ...] = ("draft", "ngram", "draft+ngram", "head")
 
 
 @dataclass(frozen=True)
@@ -118,3 +118,18 @@ class ModelInfo:
     vocab_size: int  # shared vocabulary size compared on
     draft_ms: float = 0.0  # measured ms per 1-token draft forward at load (0: not measured / no draft)
     target_ms: tuple[tuple[int, float], ...] = ()  # measured (width, ms per target forward) at load
+    head_name: str | None = None  # the draft head loaded for this target (None: none fits or none asked)
+    head_ms: float = 0.0  # measured ms per draft token of the head at load (0: not measured / no head)
+
+
+@dataclass(frozen=True)
+class TrainingProgress:
+    """What a draft-head distillation is doing, for a progress bar and live loss/acceptance curves."""
+
+    phase: str  # "load", "data", "train", "eval", "export" or "done"
+    fraction: float  # of the whole time budget used so far, 0..1
+    eta_s: float  # seconds left in the budget (or in this call, if it ends first)
+    message: str  # one line for people
+    # The log line just written, if any: kind "train" (step, loss, acc per draft step), "eval" (step,
+    # acceptance per draft position), "data", "vocab", "export" or "call".
+    record: dict | None = None
