@@ -1,4 +1,4 @@
-"""Headless command line: `specdec-studio generate` streams one answer, `bench` measures modes, `sweep` tunes."""
+"""Headless command line: `generate` streams one answer, `bench` measures, `sweep` tunes, `distill` trains a head."""
 from __future__ import annotations
 
 import argparse
@@ -36,7 +36,7 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         if message.endswith("required: command"):
-            message = "a command is needed: generate, bench or sweep (see --help)"
+            message = "a command is needed: generate, bench, sweep or distill (see --help)"
         raise CliError(message)
 
 
@@ -63,6 +63,16 @@ def _k(text: str) -> int:
     return value
 
 
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    return value
+
+
 def _non_negative_float(text: str) -> float:
     try:
         value = float(text)
@@ -82,6 +92,9 @@ def _add_model_args(p: argparse.ArgumentParser, decoding: bool = True) -> None:
     g.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: auto)")
     g.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
                    help="auto: bf16 on CUDA and on CPUs with native bf16, else float32")
+    g.add_argument("--head", default="auto",
+                   help="draft head folder for --proposer head; auto: the shipped head trained for this target "
+                        "(if any); none: no head")
     g.add_argument("--fast-path", default="auto", choices=["auto", "eager", "static", "compiled"],
                    help="auto: static cache + CUDA graphs where possible, else eager; compiled: also "
                         "torch.compile the per-step forwards for --k (CUDA; minutes of warm-up)")
@@ -138,6 +151,23 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("--out", required=True, type=Path, help="folder for sweep.csv, sweep.png, sweep.json")
     sweep.add_argument("--raw", action="store_true", help="feed prompts as-is, without the chat template")
     _add_model_args(sweep, decoding=False)
+
+    distill = sub.add_parser("distill", help="train a draft head on the target's own answers (resumable)")
+    distill.add_argument("--target", default=None,
+                         help="model folder, .gguf file or hub id (default: packaged Qwen2.5-Coder-1.5B-Instruct)")
+    distill.add_argument("--out", required=True, type=Path, help="where the head's shards and manifest go")
+    distill.add_argument("--minutes", type=_positive_float, default=17.0,
+                         help="the whole budget, all calls together: data, training, export (default 17)")
+    distill.add_argument("--work", type=Path, default=None,
+                         help="work folder (data, checkpoints, log); running again with it resumes (default OUT/work)")
+    distill.add_argument("--call-minutes", type=_positive_float, default=None,
+                         help="stop this call after so many minutes, exporting what is trained so far")
+    distill.add_argument("--prompts", type=Path, default=None,
+                         help='extra questions to answer, JSONL {"prompt": ...} (benchmark prompts are refused)')
+    distill.add_argument("--seed", type=int, default=0)
+    distill.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: auto)")
+    distill.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
+    distill.add_argument("-v", "--verbose", action="store_true", help="log what the engine does (stderr)")
     return parser
 
 
@@ -178,7 +208,8 @@ def _load(args: argparse.Namespace, needs_draft: bool) -> tuple[LoadedPair, Engi
     pair = load_pair(args.target, args.draft, device=args.device, dtype=args.dtype,
                      progress=reporter, with_draft=needs_draft)
     compile_k = getattr(args, "k", DEFAULT_K) or DEFAULT_K  # K auto: compile the default K's widths
-    return pair, Engine.from_pair(pair, fast_path=args.fast_path, progress=reporter, compile_k=compile_k)
+    head = None if args.head == "none" else args.head
+    return pair, Engine.from_pair(pair, fast_path=args.fast_path, progress=reporter, compile_k=compile_k, head=head)
 
 
 def _settings(args: argparse.Namespace, mode: str, max_new_tokens: int) -> GenerationSettings:
@@ -221,7 +252,7 @@ def _model_config(engine: Engine, args: argparse.Namespace) -> dict[str, Any]:
 # --------------------------------------------------------------------------- generate
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    needs_draft = args.mode != "standard" and args.proposer != "ngram"
+    needs_draft = args.mode != "standard" and args.proposer in ("draft", "draft+ngram")
     _, engine = _load(args, needs_draft)
     generation = engine.generate(_request(args, args.prompt, args.mode, args.max_new_tokens))
     tokens: list[dict[str, str]] = []
@@ -280,7 +311,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     for out in (args.json_out, args.csv_out):
         if out is not None and not out.parent.exists():
             raise CliError(f"output folder {out.parent} does not exist")
-    needs_draft = any(MODE_RUNNERS[m].needs_draft for m in modes) and args.proposer != "ngram"
+    needs_draft = any(MODE_RUNNERS[m].needs_draft for m in modes) and args.proposer in ("draft", "draft+ngram")
     pair, engine = _load(args, needs_draft)
     ctx = BenchContext(
         pair, engine,
@@ -295,7 +326,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             bar.update(done - bar.n)
 
         result = run_bench(ctx, prompts, modes, max_new_tokens=args.max_new_tokens, warmup=args.warmup,
-                           repeat=args.repeat, progress=progress)
+                           repeat=args.repeat, progress=progress, proposer=args.proposer)
     result.summary["diagnostics"] = _diagnose(engine, args, result.summary)
     config = {**_model_config(engine, args), "modes": list(result.modes), "prompts": str(args.prompts),
               "warmup": args.warmup, "repeat": args.repeat, "wall_s": result.wall_s, **_environment(engine)}
@@ -349,9 +380,9 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     if args.command == "sweep":
-        from app.cli_sweep import cmd_sweep
-
-        command = cmd_sweep
+        from app.cli_sweep import cmd_sweep as command
+    elif args.command == "distill":
+        from app.cli_distill import cmd_distill as command
     else:
         command = {"generate": cmd_generate, "bench": cmd_bench}[args.command]
     try:

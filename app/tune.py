@@ -90,9 +90,11 @@ class TuneController(QObject):
         if self._running:
             return False
         info = self._info()
-        proposers = [p for p in plan.proposers if p == "ngram" or (info is not None and info.draft_name)]
+        loaded = {"ngram": True, "draft": bool(info and info.draft_name), "draft+ngram": bool(info and info.draft_name),
+                  "head": bool(info and info.head_name)}
+        proposers = [p for p in plan.proposers if loaded.get(p, False)]
         if not proposers:
-            self.view.show_status("No draft model is loaded: only the n-gram proposer can be swept.")
+            self.view.show_status("None of the chosen proposers is loaded (a draft model, a draft head).")
             return False
         self._configs = tuple(sw.plan(proposers, plan.ks, plan.temperatures, auto=plan.auto))
         settings = self._settings()

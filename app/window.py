@@ -36,8 +36,9 @@ from app.session import (
     load_request_for,
 )
 from app.settings import AppSettings
+from app.training import HeadTrainingController
 from app.tune import TuneController
-from app.worker import EngineFactory, WorkerHost, default_engine_factory
+from app.worker import EngineFactory, HeadTrainer, WorkerHost, default_engine_factory, default_head_trainer
 from engine.measure.diagnostics import AnswerFacts, category_speedups
 from engine.measure.explain import describe_decision
 from engine.settings import GenerationSettings, ModelSelection
@@ -92,12 +93,13 @@ class MainWindow(QMainWindow):
         engine_factory: EngineFactory = default_engine_factory,
         settings: AppSettings | None = None,
         store: ConversationStore | None = None,
+        head_trainer: HeadTrainer = default_head_trainer,
         parent: QWidget | None = None,
     ) -> None:
         super().__init__(parent)
         self.setWindowTitle(APP_NAME)
         self.settings = settings or AppSettings()
-        self.host = WorkerHost(engine_factory, self)
+        self.host = WorkerHost(engine_factory, self, head_trainer=head_trainer)
         self.worker = self.host.worker
         self.session = ChatSession(store or _open_store(), on_save_error=self._on_save_error_thread)
         self.selection = self.settings.models()  # what was last loaded successfully (or asked for)
@@ -126,6 +128,12 @@ class MainWindow(QMainWindow):
             info=lambda: self.info, parent=self,
         )
         self.tune.running_changed.connect(lambda _running: self._set_ready_state())
+        self.training = HeadTrainingController(
+            self.worker, next_request_id=self.session.allocate_request_id,
+            target_spec=lambda: self.selection.target.spec(), parent=self,
+        )
+        self.training.running_changed.connect(lambda _running: self._set_ready_state())
+        self.training.head_attached.connect(self._on_head_attached)
         self.panel.set_values(self.settings.generation())
         self.panel.set_display(self.settings.display())
         self._apply_display(self.panel.display())
@@ -224,6 +232,7 @@ class MainWindow(QMainWindow):
 
         file_menu = bar.addMenu("&File")
         self.load_action = action(file_menu, "&Load models…", self.open_model_dialog, "Ctrl+L")
+        self.train_head_action = action(file_menu, "&Train a draft head…", self.open_train_dialog)
         file_menu.addSeparator()
         self.export_action = action(file_menu, "&Export session CSV…", lambda: self.export_session(), "Ctrl+E")
         self.export_trace_action = action(file_menu, "Export step &trace CSV…", lambda: self.export_trace())
@@ -324,6 +333,19 @@ class MainWindow(QMainWindow):
         if dialog.exec() == ModelDialog.DialogCode.Accepted:
             self.load_models(dialog.selection())
 
+    def open_train_dialog(self):
+        """The "Train a draft head" dialog for the loaded target (None when no target is loaded yet)."""
+        if self.info is None:
+            self._show_info("Train a draft head", "Load a target first: File ▸ Load models…")
+            return None
+        return self.training.open(self.info, self)
+
+    def _on_head_attached(self, info: ModelInfo) -> None:
+        self.session.info = info
+        self.panel.set_draft_available(info.draft_name is not None, head=info.head_name is not None)
+        self.chat.add_system_note(f"Draft head ready: {info.head_name} ({info.head_ms:.2f} ms per draft token). "
+                                  "Choose the proposer “Draft head” to use it.")
+
     def is_loading(self) -> bool:
         return self._loading_selection is not None
 
@@ -363,7 +385,7 @@ class MainWindow(QMainWindow):
         self.model_label.setText(names)
         self.device_label.setText(f"{info.device} · {info.dtype} · {info.fast_path}")
         self._show_costs(info, None)
-        self.panel.set_draft_available(info.draft_name is not None)
+        self.panel.set_draft_available(info.draft_name is not None, head=info.head_name is not None)
         self.context.set_counter(counter_for(self.worker.engine))
         self.guard.update(now=True)
         self.chat.add_system_note(f"Loaded {names} on {info.device} ({info.dtype}, {info.fast_path}).")
@@ -500,8 +522,8 @@ class MainWindow(QMainWindow):
             return
         self.chat.finish_assistant_message(request_id, summary, format_stats_line(summary, request))
         record = self.session.finish(request_id, summary)
-        if summary.mode == "speculative" and request.proposer == "draft" and record is not None:
-            self._show_costs(record.info, summary)
+        if summary.mode == "speculative" and request.proposer in ("draft", "head") and record is not None:
+            self._show_costs(record.info, summary, request.proposer)
         if summary.decision is not None and summary.decision.reason not in ("fixed", "standard"):
             self.decision_label.setText(describe_decision(summary.decision))
         self._update_evidence()
@@ -529,10 +551,13 @@ class MainWindow(QMainWindow):
             self.prompt.set_ready(False, "A sweep is running in the Tune tab")
         elif racing:
             self.prompt.set_ready(False, "A race is running in the Race tab")
+        elif self.training.running:
+            self.prompt.set_ready(False, "A draft head is training (cancel it in its window)")
         else:
             self.prompt.set_ready(True)
-        can_chat = not generating and self.info is not None and not self.is_loading()
-        reason = _NOT_READY if self.is_loading() else _NO_MODEL if self.info is None else "An answer is streaming in the chat"
+        can_chat = not generating and self.info is not None and not self.is_loading() and not self.training.running
+        reason = (_NOT_READY if self.is_loading() else _NO_MODEL if self.info is None
+                  else "A draft head is training" if self.training.running else "An answer is streaming in the chat")
         self.race_view.set_race_enabled(can_chat and not self.tune.running,
                                         "A sweep is running in the Tune tab" if self.tune.running else reason)
         self.tune_view.set_enabled(can_chat and not self.race.running,
@@ -540,7 +565,8 @@ class MainWindow(QMainWindow):
         self.stop_action.setEnabled(generating)
         self.chat.set_busy(generating)
         self.regenerate_action.setEnabled(can_chat and not racing and self.session.can_regenerate())
-        self.load_action.setEnabled(not self.is_loading())
+        self.load_action.setEnabled(not self.is_loading() and not self.training.running)
+        self.train_head_action.setEnabled(self.info is not None and not self.is_loading())
 
     # --- settings and view ----------------------------------------------------------------------
 
@@ -691,8 +717,8 @@ class MainWindow(QMainWindow):
             self._memory_full = full
             self.tune.update_evidence(memory_used=used, memory_total_gib=total_gib)
 
-    def _show_costs(self, info: ModelInfo | None, summary: Summary | None) -> None:
-        short, full = cost_verdict(info, summary)
+    def _show_costs(self, info: ModelInfo | None, summary: Summary | None, proposer: str = "draft") -> None:
+        short, full = cost_verdict(info, summary, proposer)
         self.cost_label.setText(short)
         self.cost_label.setToolTip(full)
 

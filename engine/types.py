@@ -9,11 +9,11 @@ Mode = Literal["speculative", "standard", "auto"]
 # How a token came to be; one palette entry per value (assets/palette.json).
 TokenStatus = Literal["accepted", "rejected", "corrected", "bonus", "target"]
 # Which proposer produced a draft token.
-DraftSource = Literal["draft", "ngram"]
-Proposer = Literal["draft", "ngram", "draft+ngram"]
+DraftSource = Literal["draft", "ngram", "head"]
+Proposer = Literal["draft", "ngram", "draft+ngram", "head"]
 StopReason = Literal["eos", "stop_string", "max_new_tokens", "cancelled", "context_full"]
 MODES: tuple[Mode, ...] = ("auto", "speculative", "standard")
-# Why a step drafted the K it did (engine/decoding/control.py); the app words it (widgets/decision_text.py).
+# Why a step drafted the K it did (engine/decoding/control.py); engine/measure/explain.py words it.
 KReason = Literal[
     "standard",  # standard decoding was asked for
     "fixed",  # a fixed K was asked for
@@ -22,7 +22,7 @@ KReason = Literal[
     "no_match",  # nothing to propose (no n-gram match), so a standard step
     "probe",  # a short draft after standard steps, to measure the acceptance again
 ]
-PROPOSERS: tuple[Proposer, ...] = ("draft", "ngram", "draft+ngram")
+PROPOSERS: tuple[Proposer, ...] = ("draft", "ngram", "draft+ngram", "head")
 
 
 @dataclass(frozen=True)
@@ -161,6 +161,8 @@ class ModelInfo:
     target_ms: tuple[tuple[int, float], ...] = ()  # measured (width, ms per target forward) at load, widths 1..K_MAX+1
     proposer_costs: tuple[ProposerCost, ...] = ()  # measured at load: what drafting costs, per proposer
     measure_s: float = 0.0  # seconds the cost measurement took at load
+    head_name: str | None = None  # the draft head loaded for this target (None: none fits or none asked)
+    head_ms: float = 0.0  # measured ms per draft token of the head at load (0: not measured / no head)
 
 
 @dataclass(frozen=True)
@@ -210,3 +212,16 @@ class Diagnosis:
     k: int = 0  # for apply_k: the K to apply
     temperature: float = 0.0  # the temperature it concerns (temperature rule: the lower one)
     category: str = ""  # for category: the prompt category where speculation loses
+
+
+@dataclass(frozen=True)
+class TrainingProgress:
+    """What a draft-head distillation is doing, for a progress bar and live loss/acceptance curves."""
+
+    phase: str  # "load", "data", "train", "eval", "export" or "done"
+    fraction: float  # of the whole time budget used so far, 0..1
+    eta_s: float  # seconds left in the budget (or in this call, if it ends first)
+    message: str  # one line for people
+    # The log line just written, if any: kind "train" (step, loss, acc per draft step), "eval" (step,
+    # acceptance per draft position), "data", "vocab", "export" or "call".
+    record: dict | None = None

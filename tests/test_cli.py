@@ -85,9 +85,11 @@ def test_bench_json_contract(tiny_pair, tmp_path, capsys):
     for mode in ("standard", "speculative"):
         assert set(summary[mode]) == {"tokens_per_s", "acceptance_rate", "tokens_per_target_forward",
                                       "new_tokens", "seconds", "in_rounds", "time_split", "k_mean",
-                                      "standard_steps", "acceptance_by_position", "runs"}
+                                      "standard_steps", "per_position_acceptance", "runs"}
         assert 0 < summary[mode]["in_rounds"] <= 1
         assert sum(summary[mode]["time_split"].values()) == pytest.approx(1.0)
+    assert summary["standard"]["per_position_acceptance"] == [] and len(summary["speculative"]["per_position_acceptance"]) == 5
+    assert "speculative acceptance by draft position: " in captured.out
     assert set(summary["categories"]) == {"code", "chat"}
     assert set(summary["categories"]["code"]["vs_standard"]) == {"speculative"}
     assert summary["compared"] == 2

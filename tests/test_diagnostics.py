@@ -121,7 +121,7 @@ def test_from_bench_turns_a_bench_summary_into_evidence():
     summary = {
         "standard": {"tokens_per_s": 10.0},
         "speculative": {"tokens_per_s": 9.0, "acceptance_rate": 0.4, "tokens_per_target_forward": 1.8,
-                        "acceptance_by_position": (0.3, 0.8, 0.8), "time_split": {"draft": 0.4}, "runs": 20,
+                        "per_position_acceptance": (0.3, 0.8, 0.8), "time_split": {"draft": 0.4}, "runs": 20,
                         "k_mean": 5.0},
         "categories": {"code": {"vs_standard": {"speculative": 1.2}}, "chat": {"vs_standard": {"speculative": 0.8}}},
     }

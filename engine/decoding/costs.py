@@ -3,7 +3,8 @@
 The target side is timed through the loop's own round (Generation._launch / _collect) with drafts
 that cost nothing, so a width's figure is what a step of the loop spends verifying: the forward,
 the acceptance math and the outcome's copy to the host, timed like Step.verify_ms (CUDA events on
-a GPU, the host clock on a CPU). Proposers are timed through their own propose() (proposers.py).
+a GPU, the host clock on a CPU). Proposers are timed through their own propose() (proposers.py);
+a draft head's runner times itself when it is attached (ModelInfo.head_ms).
 """
 from __future__ import annotations
 
@@ -78,7 +79,8 @@ def measure_costs(engine: Engine, progress=None, rounds: int = 2) -> None:
     widths = range(1, K_MAX + 2)  # every verify width the loop may use
     # A repeating pattern, so that n-gram lookup finds matches as it does on real text.
     prompt = [(7 * i) % max(engine.vocab - 1, 1) + 1 for i in range(12)] * 2
-    sources = engine.proposer_sources()
+    # A draft head reads the target's rows, so its runner measured its own cost when it was attached.
+    sources = [s for s in engine.proposer_sources() if s != "head"]
     greedy = GenerationRequest().sampling
 
     def proposers(iters: int, warm: bool) -> dict[str, ProposerCost]:
@@ -100,6 +102,8 @@ def measure_costs(engine: Engine, progress=None, rounds: int = 2) -> None:
     except Exception as exc:  # measuring is advice, not a reason to refuse the models
         log.warning("could not measure forward costs: %s", exc)
         return
+    if engine.head_runner is not None:
+        costs["head"] = ProposerCost("head", engine.info.head_ms, 0.0)
     draft = costs["draft"].per_token_ms if "draft" in costs else 0.0
     engine.info = replace(engine.info, draft_ms=draft, target_ms=tuple(sorted(target.items())),
                           proposer_costs=tuple(costs.values()), measure_s=time.perf_counter() - started)

@@ -12,9 +12,12 @@ import torch
 
 from engine.decoding.control import AdaptiveK, FixedK, KController, StepCosts, TuningMemory
 from engine.decoding.detok import Detokenizer
+from engine.decoding.head import HeadProposer
 from engine.decoding.proposers import DraftModelProposer, Proposal, Proposer, ProposerSet
 from engine.decoding.sampling import accept_draft, display_probs, draw, process
 from engine.errors import GenerationError
+from engine.heads.model import DraftHead
+from engine.heads.runner import HeadRunner
 from engine.limits import K_AUTO, K_MAX, widest_draft
 from engine.measure.stats import summarize
 from engine.runners import EagerRunner, Runner, ids_tensor
@@ -90,6 +93,7 @@ class Engine:
         heads = [self.target_runner.vocab_size] + ([self.draft_runner.vocab_size] if self.draft_runner else [])
         self.vocab = vocab or min(heads)
         self.eos_ids = _eos_ids(tokenizer, target)
+        self.head_runner: HeadRunner | None = None  # a draft head for this target (attach_head)
         self._lock = threading.Lock()  # one generation at a time: the caches are shared
         # Queue rounds ahead of the host (see Generation._loop). None: on CUDA only, where it keeps
         # the device busy while the host describes steps; on a CPU the work runs inside the launch,
@@ -98,15 +102,23 @@ class Engine:
         self.tuning = TuningMemory()  # what adaptive K learned in this process; each answer starts from it
 
     @classmethod
-    def from_pair(cls, pair, *, fast_path: str = "auto", progress=None, compile_k: int = 5) -> Engine:
+    def from_pair(cls, pair, *, fast_path: str = "auto", progress=None, compile_k: int = 5,
+                  head: str | None = "auto") -> Engine:
         """Builds runners for a LoadedPair (engine.models.store); the fast path when CUDA allows it.
 
         fast_path: "auto" (CUDA graphs where possible, else eager), "eager", "static" (graphs or
         an error), "compiled" (graphs of inductor-compiled forwards for K = compile_k: minutes of
         warm-up, fewer kernels per forward).
+        head: "auto" (the shipped draft head trained for this target, if there is one), a head
+        folder (refused when it was trained for another target), or None.
         """
+        from engine.heads.shards import resolve_head
+
         target_runner = draft_runner = None
         name = "eager"
+        # Before packing: the head gathers its output rows from the target's own output head.
+        found = resolve_head(pair.target, head)
+        layers = found[0].config.feature_layers if found else ()
         if fast_path in ("auto", "static") and pair.target.device.type == "cpu":
             from engine.runners.cpu import try_pack
 
@@ -125,7 +137,7 @@ class Engine:
 
                 target_runner, draft_runner, name = build_runners(
                     pair.target, pair.draft, progress=progress,
-                    compile_k=compile_k if fast_path == "compiled" else None,
+                    compile_k=compile_k if fast_path == "compiled" else None, hidden_layers=layers,
                 )
             except Exception as exc:  # any model the fast path cannot take falls back, loudly
                 if fast_path in ("static", "compiled"):
@@ -143,12 +155,37 @@ class Engine:
             target_runner=target_runner,
             draft_runner=draft_runner,
         )
+        if found is not None:
+            engine.attach_head(found[0], found[1].name, progress)
         engine.measure_costs(progress)
         if progress is not None:
             from engine.models.store import LoadProgress
 
             progress(LoadProgress("warmup", 1.0, f"Ready ({name})"))
         return engine
+
+    def attach_head(self, head: DraftHead, name: str, progress=None) -> None:
+        """Uses a draft head (bound to this target, or to a copy of it) from the next request on.
+
+        The target runner starts keeping the head's layers (on CUDA: its graphs are recaptured),
+        the head gets its own cache and graphs, and its cost per draft token is measured.
+        """
+        if progress is not None:
+            from engine.models.store import LoadProgress
+
+            progress(LoadProgress("warmup", 0.9, f"Preparing the draft head {name}"))
+        with self._lock:
+            head.bind_inputs(self.target)  # one copy of the embeddings: the engine's own
+            self.target_runner.keep_hidden(head.config.feature_layers)
+            runner = HeadRunner(head, max_length=self.target_runner.max_length, k_max=K_MAX)
+            runner.warmup()
+            try:
+                ms = runner.measure_ms(iters=20 if self.device.type == "cuda" else 3)
+            except Exception as exc:  # advice only, as the other costs
+                log.warning("could not measure the draft head's cost: %s", exc)
+                ms = 0.0
+            self.head_runner = runner
+            self.info = replace(self.info, head_name=name, head_ms=ms)
 
     def measure_costs(self, progress=None, rounds: int = 2) -> None:
         """The cost model's inputs, measured once at load (engine/decoding/costs.py): every verify width
@@ -198,8 +235,14 @@ class Engine:
         """Validates the request now (so errors surface before any step) and returns the steps."""
         if request.mode == "speculative" and request.k != K_AUTO and not 1 <= request.k <= K_MAX:
             raise GenerationError(f"K must be 1..{K_MAX}, or auto (got {request.k}).")
-        if request.mode != "standard" and request.proposer != "ngram" and self.draft_runner is None:
-            raise GenerationError("Speculative decoding with a draft model needs a draft; load one first.")
+        if request.mode != "standard":
+            if request.proposer == "head" and self.head_runner is None:
+                raise GenerationError(
+                    "No draft head is loaded for this target. Train one with `specdec-studio distill "
+                    "--target ... --out DIR` and load it with --head DIR, or choose another proposer."
+                )
+            if request.proposer in ("draft", "draft+ngram") and self.draft_runner is None:
+                raise GenerationError("Speculative decoding with a draft model needs a draft; load one first.")
         if request.max_new_tokens < 1:
             raise GenerationError("max_new_tokens must be at least 1.")
         s = request.sampling
@@ -216,12 +259,16 @@ class Engine:
 
     def proposer_sources(self) -> tuple[DraftSource, ...]:
         """Every proposer this engine can run; each one's cost is measured at load."""
-        return ("draft", "ngram") if self.draft_runner is not None else ("ngram",)
+        return (("draft",) if self.draft_runner is not None else ()) + ("ngram",) + \
+            (("head",) if self.head_runner is not None else ())
 
     def _part(self, source: str, sampling: Sampling, generator: torch.Generator | None) -> Proposer:
         if source == "draft":
             assert self.draft_runner is not None, "the draft proposer needs a draft model"
             return DraftModelProposer(self.draft_runner, sampling, self.vocab, generator)
+        if source == "head":
+            assert self.head_runner is not None, "generate() checks that a head is loaded"
+            return HeadProposer(self.head_runner, self.target_runner, sampling, self.vocab, generator)
         from engine.decoding.ngram import NgramProposer
 
         assert source == "ngram", f"unknown proposer {source!r}"

@@ -224,6 +224,10 @@ def format_table(summary: dict[str, Any], modes: Sequence[str]) -> str:
             r = s["repeats"]
             rows.append(f"{'':<14}median {r['median']:.2f} tok/s over {r['repeats']} repeats "
                         f"(min {r['min']:.2f}, max {r['max']:.2f})")
+    for mode in modes:
+        rates = summary[mode].get("per_position_acceptance")
+        if rates and mode != "standard":
+            rows.append(f"{mode} acceptance by draft position: " + " ".join(f"{a:.2f}" for a in rates))
     if summary.get("speedup") is not None:
         rows.append(f"speedup (speculative / standard): {summary['speedup']:.2f}x")
     for mode, ratio in summary.get("vs_standard", {}).items():
@@ -261,11 +265,13 @@ def format_table(summary: dict[str, Any], modes: Sequence[str]) -> str:
     return "\n".join(rows)
 
 
-def cost_model_summary(engine: Engine, runs: Sequence[RunRecord], summary: dict[str, Any]) -> dict[str, Any]:
+def cost_model_summary(engine: Engine, runs: Sequence[RunRecord], summary: dict[str, Any],
+                       proposer: str = "draft") -> dict[str, Any]:
     """Measured forward costs and what they predict for the measured acceptance (the bench's check)."""
     from engine.measure.costmodel import CostModel, alpha_from_per_position
 
-    model = CostModel.from_info(engine.info)
+    # The verdict weighs the proposer benched (its own measured cost: a draft head's, n-gram's).
+    model = CostModel.from_info(engine.info, "draft" if proposer == "draft+ngram" else proposer)
     standard = [r for r in runs if r.mode == "standard"]
     drafting = [m for m in ENGINE_MODES if m != "standard" and m in summary]
     predicted = {m: predicted_speedup(engine.info, [r for r in runs if r.mode == m], standard) for m in drafting}
@@ -298,7 +304,8 @@ class BenchResult:
 
 
 def run_bench(ctx: BenchContext, prompts: Sequence[BenchPrompt], modes: Sequence[str], *, max_new_tokens: int,
-              warmup: int = 1, repeat: int = 1, cost_model: bool = True, progress=None) -> BenchResult:
+              warmup: int = 1, repeat: int = 1, cost_model: bool = True, progress=None,
+              proposer: str = "draft") -> BenchResult:
     """Times every prompt in every mode after untimed warm-ups, `repeat` times.
 
     Each prompt is warmed (a short untimed generation of it) before its first timed run, and the
@@ -349,7 +356,7 @@ def run_bench(ctx: BenchContext, prompts: Sequence[BenchPrompt], modes: Sequence
         summary.update(peak_gpu_memory_mb=max(per_prompt), peak_gpu_memory_first_mb=per_prompt[0],
                        peak_gpu_memory_last_mb=per_prompt[-1])
     if cost_model and any(m in modes_run for m in ENGINE_MODES[1:]) and "standard" in modes_run:
-        summary["cost_model"] = cost_model_summary(ctx.engine, runs, summary)
+        summary["cost_model"] = cost_model_summary(ctx.engine, runs, summary, proposer)
     return BenchResult(tuple(runs), summary, modes_run, wall)
 
 

@@ -187,7 +187,7 @@ def from_bench(summary: Mapping[str, Any], info: ModelInfo | None, *, k: int, te
         rows.append(SweepRow(mode, proposer, k if mode == "speculative" else K_AUTO, temperature,  # type: ignore[arg-type]
                              m["tokens_per_s"], m["tokens_per_s"] / base if base else math.nan,
                              m["acceptance_rate"], m["tokens_per_target_forward"],
-                             tuple(m.get("acceptance_by_position", ())), m["time_split"]["draft"], None, None, 0,
+                             tuple(m.get("per_position_acceptance", ())), m["time_split"]["draft"], None, None, 0,
                              m.get("runs", 1), m.get("k_mean", 0.0)))
     cats = [(name, c["vs_standard"]["speculative"]) for name, c in summary.get("categories", {}).items()
             if "speculative" in c.get("vs_standard", {})]

@@ -238,7 +238,7 @@ def totals(runs: Sequence[RunRecord]) -> dict[str, Any]:
         "time_split": {name.removesuffix("_s"): (v / seconds if seconds > 0 else 0.0) for name, v in split.items()},
         "k_mean": sum(r.k_mean * r.target_forwards for r in runs) / steps if steps else 0.0,
         "standard_steps": sum(r.standard_steps for r in runs),
-        "acceptance_by_position": position_acceptance(runs),
+        "per_position_acceptance": position_acceptance(runs),
         "runs": len(runs),
     }
 

@@ -106,7 +106,7 @@ def plan(proposers: Sequence[str], ks: Sequence[int], temperatures: Sequence[flo
 
 
 def needs_draft(configs: Sequence[SweepConfig]) -> bool:
-    return any(c.proposer not in (None, "ngram") for c in configs)
+    return any(c.proposer in ("draft", "draft+ngram") for c in configs)
 
 
 def run_sweep(engine: Engine, prompts: Sequence[BenchPrompt], configs: Sequence[SweepConfig], *,
