@@ -1,4 +1,4 @@
-"""Headless command line: `specdec-studio generate` streams one answer, `specdec-studio bench` measures."""
+"""Headless command line: `generate` streams one answer, `bench` measures, `sweep` tunes, `distill` trains a head."""
 from __future__ import annotations
 
 import argparse
@@ -15,7 +15,7 @@ from app import cli_options as opt
 from app.export import cell
 from app.session import build_request
 from engine.errors import EngineError
-from engine.limits import DEFAULT_K, K_MAX, MAX_NEW_TOKENS
+from engine.limits import DEFAULT_K, K_AUTO, K_MAX, MAX_NEW_TOKENS
 from engine.measure.bench import MODE_RUNNERS
 from engine.settings import GenerationSettings
 from engine.types import MODES, PROPOSERS, GenerationRequest, Message, Summary
@@ -37,11 +37,11 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         if message.endswith("required: command"):
-            message = "a command is needed: generate, bench or cache (see --help)"
+            message = "a command is needed: generate, bench, sweep, distill or cache (see --help)"
         raise CliError(message)
 
 
-def _add_model_args(p: argparse.ArgumentParser) -> None:
+def _add_model_args(p: argparse.ArgumentParser, decoding: bool = True) -> None:
     g = p.add_argument_group("models")
     g.add_argument("--target", default=None, type=opt.model_spec,
                    help="model folder, .gguf file or hub id (default: packaged Qwen2.5-Coder-1.5B-Instruct)")
@@ -50,17 +50,25 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default="auto", type=opt.device, help="auto, cpu, cuda or cuda:N (default: auto)")
     g.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
                    help="auto: bf16 on CUDA and on CPUs with native bf16, else float32")
+    g.add_argument("--head", default="auto", type=opt.head,
+                   help="draft head folder for --proposer head; auto: the shipped head trained for this target "
+                        "(if any); none: no head")
     g.add_argument("--fast-path", default="auto", choices=["auto", "eager", "static", "compiled"],
                    help="auto: static cache + CUDA graphs where possible, else eager; compiled: also "
                         "torch.compile the per-step forwards for --k (CUDA; minutes of warm-up)")
     d = p.add_argument_group("decoding")
-    d.add_argument("--k", type=opt.k, default=DEFAULT_K, help=f"draft tokens proposed per step (1 to {K_MAX})")
+    d.add_argument("-v", "--verbose", action="store_true", help="log what the engine does (stderr)")
+    if not decoding:
+        return
+    d.add_argument("--k", type=opt.k, default=DEFAULT_K,
+                   help=f"draft tokens proposed per step (1 to {K_MAX}), or auto: chosen per step from measured "
+                        "costs and acceptance (0 = a standard step)")
     d.add_argument("--temperature", type=opt.temperature, default=0.0, help="0 = greedy")
     d.add_argument("--top-k", type=opt.top_k, default=0, help="0 disables")
     d.add_argument("--top-p", type=opt.top_p, default=1.0, help="1 disables")
     d.add_argument("--seed", type=opt.seed, default=0, help=f"0 to {opt.MAX_SEED}")
-    d.add_argument("--proposer", default="draft", choices=list(PROPOSERS))
-    d.add_argument("-v", "--verbose", action="store_true", help="log what the engine does (stderr)")
+    d.add_argument("--proposer", default="draft", choices=list(PROPOSERS),
+                   help="draft, ngram, draft+ngram or head (in auto mode draft+ngram is routed per step)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -70,7 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="generate one answer, streaming it to stdout")
     gen.add_argument("--prompt", required=True, type=opt.prompt, help="the user message (or raw text with --raw)")
     gen.add_argument("--raw", action="store_true", help="feed the prompt as-is, without the chat template")
-    gen.add_argument("--mode", default="speculative", choices=list(MODES))
+    gen.add_argument("--mode", default="speculative", choices=list(MODES),
+                     help="auto: the router, speculative decoding whose K (0 = standard) and proposer are chosen "
+                          "per step")
     gen.add_argument("--max-new-tokens", type=opt.max_new_tokens, default=128, help=f"1 to {MAX_NEW_TOKENS}")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     _add_model_args(gen)
@@ -83,8 +93,42 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", dest="json_out", type=Path, default=None, help="write the full results here")
     bench.add_argument("--csv", dest="csv_out", type=Path, default=None, help="write one row per run here")
     bench.add_argument("--warmup", type=opt.warmup, default=1, help="untimed warm-up generations per mode")
+    bench.add_argument("--repeat", type=opt.repeat, default=1,
+                       help="time every prompt in every mode N times: median and spread (mode order rotates)")
     bench.add_argument("--raw", action="store_true", help="feed prompts as-is, without the chat template")
     _add_model_args(bench)
+
+    sweep = sub.add_parser("sweep", help="measure proposer x K x temperature; write sweep.csv and sweep.png")
+    sweep.add_argument("--prompts", required=True, type=opt.path, help='JSONL: {"id", "category", "prompt"} per line')
+    sweep.add_argument("--k", dest="ks", type=opt.k_list, default="1,2,3,5,8,12",
+                       help=f"comma-separated K values (1..{K_MAX}, or auto)")
+    sweep.add_argument("--temperature", dest="temperatures", type=opt.temperature_list, default="0",
+                       help="comma-separated temperatures (finite, >= 0)")
+    sweep.add_argument("--proposer", dest="proposers", default="draft",
+                       help="comma-separated: draft, ngram, draft+ngram, head")
+    sweep.add_argument("--auto", action="store_true", help="also measure --mode auto per proposer")
+    sweep.add_argument("--repeat", type=opt.repeat, default=1, help="time every configuration N times")
+    sweep.add_argument("--max-new-tokens", type=opt.max_new_tokens, default=64, help=f"1 to {MAX_NEW_TOKENS}")
+    sweep.add_argument("--out", required=True, type=opt.path, help="folder for sweep.csv, sweep.png, sweep.json")
+    sweep.add_argument("--raw", action="store_true", help="feed prompts as-is, without the chat template")
+    _add_model_args(sweep, decoding=False)
+
+    distill = sub.add_parser("distill", help="train a draft head on the target's own answers (resumable)")
+    distill.add_argument("--target", default=None, type=opt.model_spec,
+                         help="model folder, .gguf file or hub id (default: packaged Qwen2.5-Coder-1.5B-Instruct)")
+    distill.add_argument("--out", required=True, type=opt.path, help="where the head's shards and manifest go")
+    distill.add_argument("--minutes", type=opt.minutes, default=17.0,
+                         help="the whole budget, all calls together: data, training, export (default 17)")
+    distill.add_argument("--work", type=opt.path, default=None,
+                         help="work folder (data, checkpoints, log); running again with it resumes (default OUT/work)")
+    distill.add_argument("--call-minutes", type=opt.minutes, default=None,
+                         help="stop this call after so many minutes, exporting what is trained so far")
+    distill.add_argument("--prompts", type=opt.path, default=None,
+                         help='extra questions to answer, JSONL {"prompt": ...} (benchmark prompts are refused)')
+    distill.add_argument("--seed", type=opt.seed, default=0, help=f"0 to {opt.MAX_SEED}")
+    distill.add_argument("--device", default="auto", type=opt.device, help="auto, cpu, cuda or cuda:N (default: auto)")
+    distill.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
+    distill.add_argument("-v", "--verbose", action="store_true", help="log what the engine does (stderr)")
 
     cache = sub.add_parser("cache", help="show, check or free the converted-model cache")
     cache.add_argument("action", choices=["info", "clean", "verify"],
@@ -130,9 +174,12 @@ def _load(args: argparse.Namespace, needs_draft: bool) -> tuple[LoadedPair, Engi
     from engine.models.store import load_pair
 
     reporter = _LoadReporter(sys.stderr, args.verbose)
+    compile_k = getattr(args, "k", DEFAULT_K) or DEFAULT_K  # K auto: compile the default K's widths
+    head = None if args.head == "none" else args.head
     pair = load_pair(args.target, args.draft, device=args.device, dtype=args.dtype,
-                     progress=reporter, with_draft=needs_draft, pack_cpu=args.fast_path in ("auto", "static"))
-    return pair, Engine.from_pair(pair, fast_path=args.fast_path, progress=reporter, compile_k=args.k)
+                     progress=reporter, with_draft=needs_draft, pack_cpu=args.fast_path in ("auto", "static"),
+                     head=head)
+    return pair, Engine.from_pair(pair, fast_path=args.fast_path, progress=reporter, compile_k=compile_k, head=head)
 
 
 def _settings(args: argparse.Namespace, mode: str, max_new_tokens: int) -> GenerationSettings:
@@ -167,7 +214,7 @@ def _environment(engine: Engine) -> dict[str, Any]:
 def _model_config(engine: Engine, args: argparse.Namespace) -> dict[str, Any]:
     info = engine.info
     return {"target": info.target_name, "draft": info.draft_name, "device": info.device, "dtype": info.dtype,
-            "fast_path": info.fast_path, "vocab_size": info.vocab_size, "k": args.k,
+            "fast_path": info.fast_path, "vocab_size": info.vocab_size, "k": "auto" if args.k == K_AUTO else args.k,
             "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed,
             "max_new_tokens": args.max_new_tokens, "proposer": args.proposer, "raw": args.raw}
 
@@ -175,7 +222,7 @@ def _model_config(engine: Engine, args: argparse.Namespace) -> dict[str, Any]:
 # --------------------------------------------------------------------------- generate
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    needs_draft = args.mode == "speculative" and args.proposer != "ngram"
+    needs_draft = args.mode != "standard" and args.proposer in ("draft", "draft+ngram")
     _, engine = _load(args, needs_draft)
     generation = engine.generate(_request(args, args.prompt, args.mode, args.max_new_tokens))
     tokens: list[dict[str, str]] = []
@@ -199,11 +246,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _summary_line(s: Summary) -> str:
+    from engine.measure.explain import describe_decision, time_split
+
     line = (f"[{s.mode}] {s.new_tokens} tokens in {s.seconds:.2f} s ({s.tokens_per_s:.1f} tok/s), "
             f"stop: {s.stop_reason}")
-    if s.mode == "speculative":
+    if s.mode != "standard":
         line += (f"; acceptance {s.acceptance_rate:.0%} ({s.accepted}/{s.drafted}), "
-                 f"{s.tokens_per_target_forward:.2f} tokens per target forward")
+                 f"{s.tokens_per_target_forward:.2f} tokens per target forward, mean K {s.k_mean:.1f}")
+    line += f"; {time_split(s)}"
+    if s.decision is not None and s.decision.reason != "fixed":
+        line += f"; {describe_decision(s.decision)}"
     return line
 
 
@@ -226,8 +278,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     # Cheap checks first: a typo in a file name should not cost a model load.
     prompts = read_prompts(args.prompts)
     modes = parse_modes(args.modes)
-    if "hf-assisted" in modes and args.proposer == "ngram":
-        raise CliError("the hf-assisted baseline needs the draft model: drop --proposer ngram or that mode")
+    if "hf-assisted" in modes and args.proposer not in ("draft", "draft+ngram"):
+        raise CliError("the hf-assisted baseline needs the draft model: use --proposer draft or drop that mode")
     outputs = [out for out in (args.json_out, args.csv_out) if out is not None]
     if len(outputs) == 2 and outputs[0].resolve() == outputs[1].resolve():
         raise CliError(f"--json and --csv name the same file {outputs[0]}")
@@ -236,7 +288,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             opt.check_writable(out)
         except argparse.ArgumentTypeError as e:
             raise CliError(str(e)) from None
-    needs_draft = any(MODE_RUNNERS[m].needs_draft for m in modes) and args.proposer != "ngram"
+    needs_draft = any(MODE_RUNNERS[m].needs_draft for m in modes) and args.proposer in ("draft", "draft+ngram")
     pair, engine = _load(args, needs_draft)
     ctx = BenchContext(
         pair, engine,
@@ -244,15 +296,17 @@ def cmd_bench(args: argparse.Namespace) -> int:
         reload_pair=lambda: load_pair(args.target, args.draft, device=args.device, dtype=args.dtype,
                                       with_draft=needs_draft),
     )
-    with tqdm(total=len(prompts) * len(modes), file=sys.stderr, desc="bench", unit="run", disable=None) as bar:
+    total = len(prompts) * len(modes) * args.repeat
+    with tqdm(total=total, file=sys.stderr, desc="bench", unit="run", disable=None) as bar:
         def progress(done: int, _total: int, note: str) -> None:
             bar.set_postfix_str(note)
             bar.update(done - bar.n)
 
-        result = run_bench(ctx, prompts, modes, max_new_tokens=args.max_new_tokens, warmup=args.warmup, k=args.k,
-                           cost_model=args.proposer != "ngram", progress=progress)
+        result = run_bench(ctx, prompts, modes, max_new_tokens=args.max_new_tokens, warmup=args.warmup,
+                           repeat=args.repeat, progress=progress, proposer=args.proposer)
+    result.summary["diagnostics"] = _diagnose(engine, args, result.summary)
     config = {**_model_config(engine, args), "modes": list(result.modes), "prompts": str(args.prompts),
-              "warmup": args.warmup, "wall_s": result.wall_s, **_environment(engine)}
+              "warmup": args.warmup, "repeat": args.repeat, "wall_s": result.wall_s, **_environment(engine)}
     table = format_table(result.summary, result.modes)
     try:
         if args.json_out is not None:
@@ -268,48 +322,19 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(table)
         raise CliError(f"cannot write results: {e.strerror or e} ({e.filename})") from None
     print(f"{engine.info.target_name} / {engine.info.draft_name or '-'} on {engine.info.device} "
-          f"({engine.info.dtype}, {engine.info.fast_path}), {len(prompts)} prompts, k={args.k}, "
+          f"({engine.info.dtype}, {engine.info.fast_path}), {len(prompts)} prompts, k={args.k or 'auto'}, "
           f"temperature={args.temperature}, max_new_tokens={args.max_new_tokens}")
     print(table)
     return 0
 
 
-# --------------------------------------------------------------------------- cache
+def _diagnose(engine: Engine, args: argparse.Namespace, summary: dict[str, Any]) -> list[str]:
+    """The troubleshooting rules on what this bench measured, as lines to print and keep in the JSON."""
+    from engine.measure.diagnostics import diagnose, from_bench
+    from engine.measure.explain import describe_diagnosis
 
-def _size(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1000 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    raise AssertionError("unreachable")
-
-
-def cmd_cache(args: argparse.Namespace) -> int:
-    from engine.models import cache_space as cache
-
-    root = cache.cache_dir()
-    if args.action == "clean":
-        print(f"freed {_size(cache.clean(models=args.all))} in {root}")
-        return 0
-    if args.action == "verify":
-        results = cache.verify_all()
-        for r in results:
-            print(f"{'ok' if r.problem is None else 'DAMAGED':<8} {r.name}" + (f": {r.problem}" if r.problem else ""))
-        damaged = [r for r in results if r.problem is not None]
-        if damaged:
-            raise CliError(f"{len(damaged)} of {len(results)} converted models were damaged and have been removed; "
-                           f"they are converted again on next use")
-        print(f"{len(results)} converted models in {root}, every file matches its SHA-256")
-        return 0
-    items = cache.cache_items()
-    print(f"cache: {root}")
-    for item in items:
-        print(f"  {_size(item.size):>9}  {item.kind:<8}  {item.name}  ({item.path.name})")
-    total = sum(i.size for i in items)
-    spare = sum(i.size for i in items if i.kind in ("leftover", "gguf"))
-    models = sum(i.size for i in items if i.kind == "model")
-    print(f"total {_size(total)}: `{PROG} cache clean` frees {_size(spare)}, `clean --all` {_size(spare + models)}")
-    return 0
+    evidence = from_bench(summary, engine.info, k=args.k, temperature=args.temperature, proposer=args.proposer)
+    return [" ".join(describe_diagnosis(d)) for d in diagnose(evidence)]
 
 
 # --------------------------------------------------------------------------- entry point
@@ -333,6 +358,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "cache":  # no torch, no transformers: answers in a moment
         logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, stream=sys.stderr,
                             format="%(levelname)s %(name)s: %(message)s")
+        from app.cli_cache import cmd_cache
+
         try:
             return cmd_cache(args)
         except (CliError, EngineError) as e:
@@ -342,8 +369,14 @@ def main(argv: list[str] | None = None) -> int:
     _setup_logging(args.verbose)
     import torch
 
+    if args.command == "sweep":
+        from app.cli_sweep import cmd_sweep as command
+    elif args.command == "distill":
+        from app.cli_distill import cmd_distill as command
+    else:
+        command = {"generate": cmd_generate, "bench": cmd_bench}[args.command]
     try:
-        return cmd_generate(args) if args.command == "generate" else cmd_bench(args)
+        return command(args)
     except (CliError, EngineError) as e:
         return _fail(str(e))
     except torch.OutOfMemoryError:

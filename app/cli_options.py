@@ -8,11 +8,13 @@ import re
 import tempfile
 from pathlib import Path
 
-from engine.limits import K_MAX, MAX_NEW_TOKENS
+from engine.limits import K_AUTO, K_MAX, MAX_NEW_TOKENS
 from engine.settings import TOP_K_RANGE
 
 MAX_SEED = 2**63 - 1  # every torch generator takes it
 MAX_WARMUP = 100  # untimed generations per mode; more is a typo, not a plan
+MAX_REPEAT = 1000  # timed repeats of every run; more is a typo, not a plan
+MAX_MINUTES = 7 * 24 * 60  # a distillation budget beyond a week is a typo
 DEVICE_NAME = re.compile(r"auto|cpu|cuda(:\d{1,3})?")
 
 
@@ -43,7 +45,43 @@ def number(text: str, what: str) -> float:
 
 
 def k(text: str) -> int:
-    return whole(text, 1, K_MAX, "K (draft tokens per step)")
+    """1..K_MAX, or "auto" (K_AUTO: chosen per step)."""
+    if text.strip().lower() == "auto":
+        return K_AUTO
+    try:
+        return whole(text, 1, K_MAX, "K (draft tokens per step)")
+    except argparse.ArgumentTypeError as e:
+        raise argparse.ArgumentTypeError(f"{e}, or auto") from None
+
+
+def listed(text: str, item, what: str) -> str:
+    """A comma-separated list whose every item `item` accepts; the text itself is kept (the command parses it)."""
+    items = [t.strip() for t in utf8(text, what).split(",") if t.strip()]
+    if not items:
+        raise argparse.ArgumentTypeError(f"{what} needs at least one value")
+    values = [item(t) for t in items]
+    if len(set(values)) != len(values):
+        raise argparse.ArgumentTypeError(f"{what}: a value is listed twice in {short(text)!r}")
+    return text
+
+
+def k_list(text: str) -> str:
+    return listed(text, k, "--k")
+
+
+def temperature_list(text: str) -> str:
+    return listed(text, temperature, "--temperature")
+
+
+def repeat(text: str) -> int:
+    return whole(text, 1, MAX_REPEAT, "repeats")
+
+
+def minutes(text: str) -> float:
+    value = number(text, "minutes")
+    if not 0 < value <= MAX_MINUTES:
+        raise argparse.ArgumentTypeError(f"minutes must be > 0 and at most {MAX_MINUTES} (a week), got {value:g}")
+    return value
 
 
 def max_new_tokens(text: str) -> int:
@@ -99,6 +137,20 @@ def prompt(text: str) -> str:
 
 def model_spec(text: str) -> str:
     return utf8(text, "a model path or hub id")
+
+
+def head(text: str) -> str:
+    """auto, none, or a draft head folder that exists (a typo should not cost a model load)."""
+    text = utf8(text, "a draft head folder").strip()
+    if text in ("auto", "none"):
+        return text
+    if not Path(text).is_dir():
+        raise argparse.ArgumentTypeError(f"draft head folder {short(text)!r} does not exist (or use auto or none)")
+    return text
+
+
+def path(text: str) -> Path:
+    return Path(utf8(text, "a file or folder name"))
 
 
 def check_writable(path: Path) -> None:

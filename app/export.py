@@ -1,26 +1,33 @@
-"""CSV export of a session: one row per answer (every Summary figure plus its settings) and the step trace."""
+"""Exports: the session as CSV (one row per answer, and the step trace), a conversation as Markdown or JSON."""
 from __future__ import annotations
 
 import contextlib
 import csv
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, fields
 from datetime import datetime
 from pathlib import Path
 
+from app.chat_tree import Conversation
+from app.conversations import encode, write_atomically
+from engine.limits import K_AUTO
+from engine.measure.csvsafe import neutralise, restore  # noqa: F401 (restore: readers of our CSVs import it here)
 from engine.types import GenerationRequest, ModelInfo, Step, Summary
 
 ENCODING = "utf-8-sig"  # the BOM makes Excel read UTF-8 (Chinese text) instead of the ANSI code page
 
-SUMMARY_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(Summary))
+SUMMARY_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(Summary) if f.name != "decision")
+# The controller's last decision, as numbers (a Decision is not one cell).
+DECISION_COLUMNS: tuple[str, ...] = ("decision_k", "decision_reason", "decision_acceptance",
+                                     "decision_predicted_speedup")
 SESSION_COLUMNS: tuple[str, ...] = (
     "request_id", "timestamp", "target_model", "draft_model", "device", "dtype", "fast_path",
     "proposer", "request_mode", "request_k", "temperature", "top_k", "top_p", "seed", "max_new_tokens",
-) + SUMMARY_FIELDS
+) + SUMMARY_FIELDS + DECISION_COLUMNS
 TRACE_COLUMNS: tuple[str, ...] = (
-    "request_id", "step", "mode", "proposed", "accepted", "added_status", "new_tokens", "total_tokens",
-    "draft_ms", "verify_ms", "elapsed_s", "stop_reason", "text",
+    "request_id", "step", "mode", "k_chosen", "k_reason", "proposed", "accepted", "added_status", "new_tokens",
+    "total_tokens", "draft_ms", "verify_ms", "overhead_ms", "elapsed_s", "stop_reason", "text",
 )
 
 
@@ -37,23 +44,6 @@ class AnswerRecord:
 
 def now_iso() -> str:
     return datetime.now().astimezone().isoformat(timespec="seconds")
-
-
-# A spreadsheet runs a cell that starts with one of these as a formula (=HYPERLINK(...) and worse).
-FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")
-
-
-def neutralise(text: str) -> str:
-    """Text as a spreadsheet shows it, never runs it (the OWASP CSV-injection rule: a leading quote).
-
-    Text that already starts with a quote gets one too, so `restore` gives back exactly what was written.
-    """
-    return "'" + text if text.startswith(FORMULA_STARTS + ("'",)) else text
-
-
-def restore(text: str) -> str:
-    """The text `neutralise` was given (for readers of our own CSV files)."""
-    return text[1:] if text.startswith("'") else text
 
 
 def cell(value: object) -> object:
@@ -87,9 +77,9 @@ def session_rows(records: Iterable[AnswerRecord]) -> list[dict[str, object]]:
             "device": info.device if info else "",
             "dtype": info.dtype if info else "",
             "fast_path": info.fast_path if info else "",
-            "proposer": req.proposer if req.mode == "speculative" else "",
+            "proposer": req.proposer if req.mode != "standard" else "",
             "request_mode": req.mode,
-            "request_k": req.k if req.mode == "speculative" else 0,
+            "request_k": ("auto" if req.k == K_AUTO or req.mode == "auto" else req.k) if req.mode != "standard" else 0,
             "temperature": req.sampling.temperature,
             "top_k": req.sampling.top_k,
             "top_p": req.sampling.top_p,
@@ -98,6 +88,10 @@ def session_rows(records: Iterable[AnswerRecord]) -> list[dict[str, object]]:
         }
         for name in SUMMARY_FIELDS:
             row[name] = getattr(r.summary, name)
+        d = r.summary.decision
+        row.update(decision_k=d.k if d else None, decision_reason=d.reason if d else None,
+                   decision_acceptance=d.acceptance if d else None,
+                   decision_predicted_speedup=d.predicted_speedup if d else None)
         rows.append({k: cell(v) for k, v in row.items()})
     return rows
 
@@ -110,6 +104,8 @@ def trace_rows(records: Iterable[AnswerRecord]) -> list[dict[str, object]]:
                 "request_id": r.request.request_id,
                 "step": s.index,
                 "mode": s.mode,
+                "k_chosen": s.decision.k if s.decision is not None else len(s.proposed),
+                "k_reason": s.decision.reason if s.decision is not None else None,
                 "proposed": len(s.proposed),
                 "accepted": s.accepted,
                 "added_status": s.added_status,
@@ -117,6 +113,7 @@ def trace_rows(records: Iterable[AnswerRecord]) -> list[dict[str, object]]:
                 "total_tokens": s.total_tokens,
                 "draft_ms": s.draft_ms,
                 "verify_ms": s.verify_ms,
+                "overhead_ms": s.overhead_ms,
                 "elapsed_s": s.elapsed_s,
                 "stop_reason": s.stop_reason,
                 "text": s.text,
@@ -151,3 +148,43 @@ def write_session_csv(path: str | os.PathLike[str], records: Iterable[AnswerReco
 def write_trace_csv(path: str | os.PathLike[str], records: Iterable[AnswerRecord]) -> int:
     """One row per Step of every answer; returns the number of rows. Raises OSError on failure."""
     return write_csv(path, TRACE_COLUMNS, trace_rows(records))
+
+
+# --- conversations ----------------------------------------------------------------------------------
+
+StatsLine = Callable[[Summary, "GenerationRequest | None"], str]
+
+
+def conversation_markdown(conversation: Conversation, stats_line: StatsLine | None = None) -> str:
+    """The shown branch as Markdown: a heading per message; answers keep their own markdown as written,
+    followed by their figures (`stats_line`, e.g. widgets.stats_line.format_stats_line) in italics."""
+    lines = [f"# {conversation.title or 'Untitled conversation'}", "",
+             f"_Exported from SpecDec Studio on {now_iso()}; started {conversation.created}._", ""]
+    for turn in conversation.path():
+        if turn.role == "user":
+            lines += ["## You", "", turn.content, ""]
+            continue
+        lines += [f"## Assistant ({turn.model})" if turn.model else "## Assistant", "", turn.content, ""]
+        if turn.summary is not None and stats_line is not None:
+            lines += [f"_{stats_line(turn.summary, turn.request)}_", ""]
+        if turn.error:
+            lines += [f"> ⚠ {turn.error}", ""]
+    return "\n".join(lines)
+
+
+def write_conversation_markdown(path: str | os.PathLike[str], conversation: Conversation,
+                                stats_line: StatsLine | None = None) -> None:
+    """Raises OSError if the path is not writable; an existing file is replaced whole or not at all."""
+    write_atomically(_file_path(path), conversation_markdown(conversation, stats_line).encode("utf-8"))
+
+
+def write_conversation_json(path: str | os.PathLike[str], conversation: Conversation) -> None:
+    """Every branch, figure and token status: the same format as the saved file (it can be put back)."""
+    write_atomically(_file_path(path), encode(conversation.to_json()))
+
+
+def _file_path(path: str | os.PathLike[str]) -> Path:
+    target = Path(path)
+    if target.is_dir():
+        raise IsADirectoryError(f"{target} is a folder; choose a file name")
+    return target

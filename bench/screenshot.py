@@ -1,4 +1,7 @@
-"""Saves a screenshot of the main window after one streamed answer (scripted engine by default, or real models)."""
+"""Saves a screenshot of the main window after one streamed answer, a race or a sweep (scripted engine or real models).
+
+    .venv/bin/python bench/screenshot.py --real --tune --tune-prompts 2 --max-new-tokens 16 --out assets/screenshot-tune.png
+"""
 from __future__ import annotations
 
 import argparse
@@ -25,9 +28,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=0, help="override the panel's max new tokens")
     p.add_argument("--mid", type=int, default=0, help="grab mid-answer, once this many tokens have streamed")
     p.add_argument("--race", action="store_true", help="run the prompt in the Race tab and grab the finished race")
+    p.add_argument("--theme", choices=["light", "dark"], default="light")
+    p.add_argument("--conversations", type=int, default=0,
+                   help="saved conversations to show in the sidebar (scripted ones, in a throw-away data folder)")
+    p.add_argument("--beside", default="", help="also save the last answer rendered beside its token view here")
+    p.add_argument("--tune", action="store_true", help="run a sweep in the Tune tab and grab it finished")
+    p.add_argument("--tune-k", default="1,2,3,5,8", help="the Tune tab's K list")
+    p.add_argument("--tune-t", default="0,0.7", help="the Tune tab's temperatures")
+    p.add_argument("--tune-prompts", type=int, default=2, help="how many bench prompts the sweep uses")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO)
 
+    import os
+
+    # Never the user's conversations: a throw-away data folder, seeded with scripted ones if asked.
+    os.environ["SPECDEC_DATA_DIR"] = tempfile.mkdtemp(prefix="specdec-shot-")
     import shiboken6
     from PySide6.QtCore import QEventLoop, QTimer
     from PySide6.QtWidgets import QApplication
@@ -42,6 +57,12 @@ def main(argv: list[str] | None = None) -> int:
     app.setStyle("Fusion")
     app.setStyleSheet(load_stylesheet())
     settings = AppSettings(Path(tempfile.mkdtemp()) / "settings.ini")  # never the user's layout
+    settings.set_theme(args.theme)
+    if args.conversations:
+        from app.conversations import ConversationStore, default_folder
+        from app.demo import demo_conversations
+
+        demo_conversations(ConversationStore(default_folder()), args.conversations)
     if args.real:
         window = MainWindow(settings=settings)
     else:
@@ -65,7 +86,18 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     if args.max_new_tokens:
         window.panel.set_values(replace(window.panel.values(), max_new_tokens=args.max_new_tokens))
-    if args.race:
+    if args.tune:
+        view = window.tune_view
+        window.tabs.setCurrentWidget(view)
+        view.ks.setText(args.tune_k)
+        view.temperatures.setText(args.tune_t)
+        view.prompts.setValue(args.tune_prompts)
+        if args.max_new_tokens:
+            view.max_new_tokens.setValue(args.max_new_tokens)
+        view.start_button.click()
+        wait_for(lambda: window.tune.running, 5.0)
+        wait_for(lambda: not window.tune.running, args.timeout)
+    elif args.race:
         window.tabs.setCurrentWidget(window.race_view)
         window.race_view.set_prompt_text(args.prompt)
         window.race_view.race_button.click()
@@ -76,16 +108,44 @@ def main(argv: list[str] | None = None) -> int:
 
         def streamed() -> int:
             rid = window.active_request
-            return sum(s.new_tokens for s in window._steps.get(rid, ())) if rid is not None else 1 << 30
+            entry = window.session._in_flight.get(rid) if rid is not None else None
+            return sum(s.new_tokens for s in entry.steps) if entry is not None else 1 << 30
 
         wait_for(lambda: window.active_request is None or (args.mid and streamed() >= args.mid), args.timeout)
     wait_for(lambda: False, 0.5)  # let the charts' timer and the layout settle
     window.grab().save(args.out)
     print(f"saved {args.out}")
+    if args.beside:
+        save_beside(window, args.beside, wait_for)
+        print(f"saved {args.beside}")
     window.close()
     shiboken6.delete(window)  # before the QApplication goes, or PySide6 can crash at exit
     gc.collect()
     return 0
+
+
+def save_beside(window, path: str, wait_for) -> None:
+    """The last answer twice, side by side: rendered as markdown, then as its coloured tokens."""
+    from PySide6.QtGui import QColor, QPainter, QPixmap
+
+    rid = window.chat.answer_ids()[-1]
+    bubble = window.chat._assistants[rid]
+    window.chat.set_answer_markdown(rid, True)
+    wait_for(lambda: bubble.showing_markdown() and bubble.markdown.is_complete(), 10)
+    wait_for(lambda: False, 0.3)
+    rendered = bubble.grab()
+    window.chat.set_answer_markdown(rid, False)
+    wait_for(lambda: False, 0.3)
+    tokens = bubble.grab()
+    window.chat.set_answer_markdown(rid, True)
+    gap = 16
+    out = QPixmap(rendered.width() + tokens.width() + 3 * gap, max(rendered.height(), tokens.height()) + 2 * gap)
+    out.fill(QColor(window.palette().window().color()))
+    painter = QPainter(out)
+    painter.drawPixmap(gap, gap, rendered)
+    painter.drawPixmap(2 * gap + rendered.width(), gap, tokens)
+    painter.end()
+    out.save(path)
 
 
 if __name__ == "__main__":

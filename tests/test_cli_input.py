@@ -281,3 +281,103 @@ def test_a_bug_is_still_one_line(tiny_pair, monkeypatch, capsys):
     monkeypatch.setattr(engine.decoding.Engine, "generate", bug)
     code = main(["generate", "--prompt", "x", *_models(tiny_pair)])
     _one_line(code, capsys.readouterr().err, "internal error (ZeroDivisionError: a bug", "-v")
+
+
+# --- the commands main added: sweep, distill, --k auto, --mode auto, --proposer head, --head -------------------
+
+@pytest.fixture
+def no_load_anywhere(no_load, monkeypatch):
+    """no_load for sweep (it imported _load) and distill (it loads inside engine.heads.distill)."""
+    import app.cli_sweep
+    import engine.heads.distill
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("models were loaded before the input was checked")
+
+    monkeypatch.setattr(app.cli_sweep, "_load", refuse)
+    monkeypatch.setattr(engine.heads.distill, "distill", refuse)
+
+
+@pytest.fixture
+def prompts_file(tmp_path) -> Path:
+    path = tmp_path / "prompts.jsonl"
+    path.write_text('{"id": "a", "category": "code", "prompt": "def f():"}\n', encoding="utf-8")
+    return path
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["--k", "0"], f"1 to {K_MAX}"),
+    (["--k", f"1,{K_MAX + 1}"], f"1 to {K_MAX}"),
+    (["--k", "auto,99999999999999999999999"], f"1 to {K_MAX}"),
+    (["--k", "two"], "whole number"),
+    (["--k", "3,3"], "listed twice"),
+    (["--k", " , "], "at least one"),
+    (["--temperature", "nan"], "finite"),
+    (["--temperature", "0,inf"], "finite"),
+    (["--temperature", "-0.5"], ">= 0"),
+    (["--repeat", "0"], "--repeat"),
+    (["--max-new-tokens", "0"], "--max-new-tokens"),
+    (["--proposer", "draft,bogus"], "unknown proposer"),
+    (["--head", "/no/such/head"], "does not exist"),
+])
+def test_bad_sweep_options_fail_before_loading(args, fragment, prompts_file, tmp_path, no_load_anywhere, capsys):
+    argv = ["sweep", "--prompts", str(prompts_file), "--out", str(tmp_path / "out"), *args]
+    line = _one_line(main(argv), capsys.readouterr().err, fragment)
+    assert len(line) < 200
+
+
+def test_sweep_output_folder_that_is_a_file_fails_before_loading(prompts_file, tmp_path, no_load_anywhere, capsys):
+    (tmp_path / "taken").write_text("x")
+    _one_line(main(["sweep", "--prompts", str(prompts_file), "--out", str(tmp_path / "taken")]),
+              capsys.readouterr().err, "cannot create")
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["--minutes", "nan"], "finite"),
+    (["--minutes", "inf"], "finite"),
+    (["--minutes", "0"], "> 0"),
+    (["--minutes", "-3"], "> 0"),
+    (["--minutes", "1e12"], "at most"),
+    (["--call-minutes", "nan"], "finite"),
+    (["--seed", "-1"], "--seed"),
+    (["--device", "gpu"], "--device"),
+    (["--target", "caf\udce9"], "UTF-8"),
+    (["--prompts", "/no/such/prompts.jsonl"], "cannot read prompts file"),
+])
+def test_bad_distill_options_fail_before_loading(args, fragment, tmp_path, no_load_anywhere, capsys):
+    line = _one_line(main(["distill", "--out", str(tmp_path / "head"), *args]), capsys.readouterr().err, fragment)
+    assert len(line) < 200
+
+
+def test_distill_output_that_is_a_file_fails_before_loading(tmp_path, no_load_anywhere, capsys):
+    (tmp_path / "taken").write_text("x")
+    _one_line(main(["distill", "--out", str(tmp_path / "taken")]), capsys.readouterr().err, "cannot create")
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["--k", "auto,"], "whole number"),  # one K, not a list, on generate
+    (["--head", "/no/such/head", "--proposer", "head"], "does not exist"),
+    (["--mode", "sometimes"], "--mode"),
+    (["--proposer", "oracle"], "--proposer"),
+])
+def test_bad_new_generate_options_fail_before_loading(args, fragment, no_load, capsys):
+    _one_line(main(["generate", "--prompt", "x", *args]), capsys.readouterr().err, fragment)
+
+
+def test_new_generate_and_bench_options_parse(tmp_path):
+    from app.cli import build_parser
+    from engine.limits import K_AUTO
+
+    args = build_parser().parse_args(["generate", "--prompt", "x", "--k", "auto", "--mode", "auto",
+                                      "--proposer", "head", "--head", "none"])
+    assert (args.k, args.mode, args.proposer, args.head) == (K_AUTO, "auto", "head", "none")
+    args = build_parser().parse_args(["distill", "--out", str(tmp_path), "--minutes", "0.5"])
+    assert args.minutes == 0.5
+    args = build_parser().parse_args(["sweep", "--prompts", "p", "--out", "o", "--k", "1,auto", "--temperature",
+                                      "0,0.7"])
+    assert (args.ks, args.temperatures) == ("1,auto", "0,0.7")
+
+
+@pytest.mark.parametrize("repeat", ["0", "1000000"])
+def test_bad_bench_repeat_fails_before_loading(repeat, prompts_file, no_load, capsys):
+    _one_line(main(["bench", "--prompts", str(prompts_file), "--repeat", repeat]), capsys.readouterr().err, "--repeat")

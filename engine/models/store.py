@@ -79,6 +79,10 @@ class LoadedPair:  # not frozen: holds models
     tokenizer: PreTrainedTokenizerBase  # the target's tokenizer
     info: ModelInfo  # names, device, dtype; fast_path="eager" here
     shared_vocab: int  # vocabulary size both models share (compare/slice logits to this)
+    # The draft head load_pair found before packing the target (DraftHead, HeadFiles), or None;
+    # head_resolved says load_pair looked (a packed target has no plain output head left to bind to).
+    head: tuple | None = None
+    head_resolved: bool = False
 
 
 @dataclass(frozen=True)
@@ -667,6 +671,7 @@ def load_pair(
     progress: ProgressFn | None = None,
     with_draft: bool = True,
     pack_cpu: bool = False,
+    head: str | None = "auto",
 ) -> LoadedPair:
     """Resolves, checks (before any weights load), converts if needed, and loads target + draft.
 
@@ -674,6 +679,9 @@ def load_pair(
     Engine.from_pair would do for the fast path), so the draft never loads beside an unpacked
     target: the float32 peak stays near the final size. Leave False for models that must stay as
     Hugging Face ships them (the bench's hf baselines).
+    head: the draft head to use (engine.heads.shards.resolve_head: "auto", a folder, None). When the
+    target is packed here it is resolved first, as binding reads the target's unpacked output head;
+    Engine.from_pair then takes it from the pair.
     """
     started = time.perf_counter()
     _emit(progress, "check", 0.0, "Finding the models")
@@ -694,6 +702,7 @@ def load_pair(
         folders = [_ensure_folder(p, progress) for p in prepared]
 
     models: list[PreTrainedModel] = []
+    found_head = None
     for i, (p, folder) in enumerate(zip(prepared, folders)):
         _emit(progress, "load", i / len(folders),
               f"Loading {p.source.name} ({p.source.role}) on {torch_device} in {dtype_name(torch_dtype)}")
@@ -702,6 +711,10 @@ def load_pair(
         if packing:
             from engine.runners.cpu import try_pack
 
+            if i == 0:
+                from engine.heads.shards import resolve_head
+
+                found_head = resolve_head(model, head)
             _emit(progress, "load", (i + 0.5) / len(folders), f"Packing {p.source.name} for the CPU fast path")
             if try_pack(model, torch_dtype) is None:  # no oneDNN here: the linear weights still need casting
                 memory.cast_releasing_pages(model, torch_dtype)
@@ -748,7 +761,8 @@ def load_pair(
         vocab_size=shared,
     )
     return LoadedPair(target=models[0], draft=models[1] if with_draft else None,
-                      tokenizer=tokenizer, info=info, shared_vocab=shared)
+                      tokenizer=tokenizer, info=info, shared_vocab=shared,
+                      head=found_head, head_resolved=pack_cpu and torch_device.type == "cpu")
 
 
 def load_tokenizer(spec: str | None, role: Role) -> PreTrainedTokenizerBase:
