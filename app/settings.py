@@ -111,7 +111,11 @@ class AppSettings:
 
     def sidebar_width(self) -> int | None:
         width = self._json("window/appearance").get("sidebar_width")
-        return width if isinstance(width, int) and width > 0 else None
+        if isinstance(width, int) and not isinstance(width, bool) and 0 < width <= MAX_PANE_PIXELS:
+            return width
+        if width is not None:
+            log.warning("ignoring damaged sidebar width in %s", self.file_name())
+        return None
 
     def set_sidebar_width(self, width: int) -> None:
         self._set_appearance(sidebar_width=int(width))

@@ -37,6 +37,8 @@ HOSTILE = {
                        '"dtype": ["bf16"], "no_draft": "yes"}') + "\n",
     "deep-json": "[generation]\nsettings=" + _json_value("[" * 100_000) + "\n",
     "bad-geometry": "[window]\ngeometry=@ByteArray(" + "\\xff" * 100 + ")\n",
+    "appearance": "[window]\nappearance=" + _json_value(
+        '{"sidebar_width": 100000000000000000000, "theme": ["dark"], "markdown": {"a": 1}}') + "\n",
     "long-path": "[models]\nselection=" + _json_value(
         '{"target": {"kind": "folder", "value": "' + "a" * 10_000 + '"}}') + "\n",
 }
@@ -66,6 +68,9 @@ def test_every_stored_value_comes_back_valid(tmp_path, name):
     sizes = s.splitter_sizes()
     assert sizes is None or all(0 <= x <= MAX_PANE_PIXELS for x in sizes)
     assert isinstance(s.charts_visible(), bool)
+    width = s.sidebar_width()
+    assert width is None or 0 < width <= MAX_PANE_PIXELS
+    assert s.theme() in ("system", "light", "dark") and isinstance(s.render_markdown(), bool)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -76,7 +81,7 @@ def test_the_window_always_starts(qtbot, tmp_path, name):
     with qtbot.waitSignal(w.models_loaded, timeout=10000):
         w.load_models(w.selection)
     assert w.panel.values() == w.panel.values().clamped()
-    assert all(0 <= x <= MAX_PANE_PIXELS for x in w.splitter.sizes())
+    assert all(0 <= x <= MAX_PANE_PIXELS for x in w.splitter.sizes() + w.outer.sizes())
     w.close()
     assert not running_threads()
     # What is written back on close is clean: the next start reads it without a single warning.
