@@ -142,7 +142,7 @@ class ConversationStore:
                     headers.append(ConversationHeader(**hit["header"]))
                     continue
                 try:
-                    raw = json.loads(path.read_bytes())
+                    raw = _loads(path.read_bytes())
                     check_header(raw)
                     if raw["id"] != key:
                         raise ConversationFormatError(f"its id {raw['id']!r} does not match the file name")
@@ -164,7 +164,7 @@ class ConversationStore:
         """Raises ConversationFormatError (with a reason a person can read) or OSError."""
         path = self.path_of(conversation_id)
         try:
-            raw = json.loads(path.read_bytes())
+            raw = _loads(path.read_bytes())
         except ValueError as e:
             raise ConversationFormatError(_reason(e)) from e
         return Conversation.from_json(raw)
@@ -228,7 +228,7 @@ class ConversationStore:
                 text = self.path_of(header.id).read_text(encoding="utf-8")
                 if raw_test and needle not in text.casefold():
                     continue
-                if needle in search_text(Conversation.from_json(json.loads(text))).casefold():
+                if needle in search_text(Conversation.from_json(_loads(text))).casefold():
                     hits.append(header.id)
             except (OSError, ValueError):
                 continue  # reported by list(); a search never fails because of one file
@@ -240,7 +240,7 @@ class ConversationStore:
         if self._index:
             return dict(self._index)
         try:
-            raw = json.loads((self.folder / INDEX_NAME).read_bytes())
+            raw = _loads((self.folder / INDEX_NAME).read_bytes())
             if raw.get("version") == INDEX_VERSION and isinstance(raw.get("entries"), dict):
                 self._index = {k: v for k, v in raw["entries"].items()
                                if isinstance(v, dict) and isinstance(v.get("header"), dict)}
@@ -269,6 +269,14 @@ def _escaped_in_json(needle: str) -> bool:
     # json.dumps(ensure_ascii=False) escapes only quotes, backslashes and control characters, so a
     # needle without them appears verbatim in the file wherever it appears in a message.
     return any(ch in '"\\' or ord(ch) < 0x20 for ch in needle)
+
+
+def _loads(data: str | bytes) -> Any:
+    """json.loads, with a file nested deeper than Python's stack ("[[[[…") a damaged file, not a crash."""
+    try:
+        return json.loads(data)
+    except RecursionError:
+        raise ConversationFormatError("damaged: nested too deeply") from None
 
 
 def _reason(e: BaseException) -> str:

@@ -163,6 +163,22 @@ def test_damaged_and_foreign_files_are_reported_and_skipped(tmp_path):
         store.load("other")
 
 
+def test_a_file_nested_too_deeply_is_damage_not_a_crash(tmp_path):
+    """A conversation (or index) file of "[[[[…" would raise RecursionError from json: the app must still start."""
+    store = ConversationStore(tmp_path)
+    good = Conversation()
+    answered(good, "keep me", "kept")
+    store.save(good)
+    (tmp_path / "deep.json").write_text("[" * 100_000, encoding="utf-8")
+    (tmp_path / "index.json").write_text("{" * 100_000, encoding="utf-8")
+    again = ConversationStore(tmp_path)
+    assert [h.id for h in again.list()] == [good.id]
+    assert {p.path.name: p.reason for p in again.problems}["deep.json"] == "damaged: nested too deeply"
+    with pytest.raises(ConversationFormatError):
+        again.load("deep")
+    assert again.search("keep") == [good.id]
+
+
 def test_a_failed_write_leaves_the_previous_file(tmp_path, monkeypatch):
     store = ConversationStore(tmp_path)
     c = Conversation()
