@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 import app.cli
+import app.cli_sweep  # imported before any test patches app.cli._load: it binds _load at import
 from app.cli import main
 from app.export import restore
 from engine.limits import K_MAX
@@ -288,7 +289,6 @@ def test_a_bug_is_still_one_line(tiny_pair, monkeypatch, capsys):
 @pytest.fixture
 def no_load_anywhere(no_load, monkeypatch):
     """no_load for sweep (it imported _load) and distill (it loads inside engine.heads.distill)."""
-    import app.cli_sweep
     import engine.heads.distill
 
     def refuse(*args, **kwargs):
