@@ -222,7 +222,7 @@ def _census_from_tensors(name: str, f: dict, tensors: dict[str, tuple[str, tuple
 
 def census_from_gguf(path: Path, name: str) -> ModelCensus:
     """A .gguf file: shapes from its header; the weights load dequantized, so every tensor counts as float."""
-    from engine.gguf_pair import read_gguf_header
+    from engine.models.gguf import read_gguf_header
 
     header = read_gguf_header(path)
     fields = header.fields

@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 
 def model_census(spec: str | None, role: str) -> tuple[ModelCensus, str | None, tuple[str, ...]]:
     """(figures, preset id or None, notes) for a model spec, read without loading any weights."""
-    from engine.store import _cached_folder, resolve_source  # the store owns what a spec means
+    from engine.models.store import _cached_folder, resolve_source  # the store owns what a spec means
 
     source = resolve_source(spec, role)  # type: ignore[arg-type]
     if source.kind == "default":
@@ -51,7 +51,7 @@ def model_census(spec: str | None, role: str) -> tuple[ModelCensus, str | None, 
 
 def resolve_precision(precision: str, dtype: str, device_type: str) -> tuple[str, str]:
     """(precision, compute dtype) for one model: 'auto' follows --dtype, which follows the device."""
-    from engine.device import pick_dtype
+    from engine.models.device import pick_dtype
     import torch
 
     p = normalize_precision(precision)

@@ -29,7 +29,7 @@ class PresetModel:
 
     @property
     def spec(self) -> str | None:
-        """What engine.store.resolve_source takes: None for the packaged default, else the hub id."""
+        """What engine.models.store.resolve_source takes: None for the packaged default, else the hub id."""
         return None if self.packaged else self.id
 
 
