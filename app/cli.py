@@ -1,4 +1,4 @@
-"""Headless command line: `specdec-studio generate` streams one answer, `specdec-studio bench` measures."""
+"""Headless command line: `generate` streams one answer, `bench` measures, `plan` says what fits in memory."""
 from __future__ import annotations
 
 import argparse
@@ -12,14 +12,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn, TextIO
 
 from app.session import build_request
-from engine.errors import EngineError
+from engine.errors import EngineError, ModelWontFitError
 from engine.measure.bench import MODE_RUNNERS
 from engine.settings import GenerationSettings
 from engine.types import MODES, PROPOSERS, GenerationRequest, Message, Summary
 
 if TYPE_CHECKING:  # heavy imports (torch, transformers) wait until a command really runs
     from engine.decoding import Engine
-    from engine.models.store import LoadedPair, LoadProgress
+    from engine.models.loader import LoadedPair
+    from engine.models.store import LoadProgress
 
 PROG = "specdec-studio"
 log = logging.getLogger(__name__)
@@ -34,7 +35,7 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         if message.endswith("required: command"):
-            message = "a command is needed: generate or bench (see --help)"
+            message = "a command is needed: generate, bench or plan (see --help)"
         raise CliError(message)
 
 
@@ -65,15 +66,43 @@ def _non_negative_float(text: str) -> float:
     return value
 
 
-def _add_model_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("models")
+PRECISION_CHOICES = ["auto", "bfloat16", "float16", "float32", "int8", "nf4"]
+
+
+def _memory(text: str) -> int:
+    from engine.models.plan import parse_size
+
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _add_pair_args(g: argparse._ArgumentGroup) -> None:
+    """What a pair is and how it is placed: shared by generate, bench and plan."""
     g.add_argument("--target", default=None,
                    help="model folder, .gguf file or hub id (default: packaged Qwen2.5-Coder-1.5B-Instruct)")
     g.add_argument("--draft", default=None,
                    help="model folder, .gguf file or hub id (default: packaged Qwen2.5-Coder-0.5B-Instruct)")
+    g.add_argument("--preset", default=None,
+                   help="a named pair instead of --target/--draft (specdec-studio plan --presets lists them)")
     g.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: auto)")
     g.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
-                   help="auto: bf16 on CUDA and on CPUs with native bf16, else float32")
+                   help="float dtype of both models (auto: bf16 on CUDA and on CPUs with native bf16, else float32)")
+    g.add_argument("--target-quant", "--target-dtype", dest="target_dtype", default="auto", choices=PRECISION_CHOICES,
+                   help="the target's precision: int8 / nf4 (bitsandbytes) or a float dtype (default: --dtype)")
+    g.add_argument("--draft-quant", "--draft-dtype", dest="draft_dtype", default="auto", choices=PRECISION_CHOICES,
+                   help="the draft's precision, as --target-quant")
+    g.add_argument("--context", type=_positive_int, default=None,
+                   help="positions each KV cache holds (default: 8192, or the model's own limit if smaller)")
+    g.add_argument("--gpus", type=_positive_int, default=None,
+                   help="GPUs to split the target over (default: one, or as many as the memory plan needs)")
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("models")
+    _add_pair_args(g)
+    g.add_argument("--force", action="store_true", help="load even when the memory plan says it will not fit")
     g.add_argument("--fast-path", default="auto", choices=["auto", "eager", "static", "compiled"],
                    help="auto: static cache + CUDA graphs where possible, else eager; compiled: also "
                         "torch.compile the per-step forwards for --k (CUDA; minutes of warm-up)")
@@ -109,6 +138,17 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--warmup", type=int, default=1, help="untimed warm-up generations per mode")
     bench.add_argument("--raw", action="store_true", help="feed prompts as-is, without the chat template")
     _add_model_args(bench)
+
+    plan = sub.add_parser("plan", help="the memory plan of a pair: what it needs on each device, whether it fits")
+    g = plan.add_argument_group("models")
+    _add_pair_args(g)
+    g.add_argument("--no-draft", action="store_true", help="plan the target alone")
+    g.add_argument("--memory", type=_memory, default=None,
+                   help="memory per device instead of what is free here, e.g. 24GiB (GiB binary, GB decimal)")
+    plan.add_argument("--presets", action="store_true",
+                      help="list every preset with its plan at 24, 48 and 80 GiB (or --memory)")
+    plan.add_argument("--json", action="store_true", help="print the plan as JSON")
+    plan.add_argument("-v", "--verbose", action="store_true", help="log what the planner reads (stderr)")
     return parser
 
 
@@ -141,14 +181,33 @@ class _LoadReporter:
             print(f"{PROG}: {p.message}", file=self.stream, flush=True)
 
 
+def _pair_specs(args: argparse.Namespace) -> tuple[str | None, str | None]:
+    """--target/--draft, or a preset's pair."""
+    if args.preset is None:
+        return args.target, args.draft
+    if args.target is not None or args.draft is not None:
+        raise CliError("give either --preset or --target/--draft, not both")
+    from engine.models.presets import preset
+
+    p = preset(args.preset)
+    return p.target.spec, p.draft.spec
+
+
 def _load(args: argparse.Namespace, needs_draft: bool) -> tuple[LoadedPair, Engine]:
     from engine.decoding import Engine
-    from engine.models.store import load_pair
 
     reporter = _LoadReporter(sys.stderr, args.verbose)
-    pair = load_pair(args.target, args.draft, device=args.device, dtype=args.dtype,
-                     progress=reporter, with_draft=needs_draft)
+    pair = _load_pair(args, needs_draft, reporter)
     return pair, Engine.from_pair(pair, fast_path=args.fast_path, progress=reporter, compile_k=args.k)
+
+
+def _load_pair(args: argparse.Namespace, needs_draft: bool, progress=None) -> LoadedPair:
+    from engine.models.loader import load_pair
+
+    target, draft = _pair_specs(args)
+    return load_pair(target, draft, device=args.device, dtype=args.dtype, target_dtype=args.target_dtype,
+                     draft_dtype=args.draft_dtype, progress=progress, with_draft=needs_draft,
+                     context=args.context, gpus=args.gpus, force=args.force)
 
 
 def _settings(args: argparse.Namespace, mode: str, max_new_tokens: int) -> GenerationSettings:
@@ -183,7 +242,9 @@ def _environment(engine: Engine) -> dict[str, Any]:
 def _model_config(engine: Engine, args: argparse.Namespace) -> dict[str, Any]:
     info = engine.info
     return {"target": info.target_name, "draft": info.draft_name, "device": info.device, "dtype": info.dtype,
-            "fast_path": info.fast_path, "vocab_size": info.vocab_size, "k": args.k,
+            "target_precision": info.target_precision or info.dtype, "draft_precision": info.draft_precision or None,
+            "devices": list(info.devices), "context": args.context, "fast_path": info.fast_path,
+            "fast_path_note": info.fast_path_note, "vocab_size": info.vocab_size, "k": args.k,
             "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed,
             "max_new_tokens": args.max_new_tokens, "proposer": args.proposer, "raw": args.raw}
 
@@ -210,7 +271,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     else:
         sys.stdout.write("\n")
         info = engine.info
-        print(f"{_summary_line(summary)}; {info.device}, {info.dtype}, {info.fast_path}", file=sys.stderr)
+        print(f"{_summary_line(summary)}; {info.device}, {_precisions(info)}, {info.fast_path}", file=sys.stderr)
+        if info.fast_path_note:
+            print(f"{PROG}: {info.fast_path_note}", file=sys.stderr)
     return 0
 
 
@@ -237,8 +300,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
         result_json,
         run_bench,
     )
-    from engine.models.store import load_pair
-
     # Cheap checks first: a typo in a file name should not cost a model load.
     prompts = read_prompts(args.prompts)
     modes = parse_modes(args.modes)
@@ -250,8 +311,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     ctx = BenchContext(
         pair, engine,
         make_request=lambda prompt, mode, max_new: _request(args, prompt, mode, max_new),
-        reload_pair=lambda: load_pair(args.target, args.draft, device=args.device, dtype=args.dtype,
-                                      with_draft=needs_draft),
+        reload_pair=lambda: _load_pair(args, needs_draft),
     )
     with tqdm(total=len(prompts) * len(modes), file=sys.stderr, desc="bench", unit="run", disable=None) as bar:
         def progress(done: int, _total: int, note: str) -> None:
@@ -277,10 +337,37 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(table)
         raise CliError(f"cannot write results: {e.strerror or e} ({e.filename})") from None
     print(f"{engine.info.target_name} / {engine.info.draft_name or '-'} on {engine.info.device} "
-          f"({engine.info.dtype}, {engine.info.fast_path}), {len(prompts)} prompts, k={args.k}, "
+          f"({_precisions(engine.info)}, {engine.info.fast_path}), {len(prompts)} prompts, k={args.k}, "
           f"temperature={args.temperature}, max_new_tokens={args.max_new_tokens}")
     print(table)
     return 0
+
+
+# --------------------------------------------------------------------------- plan
+
+def _precisions(info) -> str:
+    target = info.target_precision or info.dtype
+    draft = info.draft_precision or info.dtype
+    return target if not info.draft_name or draft == target else f"target {target}, draft {draft}"
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    """Prints the memory plan (offline: configs and headers only); exit 1 when it does not fit."""
+    from engine.models.plan import format_plan
+    from engine.models.planner import plan_pair, preset_table
+
+    if args.presets:
+        print(preset_table(device="cuda", memory=args.memory, context=args.context, gpus=args.gpus))
+        return 0
+    target, draft = _pair_specs(args)
+    plan = plan_pair(target, draft, with_draft=not args.no_draft, device=args.device, dtype=args.dtype,
+                     target_precision=args.target_dtype, draft_precision=args.draft_dtype, context=args.context,
+                     memory=args.memory, gpus=args.gpus)
+    if args.json:
+        print(json.dumps(asdict(plan) | {"fits": plan.fits}, indent=2))
+    else:
+        print(format_plan(plan))
+    return 0 if plan.fits else 1
 
 
 # --------------------------------------------------------------------------- entry point
@@ -303,7 +390,12 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     try:
-        return cmd_generate(args) if args.command == "generate" else cmd_bench(args)
+        return {"generate": cmd_generate, "bench": cmd_bench, "plan": cmd_plan}[args.command](args)
+    except ModelWontFitError as e:
+        from engine.models.plan import format_plan
+
+        print(format_plan(e.plan), file=sys.stderr)  # type: ignore[arg-type]  # a MemoryPlan
+        return _fail(f"{e} (--force loads it anyway)")
     except (CliError, EngineError) as e:
         return _fail(str(e))
     except torch.OutOfMemoryError:

@@ -49,7 +49,7 @@ class LoadCancelled(Exception):
 def default_engine_factory(request: LoadRequest, progress: ProgressCallback) -> EngineLike:
     """load_pair (tokenizer check first, then weights) and the engine on top of it."""
     from engine.decoding import Engine
-    from engine.models.store import load_pair
+    from engine.models.loader import load_pair
 
     pair = load_pair(request.target, request.draft, device=request.device, dtype=request.dtype,
                      progress=progress, with_draft=request.with_draft)

@@ -118,6 +118,10 @@ class ModelInfo:
     vocab_size: int  # shared vocabulary size compared on
     draft_ms: float = 0.0  # measured ms per 1-token draft forward at load (0: not measured / no draft)
     target_ms: tuple[tuple[int, float], ...] = ()  # measured (width, ms per target forward) at load
+    target_precision: str = ""  # "int8" / "nf4" / a float dtype; "" means `dtype`
+    draft_precision: str = ""  # the same for the draft
+    devices: tuple[str, ...] = ()  # every device holding target weights, when it is split over several
+    fast_path_note: str = ""  # why part of the pair runs without CUDA graphs ("" when nothing to say)
 
 
 # --------------------------------------------------------------------------- memory plans
@@ -164,6 +168,7 @@ class PlanChange:
     context: int  # context length after the change
     draft: str | None  # draft model spec after the change (None: the packaged default)
     with_draft: bool  # False when the change drops the draft model
+    draft_name: str | None  # display name of another draft the change picks (None: the same draft)
     needed: int  # bytes the busiest device needs after the change
 
 
@@ -180,6 +185,8 @@ class MemoryPlan:
     devices: tuple[DevicePlan, ...]  # one per device used, the target's first layers first
     suggestion: PlanChange | None = None  # the cheapest change that fits (only when this does not)
     notes: tuple[str, ...] = ()  # caveats a person should read (sizes from a preset's config, offline, ...)
+    target_layers: tuple[int, ...] = ()  # index into devices of each target layer (all 0 on one device)
+    output_device: int = 0  # index into devices of the target's output head: the draft and the logits live there
 
     @property
     def fits(self) -> bool:

@@ -10,11 +10,11 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from engine.models.census import census_from_config, census_from_folder, census_from_gguf
 from engine.models.plan import (
-    GiB,
-    MiB,
     RUNTIME_CUDA,
     SLACK,
     DraftOption,
+    GiB,
+    MiB,
     ModelSpec,
     PlanInputs,
     balanced_split,

@@ -18,6 +18,7 @@ from engine.errors import GenerationError
 from engine.limits import K_MAX
 from engine.measure.stats import summarize
 from engine.runners import EagerRunner, Runner, ids_tensor
+from engine.runners.base import output_device
 from engine.types import (
     GenerationRequest,
     ModelInfo,
@@ -74,14 +75,16 @@ class Engine:
         vocab: int | None = None,
         target_runner: Runner | None = None,
         draft_runner: Runner | None = None,
+        max_length: int | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.info = info
         self.target = target
         self.draft = draft
-        self.device = next(target.parameters()).device
-        self.target_runner = target_runner or EagerRunner(target)
-        self.draft_runner = draft_runner or (EagerRunner(draft) if draft is not None else None)
+        # Where logits come out: a target split over GPUs ends on its last one, where the draft lives.
+        self.device = output_device(target)
+        self.target_runner = target_runner or EagerRunner(target, max_length)
+        self.draft_runner = draft_runner or (EagerRunner(draft, max_length) if draft is not None else None)
         # Compare on the shared vocabulary: Qwen2.5 0.5B has 151936 rows, 7B 152064.
         heads = [self.target_runner.vocab_size] + ([self.draft_runner.vocab_size] if self.draft_runner else [])
         self.vocab = vocab or min(heads)
@@ -100,9 +103,15 @@ class Engine:
         an error), "compiled" (graphs of inductor-compiled forwards for K = compile_k: minutes of
         warm-up, fewer kernels per forward).
         """
+        from engine.models.quant import quantized_kind
+
         target_runner = draft_runner = None
         name = "eager"
-        if fast_path in ("auto", "static") and pair.target.device.type == "cpu":
+        notes: list[str] = []
+        context = pair.plan.context if pair.plan is not None else None
+        on_cpu = pair.target.device.type == "cpu"
+        quantized = [m for m in (pair.target, pair.draft) if m is not None and quantized_kind(m)]
+        if fast_path in ("auto", "static") and on_cpu and not quantized:
             from engine.runners.cpu import try_pack
 
             if progress is not None:
@@ -114,21 +123,25 @@ class Engine:
             if packed and pair.draft is not None:
                 try_pack(pair.draft)
             name = packed or name
-        if fast_path != "eager" and pair.target.device.type == "cuda":
+        if fast_path != "eager" and not on_cpu:
             try:
                 from engine.runners.graphs import build_runners
 
                 target_runner, draft_runner, name = build_runners(
-                    pair.target, pair.draft, progress=progress,
+                    pair.target, pair.draft, progress=progress, max_length=context,
                     compile_k=compile_k if fast_path == "compiled" else None,
                 )
+                notes += [f"{role}: {r.fallback_reason}" for role, r in (("target", target_runner),
+                                                                          ("draft", draft_runner))
+                          if r is not None and r.fallback_reason]
             except Exception as exc:  # any model the fast path cannot take falls back, loudly
                 if fast_path in ("static", "compiled"):
                     raise
                 log.warning("fast path unavailable, using eager decoding: %s", exc)
                 target_runner = draft_runner = None
                 name = "eager"
-        info = replace(pair.info, fast_path=name)
+                notes.append(_first_line(exc))
+        info = replace(pair.info, fast_path=name, fast_path_note="; ".join(notes))
         engine = cls(
             pair.target,
             pair.tokenizer,
@@ -137,6 +150,7 @@ class Engine:
             vocab=pair.shared_vocab,
             target_runner=target_runner,
             draft_runner=draft_runner,
+            max_length=context,
         )
         engine.measure_costs(progress)
         if progress is not None:
@@ -517,6 +531,11 @@ def _mark(cuda: bool):
     event = torch.cuda.Event(enable_timing=True)
     event.record()
     return event
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0][:200] if text else type(exc).__name__
 
 
 def _eos_ids(tokenizer, model) -> set[int]:

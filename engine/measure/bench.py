@@ -18,7 +18,7 @@ from engine.types import GenerationRequest
 
 if TYPE_CHECKING:  # heavy imports (torch, transformers) wait until a bench really runs
     from engine.decoding import Engine
-    from engine.models.store import LoadedPair
+    from engine.models.loader import LoadedPair
 
 log = logging.getLogger(__name__)
 

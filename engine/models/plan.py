@@ -27,7 +27,7 @@ LEAN_TYPES = ("qwen2", "qwen3", "llama", "mistral")  # what the fast path runs
 # process with torch and transformers imported.
 RUNTIME_CUDA = 600 * MiB
 RUNTIME_CPU = 700 * MiB
-SLACK = 0.03  # allocator rounding and fragmentation, as a share of the tensors' bytes
+SLACK = 0.02  # allocator rounding and fragmentation, as a share of the tensors' bytes
 LOOP_BUFFERS = 6  # [K+1, V] float32 tensors alive at once in the acceptance maths
 
 
@@ -264,6 +264,7 @@ def build_plan(inputs: PlanInputs, capacities: list[int | None], capacity_source
     return MemoryPlan(
         target_name=t.census.name, draft_name=d.census.name if d else None, target_precision=_label(t),
         draft_precision=_label(d) if d else None, context=inputs.context, runner=runner, devices=devices,
+        target_layers=tuple(placement), output_device=out_device,
     )
 
 
@@ -342,19 +343,20 @@ def _change(old: PlanInputs, new: PlanInputs, draft_choice: DraftOption | None, 
     if new.target.precision != old.target.precision:
         parts.append(f"quantize the target to {new.target.precision}")
     if draft_choice is not None:
-        parts.append("no draft model (n-gram drafts only)" if draft_choice.spec is None
-                     else f"the draft {draft_choice.name}")
+        parts.append("drop the draft model (n-gram drafts only)" if draft_choice.spec is None
+                     else f"use the draft {draft_choice.name}")
     if new.draft is not None:
-        before = (draft_choice.spec if draft_choice is not None else old.draft)
+        before = draft_choice.spec if draft_choice is not None else old.draft
         if before is not None and new.draft.precision != before.precision:
             parts.append(f"quantize the draft to {new.draft.precision}")
     if new.context != old.context:
-        parts.append(f"a {new.context:,}-token context")
+        parts.append(f"shorten the context to {new.context:,} tokens")
     text = ", ".join(parts[:-1]) + (" and " if len(parts) > 1 else "") + parts[-1]
     return PlanChange(
         description=text[0].upper() + text[1:], target_precision=new.target.precision,
         draft_precision=new.draft.precision if new.draft else "auto", context=new.context,
         draft=new.draft.spec if new.draft else None, with_draft=new.draft is not None, needed=needed,
+        draft_name=draft_choice.name if draft_choice is not None and draft_choice.spec is not None else None,
     )
 
 

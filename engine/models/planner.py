@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from engine.errors import ModelLoadError
@@ -51,8 +51,9 @@ def model_census(spec: str | None, role: str) -> tuple[ModelCensus, str | None, 
 
 def resolve_precision(precision: str, dtype: str, device_type: str) -> tuple[str, str]:
     """(precision, compute dtype) for one model: 'auto' follows --dtype, which follows the device."""
-    from engine.models.device import pick_dtype
     import torch
+
+    from engine.models.device import pick_dtype
 
     p = normalize_precision(precision)
     base = normalize_precision(dtype)
@@ -124,27 +125,60 @@ def plan_pair(
     gpus: int | None = None,
     fast_path: str = "auto",
 ) -> MemoryPlan:
-    """The memory plan for a pair on a device, with the cheapest change that fits when it does not.
-
-    gpus: how many GPUs the target may be split over; None tries one, then as many as are needed
-    (up to the visible ones, or the --memory plan's count).
-    """
+    """The memory plan for a pair of model specs on a device (see plan_models), read without weights."""
     t_census, t_id, notes = model_census(target, "target")
     d_census = d_id = None
     if with_draft:
         d_census, d_id, d_notes = model_census(draft, "draft")
         notes += d_notes
+    plan = plan_models(
+        ModelFigures(t_census, target, t_id), ModelFigures(d_census, draft, d_id) if d_census else None,
+        device=device, dtype=dtype, target_precision=target_precision, draft_precision=draft_precision,
+        context=context, memory=memory, gpus=gpus, fast_path=fast_path,
+    )
+    return replace(plan, notes=plan.notes + notes)
+
+
+@dataclass(frozen=True)
+class ModelFigures:
+    """One model's figures and where they came from."""
+
+    census: ModelCensus  # its shape facts
+    spec: str | None  # what the store loads
+    preset_id: str | None  # its id among the presets' models (for "another draft"), if any
+
+
+def plan_models(
+    target: ModelFigures,
+    draft: ModelFigures | None,
+    *,
+    device: str = "auto",
+    dtype: str = "auto",
+    target_precision: str = "auto",
+    draft_precision: str = "auto",
+    context: int | None = None,
+    memory: int | None = None,
+    gpus: int | None = None,
+    fast_path: str = "auto",
+) -> MemoryPlan:
+    """The memory plan, with the cheapest change that fits when it does not.
+
+    gpus: how many GPUs the target may be split over; None tries one, then as many as are needed
+    (up to the visible ones, or the --memory plan's count).
+    """
+    notes: tuple[str, ...] = ()
     device_type, names, capacities, source = device_capacity(device, memory, gpus)
     t_prec, t_compute = resolve_precision(target_precision, dtype, device_type)
-    t_spec = ModelSpec(t_census, t_prec, t_compute, target)
+    t_spec = ModelSpec(target.census, t_prec, t_compute, target.spec)
     d_spec = None
-    if d_census is not None:
+    if draft is not None:
         d_prec, d_compute = resolve_precision(draft_precision, dtype, device_type)
-        d_spec = ModelSpec(d_census, d_prec, d_compute, draft)
-    for census, asked in ((t_census, target_precision), (d_census, draft_precision)):
-        if census is not None and census.prequantized and normalize_precision(asked) != "auto":
-            notes += (f"{census.name} is already quantized ({census.prequantized}); it loads as it is.",)
-    ctx = min(context or DEFAULT_CONTEXT, t_census.max_positions)
+        d_spec = ModelSpec(draft.census, d_prec, d_compute, draft.spec)
+    for figures, asked in ((target, target_precision), (draft, draft_precision)):
+        if figures is not None and figures.census.prequantized and normalize_precision(asked) != "auto":
+            notes += (f"{figures.census.name} is already quantized ({figures.census.prequantized}); "
+                      f"it loads as it is.",)
+    ctx = min(context or DEFAULT_CONTEXT, target.census.max_positions)
     inputs = PlanInputs(t_spec, d_spec, device_type, ctx, gpus=1, fast_path=fast_path)
     counts = [gpus] if gpus else list(range(1, len(names) + 1))
     plan = None
@@ -155,12 +189,78 @@ def plan_pair(
             break
     assert plan is not None
     if not plan.fits:
-        options = tuple(
-            DraftOption(ModelSpec(census_from_config(m.config, m.name, "preset config"), *resolve_precision(
-                "auto", dtype, device_type), m.spec), m.name)
-            for m in other_drafts(t_id or "", d_id)
-        ) if with_draft and t_id else ()
-        if with_draft:
-            options += (DraftOption(None, "no draft"),)
+        options: tuple[DraftOption, ...] = ()
+        if draft is not None:
+            options = tuple(
+                DraftOption(ModelSpec(census_from_config(m.config, m.name, "preset config"),
+                                      *resolve_precision("auto", dtype, device_type), m.spec), m.name)
+                for m in other_drafts(target.preset_id or "", draft.preset_id)
+            ) + (DraftOption(None, "no draft"),)
         plan = replace(plan, suggestion=suggest(inputs, capacities[: inputs.gpus], source, options))
     return replace(plan, notes=plan.notes + notes)
+
+
+def device_maps(plan: MemoryPlan, device: str) -> tuple[dict[str, str] | None, str]:
+    """(the target's device_map when the plan splits it over GPUs, else None; the draft's device).
+
+    Contiguous layers per GPU as the plan placed them; the embedding beside the first layer, the
+    final norm and output head beside the last, so the fast path can run each GPU's part as a stage.
+    """
+    names = [d.device for d in plan.devices]
+    out = names[plan.output_device]
+    if len(names) <= 1:
+        return None, device if device != "auto" else names[0]
+    first = names[plan.target_layers[0]]
+    last = names[plan.target_layers[-1]]
+    mapping = {"model.embed_tokens": first, "model.rotary_emb": first}
+    mapping.update({f"model.layers.{i}": names[g] for i, g in enumerate(plan.target_layers)})
+    mapping.update({"model.norm": last, "lm_head": out})
+    return mapping, out
+
+
+TABLE_SIZES = (24, 48, 80)  # GiB: the usual single-GPU sizes (RTX 4090 / A6000 / A100-H100)
+
+
+def preset_table(device: str = "cuda", memory: int | None = None, context: int | None = None,
+                 gpus: int | None = None) -> str:
+    """Every preset's plan at 24, 48 and 80 GiB (or at `memory`): fits as is, or the cheapest change."""
+    from engine.models.plan import GiB
+    from engine.models.presets import presets
+
+    sizes = [memory] if memory else [n * GiB for n in TABLE_SIZES]
+    head = f"{'preset':<16}{'target + draft':<56}" + "".join(f"{gib_label(m):>30}" for m in sizes)
+    rows = [f"Memory plans, one GPU{'' if not gpus else f' x {gpus}'}, context {context or DEFAULT_CONTEXT:,}, "
+            "bfloat16 unless a change is named (GiB needed on the busiest GPU):", head]
+    for p in presets():
+        cells = []
+        for size in sizes:
+            plan = plan_pair(p.target.spec, p.draft.spec, device=device, memory=size, context=context, gpus=gpus)
+            busiest = max(d.total for d in plan.devices)
+            if plan.fits:
+                cells.append(f"fits ({busiest / GiB:.1f})")
+            elif plan.suggestion is None:
+                cells.append("does not fit")
+            else:
+                cells.append(f"{_short_change(plan, plan.suggestion)} ({plan.suggestion.needed / GiB:.1f})")
+        rows.append(f"{p.name:<16}{p.title[:55]:<56}" + "".join(f"{c:>30}" for c in cells))
+    rows.append("Changes: 'target nf4' = quantize the target to nf4 (bitsandbytes); 'ctx N' = a shorter context.")
+    return "\n".join(rows)
+
+
+def gib_label(n: int) -> str:
+    return f"{n / 2**30:g} GiB"
+
+
+def _short_change(plan: MemoryPlan, change) -> str:
+    parts = []
+    if change.target_precision != plan.target_precision:
+        parts.append(f"target {change.target_precision}")
+    if not change.with_draft:
+        parts.append("no draft")
+    elif plan.draft_precision is not None and change.draft_precision != plan.draft_precision:
+        parts.append(f"draft {change.draft_precision}")
+    if change.draft_name:
+        parts.append(f"draft {change.draft_name}")
+    if change.context != plan.context:
+        parts.append(f"ctx {change.context:,}")
+    return ", ".join(parts)

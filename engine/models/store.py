@@ -1,4 +1,4 @@
-"""The model store: finds, verifies, converts, caches and loads a target/draft pair."""
+"""The model store: finds, verifies, converts and caches models; checks that two share a tokenizer."""
 from __future__ import annotations
 
 import hashlib
@@ -18,25 +18,20 @@ import torch
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
-    PreTrainedModel,
-    PreTrainedTokenizerBase,
 )
 
 from engine.errors import IncompatibleModelsError, ModelLoadError
 from engine.models.device import (
     cpu_has_native_bf16,
-    dtype_name,
     pick_device,
     pick_dtype,
 )
 from engine.models.gguf import read_gguf_header
-from engine.types import ModelInfo
 
 __all__ = [
-    "LoadProgress", "ProgressFn", "LoadedPair", "ModelSource", "TokenizerInfo", "PackagedModel",
+    "LoadProgress", "ProgressFn", "ModelSource", "TokenizerInfo", "PackagedModel",
     "DEFAULT_MODELS", "INSTALL_HINT", "resolve_source", "pick_device", "pick_dtype",
-    "cpu_has_native_bf16", "check_compatible", "tokenizer_info", "load_pair", "load_tokenizer",
-    "cache_dir",
+    "cpu_has_native_bf16", "check_compatible", "tokenizer_info", "cache_dir",
 ]
 
 log = logging.getLogger(__name__)
@@ -57,15 +52,6 @@ class LoadProgress:
 
 
 ProgressFn = Callable[[LoadProgress], None]
-
-
-@dataclass
-class LoadedPair:  # not frozen: holds models
-    target: PreTrainedModel  # the model whose distribution is produced
-    draft: PreTrainedModel | None  # the proposer model (None: target only)
-    tokenizer: PreTrainedTokenizerBase  # the target's tokenizer
-    info: ModelInfo  # names, device, dtype; fast_path="eager" here
-    shared_vocab: int  # vocabulary size both models share (compare/slice logits to this)
 
 
 @dataclass(frozen=True)
@@ -530,117 +516,3 @@ def check_compatible(target_tok_info: TokenizerInfo, draft_tok_info: TokenizerIn
 
 
 # --------------------------------------------------------------------------- loading
-
-def _load_model(folder: Path, name: str, device: torch.device, dtype: torch.dtype) -> PreTrainedModel:
-    def attempt(attn: str) -> PreTrainedModel:
-        return AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype, attn_implementation=attn)
-
-    try:
-        try:
-            model = attempt("sdpa")
-        except (ValueError, ImportError) as e:
-            if "sdpa" not in str(e).lower() and "attention" not in str(e).lower():
-                raise
-            log.info("%s does not support SDPA attention; using eager attention", name)
-            model = attempt("eager")
-        model = model.to(device=device, dtype=dtype)
-    except (torch.OutOfMemoryError, MemoryError):
-        raise _out_of_memory(name, device, dtype) from None
-    except RuntimeError as e:
-        # The CPU allocator reports exhaustion as a plain RuntimeError.
-        if "allocate memory" in str(e) or "out of memory" in str(e).lower():
-            raise _out_of_memory(name, device, dtype) from None
-        raise ModelLoadError(f"Could not load {name} from {folder}: {_first_line(e)}") from None
-    except ModelLoadError:
-        raise
-    except (OSError, ValueError, KeyError) as e:
-        raise ModelLoadError(f"Could not load {name} from {folder}: {_first_line(e)}") from None
-    model.eval()
-    model.requires_grad_(False)
-    return model
-
-
-def _out_of_memory(name: str, device: torch.device, dtype: torch.dtype) -> ModelLoadError:
-    return ModelLoadError(
-        f"Out of memory loading {name} on {device} in {dtype_name(dtype)}: choose a smaller model, "
-        f"--dtype bfloat16, or free memory (other programs, other models)."
-    )
-
-
-def _head_rows(model: PreTrainedModel) -> int:
-    return int(model.get_output_embeddings().out_features)
-
-
-def load_pair(
-    target: str | None,
-    draft: str | None,
-    *,
-    device: str = "auto",
-    dtype: str = "auto",
-    progress: ProgressFn | None = None,
-    with_draft: bool = True,
-) -> LoadedPair:
-    """Resolves, checks (before any weights load), converts if needed, and loads target + draft."""
-    started = time.perf_counter()
-    _emit(progress, "check", 0.0, "Finding the models")
-    torch_device = pick_device(device)
-    torch_dtype = pick_dtype(torch_device, dtype)
-    sources = [resolve_source(target, "target")]
-    if with_draft:
-        sources.append(resolve_source(draft, "draft"))
-    prepared = [_prepare(s, progress) for s in sources]
-
-    _emit(progress, "check", 0.5, "Checking that draft and target share a tokenizer")
-    infos = [_tokenizer_info(p) for p in prepared]
-    shared = check_compatible(infos[0], infos[1]) if with_draft else infos[0].head_rows
-    _emit(progress, "check", 1.0, f"Tokenizers match (shared vocabulary {shared:,})")
-
-    folders = [_ensure_folder(p, progress) for p in prepared]
-
-    models: list[PreTrainedModel] = []
-    for i, (p, folder) in enumerate(zip(prepared, folders)):
-        _emit(progress, "load", i / len(folders),
-              f"Loading {p.source.name} ({p.source.role}) on {torch_device} in {dtype_name(torch_dtype)}")
-        models.append(_load_model(folder, p.source.name, torch_device, torch_dtype))
-    _emit(progress, "load", 1.0, "Models loaded")
-    if with_draft:
-        # Real heads can differ from config.json (e.g. resized embeddings): trust the loaded weights.
-        shared = min(shared, *(_head_rows(m) for m in models))
-    else:
-        shared = _head_rows(models[0])
-
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(str(folders[0]))
-    except Exception as e:
-        raise ModelLoadError(f"Could not load the tokenizer of {sources[0].name}: {_first_line(e)}") from None
-
-    _emit(progress, "warmup", 0.0, "Warming up")
-    with torch.inference_mode():
-        ids = torch.tensor([[tokenizer.eos_token_id or 0]], device=torch_device)
-        for m in models:
-            m(input_ids=ids)  # first call pays one-time allocator / kernel selection costs
-    # The engine continues this stage (fast-path set-up, cost measurement) before the pair is ready.
-    _emit(progress, "warmup", 0.4, f"Models warmed up in {time.perf_counter() - started:.1f} s")
-
-    info = ModelInfo(
-        target_name=sources[0].name,
-        draft_name=sources[1].name if with_draft else None,
-        device=str(torch_device),
-        dtype=dtype_name(torch_dtype),
-        fast_path="eager",
-        vocab_size=shared,
-    )
-    return LoadedPair(target=models[0], draft=models[1] if with_draft else None,
-                      tokenizer=tokenizer, info=info, shared_vocab=shared)
-
-
-def load_tokenizer(spec: str | None, role: Role) -> PreTrainedTokenizerBase:
-    """The tokenizer of one model spec (from its converted folder when there is one)."""
-    prepared = _prepare(resolve_source(spec, role), None)
-    try:
-        if prepared.folder is not None:
-            return AutoTokenizer.from_pretrained(str(prepared.folder))
-        assert prepared.gguf is not None
-        return AutoTokenizer.from_pretrained(str(prepared.gguf.parent), gguf_file=prepared.gguf.name)
-    except Exception as e:
-        raise ModelLoadError(f"Could not load the tokenizer of {prepared.source.name}: {_first_line(e)}") from None

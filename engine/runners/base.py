@@ -88,3 +88,9 @@ def measure_forward_costs(runner: Runner, widths: Iterable[int], iters: int) -> 
                 runner.rollback(saved)
             costs[width] = statistics.median(times)
     return costs
+
+
+def output_device(model: torch.nn.Module) -> torch.device:
+    """Where a model's logits come out: its output head's device (the last GPU of a split model)."""
+    weight = getattr(model.get_output_embeddings(), "weight", None)  # a packed CPU head has none
+    return weight.device if isinstance(weight, torch.Tensor) else next(model.parameters()).device
