@@ -77,9 +77,13 @@ def _float_bytes(spec: ModelSpec) -> int:
     return FLOAT_BYTES[spec.compute]
 
 
-def layer_weight_bytes(spec: ModelSpec) -> list[int]:
-    """Bytes of each decoder layer at the chosen precision (exact, bitsandbytes' layouts)."""
+def layer_weight_bytes(spec: ModelSpec, device_type: str = "cuda") -> list[int]:
+    """Bytes of each decoder layer at the chosen precision (exact, bitsandbytes' layouts).
+
+    On a CPU, bitsandbytes (0.48+) repacks 4-bit weights at their first use with bf16 absmax.
+    """
     b = _float_bytes(spec)
+    absmax = 4 if device_type == "cuda" else 2
     out = []
     for layer in spec.census.layers:
         if spec.census.prequantized or not is_quantized(spec.precision):
@@ -89,7 +93,7 @@ def layer_weight_bytes(spec: ModelSpec) -> list[int]:
             n = layer.linear_params + 4 * layer.linear_rows + layer.other_params * b
         else:
             # NF4: two weights per byte, a float32 absmax per block, a 16-entry code book per module.
-            n = (layer.linear_params // 2 + 4 * math.ceil(layer.linear_params / NF4_BLOCK)
+            n = (layer.linear_params // 2 + absmax * math.ceil(layer.linear_params / NF4_BLOCK)
                  + NF4_CODE_BYTES * layer.linears + layer.other_params * b)
         out.append(n)
     return out
@@ -187,7 +191,7 @@ def build_plan(inputs: PlanInputs, capacities: list[int | None], capacity_source
     items: list[list[PlanItem]] = [[] for _ in range(gpus)]
     t_kind = runner_kind(t, inputs.device_type, inputs.fast_path)
     t_pos = cache_positions(t.census, inputs.context, t_kind)
-    t_layers = layer_weight_bytes(t)
+    t_layers = layer_weight_bytes(t, inputs.device_type)
     t_kv = kv_layer_bytes(t, t_pos)
     t_embed, t_head = outside_weight_bytes(t)
     tied = t.census.head_params == 0
@@ -199,7 +203,7 @@ def build_plan(inputs: PlanInputs, capacities: list[int | None], capacity_source
         d_kind = runner_kind(d, inputs.device_type, inputs.fast_path)
         d_pos = cache_positions(d.census, inputs.context, d_kind)
         d_embed, d_head = outside_weight_bytes(d)
-        d_weights = sum(layer_weight_bytes(d)) + d_embed + d_head
+        d_weights = sum(layer_weight_bytes(d, inputs.device_type)) + d_embed + d_head
         draft_items.append(PlanItem("weights", "draft", f"draft weights ({_label(d)})", d_weights))
         draft_items.append(PlanItem("kv", "draft", f"draft KV cache ({d_pos:,} positions)",
                                     kv_layer_bytes(d, d_pos) * len(d.census.layers)))

@@ -112,6 +112,14 @@ def layer_kind(module: Any) -> str | None:
     return None
 
 
+class _Int8CastFilter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "inputs will be cast" not in record.getMessage()
+
+
 def quiet_int8_casts() -> None:
-    """LLM.int8() warns on every call that bf16 inputs are cast to fp16; that is how it works."""
+    """LLM.int8() says on every call that bf16 inputs are cast to fp16; that is how it works, not news."""
     warnings.filterwarnings("ignore", message=r"MatMul8bitLt: inputs will be cast", category=UserWarning)
+    logger = logging.getLogger("bitsandbytes.autograd._functions")
+    if not any(isinstance(f, _Int8CastFilter) for f in logger.filters):
+        logger.addFilter(_Int8CastFilter())
