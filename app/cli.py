@@ -97,6 +97,8 @@ def _add_pair_args(g: argparse._ArgumentGroup) -> None:
                    help="positions each KV cache holds (default: 8192, or the model's own limit if smaller)")
     g.add_argument("--gpus", type=_positive_int, default=None,
                    help="GPUs to split the target over (default: one, or as many as the memory plan needs)")
+    g.add_argument("--memory", type=_memory, default=None,
+                   help="memory per device instead of what is free, e.g. 24GiB (GiB binary, GB decimal)")
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -143,8 +145,6 @@ def build_parser() -> argparse.ArgumentParser:
     g = plan.add_argument_group("models")
     _add_pair_args(g)
     g.add_argument("--no-draft", action="store_true", help="plan the target alone")
-    g.add_argument("--memory", type=_memory, default=None,
-                   help="memory per device instead of what is free here, e.g. 24GiB (GiB binary, GB decimal)")
     plan.add_argument("--presets", action="store_true",
                       help="list every preset with its plan at 24, 48 and 80 GiB (or --memory)")
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
@@ -207,7 +207,7 @@ def _load_pair(args: argparse.Namespace, needs_draft: bool, progress=None) -> Lo
     target, draft = _pair_specs(args)
     return load_pair(target, draft, device=args.device, dtype=args.dtype, target_dtype=args.target_dtype,
                      draft_dtype=args.draft_dtype, progress=progress, with_draft=needs_draft,
-                     context=args.context, gpus=args.gpus, force=args.force)
+                     context=args.context, gpus=args.gpus, memory=args.memory, force=args.force)
 
 
 def _settings(args: argparse.Namespace, mode: str, max_new_tokens: int) -> GenerationSettings:

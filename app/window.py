@@ -25,7 +25,15 @@ from PySide6.QtWidgets import (
 
 from app.export import write_session_csv, write_trace_csv
 from app.race import RaceController
-from app.session import ChatSession, LoadRequest, answer_header, cost_verdict, load_request_for
+from app.session import (
+    ChatSession,
+    LoadRequest,
+    answer_header,
+    cost_verdict,
+    device_line,
+    load_request_for,
+    plan_for,
+)
 from app.settings import AppSettings
 from app.worker import EngineFactory, WorkerHost, default_engine_factory
 from engine.settings import GenerationSettings, ModelSelection
@@ -232,19 +240,41 @@ class MainWindow(QMainWindow):
 
     # --- models ---------------------------------------------------------------------------------
 
-    def load_models(self, selection: ModelSelection) -> None:
+    def load_models(self, selection: ModelSelection, *, force: bool = False) -> None:
         """Loads in the background; the pair in use keeps answering until the new one is ready."""
         self._loading_selection = selection
         self.load_label.setText("Checking tokenizers…")
         self.load_bar.setValue(0)
         self.load_bar.show()
         self._set_ready_state()
-        self.worker.load_requested.emit(load_request_for(selection))
+        self.worker.load_requested.emit(load_request_for(selection, force=force))
 
     def open_model_dialog(self) -> None:
-        dialog = ModelDialog(self.selection, self)
-        if dialog.exec() == ModelDialog.DialogCode.Accepted:
-            self.load_models(dialog.selection())
+        from engine.models.presets import pair_presets
+
+        dialog = ModelDialog(self.selection, self, planner=plan_for, presets=pair_presets())
+        if dialog.exec() != ModelDialog.DialogCode.Accepted:
+            return
+        selection = dialog.selection()
+        plan = dialog.plan
+        force = False
+        if plan is not None and not plan.fits:
+            force = self._confirm_load_anyway(plan)
+            if not force:
+                return
+        self.load_models(selection, force=force)
+
+    def _confirm_load_anyway(self, plan) -> bool:
+        """Asks before loading what the memory plan says will not fit."""
+        worst = max(plan.devices, key=lambda d: d.total - (d.capacity or 0))
+        change = f"\n\nCheapest change that fits: {plan.suggestion.description}." if plan.suggestion else ""
+        answer = QMessageBox.question(
+            self, "The models will not fit",
+            f"The memory plan needs {worst.total / 2**30:.1f} GiB on {worst.device}, which has "
+            f"{(worst.capacity or 0) / 2**30:.1f} GiB.{change}\n\nLoad anyway? It will probably run out of memory.",
+            QMessageBox.StandardButton.Yes | QMessageBox.StandardButton.No, QMessageBox.StandardButton.No,
+        )
+        return answer == QMessageBox.StandardButton.Yes
 
     def is_loading(self) -> bool:
         return self._loading_selection is not None
@@ -283,10 +313,12 @@ class MainWindow(QMainWindow):
         self.load_label.setText("Ready")
         names = info.target_name + (f" + {info.draft_name}" if info.draft_name else " (no draft)")
         self.model_label.setText(names)
-        self.device_label.setText(f"{info.device} · {info.dtype} · {info.fast_path}")
+        self.device_label.setText(device_line(info))
+        self.device_label.setToolTip(info.fast_path_note or "")
         self._show_costs(info, None)
         self.panel.set_draft_available(info.draft_name is not None)
-        self.chat.add_system_note(f"Loaded {names} on {info.device} ({info.dtype}, {info.fast_path}).")
+        note = f" {info.fast_path_note}." if info.fast_path_note else ""
+        self.chat.add_system_note(f"Loaded {names} on {device_line(info)}.{note}")
         self._set_ready_state()
         self._update_memory()
         # torch + transformers + the models are ~10^6 long-lived objects; a full collection walking

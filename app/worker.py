@@ -52,7 +52,9 @@ def default_engine_factory(request: LoadRequest, progress: ProgressCallback) -> 
     from engine.models.loader import load_pair
 
     pair = load_pair(request.target, request.draft, device=request.device, dtype=request.dtype,
-                     progress=progress, with_draft=request.with_draft)
+                     target_dtype=request.target_dtype, draft_dtype=request.draft_dtype, progress=progress,
+                     with_draft=request.with_draft, context=request.context, force=request.force,
+                     memory=request.memory)
     return Engine.from_pair(pair, fast_path=request.fast_path, progress=progress)
 
 

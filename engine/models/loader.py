@@ -120,6 +120,7 @@ def load_pair(
     with_draft: bool = True,
     context: int | None = None,
     gpus: int | None = None,
+    memory: int | None = None,
     force: bool = False,
 ) -> LoadedPair:
     """Resolves, checks (before any weights load), plans memory, converts if needed, loads target + draft.
@@ -128,6 +129,7 @@ def load_pair(
     target_dtype / draft_dtype: one model's precision, including "int8" and "nf4" (bitsandbytes).
     A pair the memory plan says will not fit raises ModelWontFitError (with the plan) unless `force`.
     gpus: GPUs to split the target over (None: one, or as many as the plan needs).
+    memory: bytes each device may use (None: what it has free).
     """
     from engine.models.plan import format_plan, gib
     from engine.models.planner import ModelFigures, device_maps, plan_models, resolve_precision
@@ -155,7 +157,7 @@ def load_pair(
     figures = [ModelFigures(_census(p), spec, _preset_id(p.source)) for p, spec in zip(prepared, (target, draft))]
     plan = plan_models(figures[0], figures[1] if with_draft else None, device=str(torch_device), dtype=dtype,
                        target_precision=asked[0], draft_precision=asked[-1] if with_draft else "auto",
-                       context=context, gpus=gpus)
+                       context=context, gpus=gpus, memory=memory)
     busiest = max(plan.devices, key=lambda d: d.total - (d.capacity or 0))
     if not plan.fits:
         change = f" Cheapest change: {plan.suggestion.description[0].lower()}{plan.suggestion.description[1:]}." \

@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 
 
 def model_census(spec: str | None, role: str) -> tuple[ModelCensus, str | None, tuple[str, ...]]:
-    """(figures, preset id or None, notes) for a model spec, read without loading any weights."""
+    """(figures, preset id or None, hub ids sized from a shipped config because they are not cached)."""
     from engine.models.store import _cached_folder, resolve_source  # the store owns what a spec means
 
     source = resolve_source(spec, role)  # type: ignore[arg-type]
@@ -44,8 +44,7 @@ def model_census(spec: str | None, role: str) -> tuple[ModelCensus, str | None, 
     if folder is not None:
         return census_from_folder(folder, source.name), source.ref if known else None, ()
     if known is not None:
-        note = f"{source.ref} is not in the local Hugging Face cache: sized from its shipped config; loading it needs the network."
-        return census_from_config(known.config, source.name, "preset config"), known.id, (note,)
+        return census_from_config(known.config, source.name, "preset config"), known.id, (source.ref,)
     raise ModelLoadError(offline_message(source.ref) + " (The plan needs at least its config.json.)")
 
 
@@ -126,11 +125,13 @@ def plan_pair(
     fast_path: str = "auto",
 ) -> MemoryPlan:
     """The memory plan for a pair of model specs on a device (see plan_models), read without weights."""
-    t_census, t_id, notes = model_census(target, "target")
+    t_census, t_id, missing = model_census(target, "target")
     d_census = d_id = None
     if with_draft:
-        d_census, d_id, d_notes = model_census(draft, "draft")
-        notes += d_notes
+        d_census, d_id, d_missing = model_census(draft, "draft")
+        missing += d_missing
+    notes = (f"{' and '.join(missing)} not in the local Hugging Face cache: sized from the shipped "
+             f"config{'s' if len(missing) > 1 else ''}; loading needs the network.",) if missing else ()
     plan = plan_models(
         ModelFigures(t_census, target, t_id), ModelFigures(d_census, draft, d_id) if d_census else None,
         device=device, dtype=dtype, target_precision=target_precision, draft_precision=draft_precision,

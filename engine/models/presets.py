@@ -9,6 +9,7 @@ from importlib import resources
 from pathlib import Path
 
 from engine.errors import ModelLoadError
+from engine.settings import ModelChoice, PairPreset
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +97,15 @@ def other_drafts(target_id: str, draft_id: str | None) -> tuple[PresetModel, ...
         return int(c["hidden_size"]) * int(c["num_hidden_layers"])
 
     return tuple(sorted(found.values(), key=size))
+
+
+def pair_presets() -> tuple[PairPreset, ...]:
+    """The presets as the Models dialog shows them."""
+
+    def choice(m: PresetModel) -> ModelChoice:
+        return ModelChoice() if m.packaged else ModelChoice("hub", m.id)
+
+    return tuple(PairPreset(p.name, p.title, choice(p.target), choice(p.draft), p.offline) for p in presets())
 
 
 # --------------------------------------------------------------------------- local hub cache

@@ -77,8 +77,10 @@ class StaticGraphRunner:
         min_bucket: int = MIN_BUCKET,
         compile_widths: Iterable[int] = (),
         compile_spans: int = 2,
+        stage_breaks: tuple[int, ...] = (),
     ) -> None:
-        self.decoder = LeanDecoder(model, max_length, share_weights=share_weights, attention=attention)
+        self.decoder = LeanDecoder(model, max_length, share_weights=share_weights, attention=attention,
+                                   stage_breaks=stage_breaks)
         self._forward = self.decoder.forward
         self._run_stage = self.decoder.run_stage
         # Opt-in: inductor fuses the elementwise ops (norms, RoPE, SiLU) before capture, which cuts

@@ -204,8 +204,11 @@ class LeanDecoder:
     """forward(ids [W], start) -> float32 logits [W, V], appending W tokens at positions start.. start+W-1."""
 
     def __init__(
-        self, model: nn.Module, max_length: int, *, share_weights: bool = True, attention: str = "sdpa"
+        self, model: nn.Module, max_length: int, *, share_weights: bool = True, attention: str = "sdpa",
+        stage_breaks: tuple[int, ...] = (),
     ) -> None:
+        """stage_breaks: layer indices that start a new stage although the device does not change
+        (tests run the split-model path on one CPU this way)."""
         check_supported(model, max_length)
         if attention not in ATTENTION:
             raise ValueError(f"attention must be one of {ATTENTION}, not {attention!r}")
@@ -247,9 +250,9 @@ class LeanDecoder:
             self.norm = base.norm.weight.detach()
             self.layers = [self._build_layer(layer) for layer in base.layers]
             self.stages: list[_Stage] = []
-            for layer, built in zip(base.layers, self.layers):
+            for i, (layer, built) in enumerate(zip(base.layers, self.layers)):
                 device = _layer_device(layer)
-                if not self.stages or self.stages[-1].device != device:
+                if not self.stages or self.stages[-1].device != device or i in stage_breaks:
                     self.stages.append(self._stage(base, device))
                 self.stages[-1].layers.append(built)
         self.quantized = any(p.modules for layer in self.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down))
