@@ -385,7 +385,7 @@ class Generation(Iterator[Step]):
         """
         eng, sampling = self.engine, self.request.sampling
         cuda = eng.device.type == "cuda"
-        marks = [_mark(cuda)]
+        marks = [_mark(cuda, eng.device)]
         if proposer is None:  # standard decoding: one target forward, one token
             ids = pending if isinstance(pending, torch.Tensor) else ids_tensor([pending], eng.device)
             logits = eng.target_runner.forward(ids)[0, : eng.vocab]  # [V]
@@ -405,7 +405,7 @@ class Generation(Iterator[Step]):
             proposal = proposer.propose(k)
             draft = proposal.tokens  # [n]
             n = draft.shape[0]
-            marks.append(_mark(cuda))
+            marks.append(_mark(cuda, eng.device))
             ids = torch.cat([ids_tensor([pending], eng.device), draft])  # [n+1]
             logits = eng.target_runner.forward(ids)[:, : eng.vocab]  # [n+1, V]
             p = process(logits, sampling)  # [n+1, V]
@@ -429,8 +429,8 @@ class Generation(Iterator[Step]):
             # Token ids stay exact in float32 (< 2**24). Pinned destination: the copy is queued too.
             outcome = torch.empty(outcome.shape, pin_memory=True).copy_(outcome, non_blocking=True)
             done = torch.cuda.Event()
-            done.record()
-        marks.append(_mark(cuda))
+            done.record(torch.cuda.current_stream(eng.device))
+        marks.append(_mark(cuda, eng.device))
         return _Launched(outcome, n, proposal, done, tuple(marks), next_input)
 
     def _collect(self, launched: _Launched) -> tuple[_StepResult, Proposal | None]:
@@ -524,12 +524,16 @@ class Generation(Iterator[Step]):
         return step, text
 
 
-def _mark(cuda: bool):
-    """A point in a round's timeline: a recorded timing event on CUDA, the host clock elsewhere."""
+def _mark(cuda: bool, device: torch.device):
+    """A point in a round's timeline: a recorded timing event on CUDA, the host clock elsewhere.
+
+    Recorded on the stream of the engine's device, which need not be the current device (cuda:1,
+    or the last GPU of a split target, where its logits and the draft live).
+    """
     if not cuda:
         return time.perf_counter()
     event = torch.cuda.Event(enable_timing=True)
-    event.record()
+    event.record(torch.cuda.current_stream(device))
     return event
 
 

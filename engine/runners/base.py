@@ -72,11 +72,12 @@ def measure_forward_costs(runner: Runner, widths: Iterable[int], iters: int) -> 
             runner.rollback(saved)
             begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             torch.cuda.synchronize(device)
-            begin.record()
+            stream = torch.cuda.current_stream(device)  # the device's, not the current device's
+            begin.record(stream)
             for _ in range(iters):
                 runner.forward(ids)
                 runner.rollback(saved)
-            end.record()
+            end.record(stream)
             end.synchronize()
             costs[width] = begin.elapsed_time(end) / iters
         else:
