@@ -168,7 +168,8 @@ def test_balanced_split_evens_out_the_gpus():
 def test_a_split_plan_covers_each_gpu():
     t = census_from_config(_models()["Qwen/Qwen2.5-32B-Instruct"].config, "32B")
     d = census_from_config(_models()["Qwen/Qwen2.5-0.5B-Instruct"].config, "0.5B")
-    inputs = PlanInputs(ModelSpec(t, "bfloat16", "bfloat16"), ModelSpec(d, "bfloat16", "bfloat16"), "cuda", 8192, gpus=2)
+    bf16 = "bfloat16"
+    inputs = PlanInputs(ModelSpec(t, bf16, bf16), ModelSpec(d, bf16, bf16), "cuda", 8192, gpus=2)
     plan = build_plan(inputs, [40 * GiB, 40 * GiB], "given")
     assert [dev.device for dev in plan.devices] == ["cuda:0", "cuda:1"]
     assert plan.fits and abs(plan.devices[0].total - plan.devices[1].total) < 2 * GiB

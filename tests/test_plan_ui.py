@@ -154,7 +154,8 @@ def test_cli_plan_prints_the_plan_offline_and_exits_1_when_it_does_not_fit(capsy
 def test_cli_plan_presets_table(capsys):
     assert cli_main(["plan", "--presets"]) == 0
     out = capsys.readouterr().out
-    for name in ("default", "r1-distill-14b", "qwen2.5-14b", "qwen2.5-32b", "qwen3-32b", "qwen3-32b-0.6b", "llama3.1-8b"):
+    names = ("default", "r1-distill-14b", "qwen2.5-14b", "qwen2.5-32b", "qwen3-32b", "qwen3-32b-0.6b", "llama3.1-8b")
+    for name in names:
         assert f"\n{name} " in out
     assert "24 GiB" in out and "80 GiB" in out
 
@@ -173,3 +174,26 @@ def test_cli_fails_with_the_plan_before_loading(tiny_pair, capsys, monkeypatch):
 
 def test_cli_rejects_preset_with_target():
     assert cli_main(["plan", "--preset", "default", "--target", "x/y"]) == 2
+
+
+def test_a_hub_preset_without_network_says_so_plainly(monkeypatch):
+    """HF_HUB_OFFLINE is set for tests: a preset's hub id that is not cached cannot be fetched."""
+    from engine.errors import ModelLoadError
+    from engine.models.loader import load_pair
+
+    with pytest.raises(ModelLoadError) as e:
+        load_pair("Qwen/Qwen3-32B", "Qwen/Qwen3-0.6B", device="cpu")
+    message = str(e.value)
+    assert "\n" not in message and "no network" in message and "packaged default pair" in message
+
+
+def test_a_preset_in_the_local_hub_cache_loads(tiny_pair, tmp_path, monkeypatch):
+    """A preset's hub id that is in the local cache loads from there (here the cache is a fake snapshot)."""
+    import huggingface_hub
+
+    from engine.models.loader import load_pair
+
+    folders = {"Qwen/Qwen2.5-0.5B-Instruct": tiny_pair[1], "Qwen/Qwen2.5-14B-Instruct": tiny_pair[0]}
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda repo_id, **k: str(folders[repo_id]))
+    pair = load_pair("Qwen/Qwen2.5-14B-Instruct", "Qwen/Qwen2.5-0.5B-Instruct", device="cpu", dtype="float32")
+    assert pair.info.target_name == "Qwen/Qwen2.5-14B-Instruct" and pair.plan.fits

@@ -54,7 +54,8 @@ def test_precision_names_and_aliases():
 
 def test_checkpoint_quantization_reads_config():
     assert checkpoint_quantization({}) is None
-    assert checkpoint_quantization({"quantization_config": {"quant_method": "bitsandbytes", "load_in_8bit": True}}) == "int8"
+    int8 = {"quantization_config": {"quant_method": "bitsandbytes", "load_in_8bit": True}}
+    assert checkpoint_quantization(int8) == "int8"
     assert checkpoint_quantization({"quantization_config": {"quant_method": "bitsandbytes", "load_in_4bit": True,
                                                             "bnb_4bit_quant_type": "nf4"}}) == "nf4"
     assert checkpoint_quantization({"quantization_config": {"quant_method": "awq", "bits": 4}}) == "awq"
@@ -62,7 +63,8 @@ def test_checkpoint_quantization_reads_config():
 
 def test_without_bitsandbytes_quantizing_is_one_clear_line(monkeypatch, tiny_pair):
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "bitsandbytes" else real(name, *a))
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "bitsandbytes" else real(name, *a))
     from engine.models.loader import load_pair
 
     with pytest.raises(ModelLoadError) as e:

@@ -207,7 +207,8 @@ def build_plan(inputs: PlanInputs, capacities: list[int | None], capacity_source
         draft_items.append(PlanItem("weights", "draft", f"draft weights ({_label(d)})", d_weights))
         draft_items.append(PlanItem("kv", "draft", f"draft KV cache ({d_pos:,} positions)",
                                     kv_layer_bytes(d, d_pos) * len(d.census.layers)))
-        if d_kind == "cpu" and inputs.fast_path == "auto" and not is_quantized(d.precision) and d.census.head_params == 0:
+        packs = d_kind == "cpu" and inputs.fast_path == "auto" and not is_quantized(d.precision)
+        if packs and d.census.head_params == 0:
             draft_items.append(PlanItem("weights", "draft", "draft head packed for oneDNN", d_embed))
     out_device = 0 if (tied or gpus == 1) else gpus - 1
     placement = balanced_split(

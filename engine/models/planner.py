@@ -1,4 +1,4 @@
-"""Plans a pair before loading it: finds each model's figures and the devices' free memory, then plan.py does the sums."""
+"""Plans a pair before loading: each model's figures and the devices' free memory; plan.py does the sums."""
 from __future__ import annotations
 
 import logging

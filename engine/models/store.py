@@ -451,8 +451,19 @@ def _hub_folder(repo_id: str, *, weights: bool) -> Path:
     try:
         return Path(snapshot_download(repo_id, allow_patterns=patterns + (["*.safetensors"] if weights else [])))
     except Exception as e:
+        from engine.models.presets import offline_message, preset_model
+
+        kind = type(e).__name__
+        if kind == "GatedRepoError":
+            raise ModelLoadError(
+                f"{repo_id} is gated: accept its licence on huggingface.co and log in (`hf auth login`), "
+                f"then load it again."
+            ) from None
+        if preset_model(repo_id) is not None and kind in ("LocalEntryNotFoundError", "OfflineModeIsEnabled",
+                                                          "ConnectionError", "ConnectTimeout", "ProxyError"):
+            raise ModelLoadError(offline_message(repo_id)) from None  # a preset, plainly: no network
         text = str(e).strip()
-        reason = text.splitlines()[0].split(". ")[0].rstrip(".") if text else type(e).__name__
+        reason = text.splitlines()[0].split(". ")[0].rstrip(".") if text else kind
         raise ModelLoadError(
             f"{repo_id} is not a local path and could not be loaded from the Hugging Face cache "
             f"(offline?): {reason[:200]}. Give a model folder or .gguf file, or download it first."

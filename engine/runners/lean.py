@@ -255,7 +255,8 @@ class LeanDecoder:
                 if not self.stages or self.stages[-1].device != device or i in stage_breaks:
                     self.stages.append(self._stage(base, device))
                 self.stages[-1].layers.append(built)
-        self.quantized = any(p.modules for layer in self.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down))
+        projections = [p for layer in self.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        self.quantized = any(p.modules for p in projections)
         log.info(
             "lean decoder: %d layers on %s, %d/%d heads x %d, cache %d slots, %.1f MiB of KV cache%s",
             self.config.n_layers, ", ".join(str(st.device) for st in self.stages), n_heads, n_kv, head_dim,
