@@ -29,8 +29,8 @@ import quant_common as qc  # noqa: E402
 import torch  # noqa: E402
 
 TINY = {"model_type": "qwen2", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 400, "max_position_embeddings": 512, "tie_word_embeddings": False,
-        "rope_theta": 10000.0, "rms_norm_eps": 1e-6}
+        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 400, "max_position_embeddings": 512,
+        "tie_word_embeddings": False, "rope_theta": 10000.0, "rms_norm_eps": 1e-6}
 
 
 def measure(device: str) -> list[dict]:
