@@ -225,3 +225,15 @@ def test_bnb_model_is_never_moved_with_to(tiny_pair, monkeypatch):
 def test_tiny_model_sizes_match_the_census(tmp_path):
     build_model(320, seed=0).save_pretrained(tmp_path)
     assert census_from_folder(tmp_path, "t").params == sum(p.numel() for p in build_model(320, seed=0).parameters())
+
+
+def test_without_accelerate_float_loads_still_work_and_quantized_ones_say_why(monkeypatch, tiny_pair):
+    from engine.models.loader import load_pair
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "accelerate" else real(name, *a))
+    load_pair(str(tiny_pair[0]), None, device="cpu", dtype="float32", with_draft=False)
+    if _bnb_problem() is None:
+        with pytest.raises(ModelLoadError, match="needs the accelerate package"):
+            load_pair(str(tiny_pair[0]), None, device="cpu", dtype="float32", target_dtype="nf4", with_draft=False)

@@ -1,6 +1,7 @@
 """Loading a pair: tokenizer check, memory plan, then each model at its precision on its device(s)."""
 from __future__ import annotations
 
+import importlib.util
 import logging
 import time
 from dataclasses import dataclass
@@ -62,10 +63,16 @@ def _load_model(folder: Path, name: str, place: _Placement) -> PreTrainedModel:
         config = quantization_config(place.precision, place.dtype)
         if config is not None:
             kwargs["quantization_config"] = config
-    if place.device_map is not None:
-        kwargs["device_map"] = place.device_map
-    elif place.device.type != "cpu" or "quantization_config" in kwargs or prequantized:
-        kwargs["device_map"] = {"": str(place.device)}
+    quantized = "quantization_config" in kwargs or prequantized is not None
+    move_after = False  # float weights may also load on the CPU and move: the way without accelerate
+    if place.device_map is not None or quantized or place.device.type != "cpu":
+        if importlib.util.find_spec("accelerate") is not None:
+            kwargs["device_map"] = place.device_map or {"": str(place.device)}
+        elif place.device_map is not None or quantized:
+            what = "splitting a model over GPUs" if place.device_map else "8-bit and 4-bit weights"
+            raise ModelLoadError(f"Loading {name}: {what} needs the accelerate package: pip install accelerate")
+        else:
+            move_after = True
     if place.precision == "int8" or prequantized == "int8":
         quiet_int8_casts()
 
@@ -81,6 +88,8 @@ def _load_model(folder: Path, name: str, place: _Placement) -> PreTrainedModel:
                 raise
             log.info("%s does not support SDPA attention; using eager attention", name)
             model = attempt("eager")
+        if move_after:
+            model = model.to(place.device)
     except (torch.OutOfMemoryError, MemoryError):
         raise _out_of_memory(label) from None
     except RuntimeError as e:
