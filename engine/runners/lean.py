@@ -98,7 +98,8 @@ def check_supported(model: nn.Module, max_length: int) -> None:
     runs = [d for i, d in enumerate(order) if i == 0 or d != order[i - 1]]
     if len(runs) != len(set(runs)):
         raise UnsupportedModelError("The model's layers go back and forth between devices; using the eager path.")
-    if model.model.embed_tokens.weight.device != order[0] or model.get_output_embeddings().weight.device != order[-1]:
+    head, norm = model.get_output_embeddings().weight.device, model.model.norm.weight.device
+    if model.model.embed_tokens.weight.device != order[0] or head != order[-1] or norm != head:
         raise UnsupportedModelError(
             "The split model's embedding or output head is not beside its first or last layer; using the eager path."
         )
