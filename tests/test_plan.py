@@ -232,3 +232,33 @@ def test_every_preset_names_shipped_configs():
         for m in (p.target, p.draft):
             assert census_from_config(m.config, m.name).params > 0
     assert math.isclose(census_from_config(preset("default").target.config, "t").params / 1e9, 1.777, rel_tol=1e-3)
+
+
+def test_cpu_packing_releases_each_original_linear_as_it_goes(monkeypatch):
+    """The CPU fast path repacks linears in place; holding every original until the end doubled the peak."""
+    import gc
+    import weakref
+
+    from engine.runners import cpu
+
+    if not cpu.onednn_available():
+        pytest.skip("no oneDNN in this torch build")
+    model = build_model(320, seed=0, layers=3)
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with torch.no_grad():
+        before = model(ids).logits
+    originals = [weakref.ref(m) for _, m in model.named_modules() if type(m) is torch.nn.Linear]
+    alive_at_each_pack = []
+    real_init = cpu.PackedLinear.__init__
+
+    def counting_init(self, linear):
+        real_init(self, linear)
+        gc.collect()
+        alive_at_each_pack.append(sum(r() is not None for r in originals))
+
+    monkeypatch.setattr(cpu.PackedLinear, "__init__", counting_init)
+    assert cpu.pack_linears(model) == len(originals)
+    # While packing the n-th linear, only it and those not yet packed are alive.
+    assert alive_at_each_pack == list(range(len(originals), 0, -1))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, before, atol=1e-4, rtol=1e-4)

@@ -43,14 +43,15 @@ def pack_linears(model: nn.Module) -> int:
     """Replaces every nn.Linear of a CPU model in place; returns how many were packed.
 
     A tied output head keeps its embedding (the embedding lookup needs it); untied weights are
-    released once packed, so memory stays about the same.
+    released as each is packed (only names are listed up front: a list of the modules would keep
+    every original alive until the last is packed, doubling the peak), so memory stays about the same.
     """
-    targets = [(name, m) for name, m in model.named_modules() if type(m) is nn.Linear]
-    for name, linear in targets:
+    names = [name for name, m in model.named_modules() if type(m) is nn.Linear]
+    for name in names:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, PackedLinear(linear))
-    return len(targets)
+        setattr(parent, child, PackedLinear(getattr(parent, child)))
+    return len(names)
 
 
 def try_pack(model: nn.Module) -> str | None:
