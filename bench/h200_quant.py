@@ -55,7 +55,12 @@ def part_a(args, results: qc.Results, texts: list[str], reference: dict) -> None
                 cpu.__enter__()
             pair = load_pair(args.target, args.draft, device=args.device, target_dtype=target_p,
                              draft_dtype=draft_p, context=args.context, force=True)
-            engine = Engine.from_pair(pair)
+            measure_costs = Engine.measure_costs
+            Engine.measure_costs = lambda self, *a, **k: None  # seconds per int8 run; part B measures them
+            try:
+                engine = Engine.from_pair(pair)
+            finally:
+                Engine.measure_costs = measure_costs
             out = qc.run_prompts(engine, texts, args.max_new_tokens)
             measured = measure(args.device)
             if cpu:
@@ -153,7 +158,7 @@ for width in (1, 6):
 """
 
 
-def probe_capture(results: qc.Results) -> None:
+def probe_capture(results: qc.Results, deadline: float) -> None:
     for kind in ("nf4", "int8"):
         def run(kind=kind) -> dict:
             p = subprocess.run([sys.executable, "-c", PROBE, kind], capture_output=True, text=True, timeout=90)
@@ -161,7 +166,7 @@ def probe_capture(results: qc.Results) -> None:
             print("    " + "\n    ".join(tail), flush=True)
             return {"kind": kind, "captured": p.returncode == 0, "output": tail}
 
-        qc.guarded(results, f"capture probe: one bitsandbytes {kind} layer in a CUDA graph", run, 10**9)
+        qc.guarded(results, f"capture probe: one bitsandbytes {kind} layer in a CUDA graph", run, deadline)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -211,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     if "b" in parts:
         part_b(args, results, texts)
     if "probe" in parts and torch.cuda.is_available() and args.device != "cpu" and not args.no_bnb:
-        probe_capture(results)
+        probe_capture(results, args.budget_s + 20)
     results.save()
     print(f"[{qc.elapsed():5.0f}s] done: {results.path}", flush=True)
     return 0
