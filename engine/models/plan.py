@@ -26,7 +26,7 @@ LEAN_TYPES = ("qwen2", "qwen3", "llama", "mistral")  # what the fast path runs
 # besides its tensors. CUDA: context, kernels and library handles per device. CPU: the Python
 # process with torch and transformers imported.
 RUNTIME_CUDA = 600 * MiB
-RUNTIME_CPU = 700 * MiB
+RUNTIME_CPU = 500 * MiB
 SLACK = 0.02  # allocator rounding and fragmentation, as a share of the tensors' bytes
 LOOP_BUFFERS = 6  # [K+1, V] float32 tensors alive at once in the acceptance maths
 

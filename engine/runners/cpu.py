@@ -8,7 +8,9 @@ verify costs about 1.4 forwards and single-token decoding gets faster too.
 """
 from __future__ import annotations
 
+import ctypes
 import logging
+from functools import lru_cache
 
 import torch
 from torch import nn
@@ -16,6 +18,7 @@ from torch import nn
 log = logging.getLogger(__name__)
 
 BATCH_HINT = 8  # rows oneDNN tunes the packed layout for: the verify widths K+1 we expect
+TRIM_EVERY = 4  # packed linears between two returns of freed memory to the OS
 
 
 def onednn_available() -> bool:
@@ -44,14 +47,36 @@ def pack_linears(model: nn.Module) -> int:
 
     A tied output head keeps its embedding (the embedding lookup needs it); untied weights are
     released as each is packed (only names are listed up front: a list of the modules would keep
-    every original alive until the last is packed, doubling the peak), so memory stays about the same.
+    every original alive until the last is packed, doubling the peak), and the allocator is asked
+    to hand their memory back as it goes, so the process does not grow.
     """
     names = [name for name, m in model.named_modules() if type(m) is nn.Linear]
-    for name in names:
+    for i, name in enumerate(names, 1):
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, PackedLinear(getattr(parent, child)))
+        if i % TRIM_EVERY == 0 or i == len(names):
+            release_freed_memory()
     return len(names)
+
+
+def release_freed_memory() -> None:
+    """glibc keeps freed blocks in its arenas (the loader's threads each have one): return them to the OS.
+
+    Measured on the default pair in float32: without it the process kept ~1.9 GiB of freed original
+    weights after packing. A no-op where there is no glibc.
+    """
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+@lru_cache(maxsize=1)
+def _malloc_trim():
+    try:
+        return ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return None
 
 
 def try_pack(model: nn.Module) -> str | None:
