@@ -1,4 +1,4 @@
-"""Headless command line: `generate` streams one answer, `bench` measures, `plan` says what fits in memory."""
+"""Headless command line: `generate` answers, `bench` measures, `distill` trains a draft head, `plan` sizes memory."""
 from __future__ import annotations
 
 import argparse
@@ -35,7 +35,7 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         if message.endswith("required: command"):
-            message = "a command is needed: generate, bench or plan (see --help)"
+            message = "a command is needed: generate, bench, distill or plan (see --help)"
         raise CliError(message)
 
 
@@ -54,6 +54,16 @@ def _k(text: str) -> int:
         return _positive_int(text)
     except argparse.ArgumentTypeError as e:
         raise argparse.ArgumentTypeError(f"K (draft tokens per step) {e}") from None
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    return value
 
 
 def _non_negative_float(text: str) -> float:
@@ -105,6 +115,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("models")
     _add_pair_args(g)
     g.add_argument("--force", action="store_true", help="load even when the memory plan says it will not fit")
+    g.add_argument("--head", default="auto",
+                   help="draft head folder for --proposer head; auto: the shipped head trained for this target "
+                        "(if any); none: no head")
     g.add_argument("--fast-path", default="auto", choices=["auto", "eager", "static", "compiled"],
                    help="auto: static cache + CUDA graphs where possible, else eager; compiled: also "
                         "torch.compile the per-step forwards for --k (CUDA; minutes of warm-up)")
@@ -140,6 +153,23 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--warmup", type=int, default=1, help="untimed warm-up generations per mode")
     bench.add_argument("--raw", action="store_true", help="feed prompts as-is, without the chat template")
     _add_model_args(bench)
+
+    distill = sub.add_parser("distill", help="train a draft head on the target's own answers (resumable)")
+    distill.add_argument("--target", default=None,
+                         help="model folder, .gguf file or hub id (default: packaged Qwen2.5-Coder-1.5B-Instruct)")
+    distill.add_argument("--out", required=True, type=Path, help="where the head's shards and manifest go")
+    distill.add_argument("--minutes", type=_positive_float, default=17.0,
+                         help="the whole budget, all calls together: data, training, export (default 17)")
+    distill.add_argument("--work", type=Path, default=None,
+                         help="work folder (data, checkpoints, log); running again with it resumes (default OUT/work)")
+    distill.add_argument("--call-minutes", type=_positive_float, default=None,
+                         help="stop this call after so many minutes, exporting what is trained so far")
+    distill.add_argument("--prompts", type=Path, default=None,
+                         help='extra questions to answer, JSONL {"prompt": ...} (benchmark prompts are refused)')
+    distill.add_argument("--seed", type=int, default=0)
+    distill.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: auto)")
+    distill.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
+    distill.add_argument("-v", "--verbose", action="store_true", help="log what the engine does (stderr)")
 
     plan = sub.add_parser("plan", help="the memory plan of a pair: what it needs on each device, whether it fits")
     g = plan.add_argument_group("models")
@@ -198,7 +228,8 @@ def _load(args: argparse.Namespace, needs_draft: bool) -> tuple[LoadedPair, Engi
 
     reporter = _LoadReporter(sys.stderr, args.verbose)
     pair = _load_pair(args, needs_draft, reporter)
-    return pair, Engine.from_pair(pair, fast_path=args.fast_path, progress=reporter, compile_k=args.k)
+    head = None if args.head == "none" else args.head
+    return pair, Engine.from_pair(pair, fast_path=args.fast_path, progress=reporter, compile_k=args.k, head=head)
 
 
 def _load_pair(args: argparse.Namespace, needs_draft: bool, progress=None) -> LoadedPair:
@@ -252,7 +283,7 @@ def _model_config(engine: Engine, args: argparse.Namespace) -> dict[str, Any]:
 # --------------------------------------------------------------------------- generate
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    needs_draft = args.mode == "speculative" and args.proposer != "ngram"
+    needs_draft = args.mode == "speculative" and args.proposer in ("draft", "draft+ngram")
     _, engine = _load(args, needs_draft)
     generation = engine.generate(_request(args, args.prompt, args.mode, args.max_new_tokens))
     tokens: list[dict[str, str]] = []
@@ -306,7 +337,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     for out in (args.json_out, args.csv_out):
         if out is not None and not out.parent.exists():
             raise CliError(f"output folder {out.parent} does not exist")
-    needs_draft = any(MODE_RUNNERS[m].needs_draft for m in modes) and args.proposer != "ngram"
+    needs_draft = any(MODE_RUNNERS[m].needs_draft for m in modes) and args.proposer in ("draft", "draft+ngram")
     pair, engine = _load(args, needs_draft)
     ctx = BenchContext(
         pair, engine,
@@ -319,7 +350,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             bar.update(done - bar.n)
 
         result = run_bench(ctx, prompts, modes, max_new_tokens=args.max_new_tokens, warmup=args.warmup, k=args.k,
-                           cost_model=args.proposer != "ngram", progress=progress)
+                           cost_model=args.proposer != "ngram", progress=progress, proposer=args.proposer)
     config = {**_model_config(engine, args), "modes": list(result.modes), "prompts": str(args.prompts),
               "warmup": args.warmup, "wall_s": result.wall_s, **_environment(engine)}
     table = format_table(result.summary, result.modes)
@@ -340,6 +371,38 @@ def cmd_bench(args: argparse.Namespace) -> int:
           f"({_precisions(engine.info)}, {engine.info.fast_path}), {len(prompts)} prompts, k={args.k}, "
           f"temperature={args.temperature}, max_new_tokens={args.max_new_tokens}")
     print(table)
+    return 0
+
+
+# --------------------------------------------------------------------------- distill
+
+def cmd_distill(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from engine.heads.distill import distill
+    from engine.measure.bench import read_prompts
+
+    questions = [p.prompt for p in read_prompts(args.prompts)] if args.prompts is not None else []
+    budget = args.minutes * 60
+    with tqdm(total=round(budget), file=sys.stderr, desc="distill", unit="s", disable=None,
+              bar_format="{l_bar}{bar}| {n:.0f}/{total:.0f} s of the budget [{elapsed}<{remaining}] {postfix}") as bar:
+        logged = {"train": 0}
+
+        def progress(p) -> None:
+            bar.update(max(0, round(p.fraction * budget) - bar.n))
+            bar.set_postfix_str(p.message[:70])
+            kind = p.record.get("kind") if p.record is not None else None
+            if kind == "train":
+                logged["train"] += 1
+            # Without a terminal (a GPU job's log) the bar is off: the milestones and every 5th loss go to stderr.
+            quiet = bar.disable and kind == "train" and logged["train"] % 5
+            if (kind is not None and not quiet and (kind != "train" or bar.disable)) or args.verbose:
+                bar.write(f"{PROG}: [{p.fraction:.0%}, {p.eta_s / 60:.1f} min left] {p.message}", file=sys.stderr)
+
+        summary = distill(args.target, args.out, minutes=args.minutes, work=args.work, call_minutes=args.call_minutes,
+                          device=args.device, dtype=args.dtype, seed=args.seed, questions=questions,
+                          progress=progress)
+    print(json.dumps(summary, indent=2, ensure_ascii=False))
     return 0
 
 
@@ -390,7 +453,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     try:
-        return {"generate": cmd_generate, "bench": cmd_bench, "plan": cmd_plan}[args.command](args)
+        commands = {"generate": cmd_generate, "bench": cmd_bench, "distill": cmd_distill, "plan": cmd_plan}
+        return commands[args.command](args)
     except ModelWontFitError as e:
         from engine.models.plan import format_plan
 

@@ -162,6 +162,7 @@ class ScriptedEngine:
     fail_at: int | None = None  # raise before this step index (tests of generation_failed)
     fail_with: Callable[[], BaseException] | None = None  # exception factory for fail_at
     requests_seen: int = 0  # how many generations were started (tests of regenerate)
+    context_length: int = 32768  # tokens the "model" holds (the context meter reads it)
 
     def generate(self, request: GenerationRequest, cancel: threading.Event | None = None) -> ScriptedGeneration:
         if request.mode == "speculative" and request.k < 1:
@@ -173,3 +174,43 @@ class ScriptedEngine:
                                source=source)
         return ScriptedGeneration(steps, request, cancel or threading.Event(), self.delay_s,
                                   self.fail_at, self.fail_with)
+
+
+DEMO_TITLES = (
+    "Explain quicksort with code", "写一首关于秋天的短诗", "Binary search in Rust", "What is speculative decoding?",
+    "SQL: top 3 per group", "Regex for ISO dates", "解释一下 Transformer 的注意力机制", "Dockerfile for a Flask app",
+    "Big-O of heapsort", "Bash: rename files in bulk",
+)
+
+
+def demo_conversations(store, count: int, turns: int = 6, answer: str = DEMO_ANSWER, *,
+                       tokens: bool = True, seed: int = 0) -> list[str]:
+    """Writes `count` saved conversations of `turns` messages each (half questions, half scripted
+    answers with their token statuses) into a ConversationStore; returns their ids, newest first.
+    For screenshots, benchmarks and tests of a long history; nothing here needs a model."""
+    from datetime import datetime, timedelta
+
+    from app.chat_tree import Conversation, StoredTokens
+
+    steps = scripted_steps(answer, k=5, acceptance=0.8, seed=seed)
+    summary = summarize(steps, mode="speculative", k=5, prompt_tokens=40, seconds=steps[-1].elapsed_s,
+                        stop_reason="eos")
+    stored = StoredTokens.from_steps(steps) if tokens else None
+    request = GenerationRequest(k=5, max_new_tokens=1024)
+    ids = []
+    start = datetime(2026, 11, 1, 9, 0).astimezone()
+    for i in range(count):
+        conversation = Conversation()
+        for t in range(turns // 2):
+            question = f"{DEMO_TITLES[(i + t) % len(DEMO_TITLES)]} (part {t + 1})"
+            conversation.add(conversation.current, "user", question)
+            # Every answer differs (by its last line), so nothing is rendered once and reused.
+            suffix = f"\n\nNote {i}.{t}: done."
+            tokens_of = StoredTokens(stored.texts + (suffix,), stored.statuses + "b") if stored else None
+            conversation.add(conversation.current, "assistant", answer + suffix, model="demo-target + demo-draft",
+                             request=request, summary=replace(summary, text=answer + suffix), tokens=tokens_of)
+        conversation.title = DEMO_TITLES[i % len(DEMO_TITLES)]
+        conversation.updated = (start + timedelta(hours=i)).isoformat(timespec="seconds")
+        store.save(conversation)
+        ids.append(conversation.id)
+    return ids[::-1]

@@ -1,14 +1,16 @@
-"""CSV export of a session: one row per answer (every Summary figure plus its settings) and the step trace."""
+"""Exports: the session as CSV (one row per answer, and the step trace), a conversation as Markdown or JSON."""
 from __future__ import annotations
 
 import contextlib
 import csv
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, fields
 from datetime import datetime
 from pathlib import Path
 
+from app.chat_tree import Conversation
+from app.conversations import encode, write_atomically
 from engine.types import GenerationRequest, ModelInfo, Step, Summary
 
 ENCODING = "utf-8-sig"  # the BOM makes Excel read UTF-8 (Chinese text) instead of the ANSI code page
@@ -129,3 +131,43 @@ def write_session_csv(path: str | os.PathLike[str], records: Iterable[AnswerReco
 def write_trace_csv(path: str | os.PathLike[str], records: Iterable[AnswerRecord]) -> int:
     """One row per Step of every answer; returns the number of rows. Raises OSError on failure."""
     return write_csv(path, TRACE_COLUMNS, trace_rows(records))
+
+
+# --- conversations ----------------------------------------------------------------------------------
+
+StatsLine = Callable[[Summary, "GenerationRequest | None"], str]
+
+
+def conversation_markdown(conversation: Conversation, stats_line: StatsLine | None = None) -> str:
+    """The shown branch as Markdown: a heading per message; answers keep their own markdown as written,
+    followed by their figures (`stats_line`, e.g. widgets.stats_line.format_stats_line) in italics."""
+    lines = [f"# {conversation.title or 'Untitled conversation'}", "",
+             f"_Exported from SpecDec Studio on {now_iso()}; started {conversation.created}._", ""]
+    for turn in conversation.path():
+        if turn.role == "user":
+            lines += ["## You", "", turn.content, ""]
+            continue
+        lines += [f"## Assistant ({turn.model})" if turn.model else "## Assistant", "", turn.content, ""]
+        if turn.summary is not None and stats_line is not None:
+            lines += [f"_{stats_line(turn.summary, turn.request)}_", ""]
+        if turn.error:
+            lines += [f"> ⚠ {turn.error}", ""]
+    return "\n".join(lines)
+
+
+def write_conversation_markdown(path: str | os.PathLike[str], conversation: Conversation,
+                                stats_line: StatsLine | None = None) -> None:
+    """Raises OSError if the path is not writable; an existing file is replaced whole or not at all."""
+    write_atomically(_file_path(path), conversation_markdown(conversation, stats_line).encode("utf-8"))
+
+
+def write_conversation_json(path: str | os.PathLike[str], conversation: Conversation) -> None:
+    """Every branch, figure and token status: the same format as the saved file (it can be put back)."""
+    write_atomically(_file_path(path), encode(conversation.to_json()))
+
+
+def _file_path(path: str | os.PathLike[str]) -> Path:
+    target = Path(path)
+    if target.is_dir():
+        raise IsADirectoryError(f"{target} is a folder; choose a file name")
+    return target

@@ -6,14 +6,17 @@ tested without a QApplication.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, replace
 
+from app.chat_tree import Conversation, ConversationFormatError, StoredTokens, Turn
+from app.conversations import BackgroundWriter, ConversationHeader, ConversationStore
 from app.export import AnswerRecord, now_iso
 from engine.measure.costmodel import CostModel, estimate_alpha
 from engine.settings import GenerationSettings, ModelSelection
 from engine.types import GenerationRequest, MemoryPlan, Message, ModelInfo, Sampling, Step, Summary
 
-PROPOSER_LABELS = {"draft": "draft", "ngram": "n-gram", "draft+ngram": "draft + n-gram"}
+PROPOSER_LABELS = {"draft": "draft", "ngram": "n-gram", "draft+ngram": "draft + n-gram", "head": "draft head"}
 
 
 @dataclass(frozen=True)
@@ -31,6 +34,18 @@ class LoadRequest:
     context: int | None = None  # positions each KV cache holds (None: the default)
     force: bool = False  # load even when the memory plan says it will not fit (a person said so)
     memory: int | None = None  # memory budget per device in bytes (None: what the device has free)
+
+
+@dataclass(frozen=True)
+class TrainRequest:
+    """Train a draft head for the loaded target (the app's "Train a draft head…")."""
+
+    request_id: int  # names every training signal
+    target: str | None  # the loaded target's spec (None: the packaged default)
+    device: str  # where the loaded target runs; training loads its own copy there
+    dtype: str  # the loaded target's dtype
+    minutes: float  # the whole budget: data, training, export
+    out: str  # folder for the head; its work folder (data, checkpoints, log) is out/work
 
 
 def load_request_for(selection: ModelSelection, *, force: bool = False) -> LoadRequest:
@@ -108,19 +123,23 @@ def answer_header(request: GenerationRequest, info: ModelInfo | None) -> str:
     return f"{name} · speculative · K={request.k} · {PROPOSER_LABELS.get(request.proposer, request.proposer)}"
 
 
-def cost_verdict(info: ModelInfo | None, summary: Summary | None) -> tuple[str, str]:
+def cost_verdict(info: ModelInfo | None, summary: Summary | None, proposer: str = "draft") -> tuple[str, str]:
     """(status-bar text, tooltip) from the forward costs measured at load and, once an answer
-    exists, its acceptance: what speculative decoding should buy on this machine, said plainly."""
-    if info is None or not info.target_ms or info.draft_ms <= 0:
+    exists, its acceptance: what speculative decoding should buy on this machine, said plainly.
+    With proposer "head" the draft cost is the draft head's (ModelInfo.head_ms)."""
+    head = proposer == "head"
+    draft_ms = (info.head_ms if head else info.draft_ms) if info is not None else 0.0
+    if info is None or not info.target_ms or draft_ms <= 0:
         return "", ""
-    model = CostModel.from_info(info)
+    model = replace(CostModel.from_info(info), draft_ms=draft_ms)
     k_max = model.k_max
-    costs = (f"Measured at load: draft {info.draft_ms:.1f} ms per forward, target "
+    name = "draft head" if head else "draft"
+    costs = (f"Measured at load: {name} {draft_ms:.1f} ms per {'token' if head else 'forward'}, target "
              + ", ".join(f"{ms:.1f} ms ({w} tok)" for w, ms in info.target_ms) + ".")
     alpha = estimate_alpha(summary) if summary is not None else None
     if summary is None or alpha is None:
-        ratio = info.draft_ms / model.target_ms[1]
-        return f"draft = {ratio:.0%} of a target forward", costs + " Send a speculative prompt for a prediction."
+        ratio = draft_ms / model.target_ms[1]
+        return f"{name} = {ratio:.0%} of a target forward", costs + " Send a speculative prompt for a prediction."
     k, best = model.best_k(alpha, k_max)
     predicted = model.predicted_speedup(alpha, summary.k) if summary.k <= k_max else None
     short = (f"predicted {predicted:.2f}× at K={summary.k}" if predicted is not None else f"best K={k}: {best:.2f}×")
@@ -133,24 +152,38 @@ class _InFlight:
 
     request: GenerationRequest  # what was asked
     info: ModelInfo | None  # the pair that answers it
+    conversation: Conversation  # the conversation its answer belongs to (even after a switch)
+    turn_id: str  # the answer's turn in it: empty until the answer ends
     steps: list[Step] = field(default_factory=list)  # every step so far, for export
 
 
+@dataclass(frozen=True)
+class ShownTurn:
+    """A turn on the shown branch with its place among the alternatives (for ‹ 2/3 ›)."""
+
+    turn: Turn  # the turn itself
+    index: int  # 0-based among its siblings
+    count: int  # siblings, itself included
+
+
 class ChatSession:
-    """One chat: its turns, the answer streaming now, every finished answer (for export).
+    """One chat: a tree of turns (editing a question or regenerating an answer forks it), the answer
+    streaming now, every finished answer (for export); saved after each change when a store is given.
 
     Request ids come from one counter shared with the race: the worker cancels by id, so ids never
     repeat within a process.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, store: ConversationStore | None = None, *, keep_tokens: bool = True,
+                 on_save_error: Callable[[str, str], None] | None = None) -> None:
         self.info: ModelInfo | None = None  # the pair in use
-        self.history: list[Message] = []  # user/assistant turns (the system prompt is added per request)
+        self.conversation = Conversation()  # the conversation shown
+        self.store = store  # None: nothing is saved (tests, read-only home)
+        self.writer = BackgroundWriter(store, on_save_error) if store is not None else None
+        self.keep_tokens = keep_tokens  # save each answer's token statuses (colours after a reload)
         self.records: list[AnswerRecord] = []  # every finished answer of the session, for export
         self.active_request: int | None = None  # the chat's answer streaming now
         self._in_flight: dict[int, _InFlight] = {}
-        self._answers: list[int] = []  # request ids of the answers shown, oldest first
-        self._detached: set[int] = set()  # requests whose chat was cleared while they streamed
         self._next_id = 1
 
     # --- ids and state ---------------------------------------------------------------------------
@@ -168,43 +201,139 @@ class ChatSession:
         entry = self._in_flight.get(request_id)
         return entry.request if entry is not None else None
 
-    def can_regenerate(self) -> bool:
-        return any(m.role == "user" for m in self.history)
+    def turn_of(self, request_id: int) -> str | None:
+        entry = self._in_flight.get(request_id)
+        return entry.turn_id if entry is not None else None
 
-    def messages_for(self, settings: GenerationSettings) -> tuple[Message, ...]:
-        return system_messages(settings) + tuple(self.history)
+    @property
+    def history(self) -> list[Message]:
+        """The shown branch as chat turns (answers still streaming or failed without text left out)."""
+        return list(self.conversation.messages())
+
+    def last_question(self) -> Turn | None:
+        return next((t for t in reversed(self.conversation.path()) if t.role == "user"), None)
+
+    def can_regenerate(self) -> bool:
+        return self.last_question() is not None
+
+    def messages_for(self, settings: GenerationSettings, drop_oldest: int = 0) -> tuple[Message, ...]:
+        """What a request sends: the system prompt, then the branch shown (less its `drop_oldest` turns)."""
+        return system_messages(settings) + tuple(self.conversation.messages()[drop_oldest:])
+
+    def shown(self) -> list[ShownTurn]:
+        out = []
+        for turn in self.conversation.path():
+            siblings = [t.id for t in self.conversation.siblings(turn.id)]
+            out.append(ShownTurn(turn, siblings.index(turn.id), len(siblings)))
+        return out
 
     # --- what a person does ----------------------------------------------------------------------
 
-    def send(self, text: str, settings: GenerationSettings) -> GenerationRequest:
-        """Adds a user turn; returns the request for its answer."""
-        self.history.append(Message("user", text))
-        return self._start(settings)
+    def send(self, text: str, settings: GenerationSettings, drop_oldest: int = 0) -> GenerationRequest:
+        """Adds a question at the end of the branch shown; returns the request for its answer."""
+        self.conversation.add(self.conversation.current, "user", text)
+        return self._start(settings, drop_oldest)
 
-    def regenerate(self, settings: GenerationSettings) -> tuple[GenerationRequest, int | None] | None:
-        """Asks the last user turn again: (the new request, the answer it replaces or None); None if
-        there is no user turn."""
-        last_user = next((i for i in range(len(self.history) - 1, -1, -1) if self.history[i].role == "user"), None)
-        if last_user is None:
+    def edit(self, turn_id: str, text: str, settings: GenerationSettings, drop_oldest: int = 0) -> GenerationRequest:
+        """The edited question becomes a sibling of the old one (the conversation forks there) and is answered."""
+        old = self.conversation.turns[turn_id]
+        assert old.role == "user", "only questions are edited"
+        self.conversation.add(old.parent, "user", text)
+        return self._start(settings, drop_oldest)
+
+    def regenerate(self, settings: GenerationSettings, answer_turn: str | None = None,
+                   drop_oldest: int = 0) -> tuple[GenerationRequest, str | None] | None:
+        """A new version of an answer (the last one by default), beside the old one: (the request, the
+        turn id of the answer it stands in for, or None); None when there is no question to answer."""
+        if answer_turn is None:
+            question = self.last_question()
+            path = self.conversation.path()
+            after = path[path.index(question) + 1:] if question is not None else []
+            replaced = after[0].id if after else None
+        else:
+            answer = self.conversation.turns.get(answer_turn)
+            question = self.conversation.turns.get(answer.parent) if answer and answer.parent else None
+            replaced = answer_turn
+        if question is None:
             return None
-        del self.history[last_user + 1 :]
-        replaced = self._answers.pop() if self._answers else None
-        return self._start(settings), replaced
+        self.conversation.current = question.id  # the new answer goes under it, beside the old one
+        return self._start(settings, drop_oldest), replaced
+
+    def switch(self, turn_id: str, delta: int) -> None:
+        """Shows the previous (-1) or next (+1) version of a turn, down to that branch's newest leaf."""
+        ids = [t.id for t in self.conversation.siblings(turn_id)]
+        self.conversation.switch_to(ids[max(0, min(len(ids) - 1, ids.index(turn_id) + delta))])
+        self.save()
+
+    def set_trim_oldest(self, on: bool) -> None:
+        """The person chose to leave the oldest turns out when the context is full (kept per conversation)."""
+        self.conversation.trim_oldest = on
+        self.save()
 
     def new_chat(self) -> int | None:
-        """Forgets the turns; returns the request still streaming (its answer belongs to the old chat)."""
+        """Shows a new, empty conversation; returns the request still streaming (its answer goes to the old one)."""
         streaming = self.active_request
-        if streaming is not None:
-            self._detached.add(streaming)
-        self.history.clear()
-        self._answers.clear()
+        self.conversation = Conversation()
         return streaming
 
-    def _start(self, settings: GenerationSettings) -> GenerationRequest:
+    # --- saved conversations ---------------------------------------------------------------------
+
+    def open(self, conversation_id: str) -> int | None:
+        """Shows a saved conversation (raises ConversationFormatError or OSError, the shown one stays then);
+        returns the request still streaming, as new_chat does."""
+        conversation = self.load(conversation_id)
+        streaming = self.active_request
+        self.conversation = conversation
+        return streaming
+
+    def load(self, conversation_id: str) -> Conversation:
+        if conversation_id == self.conversation.id:
+            return self.conversation
+        if self.store is None:
+            raise ConversationFormatError("conversations are not saved in this session")
+        return self.store.load(conversation_id)
+
+    def list(self) -> list[ConversationHeader]:
+        return self.store.list() if self.store is not None else []
+
+    def rename(self, conversation_id: str, title: str) -> None:
+        conversation = self.load(conversation_id)
+        conversation.rename(title)
+        self.save(conversation)
+
+    def delete(self, conversation_id: str) -> None:
+        """Moves the file to the store's trash (restore() undoes it until the next start)."""
+        if self.writer is not None:
+            self.writer.flush()  # a queued save must not bring the file back after the delete
+        if self.store is not None:
+            self.store.delete(conversation_id)
+        if conversation_id == self.conversation.id:
+            self.conversation = Conversation()
+
+    def restore(self, conversation_id: str) -> bool:
+        return self.store is not None and self.store.restore(conversation_id)
+
+    def save(self, conversation: Conversation | None = None) -> None:
+        conversation = conversation or self.conversation
+        if self.writer is not None and not conversation.is_empty():
+            self.writer.save(conversation)
+
+    def close(self) -> None:
+        """Waits for the last save."""
+        if self.writer is not None:
+            self.writer.close()
+
+    def _start(self, settings: GenerationSettings, drop_oldest: int) -> GenerationRequest:
         rid = self.allocate_request_id()
-        request = build_request(settings, self.messages_for(settings), rid)
-        self._in_flight[rid] = _InFlight(request, self.info)
-        self._answers.append(rid)
+        request = build_request(settings, self.messages_for(settings, drop_oldest), rid)
+        model = ""
+        if self.info is not None:
+            model = self.info.target_name + (f" + {self.info.draft_name}" if self.info.draft_name else "")
+        # The answer's turn exists from the start (empty), so a fork made meanwhile cannot misplace it.
+        turn = self.conversation.add(self.conversation.current, "assistant", "", model=model,
+                                     request=replace(request, messages=()))
+        self.conversation.settings = asdict(settings)
+        self._in_flight[rid] = _InFlight(request, self.info, self.conversation, turn.id)
         self.active_request = rid
         return request
 
@@ -218,24 +347,31 @@ class ChatSession:
         return True
 
     def finish(self, request_id: int, summary: Summary) -> AnswerRecord | None:
-        """Records a finished answer (and makes it a turn of the chat); None if it is not ours."""
+        """Records a finished answer (its turn gets the text, figures and tokens); None if it is not ours."""
         entry = self._in_flight.pop(request_id, None)
         if entry is None:
             return None
-        if summary.text and request_id == self.active_request and request_id not in self._detached:
-            self.history.append(Message("assistant", summary.text))
+        self._complete(entry, summary.text, summary, "")
         record = AnswerRecord(entry.request, summary, entry.info, now_iso(), tuple(entry.steps))
         self.records.append(record)
         self._end(request_id)
         return record
 
-    def fail(self, request_id: int) -> bool:
-        if self._in_flight.pop(request_id, None) is None:
+    def fail(self, request_id: int, message: str = "") -> bool:
+        entry = self._in_flight.pop(request_id, None)
+        if entry is None:
             return False
+        self._complete(entry, "".join(s.text for s in entry.steps), None, message or "generation failed")
         self._end(request_id)
         return True
 
+    def _complete(self, entry: _InFlight, text: str, summary: Summary | None, error: str) -> None:
+        conversation = entry.conversation
+        tokens = StoredTokens.from_steps(entry.steps) if self.keep_tokens and entry.steps else None
+        turn = replace(conversation.turns[entry.turn_id], content=text, summary=summary, error=error, tokens=tokens)
+        conversation.replace_turn(turn)
+        self.save(conversation)
+
     def _end(self, request_id: int) -> None:
-        self._detached.discard(request_id)
         if request_id == self.active_request:
             self.active_request = None

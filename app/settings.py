@@ -84,6 +84,35 @@ class AppSettings:
     def set_charts_visible(self, visible: bool) -> None:
         self._qs.setValue("window/view", json.dumps({"charts_visible": bool(visible)}))
 
+    # --- appearance and history ----------------------------------------------------------------
+
+    def theme(self) -> str:
+        """"system" (follow the desktop), "light" or "dark"."""
+        theme = self._json("window/appearance").get("theme", "system")
+        return theme if theme in ("system", "light", "dark") else "system"
+
+    def set_theme(self, theme: str) -> None:
+        self._set_appearance(theme=theme)
+
+    def render_markdown(self) -> bool:
+        """Finished answers formatted as markdown (True) or left as coloured tokens (False)."""
+        return self._json("window/appearance").get("markdown", True) is not False
+
+    def set_render_markdown(self, on: bool) -> None:
+        self._set_appearance(markdown=bool(on))
+
+    def sidebar_width(self) -> int | None:
+        width = self._json("window/appearance").get("sidebar_width")
+        return width if isinstance(width, int) and width > 0 else None
+
+    def set_sidebar_width(self, width: int) -> None:
+        self._set_appearance(sidebar_width=int(width))
+
+    def _set_appearance(self, **values: object) -> None:
+        raw = self._json("window/appearance")
+        raw.update(values)
+        self._qs.setValue("window/appearance", json.dumps(raw))
+
     # --- internals ------------------------------------------------------------------------------
 
     def _json(self, key: str) -> dict:

@@ -7,8 +7,8 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from PySide6.QtCore import QByteArray, Qt, QTimer, Signal
-from PySide6.QtGui import QAction, QCloseEvent, QKeySequence
+from PySide6.QtCore import QByteArray, QSignalBlocker, Qt, QTimer, Signal
+from PySide6.QtGui import QAction, QActionGroup, QCloseEvent, QKeySequence
 from PySide6.QtWidgets import (
     QFileDialog,
     QFrame,
@@ -23,6 +23,9 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from app.context import ContextCounter, ContextGuard, ask_overflow, counter_for
+from app.conversations import ConversationStore, default_folder
+from app.conversations_ui import ConversationsController
 from app.export import write_session_csv, write_trace_csv
 from app.race import RaceController
 from app.session import (
@@ -35,26 +38,40 @@ from app.session import (
     plan_for,
 )
 from app.settings import AppSettings
-from app.worker import EngineFactory, WorkerHost, default_engine_factory
+from app.training import HeadTrainingController
+from app.worker import EngineFactory, HeadTrainer, WorkerHost, default_engine_factory, default_head_trainer
 from engine.settings import GenerationSettings, ModelSelection
 from engine.types import Message, ModelInfo, Step, Summary
 from widgets.charts import LiveCharts
 from widgets.chat import ChatView
+from widgets.context_meter import ContextMeter
+from widgets.conversation_list import ConversationList
 from widgets.legend import Legend
 from widgets.model_dialog import ModelDialog
 from widgets.prompt_box import PromptBox
 from widgets.race_view import RaceView
 from widgets.settings_panel import DisplaySettings, SettingsPanel
 from widgets.stats_line import format_stats_line
+from widgets.theme import ThemeManager
 
 log = logging.getLogger(__name__)
 
 APP_NAME = "SpecDec Studio"
 DEFAULT_SIZE = (1480, 900)
 DEFAULT_SPLITTER = [290, 780, 410]  # settings | chat | charts
+DEFAULT_SIDEBAR = 230  # the conversations sidebar, left of everything
 MEMORY_REFRESH_MS = 2000
 _NOT_READY = "Models are loading; Send is enabled once they are ready."
 _NO_MODEL = "No model loaded: File ▸ Load models… (Ctrl+L)."
+
+
+def _open_store() -> ConversationStore | None:
+    """The user's conversations folder; without one (a read-only home) the app still works, unsaved."""
+    try:
+        return ConversationStore(default_folder())
+    except OSError as e:
+        log.warning("conversations will not be saved: %s", e)
+        return None
 
 
 class MainWindow(QMainWindow):
@@ -73,19 +90,24 @@ class MainWindow(QMainWindow):
         *,
         engine_factory: EngineFactory = default_engine_factory,
         settings: AppSettings | None = None,
+        store: ConversationStore | None = None,
+        head_trainer: HeadTrainer = default_head_trainer,
         parent: QWidget | None = None,
     ) -> None:
         super().__init__(parent)
         self.setWindowTitle(APP_NAME)
         self.settings = settings or AppSettings()
-        self.host = WorkerHost(engine_factory, self)
+        self.host = WorkerHost(engine_factory, self, head_trainer=head_trainer)
         self.worker = self.host.worker
-        self.session = ChatSession()
+        self.session = ChatSession(store or _open_store(), on_save_error=self._on_save_error_thread)
         self.selection = self.settings.models()  # what was last loaded successfully (or asked for)
         self._loading_selection: ModelSelection | None = None
         self._closed = False
         self._sizes_with_charts: list[int] = []
 
+        self.themes = ThemeManager(self.settings.theme(), self)
+        self.themes.apply(force=True)  # cheap when the app already has this theme's palette and stylesheet
+        self.context = ContextCounter(self)  # counts off the UI thread; ContextGuard decides what to do
         self._build_ui()
         self._build_menus()
         self._build_status_bar()
@@ -97,11 +119,22 @@ class MainWindow(QMainWindow):
             parent=self,
         )
         self.race.running_changed.connect(lambda _running: self._set_ready_state())
+        self.training = HeadTrainingController(
+            self.worker, next_request_id=self.session.allocate_request_id,
+            target_spec=lambda: self.selection.target.spec(), parent=self,
+        )
+        self.training.running_changed.connect(lambda _running: self._set_ready_state())
+        self.training.head_attached.connect(self._on_head_attached)
         self.panel.set_values(self.settings.generation())
         self.panel.set_display(self.settings.display())
         self._apply_display(self.panel.display())
+        self.chat.set_render_markdown(self.settings.render_markdown())
+        self.markdown_action.setChecked(self.settings.render_markdown())
+        self.conversations = ConversationsController(self)
+        self.guard = ContextGuard(self)
         self._restore_layout()
         self._set_ready_state()
+        self.guard.update()
 
         self._memory_timer = QTimer(self)
         self._memory_timer.setInterval(MEMORY_REFRESH_MS)
@@ -132,6 +165,8 @@ class MainWindow(QMainWindow):
         column.addWidget(self.chat, 1)
         self.prompt = PromptBox(centre)
         column.addWidget(self.prompt)
+        self.context_meter = ContextMeter(centre)
+        column.addWidget(self.context_meter)
 
         self.charts = LiveCharts()
         self.charts.setMinimumWidth(280)
@@ -149,14 +184,26 @@ class MainWindow(QMainWindow):
         self.tabs = QTabWidget(self)
         self.tabs.setObjectName("mainTabs")
         self.tabs.setDocumentMode(True)
-        self.tabs.addTab(self.splitter, "Chat")
+        self.sidebar = ConversationList()
+        self.sidebar.setMinimumWidth(170)
+        self.outer = QSplitter(Qt.Orientation.Horizontal, self)
+        self.outer.setObjectName("outerSplitter")
+        self.outer.addWidget(self.sidebar)
+        self.outer.addWidget(self.splitter)
+        self.outer.setChildrenCollapsible(False)
+        self.outer.setStretchFactor(0, 0)
+        self.outer.setStretchFactor(1, 1)
+        self.tabs.addTab(self.outer, "Chat")
         self.tabs.addTab(self.race_view, "Race: standard vs speculative")
         self.setCentralWidget(self.tabs)
 
         self.prompt.send_requested.connect(self.send)
         self.prompt.stop_requested.connect(self.stop)
         self.chat.regenerate_requested.connect(self.regenerate)
+        self.chat.edit_submitted.connect(self.edit_and_resend)
+        self.chat.branch_requested.connect(self.show_branch)
         self.panel.settings_changed.connect(self._on_settings_changed)
+        self.themes.changed.connect(self._on_theme_changed)
         self.panel.display_changed.connect(self._on_display_changed)
 
     def _build_menus(self) -> None:
@@ -174,9 +221,14 @@ class MainWindow(QMainWindow):
 
         file_menu = bar.addMenu("&File")
         self.load_action = action(file_menu, "&Load models…", self.open_model_dialog, "Ctrl+L")
+        self.train_head_action = action(file_menu, "&Train a draft head…", self.open_train_dialog)
         file_menu.addSeparator()
         self.export_action = action(file_menu, "&Export session CSV…", lambda: self.export_session(), "Ctrl+E")
         self.export_trace_action = action(file_menu, "Export step &trace CSV…", lambda: self.export_trace())
+        self.export_md_action = action(file_menu, "Export conversation as &Markdown…",
+                                       lambda: self.conversations.export(None, "markdown"))
+        self.export_json_action = action(file_menu, "Export conversation as &JSON…",
+                                         lambda: self.conversations.export(None, "json"))
         file_menu.addSeparator()
         self.quit_action = action(file_menu, "&Quit", self.close, QKeySequence.StandardKey.Quit)
         self.quit_action.setShortcut(QKeySequence("Ctrl+Q"))
@@ -190,6 +242,17 @@ class MainWindow(QMainWindow):
         self.colouring_action = action(view_menu, "&Colour tokens", self._on_colouring_toggled, checkable=True)
         self.ghosts_action = action(view_menu, "Show rejected &ghosts", self._on_ghosts_toggled, checkable=True)
         self.charts_action = action(view_menu, "C&harts", self._on_charts_toggled, checkable=True)
+        self.markdown_action = action(view_menu, "&Format finished answers (markdown)", self._on_markdown_toggled,
+                                      "Ctrl+M", checkable=True)
+        theme_menu = view_menu.addMenu("&Theme")
+        self.theme_actions: dict[str, QAction] = {}
+        group = QActionGroup(self)
+        for name, label in (("system", "Follow the &system"), ("light", "&Light"), ("dark", "&Dark")):
+            act = action(theme_menu, label, lambda on, n=name: on and self.set_theme(n), checkable=True)
+            group.addAction(act)
+            self.theme_actions[name] = act
+        with QSignalBlocker(self.theme_actions[self.themes.preference()]):
+            self.theme_actions[self.themes.preference()].setChecked(True)
 
         help_menu = bar.addMenu("&Help")
         action(help_menu, "&About SpecDec Studio", self._about)
@@ -232,6 +295,8 @@ class MainWindow(QMainWindow):
         if geometry is None or not self.restoreGeometry(geometry):
             self.resize(*DEFAULT_SIZE)
         sizes = self.settings.splitter_sizes() or DEFAULT_SPLITTER
+        sidebar = self.settings.sidebar_width() or DEFAULT_SIDEBAR
+        self.outer.setSizes([sidebar, max(400, self.width() - sidebar)])
         self.splitter.setSizes(sizes)
         self._sizes_with_charts = sizes
         visible = self.settings.charts_visible()
@@ -276,6 +341,19 @@ class MainWindow(QMainWindow):
         )
         return answer == QMessageBox.StandardButton.Yes
 
+    def open_train_dialog(self):
+        """The "Train a draft head" dialog for the loaded target (None when no target is loaded yet)."""
+        if self.info is None:
+            self._show_info("Train a draft head", "Load a target first: File ▸ Load models…")
+            return None
+        return self.training.open(self.info, self)
+
+    def _on_head_attached(self, info: ModelInfo) -> None:
+        self.session.info = info
+        self.panel.set_draft_available(info.draft_name is not None, head=info.head_name is not None)
+        self.chat.add_system_note(f"Draft head ready: {info.head_name} ({info.head_ms:.2f} ms per draft token). "
+                                  "Choose the proposer “Draft head” to use it.")
+
     def is_loading(self) -> bool:
         return self._loading_selection is not None
 
@@ -316,7 +394,9 @@ class MainWindow(QMainWindow):
         self.device_label.setText(device_line(info))
         self.device_label.setToolTip(info.fast_path_note or "")
         self._show_costs(info, None)
-        self.panel.set_draft_available(info.draft_name is not None)
+        self.panel.set_draft_available(info.draft_name is not None, head=info.head_name is not None)
+        self.context.set_counter(counter_for(self.worker.engine))
+        self.guard.update(now=True)
         note = f" {info.fast_path_note}." if info.fast_path_note else ""
         self.chat.add_system_note(f"Loaded {names} on {device_line(info)}.{note}")
         self._set_ready_state()
@@ -339,56 +419,100 @@ class MainWindow(QMainWindow):
     # --- chat -----------------------------------------------------------------------------------
 
     def send(self, text: str) -> int | None:
-        """Adds a user turn and asks for the answer; returns the request id (None if not sent)."""
+        """Adds a question and asks for the answer; returns the request id (None if not sent)."""
         text = text.strip()
         if not text or not self._can_chat():
             return None
-        self.chat.add_user_message(text)
-        return self._submit(self.session.send(text, self.panel.values()))
+        drop = self.guard.room_for(text)
+        if drop is None:
+            self.prompt.set_text(text)  # nothing is lost: the question goes back into the box
+            return None
+        return self._submit(self.session.send(text, self.panel.values(), drop))
 
-    def regenerate(self) -> int | None:
-        """Sends the last user turn again; the new answer replaces the last one."""
+    def regenerate(self, request_id: int | None = None) -> int | None:
+        """A new version of an answer (the last one by default); the old one stays as another version."""
         if not self._can_chat():
             return None
-        started = self.session.regenerate(self.panel.values())
-        if started is None:
+        turn = self.conversations.bubble_turn.get(request_id) if request_id is not None else None
+        started = self.session.regenerate(self.panel.values(), turn, self.guard.drop_count())
+        return self._submit(started[0]) if started is not None else None
+
+    def edit_and_resend(self, turn_id: str, text: str) -> int | None:
+        """The edited question replaces the old one on a new branch, and is answered."""
+        if not self._can_chat() or turn_id not in self.session.conversation.turns:
             return None
-        request, replaced = started
-        if replaced is not None:
-            self.chat.remove_assistant_message(replaced)
-        return self._submit(request)
+        return self._submit(self.session.edit(turn_id, text, self.panel.values(), self.guard.drop_count()))
+
+    def show_branch(self, turn_id: str, delta: int) -> None:
+        """Shows the previous / next version of a message (not while an answer streams)."""
+        if self.active_request is not None or turn_id not in self.session.conversation.turns:
+            return
+        self.session.switch(turn_id, delta)
+        self.conversations.sync_chat()
+        self._set_ready_state()
+        self.guard.update()
 
     def new_chat(self) -> None:
-        streaming = self.session.new_chat()
-        if streaming is not None:
-            self.worker.stop(streaming)
-        self.chat.clear()
-        self.charts.reset()
+        self._leave(self.session.new_chat())
+        self.conversations.refresh()
         self._set_ready_state()
+        self.guard.update()
+
+    def open_conversation(self, conversation_id: str) -> bool:
+        """Shows a saved conversation; False (and one line saying why) if it cannot be read."""
+        if conversation_id == self.session.conversation.id:
+            return True
+        try:
+            streaming = self.session.open(conversation_id)
+        except (OSError, ValueError) as e:
+            self._show_error("Could not open the conversation", f"{e}. The other conversations are not affected.")
+            self.conversations.refresh()
+            return False
+        self._leave(streaming)
+        self.conversations.sync_chat()
+        self.conversations.refresh()
+        self._set_ready_state()
+        self.guard.update()
+        return True
 
     def stop(self) -> None:
         if self.active_request is not None:
             self.worker.stop(self.active_request)
 
     def history(self) -> list[Message]:
-        return list(self.session.history)
+        return self.session.history
 
     def messages_for_request(self) -> tuple[Message, ...]:
-        return self.session.messages_for(self.panel.values())
+        return self.session.messages_for(self.panel.values(), self.guard.drop_count())
 
     def allocate_request_id(self) -> int:
         """One counter for chat and race: the worker cancels by id, so ids must never repeat."""
         return self.session.allocate_request_id()
 
+    def _leave(self, streaming: int | None) -> None:
+        # The shown conversation changed: a streaming answer is stopped (it is saved to its own conversation).
+        if streaming is not None:
+            self.worker.stop(streaming)
+        self.chat.clear()
+        self.conversations.bubble_turn.clear()
+        self.charts.reset()
+
     def _can_chat(self) -> bool:
         return self.active_request is None and self.info is not None and not self.is_loading() and not self.race.running
 
     def _submit(self, request) -> int:
-        self.chat.begin_assistant_message(request.request_id, answer_header(request, self.info))
+        rid = request.request_id
+        turn_id = self.session.turn_of(rid)
+        self.conversations.sync_chat(until=turn_id)  # the question (and a fork) shown, then the new answer's bubble
+        siblings = self.session.conversation.siblings(turn_id) if turn_id else []
+        self.conversations.bubble_turn[rid] = turn_id or ""
+        self.chat.begin_assistant_message(rid, answer_header(request, self.info), turn_id or "",
+                                          (max(0, len(siblings) - 1), max(1, len(siblings))))
         self.charts.reset()
         self._set_ready_state()
+        self.conversations.touch_current()
         self.worker.generate_requested.emit(request)
-        return request.request_id
+        return rid
 
     def _on_steps(self, request_id: int, steps: tuple[Step, ...]) -> None:
         # The hot path: one edit block in one bubble, ring-buffer appends for the charts (drawn by their timer).
@@ -404,13 +528,15 @@ class MainWindow(QMainWindow):
             return
         self.chat.finish_assistant_message(request_id, summary, format_stats_line(summary, request))
         record = self.session.finish(request_id, summary)
-        if summary.mode == "speculative" and request.proposer == "draft" and record is not None:
-            self._show_costs(record.info, summary)
+        if summary.mode == "speculative" and request.proposer in ("draft", "head") and record is not None:
+            self._show_costs(record.info, summary, request.proposer)
         self._set_ready_state()
+        self.conversations.touch_current()
+        self.guard.update()
         self.answer_finished.emit(request_id, summary)
 
     def _on_generation_failed(self, request_id: int, message: str) -> None:
-        if not self.session.fail(request_id):
+        if not self.session.fail(request_id, message):
             return
         self.chat.fail_assistant_message(request_id, message)
         self._set_ready_state()
@@ -426,19 +552,53 @@ class MainWindow(QMainWindow):
             self.prompt.set_ready(False, _NO_MODEL)
         elif racing:
             self.prompt.set_ready(False, "A race is running in the Race tab")
+        elif self.training.running:
+            self.prompt.set_ready(False, "A draft head is training (cancel it in its window)")
         else:
             self.prompt.set_ready(True)
-        can_chat = not generating and self.info is not None and not self.is_loading()
-        reason = _NOT_READY if self.is_loading() else _NO_MODEL if self.info is None else "An answer is streaming in the chat"
+        can_chat = not generating and self.info is not None and not self.is_loading() and not self.training.running
+        reason = (_NOT_READY if self.is_loading() else _NO_MODEL if self.info is None
+                  else "A draft head is training" if self.training.running else "An answer is streaming in the chat")
         self.race_view.set_race_enabled(can_chat, reason)
         self.stop_action.setEnabled(generating)
+        self.chat.set_busy(generating)
         self.regenerate_action.setEnabled(can_chat and not racing and self.session.can_regenerate())
-        self.load_action.setEnabled(not self.is_loading())
+        self.load_action.setEnabled(not self.is_loading() and not self.training.running)
+        self.train_head_action.setEnabled(self.info is not None and not self.is_loading())
 
     # --- settings and view ----------------------------------------------------------------------
 
     def _on_settings_changed(self, settings: GenerationSettings) -> None:
         self.settings.set_generation(settings)
+        self.guard.update()  # the system prompt and K change what a request needs
+
+    def ask_overflow(self, count) -> str:
+        """"new", "drop" or "cancel" when the conversation no longer fits (a dialog; tests replace it)."""
+        return ask_overflow(self, count)
+
+    # --- theme and formatting ---------------------------------------------------------------------
+
+    def set_theme(self, preference: str) -> None:
+        """"system", "light" or "dark"; remembered."""
+        self.themes.set_preference(preference)
+        self.settings.set_theme(preference)
+        with QSignalBlocker(self.theme_actions[preference]):
+            self.theme_actions[preference].setChecked(True)
+
+    def _on_theme_changed(self, _theme: str) -> None:
+        self.chat.refresh_theme()
+        self.charts.refresh_theme()
+        self.legend.refresh_palette()
+        self.race_view.refresh_theme()
+
+    def _on_markdown_toggled(self, on: bool) -> None:
+        self.chat.set_render_markdown(on)
+        self.settings.set_render_markdown(on)
+
+    def _on_save_error_thread(self, _conversation_id: str, message: str) -> None:
+        # Called on the writer thread: a queued single-shot brings it to the UI thread.
+        QTimer.singleShot(0, self, lambda: self.statusBar().showMessage(
+            f"Could not save the conversation: {message}. It stays open; the next change tries again.", 10000))
 
     def _on_display_changed(self, display: DisplaySettings) -> None:
         self._apply_display(display)
@@ -526,8 +686,8 @@ class MainWindow(QMainWindow):
             log.debug("memory figure unavailable: %s", e)
             self.memory_label.setText("")
 
-    def _show_costs(self, info: ModelInfo | None, summary: Summary | None) -> None:
-        short, full = cost_verdict(info, summary)
+    def _show_costs(self, info: ModelInfo | None, summary: Summary | None, proposer: str = "draft") -> None:
+        short, full = cost_verdict(info, summary, proposer)
         self.cost_label.setText(short)
         self.cost_label.setToolTip(full)
 
@@ -552,6 +712,7 @@ class MainWindow(QMainWindow):
         self.settings.set_geometry(QByteArray(self.saveGeometry()))
         self.settings.set_splitter_sizes(self._splitter_sizes())
         self.settings.set_charts_visible(self.charts_action.isChecked())
+        self.settings.set_sidebar_width(self.outer.sizes()[0])
         self.settings.sync()
 
     def closeEvent(self, event: QCloseEvent) -> None:
@@ -560,4 +721,7 @@ class MainWindow(QMainWindow):
             self.save_state()
             self._memory_timer.stop()
             self.host.shutdown()
+            self.context.shutdown()
+            self.conversations.shutdown()
+            self.session.close()  # waits for the last save
         event.accept()

@@ -25,9 +25,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=0, help="override the panel's max new tokens")
     p.add_argument("--mid", type=int, default=0, help="grab mid-answer, once this many tokens have streamed")
     p.add_argument("--race", action="store_true", help="run the prompt in the Race tab and grab the finished race")
+    p.add_argument("--theme", choices=["light", "dark"], default="light")
+    p.add_argument("--conversations", type=int, default=0,
+                   help="saved conversations to show in the sidebar (scripted ones, in a throw-away data folder)")
+    p.add_argument("--beside", default="", help="also save the last answer rendered beside its token view here")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO)
 
+    import os
+
+    # Never the user's conversations: a throw-away data folder, seeded with scripted ones if asked.
+    os.environ["SPECDEC_DATA_DIR"] = tempfile.mkdtemp(prefix="specdec-shot-")
     import shiboken6
     from PySide6.QtCore import QEventLoop, QTimer
     from PySide6.QtWidgets import QApplication
@@ -42,6 +50,12 @@ def main(argv: list[str] | None = None) -> int:
     app.setStyle("Fusion")
     app.setStyleSheet(load_stylesheet())
     settings = AppSettings(Path(tempfile.mkdtemp()) / "settings.ini")  # never the user's layout
+    settings.set_theme(args.theme)
+    if args.conversations:
+        from app.conversations import ConversationStore, default_folder
+        from app.demo import demo_conversations
+
+        demo_conversations(ConversationStore(default_folder()), args.conversations)
     if args.real:
         window = MainWindow(settings=settings)
     else:
@@ -76,16 +90,44 @@ def main(argv: list[str] | None = None) -> int:
 
         def streamed() -> int:
             rid = window.active_request
-            return sum(s.new_tokens for s in window._steps.get(rid, ())) if rid is not None else 1 << 30
+            entry = window.session._in_flight.get(rid) if rid is not None else None
+            return sum(s.new_tokens for s in entry.steps) if entry is not None else 1 << 30
 
         wait_for(lambda: window.active_request is None or (args.mid and streamed() >= args.mid), args.timeout)
     wait_for(lambda: False, 0.5)  # let the charts' timer and the layout settle
     window.grab().save(args.out)
     print(f"saved {args.out}")
+    if args.beside:
+        save_beside(window, args.beside, wait_for)
+        print(f"saved {args.beside}")
     window.close()
     shiboken6.delete(window)  # before the QApplication goes, or PySide6 can crash at exit
     gc.collect()
     return 0
+
+
+def save_beside(window, path: str, wait_for) -> None:
+    """The last answer twice, side by side: rendered as markdown, then as its coloured tokens."""
+    from PySide6.QtGui import QColor, QPainter, QPixmap
+
+    rid = window.chat.answer_ids()[-1]
+    bubble = window.chat._assistants[rid]
+    window.chat.set_answer_markdown(rid, True)
+    wait_for(lambda: bubble.showing_markdown() and bubble.markdown.is_complete(), 10)
+    wait_for(lambda: False, 0.3)
+    rendered = bubble.grab()
+    window.chat.set_answer_markdown(rid, False)
+    wait_for(lambda: False, 0.3)
+    tokens = bubble.grab()
+    window.chat.set_answer_markdown(rid, True)
+    gap = 16
+    out = QPixmap(rendered.width() + tokens.width() + 3 * gap, max(rendered.height(), tokens.height()) + 2 * gap)
+    out.fill(QColor(window.palette().window().color()))
+    painter = QPainter(out)
+    painter.drawPixmap(gap, gap, rendered)
+    painter.drawPixmap(2 * gap + rendered.width(), gap, tokens)
+    painter.end()
+    out.save(path)
 
 
 if __name__ == "__main__":

@@ -8,11 +8,11 @@ Mode = Literal["speculative", "standard"]
 # How a token came to be; one palette entry per value (assets/palette.json).
 TokenStatus = Literal["accepted", "rejected", "corrected", "bonus", "target"]
 # Which proposer produced a draft token.
-DraftSource = Literal["draft", "ngram"]
-Proposer = Literal["draft", "ngram", "draft+ngram"]
+DraftSource = Literal["draft", "ngram", "head"]
+Proposer = Literal["draft", "ngram", "draft+ngram", "head"]
 StopReason = Literal["eos", "stop_string", "max_new_tokens", "cancelled", "context_full"]
 MODES: tuple[Mode, ...] = ("speculative", "standard")
-PROPOSERS: tuple[Proposer, ...] = ("draft", "ngram", "draft+ngram")
+PROPOSERS: tuple[Proposer, ...] = ("draft", "ngram", "draft+ngram", "head")
 
 
 @dataclass(frozen=True)
@@ -122,6 +122,21 @@ class ModelInfo:
     draft_precision: str = ""  # the same for the draft
     devices: tuple[str, ...] = ()  # every device holding target weights, when it is split over several
     fast_path_note: str = ""  # why part of the pair runs without CUDA graphs ("" when nothing to say)
+    head_name: str | None = None  # the draft head loaded for this target (None: none fits or none asked)
+    head_ms: float = 0.0  # measured ms per draft token of the head at load (0: not measured / no head)
+
+
+@dataclass(frozen=True)
+class TrainingProgress:
+    """What a draft-head distillation is doing, for a progress bar and live loss/acceptance curves."""
+
+    phase: str  # "load", "data", "train", "eval", "export" or "done"
+    fraction: float  # of the whole time budget used so far, 0..1
+    eta_s: float  # seconds left in the budget (or in this call, if it ends first)
+    message: str  # one line for people
+    # The log line just written, if any: kind "train" (step, loss, acc per draft step), "eval" (step,
+    # acceptance per draft position), "data", "vocab", "export" or "call".
+    record: dict | None = None
 
 
 # --------------------------------------------------------------------------- memory plans
@@ -186,7 +201,7 @@ class MemoryPlan:
     suggestion: PlanChange | None = None  # the cheapest change that fits (only when this does not)
     notes: tuple[str, ...] = ()  # caveats a person should read (sizes from a preset's config, offline, ...)
     target_layers: tuple[int, ...] = ()  # index into devices of each target layer (all 0 on one device)
-    output_device: int = 0  # index into devices of the target's output head: the draft and the logits live there
+    output_device: int = 0  # index into devices of the output head (the draft and the logits live there)
 
     @property
     def fits(self) -> bool:

@@ -8,6 +8,11 @@ import pytest
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# Conversations of windows a test builds without a store go to a throw-away folder, never the user's.
+if "SPECDEC_DATA_DIR" not in os.environ:
+    import tempfile
+
+    os.environ["SPECDEC_DATA_DIR"] = tempfile.mkdtemp(prefix="specdec-test-data-")
 
 
 def pytest_configure(config):
@@ -34,3 +39,38 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def dialogs(monkeypatch) -> list[tuple[str, str, str]]:
+    """Records QMessageBox calls instead of blocking on a modal dialog."""
+    from PySide6.QtWidgets import QMessageBox
+
+    calls: list[tuple[str, str, str]] = []
+
+    def record(kind):
+        def show(_parent, title, text, *args, **kwargs):
+            calls.append((kind, title, text))
+            return QMessageBox.StandardButton.Ok
+        return show
+
+    for kind in ("critical", "warning", "information"):
+        monkeypatch.setattr(QMessageBox, kind, record(kind))
+    return calls
+
+
+@pytest.fixture
+def no_dangling_threads():
+    """Fails a test that leaves a worker QThread running (napari's fixture does the same)."""
+    from app.worker import running_threads
+
+    yield
+    assert not running_threads(), f"dangling worker threads: {running_threads()}"
+
+
+@pytest.fixture(scope="session")
+def tiny_head(tmp_path_factory):
+    """A predictable tiny target and a draft head distilled from it (about half its drafts accepted)."""
+    from tests.head_fixtures import build_tiny_head
+
+    return build_tiny_head(tmp_path_factory.mktemp("head"))

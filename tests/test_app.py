@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 from PySide6.QtCore import Qt
 from PySide6.QtGui import QTextCursor
-from PySide6.QtWidgets import QMessageBox
 
 from app.export import SESSION_COLUMNS, TRACE_COLUMNS
 from app.settings import AppSettings
@@ -124,29 +123,6 @@ def long_script(n: int = 400) -> list[Step]:
 @pytest.fixture
 def settings(tmp_path) -> AppSettings:
     return AppSettings(tmp_path / "settings.ini")
-
-
-@pytest.fixture
-def dialogs(monkeypatch) -> list[tuple[str, str, str]]:
-    """Records QMessageBox calls instead of blocking on a modal dialog."""
-    calls: list[tuple[str, str, str]] = []
-
-    def record(kind):
-        def show(_parent, title, text, *args, **kwargs):
-            calls.append((kind, title, text))
-            return QMessageBox.StandardButton.Ok
-        return show
-
-    for kind in ("critical", "warning", "information"):
-        monkeypatch.setattr(QMessageBox, kind, record(kind))
-    return calls
-
-
-@pytest.fixture
-def no_dangling_threads():
-    """Fails a test that leaves a worker QThread running (napari's fixture does the same)."""
-    yield
-    assert not running_threads(), f"dangling worker threads: {running_threads()}"
 
 
 @pytest.fixture

@@ -71,13 +71,14 @@ def test_bench_json_contract(tiny_pair, tmp_path, capsys):
     for r in runs:
         assert set(r) == {"prompt_id", "category", "mode", "new_tokens", "seconds", "tokens_per_s",
                           "target_forwards", "draft_forwards", "drafted", "accepted", "text", "token_ids",
-                          "round_seconds"}
+                          "round_seconds", "accepted_lengths"}
         assert len(r["token_ids"]) == r["new_tokens"]
         assert 0 < r["round_seconds"] <= r["seconds"]  # rounds are a part of the generation's time
     summary = result["summary"]
     for mode in ("standard", "speculative"):
+        extra = {"per_position_acceptance"} if mode == "speculative" else set()
         assert set(summary[mode]) == {"tokens_per_s", "acceptance_rate", "tokens_per_target_forward",
-                                      "new_tokens", "seconds", "in_rounds"}
+                                      "new_tokens", "seconds", "in_rounds"} | extra
         assert 0 < summary[mode]["in_rounds"] <= 1
     assert summary["compared"] == 2
     # float32 greedy on CPU: speculative output is the target's own, token for token.

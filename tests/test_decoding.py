@@ -151,9 +151,17 @@ def test_speculative_sampling_matches_the_targets_processed_distribution(engine)
     Temperature, top-k and top-p are applied to both models; the exact target law is computed
     from its logits and compared with 2,000 speculative samples (chi-square).
     """
+    check_sampling_law(engine, "hello world", proposer="draft")
+
+
+def check_sampling_law(engine, prompt: str, *, proposer: str, messages: tuple = (), trials: int = 2000) -> None:
+    """Asserts that speculative samples of the first two tokens follow the target's processed law (chi-square).
+
+    Shared by every proposer (draft model, draft head): whatever proposes, the output law is the target's.
+    """
     sampling = dict(temperature=1.3, top_k=5, top_p=0.9)
-    prompt = "hello world"
-    ids = engine.encode(GenerationRequest(prompt=prompt))
+    request = dict(messages=messages) if messages else dict(prompt=prompt)
+    ids = engine.encode(GenerationRequest(**request))
     exact: dict[tuple[int, int], float] = {}
     with torch.inference_mode():
         p1 = process(engine.target(torch.tensor([ids])).logits[0, -1].float(), Sampling(**sampling))
@@ -161,11 +169,10 @@ def test_speculative_sampling_matches_the_targets_processed_distribution(engine)
             p2 = process(engine.target(torch.tensor([ids + [t1]])).logits[0, -1].float(), Sampling(**sampling))
             for t2 in torch.nonzero(p2).flatten().tolist():
                 exact[(t1, t2)] = p1[t1].item() * p2[t2].item()
-    trials = 2000
     counts = {key: 0 for key in exact}
     for seed in range(trials):
-        gen, _ = _run(engine, prompt=prompt, mode="speculative", k=3, max_new_tokens=2,
-                      sampling=Sampling(seed=seed, **sampling))
+        gen, _ = _run(engine, mode="speculative", k=3, max_new_tokens=2, proposer=proposer,
+                      sampling=Sampling(seed=seed, **sampling), **request)
         key = tuple(gen.token_ids)
         assert key in counts, f"sampled {key}, which the processed target law gives probability 0"
         counts[key] += 1

@@ -56,10 +56,12 @@ def test_chat_turns_requests_and_records():
     assert record is not None and len(record.steps) == 1 and record.info == INFO
     assert session.active_request is None and not session.owns(first.request_id)
     assert session.history == [Message("user", "hello"), Message("assistant", "Hi")]
-    # Regenerate drops the last answer and asks the last user turn again.
+    # Regenerate asks the last user turn again; the old answer stays as another version (a branch).
+    first_answer = session.conversation.path()[-1].id
     again, replaced = session.regenerate(settings)
-    assert replaced == first.request_id and again.request_id != first.request_id
+    assert replaced == first_answer and again.request_id != first.request_id
     assert again.messages[-1] == Message("user", "hello") and session.history == [Message("user", "hello")]
+    assert len(session.conversation.siblings(first_answer)) == 2
     assert session.fail(again.request_id) and not session.fail(again.request_id)
     assert session.records == [record]
 
@@ -87,6 +89,12 @@ def test_cost_verdict_before_and_after_an_answer():
     summary = _summary([_step(i, 5, 5) for i in range(9)] + [_step(9, 0, 5)])
     short, full = cost_verdict(INFO, summary)
     assert short.startswith("predicted ") and "at K=5" in short and "pays here" in full
+    # A draft head's cost per token replaces the draft model's when the head proposed.
+    from dataclasses import replace
+
+    assert cost_verdict(INFO, None, "head") == ("", "")  # no head measured
+    short, full = cost_verdict(replace(INFO, head_ms=1.5), None, "head")
+    assert short.startswith("draft head = ") and "draft head 1.5 ms per token" in full
 
 
 def test_settings_are_validated_and_clamped():

@@ -261,14 +261,17 @@ def test_chat_flow(chat, qtbot):
     assert QGuiApplication.clipboard().text() == "Hello world, this is fine.\n快速排序"
     with qtbot.waitSignal(chat.regenerate_requested, timeout=1000):
         chat._assistants[7].regenerate_button.click()
-    # A newer answer takes over the Regenerate button.
+    # Every finished answer can be regenerated, not only the last one.
     chat.add_user_message("again")
     chat.begin_assistant_message(8, "")
     chat.append_steps(8, steps[:1])
     chat.fail_assistant_message(8, "CUDA out of memory")
     assert chat.message_text(3) == "Hello world,"
     assert chat._assistants[8].error.text() == "⚠ CUDA out of memory"
-    assert chat.regenerate_visible(8) and not chat.regenerate_visible(7)
+    assert chat.regenerate_visible(8) and chat.regenerate_visible(7)
+    chat.set_busy(True)  # an answer is streaming: no regenerate meanwhile
+    assert not chat.regenerate_visible(8) and not chat.regenerate_visible(7)
+    chat.set_busy(False)
     assert chat.add_system_note("model loaded") == 4
     chat.remove_assistant_message(8)  # Regenerate replaces the last answer
     assert chat.message_count() == 4 and chat.token_view(8) is None

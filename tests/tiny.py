@@ -87,3 +87,29 @@ def save_pair(root: Path, *, noise: float = 0.3, seed: int = 0, tokenizer=None) 
         tok.save_pretrained(folder)
         paths.append(folder)
     return paths[0], paths[1]
+
+
+def save_predictable_target(folder: Path, *, seed: int = 0, context: float = 0.01, tokenizer=None) -> Path:
+    """A target whose next token depends mostly on the current one, for draft-head tests.
+
+    A random transformer's next token hinges on its whole context, so a small head trained for
+    seconds agrees with it by chance only. Here the attention and MLP outputs are scaled by
+    `context` and the output head is untied and peaky: the next token is a random function of
+    the current one, nudged by the context; a head trained for ~150 steps then agrees with it
+    about half the time (accepted and rejected drafts both occur, as with a real head).
+    """
+    tok = tokenizer or build_tokenizer()
+    base = build_model(len(tok), seed=seed, layers=4)
+    config = base.config
+    config.tie_word_embeddings = False
+    config.eos_token_id = tok.eos_token_id
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(config).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.mul_(context)
+            layer.mlp.down_proj.weight.mul_(context)
+        model.lm_head.weight.mul_(4.0)
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder

@@ -40,6 +40,32 @@ def _colour(qcolor: QColor, alpha: int = 255) -> tuple[int, int, int, int]:
     return (qcolor.red(), qcolor.green(), qcolor.blue(), alpha)
 
 
+def chart_foreground() -> str:
+    return current_palette().chart.get("foreground", "#1f2328")
+
+
+def set_title(plot: pg.PlotItem, title: str) -> None:
+    """A plot title in the theme's chart colour (pyqtgraph's default is black, unreadable on dark)."""
+    plot.setTitle(title, color=chart_foreground())
+
+
+def theme_plot(plot: pg.PlotItem) -> None:
+    """Axes, title and legend in the current theme's chart colours; curves are the caller's."""
+    chart = current_palette().chart
+    fg = chart.get("foreground", "#1f2328")
+    for name in ("left", "bottom"):
+        axis = plot.getAxis(name)
+        axis.setPen(fg)
+        axis.setTextPen(fg)
+    if plot.titleLabel.text:
+        set_title(plot, plot.titleLabel.text)
+    if plot.legend is not None:
+        plot.legend.setBrush(pg.mkBrush(chart.get("legend", "#ffffffc8")))
+        plot.legend.setLabelTextColor(fg)
+        for _sample, label in plot.legend.items:  # existing labels keep their colour until set again
+            label.setText(label.text, color=fg)
+
+
 class LiveCharts(QWidget):
     """Four stacked plots fed by `push_steps`; a 15 Hz timer redraws only when new data arrived.
 
@@ -223,6 +249,22 @@ class LiveCharts(QWidget):
             self._position_plot: "Acceptance by draft position",
         }
         self._no_drafts_titles = False
+        self.refresh_theme()
+
+    def refresh_theme(self) -> None:
+        """Background, axes and curve colours from the current theme (charts follow light / dark)."""
+        palette = current_palette()
+        accepted = palette.colours("accepted").chart
+        bonus = palette.colours("bonus").chart
+        self._graphics.setBackground(palette.chart.get("background", "w"))
+        for plot in self.plots().values():
+            theme_plot(plot)
+        self._acceptance_curve.setPen(pg.mkPen(_colour(accepted), width=2))
+        self._k_curve.setPen(pg.mkPen(_colour(palette.muted), width=1))
+        self._accepted_curve.setPen(pg.mkPen(_colour(accepted), width=1))
+        self._tps_scatter.setSymbolBrush(_colour(bonus, 110))
+        self._tps_curve.setPen(pg.mkPen(_colour(bonus), width=1))
+        self._bars.setOpts(brush=_colour(accepted, 200))
 
     def _on_x_changed_manually(self, *_: object) -> None:
         self._follow_x = False  # the reader took over the x range; stop moving it
@@ -233,7 +275,7 @@ class LiveCharts(QWidget):
         self._no_drafts_titles = no_drafts
         suffix = " — no drafts in standard decoding" if no_drafts else ""
         for plot, title in self._draft_titles.items():
-            plot.setTitle(title + suffix)
+            set_title(plot, title + suffix)
 
     def _append_row(self, row: tuple[float, ...]) -> None:
         if self._rows == self._capacity:

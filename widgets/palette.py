@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
 from functools import lru_cache
 from importlib import resources
 from typing import Any
@@ -36,6 +37,9 @@ class Palette:
     ghost: GhostStyle  # how rejected draft tokens are faded
     text: QColor  # default text colour (plain reading mode)
     muted: QColor  # secondary text: stats lines, notes, faded ghosts without colouring
+    code: dict[str, str] = field(default_factory=dict)  # code highlighting: role -> "#rrggbb" (plain, for threads)
+    chart: dict[str, str] = field(default_factory=dict)  # plot background / foreground / legend colours
+    ui: dict[str, str] = field(default_factory=dict)  # the stylesheet's @names -> colours
 
     def colours(self, status: str) -> StatusColours:
         return self.statuses[status]
@@ -76,6 +80,9 @@ def _parse(theme: str, raw: dict[str, Any]) -> Palette:
         ),
         text=QColor(raw.get("text", "#1f2328")),
         muted=QColor(raw.get("muted", "#6b7280")),
+        code=dict(raw.get("code", {})),
+        chart=dict(raw.get("chart", {})),
+        ui=dict(raw.get("ui", {})),
     )
 
 
@@ -103,6 +110,24 @@ def set_current_theme(theme: str) -> None:
     _current_theme = theme
 
 
-def load_stylesheet() -> str:
-    """assets/style.qss, for QApplication.setStyleSheet."""
-    return resources.files("assets").joinpath("style.qss").read_text(encoding="utf-8")
+def current_theme() -> str:
+    return _current_theme
+
+
+_NAME = re.compile(r"@([a-z_]+)")
+
+
+def load_stylesheet(theme: str | None = None) -> str:
+    """assets/style.qss with every @name filled from the theme's colours (the current theme by default)."""
+    palette = load_palette(theme or _current_theme)
+    values = dict(palette.ui)
+    values.update({f"code_{k}": v for k, v in palette.code.items()})
+    template = resources.files("assets").joinpath("style.qss").read_text(encoding="utf-8")
+
+    def fill(match: re.Match[str]) -> str:
+        name = match.group(1)
+        if name not in values:
+            raise KeyError(f"style.qss uses @{name}, which palette.json's {palette.theme!r} theme does not define")
+        return values[name]
+
+    return _NAME.sub(fill, template)

@@ -12,6 +12,7 @@ from PySide6.QtWidgets import (
 
 import widgets.charts  # noqa: F401  (sets pyqtgraph options once, before any plot exists)
 from engine.types import Step
+from widgets.charts import theme_plot
 from widgets.palette import current_palette
 
 RACE_MODES: tuple[str, str] = ("standard", "speculative")
@@ -43,10 +44,19 @@ class RaceChart(pg.PlotWidget):
             colour = palette.colours(MODE_STATUS[mode]).chart
             self._curves[mode] = item.plot(pen=pg.mkPen(colour, width=2.5), name=mode)
         self.clear_series()
+        self.refresh_theme()
         self._timer = QTimer(self)
         self._timer.setInterval(round(1000 / REFRESH_HZ))
         self._timer.timeout.connect(self.refresh)
         self._timer.start()
+
+    def refresh_theme(self) -> None:
+        """Background, axes and curves in the current theme's chart colours."""
+        palette = current_palette()
+        self.setBackground(palette.chart.get("background", "w"))
+        theme_plot(self.getPlotItem())
+        for mode, curve in self._curves.items():
+            curve.setPen(pg.mkPen(palette.colours(MODE_STATUS[mode]).chart, width=2.5))
 
     def clear_series(self, mode: str | None = None) -> None:
         for m in (RACE_MODES if mode is None else (mode,)):

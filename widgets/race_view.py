@@ -420,6 +420,12 @@ class RaceView(QWidget):
     def show_status(self, message: str) -> None:
         self.status_label.setText(message)
 
+    def refresh_theme(self) -> None:
+        """Token colours and the chart follow a theme change."""
+        for pane in self.panes.values():
+            pane.view.refresh_palette()
+        self.chart.refresh_theme()
+
     def set_colouring(self, on: bool) -> None:
         """Follows the app's colouring toggle in both panes."""
         for pane in self.panes.values():

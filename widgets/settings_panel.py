@@ -38,7 +38,8 @@ class DisplaySettings:
         return cls(**values)
 
 
-_PROPOSER_LABELS = {"draft": "Draft model", "ngram": "N-gram (prompt lookup)", "draft+ngram": "Draft + n-gram"}
+_PROPOSER_LABELS = {"draft": "Draft model", "ngram": "N-gram (prompt lookup)", "draft+ngram": "Draft + n-gram",
+                    "head": "Draft head (trained on the target)"}
 
 
 class SettingsPanel(QWidget):
@@ -195,16 +196,22 @@ class SettingsPanel(QWidget):
             self._updating = False
         self._update_enabled()
 
-    def set_draft_available(self, available: bool) -> None:
-        """Without a draft model only the n-gram proposer (or standard decoding) can run."""
+    def set_draft_available(self, available: bool, head: bool = False) -> None:
+        """Without a draft model only n-gram lookup and a draft head (when one is loaded) can propose."""
+        needs = {"draft": available, "draft+ngram": available, "head": head, "ngram": True}
         model = self.proposer.model()
         for row in range(self.proposer.count()):
-            needs_draft = self.proposer.itemData(row) != "ngram"
             item = model.item(row)  # type: ignore[attr-defined]
-            item.setEnabled(available or not needs_draft)
-        if not available and self.proposer.currentData() != "ngram":
-            self.proposer.setCurrentIndex(self.proposer.findData("ngram"))
-        self.hint.setText("" if available else "No draft model loaded: speculative decoding uses n-gram lookup.")
+            item.setEnabled(needs.get(self.proposer.itemData(row), True))
+        if not needs.get(self.proposer.currentData(), True):
+            fallback = "head" if head else "ngram"
+            self.proposer.setCurrentIndex(self.proposer.findData(fallback))
+        if available:
+            self.hint.setText("")
+        elif head:
+            self.hint.setText("No draft model loaded: speculative decoding uses the draft head or n-gram lookup.")
+        else:
+            self.hint.setText("No draft model loaded: speculative decoding uses n-gram lookup.")
 
     # --- internals ------------------------------------------------------------------------------
 

@@ -12,9 +12,12 @@ from dataclasses import dataclass, replace
 import torch
 
 from engine.decoding.detok import Detokenizer
+from engine.decoding.head import HeadProposer
 from engine.decoding.proposers import DraftModelProposer, Proposal, Proposer
 from engine.decoding.sampling import accept_draft, display_probs, draw, process
 from engine.errors import GenerationError
+from engine.heads.model import DraftHead
+from engine.heads.runner import HeadRunner
 from engine.limits import K_MAX
 from engine.measure.stats import summarize
 from engine.runners import EagerRunner, Runner, ids_tensor
@@ -89,6 +92,7 @@ class Engine:
         heads = [self.target_runner.vocab_size] + ([self.draft_runner.vocab_size] if self.draft_runner else [])
         self.vocab = vocab or min(heads)
         self.eos_ids = _eos_ids(tokenizer, target)
+        self.head_runner: HeadRunner | None = None  # a draft head for this target (attach_head)
         self._lock = threading.Lock()  # one generation at a time: the caches are shared
         # Queue rounds ahead of the host (see Generation._loop). None: on CUDA only, where it keeps
         # the device busy while the host describes steps; on a CPU the work runs inside the launch,
@@ -96,13 +100,17 @@ class Engine:
         self.lookahead: bool | None = None
 
     @classmethod
-    def from_pair(cls, pair, *, fast_path: str = "auto", progress=None, compile_k: int = 5) -> Engine:
+    def from_pair(cls, pair, *, fast_path: str = "auto", progress=None, compile_k: int = 5,
+                  head: str | None = "auto") -> Engine:
         """Builds runners for a LoadedPair (engine.models.store); the fast path when CUDA allows it.
 
         fast_path: "auto" (CUDA graphs where possible, else eager), "eager", "static" (graphs or
         an error), "compiled" (graphs of inductor-compiled forwards for K = compile_k: minutes of
         warm-up, fewer kernels per forward).
+        head: "auto" (the shipped draft head trained for this target, if there is one), a head
+        folder (refused when it was trained for another target), or None.
         """
+        from engine.heads.shards import resolve_head
         from engine.models.quant import quantized_kind
 
         target_runner = draft_runner = None
@@ -111,6 +119,9 @@ class Engine:
         context = pair.plan.context if pair.plan is not None else None
         on_cpu = pair.target.device.type == "cpu"
         quantized = [m for m in (pair.target, pair.draft) if m is not None and quantized_kind(m)]
+        # Before packing: the head gathers its output rows from the target's own output head.
+        found = resolve_head(pair.target, head)
+        layers = found[0].config.feature_layers if found else ()
         if fast_path in ("auto", "static") and on_cpu and not quantized:
             from engine.runners.cpu import try_pack
 
@@ -129,7 +140,7 @@ class Engine:
 
                 target_runner, draft_runner, name = build_runners(
                     pair.target, pair.draft, progress=progress, max_length=context,
-                    compile_k=compile_k if fast_path == "compiled" else None,
+                    compile_k=compile_k if fast_path == "compiled" else None, hidden_layers=layers,
                 )
                 notes += [f"{role}: {r.fallback_reason}" for role, r in (("target", target_runner),
                                                                           ("draft", draft_runner))
@@ -152,12 +163,37 @@ class Engine:
             draft_runner=draft_runner,
             max_length=context,
         )
+        if found is not None:
+            engine.attach_head(found[0], found[1].name, progress)
         engine.measure_costs(progress)
         if progress is not None:
             from engine.models.store import LoadProgress
 
             progress(LoadProgress("warmup", 1.0, f"Ready ({name})"))
         return engine
+
+    def attach_head(self, head: DraftHead, name: str, progress=None) -> None:
+        """Uses a draft head (bound to this target, or to a copy of it) from the next request on.
+
+        The target runner starts keeping the head's layers (on CUDA: its graphs are recaptured),
+        the head gets its own cache and graphs, and its cost per draft token is measured.
+        """
+        if progress is not None:
+            from engine.models.store import LoadProgress
+
+            progress(LoadProgress("warmup", 0.9, f"Preparing the draft head {name}"))
+        with self._lock:
+            head.bind_inputs(self.target)  # one copy of the embeddings: the engine's own
+            self.target_runner.keep_hidden(head.config.feature_layers)
+            runner = HeadRunner(head, max_length=self.target_runner.max_length, k_max=K_MAX)
+            runner.warmup()
+            try:
+                ms = runner.measure_ms(iters=20 if self.device.type == "cuda" else 3)
+            except Exception as exc:  # advice only, as the other costs
+                log.warning("could not measure the draft head's cost: %s", exc)
+                ms = 0.0
+            self.head_runner = runner
+            self.info = replace(self.info, head_name=name, head_ms=ms)
 
     def measure_costs(self, progress=None, k_max: int | None = None, rounds: int = 3) -> None:
         """The cost model's inputs, measured once at load: ms per draft forward and per target width.
@@ -170,7 +206,7 @@ class Engine:
         About 11 s for the default pair in float32. Never fails a load: without figures the app
         and bench simply say nothing about costs.
         """
-        if self.draft_runner is None:
+        if self.draft_runner is None and self.head_runner is None:
             return
         on_gpu = self.device.type == "cuda"
         widths = range(1, (k_max or (8 if on_gpu else 5)) + 2)  # verify widths up to K_max + 1
@@ -179,12 +215,15 @@ class Engine:
 
             progress(LoadProgress("warmup", 0.95, "Measuring forward costs for the cost model"))
         try:
+            def draft_cost(iters: int) -> float:  # 0 without a draft model (a head only: see head_ms)
+                return self.draft_runner.measure_costs((1,), iters)[1] if self.draft_runner is not None else 0.0
+
             if on_gpu:
                 target = self.target_runner.measure_costs(widths, 20)
-                draft = self.draft_runner.measure_costs((1,), 20)[1]
+                draft = draft_cost(20)
             else:
                 passes = [
-                    (self.target_runner.measure_costs(widths, 1), self.draft_runner.measure_costs((1,), 1)[1])
+                    (self.target_runner.measure_costs(widths, 1), draft_cost(1))
                     for _ in range(rounds + 1)
                 ][1:]  # the first pass only warms up (page faults, allocator, oneDNN primitives)
                 target = {w: statistics.median(t[w] for t, _ in passes) for w in passes[0][0]}
@@ -217,7 +256,12 @@ class Engine:
                 raise GenerationError(f"K must be at least 1 (got {request.k}).")
             if request.k > K_MAX:
                 raise GenerationError(f"K must be at most {K_MAX} (got {request.k}).")
-            if request.proposer != "ngram" and self.draft_runner is None:
+            if request.proposer == "head" and self.head_runner is None:
+                raise GenerationError(
+                    "No draft head is loaded for this target. Train one with `specdec-studio distill "
+                    "--target ... --out DIR` and load it with --head DIR, or choose another proposer."
+                )
+            if request.proposer in ("draft", "draft+ngram") and self.draft_runner is None:
                 raise GenerationError("Speculative decoding with a draft model needs a draft; load one first.")
         if request.max_new_tokens < 1:
             raise GenerationError("max_new_tokens must be at least 1.")
@@ -234,6 +278,9 @@ class Engine:
         return Generation(self, request, prompt, cancel)
 
     def make_proposer(self, request: GenerationRequest, generator: torch.Generator | None) -> Proposer:
+        if request.proposer == "head":
+            assert self.head_runner is not None, "generate() checks that a head is loaded"
+            return HeadProposer(self.head_runner, self.target_runner, request.sampling, self.vocab, generator)
         draft = (
             DraftModelProposer(self.draft_runner, request.sampling, self.vocab, generator)
             if self.draft_runner is not None and request.proposer != "ngram"

@@ -50,6 +50,8 @@ class RunRecord:
     # compute). seconds - round_seconds is what the loop spends outside its rounds (prefill,
     # host work the device waits for); 0 for the hf-* modes, which are not split into rounds.
     round_seconds: float = 0.0
+    # Speculative runs: steps that accepted 0..K draft tokens (per-position acceptance is derived from it).
+    accepted_lengths: tuple[int, ...] = ()
 
 
 # (prompt text, mode, max_new_tokens) -> the request; the caller owns the settings → request conversion.
@@ -109,6 +111,7 @@ def _engine_run(ctx: BenchContext, prompt: BenchPrompt, max_new_tokens: int, mod
         seconds=s.seconds, tokens_per_s=s.tokens_per_s, target_forwards=s.target_forwards,
         draft_forwards=s.draft_forwards, drafted=s.drafted, accepted=s.accepted, text=s.text,
         token_ids=tuple(generation.token_ids), round_seconds=round_ms / 1000,
+        accepted_lengths=s.accepted_length_histogram,
     )
 
 
@@ -208,6 +211,8 @@ def summarize_runs(runs: Sequence[RunRecord], modes: Sequence[str], tokenizer) -
             # Share of the wall time spent inside rounds (engine modes only; None for hf-*).
             "in_rounds": rounds / seconds if rounds and seconds > 0 else None,
         }
+        if any(r.accepted_lengths for r in rs):
+            out[mode]["per_position_acceptance"] = per_position_acceptance([r.accepted_lengths for r in rs])
     if "standard" in out and "speculative" in out:
         base = out["standard"]["tokens_per_s"]
         out["speedup"] = out["speculative"]["tokens_per_s"] / base if base else None
@@ -220,6 +225,17 @@ def summarize_runs(runs: Sequence[RunRecord], modes: Sequence[str], tokenizer) -
             spec = out["fidelity"]["speculative"]
             out.update(identical_outputs=spec["identical"], compared=spec["compared"], divergences=spec["divergences"])
     return out
+
+
+def per_position_acceptance(histograms: Sequence[Sequence[int]]) -> list[float]:
+    """P(draft position i accepted | positions before it accepted), pooled over runs' accepted-length histograms."""
+    width = max((len(h) for h in histograms), default=0)
+    counts = [sum(h[n] for h in histograms if n < len(h)) for n in range(width)]  # steps accepting exactly n
+    rates = []
+    for i in range(width - 1):
+        reached = sum(counts[i:])  # steps whose draft reached position i
+        rates.append(sum(counts[i + 1 :]) / reached if reached else 0.0)
+    return rates
 
 
 def compare_outputs(runs: Sequence[RunRecord], mode: str, tokenizer) -> dict[str, Any]:
@@ -261,6 +277,10 @@ def format_table(summary: dict[str, Any], modes: Sequence[str]) -> str:
         busy = f"{s['in_rounds']:>11.1%}" if s.get("in_rounds") is not None else f"{'-':>11}"
         rows.append(f"{mode:<14}{s['tokens_per_s']:>9.2f}{s['new_tokens']:>9d}{s['seconds']:>10.2f}"
                     f"{s['acceptance_rate']:>9.1%}{s['tokens_per_target_forward']:>9.2f}{busy}")
+    for mode in modes:
+        rates = summary[mode].get("per_position_acceptance")
+        if rates:
+            rows.append(f"{mode} acceptance by draft position: " + " ".join(f"{a:.2f}" for a in rates))
     if summary.get("speedup") is not None:
         rows.append(f"speedup (speculative / standard): {summary['speedup']:.2f}x")
     for mode, ratio in summary.get("vs_standard", {}).items():
@@ -288,13 +308,17 @@ def format_table(summary: dict[str, Any], modes: Sequence[str]) -> str:
     return "\n".join(rows)
 
 
-def cost_model_summary(engine: Engine, k: int, summary: dict[str, Any]) -> dict[str, Any]:
+def cost_model_summary(engine: Engine, k: int, summary: dict[str, Any], proposer: str = "draft") -> dict[str, Any]:
     """Measured forward costs and what they predict for the measured acceptance (the bench's check)."""
+    from dataclasses import replace
+
     from engine.measure.costmodel import CostModel, alpha_from_mean_accepted
 
     if not engine.info.target_ms or max(w for w, _ in engine.info.target_ms) < k + 1:
         engine.measure_costs(k_max=k)  # costs at load cover K up to 5 (CPU) / 8 (GPU)
     model = CostModel.from_info(engine.info)
+    if proposer == "head":  # a draft head's cost per token, measured when it was attached
+        model = replace(model, draft_ms=engine.info.head_ms)
     k_max = model.k_max
     spec = summary["speculative"]
     # Per-token acceptance from the mean tokens per step: E = (1 - a^(K+1)) / (1 - a).
@@ -321,7 +345,7 @@ class BenchResult:
 
 
 def run_bench(ctx: BenchContext, prompts: Sequence[BenchPrompt], modes: Sequence[str], *, max_new_tokens: int,
-              warmup: int = 1, k: int, cost_model: bool = True, progress=None) -> BenchResult:
+              warmup: int = 1, k: int, cost_model: bool = True, progress=None, proposer: str = "draft") -> BenchResult:
     """Times every prompt in every mode (modes in the given order per prompt) after untimed warm-ups.
 
     `progress(done, total, note)` is called after each run. A failing baseline (hf-*) is recorded
@@ -366,7 +390,7 @@ def run_bench(ctx: BenchContext, prompts: Sequence[BenchPrompt], modes: Sequence
         summary.update(peak_gpu_memory_mb=max(peaks), peak_gpu_memory_first_mb=peaks[0],
                        peak_gpu_memory_last_mb=peaks[-1])
     if "speculative" in modes_run and cost_model:
-        summary["cost_model"] = cost_model_summary(ctx.engine, k, summary)
+        summary["cost_model"] = cost_model_summary(ctx.engine, k, summary, proposer)
     return BenchResult(tuple(runs), summary, modes_run, wall)
 
 

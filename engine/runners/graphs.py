@@ -78,6 +78,7 @@ class StaticGraphRunner:
         compile_widths: Iterable[int] = (),
         compile_spans: int = 2,
         stage_breaks: tuple[int, ...] = (),
+        hidden_layers: tuple[int, ...] = (),
     ) -> None:
         self.decoder = LeanDecoder(model, max_length, share_weights=share_weights, attention=attention,
                                    stage_breaks=stage_breaks)
@@ -109,8 +110,12 @@ class StaticGraphRunner:
         self.graphs: dict[tuple[int, int], list[torch.cuda.CUDAGraph]] = {}  # (width, bucket) -> one per stage
         self.static_ids: dict[int, torch.Tensor] = {}  # width -> [W] long input buffer (input device)
         self.static_out: dict[int, torch.Tensor] = {}  # width -> [W, V] float32 output (output device)
-        self.static_hidden: dict[tuple[int, int], torch.Tensor] = {}  # (stage, width) -> [W, hidden] it writes
-        self.static_in: dict[tuple[int, int], torch.Tensor] = {}  # (stage, width) -> [W, hidden] it reads
+        self.stage_out: dict[tuple[int, int], torch.Tensor] = {}  # (stage, width) -> [W, hidden] it writes
+        self.stage_in: dict[tuple[int, int], torch.Tensor] = {}  # (stage, width) -> [W, hidden] it reads
+        # Hidden rows for a draft head (Runner.keep_hidden): captured inside the graphs too.
+        self.hidden_layers: tuple[int, ...] = tuple(hidden_layers)
+        self.static_hidden: dict[int, torch.Tensor] = {}  # width -> [W, n * hidden] (output device)
+        self.hidden: torch.Tensor | None = None  # rows of the last forward or prefill
         self._streams: dict[torch.device, torch.cuda.Stream] = {}  # one side stream per device for captures
         with torch.inference_mode(False):
             # Graphs read the write position from here (stage 0; later stages have their own copy).
@@ -126,6 +131,25 @@ class StaticGraphRunner:
         assert 0 <= length <= self.length, f"cannot roll back to {length} from {self.length}"
         self.length = length  # the device scalar is set from it by the next forward
 
+    def keep_hidden(self, layers: tuple[int, ...]) -> None:
+        """From now on forwards also leave these layers' outputs in `hidden` (recaptures the graphs)."""
+        layers = tuple(layers)
+        if layers == self.hidden_layers:
+            return
+        self.hidden_layers = layers
+        self.hidden = None
+        if self.graphs:
+            self._drop_graphs()
+            self.warmup()
+
+    def _drop_graphs(self) -> None:
+        self.graphs.clear()
+        self.static_ids.clear()
+        self.static_out.clear()
+        self.stage_out.clear()
+        self.stage_in.clear()
+        self.static_hidden.clear()
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """Appends ids [W] to the cache; returns float32 logits [W, V] (see the class note on reuse)."""
         width = ids.shape[-1]
@@ -136,15 +160,16 @@ class StaticGraphRunner:
             )
         graphs = self.graphs.get((width, self._bucket(self.length + width)))
         if graphs is None:  # eagerly, in chunks; _eager advances the length per chunk
-            outs = [self._eager(chunk) for chunk in ids.view(width).split(PREFILL_CHUNK)]
+            outs = self._chunks(ids.view(width), logits=True)
             return outs[0] if len(outs) == 1 else torch.cat(outs)
         self.static_ids[width].copy_(ids.view(width), non_blocking=True)
         self._set_start(self.length)
         for s, graph in enumerate(graphs):
             if s:  # the hidden state crosses to the next GPU (ordered against both devices' streams)
-                self.static_in[(s, width)].copy_(self.static_hidden[(s - 1, width)], non_blocking=True)
+                self.stage_in[(s, width)].copy_(self.stage_out[(s - 1, width)], non_blocking=True)
             graph.replay()
         self.length += width
+        self.hidden = self.static_hidden.get(width)
         return self.static_out[width]
 
     def prefill(self, ids: torch.Tensor) -> None:
@@ -154,8 +179,7 @@ class StaticGraphRunner:
             raise GenerationError(
                 f"The prompt needs {self.length + width} cache positions; this runner holds {self.max_length}."
             )
-        for chunk in ids.view(width).split(PREFILL_CHUNK):
-            self._eager(chunk, logits=False)
+        self._chunks(ids.view(width), logits=False)
 
     # -- fast path ----------------------------------------------------------------------------
 
@@ -168,9 +192,26 @@ class StaticGraphRunner:
         for stage in self.decoder.stages[1:]:
             stage.start.fill_(length)
 
+    def _chunks(self, ids: torch.Tensor, logits: bool) -> list[torch.Tensor | None]:
+        """The eager forward over ids [W] in PREFILL_CHUNK pieces; `hidden` gets all W rows."""
+        outs, rows = [], []
+        for chunk in ids.split(PREFILL_CHUNK):
+            outs.append(self._eager(chunk, logits))
+            if self.hidden_layers:
+                rows.append(self.hidden)
+        if rows:
+            self.hidden = rows[0] if len(rows) == 1 else torch.cat(rows)
+        return outs
+
     def _eager(self, ids: torch.Tensor, logits: bool = True) -> torch.Tensor | None:
         self._set_start(self.length)
-        out = self._forward(ids, self.start, self._bucket(self.length + ids.shape[0]), logits)
+        hidden = None
+        if self.hidden_layers:
+            buf = torch.empty(ids.shape[0], len(self.hidden_layers) * self.decoder.config.hidden,
+                              dtype=self.decoder.dtype, device=self.device)
+            hidden = (buf, self.hidden_layers)
+            self.hidden = buf
+        out = self._forward(ids, self.start, self._bucket(self.length + ids.shape[0]), logits, hidden)
         self.length += ids.shape[0]
         return out
 
@@ -207,11 +248,7 @@ class StaticGraphRunner:
                      list(self.buckets), len(self.decoder.stages))
         except Exception as exc:  # capture is an optimisation: never let it break decoding
             log.warning("CUDA graph capture failed, using the static cache eagerly: %s", exc, exc_info=True)
-            self.graphs.clear()
-            self.static_ids.clear()
-            self.static_out.clear()
-            self.static_hidden.clear()
-            self.static_in.clear()
+            self._drop_graphs()
             self.fallback_reason = f"CUDA graph capture failed: {exc}"
             self.capture_failed = True
             self.name = "static-eager"
@@ -227,11 +264,14 @@ class StaticGraphRunner:
         stages, c = self.decoder.stages, self.decoder.config
         self.static_ids[width] = torch.zeros(width, dtype=torch.long, device=self.decoder.input_device)
         self.static_out[width] = torch.zeros(width, self.vocab_size, dtype=torch.float32, device=self.device)
+        if self.hidden_layers:
+            self.static_hidden[width] = torch.zeros(width, len(self.hidden_layers) * c.hidden,
+                                                    dtype=self.decoder.dtype, device=self.device)
         for s in range(len(stages) - 1):
-            self.static_hidden[(s, width)] = torch.zeros(width, c.hidden, dtype=self.decoder.dtype,
-                                                         device=stages[s].device)
-            self.static_in[(s + 1, width)] = torch.zeros(width, c.hidden, dtype=self.decoder.dtype,
-                                                         device=stages[s + 1].device)
+            self.stage_out[(s, width)] = torch.zeros(width, c.hidden, dtype=self.decoder.dtype,
+                                                     device=stages[s].device)
+            self.stage_in[(s + 1, width)] = torch.zeros(width, c.hidden, dtype=self.decoder.dtype,
+                                                        device=stages[s + 1].device)
 
     def _stream(self, device: torch.device) -> torch.cuda.Stream:
         # One side stream per device for every warm-up and capture: blocks the caching allocator
@@ -242,6 +282,7 @@ class StaticGraphRunner:
 
     def _capture(self, width: int, bucket: int, pools: dict) -> None:
         self._buffers(width)
+        hidden = (self.static_hidden[width], self.hidden_layers) if self.hidden_layers else None
         stages = self.decoder.stages
         run = self._run_stage
         if self._compiled is not None and width in self.compile_widths and bucket in self.buckets[: self.compile_spans]:
@@ -250,12 +291,13 @@ class StaticGraphRunner:
         graphs = []
         for s, stage in enumerate(stages):
             last = s == len(stages) - 1
-            inp = self.static_ids[width] if s == 0 else self.static_in[(s, width)]
-            out = self.static_out[width] if last else self.static_hidden[(s, width)]
+            inp = self.static_ids[width] if s == 0 else self.stage_in[(s, width)]
+            out = self.static_out[width] if last else self.stage_out[(s, width)]
             start = self.start if s == 0 else stage.start
 
             def step(s=s, inp=inp, out=out, start=start) -> None:
-                out.copy_(run(s, inp, start, bucket))  # [W, V] from the last stage, [W, hidden] before
+                # [W, V] from the last stage, [W, hidden] before; kept layers' rows into `hidden`
+                out.copy_(run(s, inp, start, bucket, True, hidden))
 
             with torch.cuda.device(stage.device):
                 stream = self._stream(stage.device)
@@ -270,7 +312,7 @@ class StaticGraphRunner:
             graphs.append(graph)
         for s, graph in enumerate(graphs):  # one replay so a broken capture fails here, not in a generation
             if s:
-                self.static_in[(s, width)].copy_(self.static_hidden[(s - 1, width)])
+                self.stage_in[(s, width)].copy_(self.stage_out[(s - 1, width)])
             graph.replay()
         for stage in stages:
             torch.cuda.synchronize(stage.device)
@@ -289,11 +331,13 @@ def build_runners(
     attention: str = "sdpa",
     progress: Callable[[Any], None] | None = None,
     compile_k: int | None = None,
+    hidden_layers: tuple[int, ...] = (),
 ) -> tuple[StaticGraphRunner, StaticGraphRunner | None, str]:
     """Fast runners for a pair, warmed up (graphs captured on CUDA); (target, draft, fast-path name).
 
     Raises UnsupportedModelError (or anything else) when the fast path cannot take a model; the
     caller then falls back to eager runners. `progress` receives engine.models.store.LoadProgress.
+    hidden_layers: the target's layers a draft head reads (its graphs then keep those rows too).
     """
     limit = int(getattr(target.config, "max_position_embeddings", DEFAULT_MAX_LENGTH))
     length = min(max_length or DEFAULT_MAX_LENGTH, limit)
@@ -302,7 +346,7 @@ def build_runners(
     # compile_k: also compile (inductor) the widths a K = compile_k loop uses every step.
     compiled_target = (1, compile_k + 1) if compile_k else ()
     target_runner = StaticGraphRunner(target, max_length=length, graph_widths=target_widths, attention=attention,
-                                      compile_widths=compiled_target)
+                                      compile_widths=compiled_target, hidden_layers=hidden_layers)
     # Width 1: a draft step; 2: the catch-up after a fully accepted draft (pending + bonus).
     draft_runner = (
         StaticGraphRunner(draft, max_length=length, graph_widths=(1, 2), attention=attention,
@@ -329,7 +373,7 @@ def build_runners(
         # The fused attention kernel is the likeliest part to refuse capture; plain matmuls rarely do.
         log.warning("retrying graph capture with matmul attention: %s", target_runner.fallback_reason)
         return build_runners(target, draft, max_length=max_length, k_max=k_max, attention="math", progress=progress,
-                             compile_k=compile_k)
+                             compile_k=compile_k, hidden_layers=hidden_layers)
     if draft_runner is not None:
         draft_runner.warmup(stage(share, 1.0))
     name = target_runner.name

@@ -181,6 +181,7 @@ class _Stage:
     """A run of consecutive layers on one device, with that device's copy of the position tables."""
 
     device: torch.device
+    first: int  # index of its first layer in the model
     layers: list[_Layer]
     key_pos: torch.Tensor  # [cache_len] positions 0..cache_len-1
     cos: torch.Tensor  # [cache_len, D]
@@ -254,7 +255,7 @@ class LeanDecoder:
             for i, (layer, built) in enumerate(zip(base.layers, self.layers)):
                 device = _layer_device(layer)
                 if not self.stages or self.stages[-1].device != device or i in stage_breaks:
-                    self.stages.append(self._stage(base, device))
+                    self.stages.append(self._stage(base, device, i))
                 self.stages[-1].layers.append(built)
         projections = [p for layer in self.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]
         self.quantized = any(p.modules for p in projections)
@@ -264,7 +265,7 @@ class LeanDecoder:
             cache_len, self.cache_bytes() / 2**20, ", quantized linears" if self.quantized else "",
         )
 
-    def _stage(self, base: nn.Module, device: torch.device) -> _Stage:
+    def _stage(self, base: nn.Module, device: torch.device, first: int) -> _Stage:
         positions = torch.arange(self.config.cache_len, device=device)
         # HF's own rotary module, so every static RoPE variant (llama3, yarn, ...) matches it.
         dummy = torch.zeros(1, device=device, dtype=self.dtype)
@@ -272,7 +273,7 @@ class LeanDecoder:
         # rotate_half(x) * sin == roll(x, D/2) * [-sin_first_half, sin_second_half]
         half = self.config.head_dim // 2
         return _Stage(
-            device=device, layers=[], key_pos=positions, cos=cos[0].contiguous(),
+            device=device, first=first, layers=[], key_pos=positions, cos=cos[0].contiguous(),
             sin=torch.cat([-sin[0, :, :half], sin[0, :, half:]], dim=-1).contiguous(),
             start=torch.zeros((), dtype=torch.long, device=device),
         )
@@ -308,11 +309,14 @@ class LeanDecoder:
 
     @torch.no_grad()
     def forward(
-        self, ids: torch.Tensor, start: torch.Tensor, kv_len: int | None = None, logits: bool = True
+        self, ids: torch.Tensor, start: torch.Tensor, kv_len: int | None = None, logits: bool = True,
+        hidden: tuple[torch.Tensor, tuple[int, ...]] | None = None,
     ) -> torch.Tensor | None:
         """ids [W] long, start: long scalar tensor on the input device -> float32 logits [W, V].
 
         logits=False only fills the cache (the prompt): no output head, no [W, V] allocation.
+        hidden=(out [W, n * hidden], layers): the outputs of those n layers are copied into `out`
+        side by side (a draft head reads them; inside a graph, `out` is a static buffer).
 
         Attention reads the first `kv_len` cache slots (default: all); the caller guarantees
         start + W <= kv_len, and picks kv_len from a few buckets so short contexts read little.
@@ -324,13 +328,19 @@ class LeanDecoder:
             if s:
                 x = x.to(stage.device)
                 stage.start.copy_(start)
-            x = self.run_stage(s, x, start if s == 0 else stage.start, kv_len, logits)
+            x = self.run_stage(s, x, start if s == 0 else stage.start, kv_len, logits, hidden)
         return x
 
     def run_stage(
-        self, s: int, x: torch.Tensor, start: torch.Tensor, kv_len: int | None = None, logits: bool = True
+        self, s: int, x: torch.Tensor, start: torch.Tensor, kv_len: int | None = None, logits: bool = True,
+        hidden: tuple[torch.Tensor, tuple[int, ...]] | None = None,
     ) -> torch.Tensor | None:
-        """Stage s: ids [W] (stage 0) or hidden [W, hidden] in; hidden out, or logits [W, V] from the last."""
+        """Stage s: ids [W] (stage 0) or hidden [W, hidden] in; hidden out, or logits [W, V] from the last.
+
+        Kept layers (`hidden`) of this stage are copied into that buffer, which lives on the output
+        device: for a split model the copy crosses GPUs and cannot be captured, so such a runner
+        falls back to the static cache without graphs (reported).
+        """
         c = self.config
         stage = self.stages[s]
         kv_len = kv_len or c.cache_len
@@ -348,7 +358,8 @@ class LeanDecoder:
         bias = torch.zeros(mask.shape, dtype=self.dtype, device=stage.device).masked_fill_(~mask, float("-inf"))
         q_size, kv_size = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
         n_qk = c.n_heads + c.n_kv_heads
-        for layer in stage.layers:
+        keep = {} if hidden is None else {layer: slot for slot, layer in enumerate(hidden[1])}
+        for index, layer in enumerate(stage.layers, stage.first):
             h = _rms_norm(x, layer.ln1, c.eps)
             qkv = layer.qkv(h)  # [W, (Hq + 2 Hkv) * D]
             qk = qkv[:, : q_size + kv_size].view(width, n_qk, c.head_dim)  # [W, Hq + Hkv, D]
@@ -369,6 +380,9 @@ class LeanDecoder:
             h = _rms_norm(x, layer.ln2, c.eps)
             gate, up = layer.gate_up(h).chunk(2, dim=-1)  # [W, inter] each
             x = layer.down.residual(x, F.silu(gate) * up)
+            if index in keep:
+                slot = keep[index]
+                hidden[0][:, slot * c.hidden : (slot + 1) * c.hidden].copy_(x)
         if s < len(self.stages) - 1:
             return x  # [W, hidden]
         if not logits:
