@@ -48,7 +48,7 @@ def part_a(args, results: qc.Results, texts: list[str]) -> None:
     for gpus in (args.gpus, 1):
         def run(gpus=gpus) -> dict:
             pair = load_pair(args.target, args.draft, device=args.device, gpus=gpus, force=True)
-            engine = Engine.from_pair(pair)
+            engine = Engine.from_pair(pair, head=None)
             out = qc.run_prompts(engine, texts, args.max_new_tokens)
             devices = [d.device for d in pair.plan.devices]
             rows = qc.compare_plan(pair.plan, measure_all(devices)) if args.device != "cpu" else []
