@@ -1,4 +1,5 @@
-"""Headless command line: `generate` answers, `bench` measures, `distill` trains a draft head, `plan` sizes memory."""
+"""Headless command line: `generate` streams one answer, `bench` measures, `sweep` tunes, `distill` trains a head,
+`plan` sizes memory."""
 from __future__ import annotations
 
 import argparse
@@ -11,8 +12,10 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn, TextIO
 
+from app.export import cell
 from app.session import build_request
 from engine.errors import EngineError, ModelWontFitError
+from engine.limits import DEFAULT_K, K_AUTO, K_MAX
 from engine.measure.bench import MODE_RUNNERS
 from engine.settings import GenerationSettings
 from engine.types import MODES, PROPOSERS, GenerationRequest, Message, Summary
@@ -35,7 +38,7 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         if message.endswith("required: command"):
-            message = "a command is needed: generate, bench, distill or plan (see --help)"
+            message = "a command is needed: generate, bench, sweep, distill or plan (see --help)"
         raise CliError(message)
 
 
@@ -50,10 +53,16 @@ def _positive_int(text: str) -> int:
 
 
 def _k(text: str) -> int:
+    """1..K_MAX, or "auto" (K_AUTO: chosen per step)."""
+    if text.strip().lower() == "auto":
+        return K_AUTO
     try:
-        return _positive_int(text)
+        value = _positive_int(text)
     except argparse.ArgumentTypeError as e:
-        raise argparse.ArgumentTypeError(f"K (draft tokens per step) {e}") from None
+        raise argparse.ArgumentTypeError(f"K (draft tokens per step) {e}, or auto") from None
+    if value > K_MAX:
+        raise argparse.ArgumentTypeError(f"K (draft tokens per step) must be at most {K_MAX}, or auto")
+    return value
 
 
 def _positive_float(text: str) -> float:
@@ -111,7 +120,7 @@ def _add_pair_args(g: argparse._ArgumentGroup) -> None:
                    help="memory per device instead of what is free, e.g. 24GiB (GiB binary, GB decimal)")
 
 
-def _add_model_args(p: argparse.ArgumentParser) -> None:
+def _add_model_args(p: argparse.ArgumentParser, decoding: bool = True) -> None:
     g = p.add_argument_group("models")
     _add_pair_args(g)
     g.add_argument("--force", action="store_true", help="load even when the memory plan says it will not fit")
@@ -122,13 +131,18 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="auto: static cache + CUDA graphs where possible, else eager; compiled: also "
                         "torch.compile the per-step forwards for --k (CUDA; minutes of warm-up)")
     d = p.add_argument_group("decoding")
-    d.add_argument("--k", type=_k, default=5, help="draft tokens proposed per step (>= 1)")
+    d.add_argument("-v", "--verbose", action="store_true", help="log what the engine does (stderr)")
+    if not decoding:
+        return
+    d.add_argument("--k", type=_k, default=DEFAULT_K,
+                   help=f"draft tokens proposed per step (1..{K_MAX}), or auto: chosen per step from measured "
+                        "costs and acceptance (0 = a standard step)")
     d.add_argument("--temperature", type=_non_negative_float, default=0.0, help="0 = greedy")
     d.add_argument("--top-k", type=int, default=0, help="0 disables")
     d.add_argument("--top-p", type=float, default=1.0, help="1 disables")
     d.add_argument("--seed", type=int, default=0)
-    d.add_argument("--proposer", default="draft", choices=list(PROPOSERS))
-    d.add_argument("-v", "--verbose", action="store_true", help="log what the engine does (stderr)")
+    d.add_argument("--proposer", default="draft", choices=list(PROPOSERS),
+                   help="draft, ngram or draft+ngram (in auto mode draft+ngram is routed per step)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -138,7 +152,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="generate one answer, streaming it to stdout")
     gen.add_argument("--prompt", required=True, help="the user message (or raw text with --raw)")
     gen.add_argument("--raw", action="store_true", help="feed the prompt as-is, without the chat template")
-    gen.add_argument("--mode", default="speculative", choices=list(MODES))
+    gen.add_argument("--mode", default="speculative", choices=list(MODES),
+                     help="auto: the router, speculative decoding whose K (0 = standard) and proposer are chosen "
+                          "per step")
     gen.add_argument("--max-new-tokens", type=_positive_int, default=128)
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     _add_model_args(gen)
@@ -151,8 +167,22 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", dest="json_out", type=Path, default=None, help="write the full results here")
     bench.add_argument("--csv", dest="csv_out", type=Path, default=None, help="write one row per run here")
     bench.add_argument("--warmup", type=int, default=1, help="untimed warm-up generations per mode")
+    bench.add_argument("--repeat", type=_positive_int, default=1,
+                       help="time every prompt in every mode N times: median and spread (mode order rotates)")
     bench.add_argument("--raw", action="store_true", help="feed prompts as-is, without the chat template")
     _add_model_args(bench)
+
+    sweep = sub.add_parser("sweep", help="measure proposer x K x temperature; write sweep.csv and sweep.png")
+    sweep.add_argument("--prompts", required=True, type=Path, help='JSONL: {"id", "category", "prompt"} per line')
+    sweep.add_argument("--k", dest="ks", default="1,2,3,5,8,12", help="comma-separated K values (1..12, or auto)")
+    sweep.add_argument("--temperature", dest="temperatures", default="0", help="comma-separated temperatures")
+    sweep.add_argument("--proposer", dest="proposers", default="draft", help="comma-separated: draft, ngram, draft+ngram")
+    sweep.add_argument("--auto", action="store_true", help="also measure --mode auto per proposer")
+    sweep.add_argument("--repeat", type=_positive_int, default=1, help="time every configuration N times")
+    sweep.add_argument("--max-new-tokens", type=_positive_int, default=64)
+    sweep.add_argument("--out", required=True, type=Path, help="folder for sweep.csv, sweep.png, sweep.json")
+    sweep.add_argument("--raw", action="store_true", help="feed prompts as-is, without the chat template")
+    _add_model_args(sweep, decoding=False)
 
     distill = sub.add_parser("distill", help="train a draft head on the target's own answers (resumable)")
     distill.add_argument("--target", default=None,
@@ -228,8 +258,9 @@ def _load(args: argparse.Namespace, needs_draft: bool) -> tuple[LoadedPair, Engi
 
     reporter = _LoadReporter(sys.stderr, args.verbose)
     pair = _load_pair(args, needs_draft, reporter)
+    compile_k = getattr(args, "k", DEFAULT_K) or DEFAULT_K  # K auto: compile the default K's widths
     head = None if args.head == "none" else args.head
-    return pair, Engine.from_pair(pair, fast_path=args.fast_path, progress=reporter, compile_k=args.k, head=head)
+    return pair, Engine.from_pair(pair, fast_path=args.fast_path, progress=reporter, compile_k=compile_k, head=head)
 
 
 def _load_pair(args: argparse.Namespace, needs_draft: bool, progress=None) -> LoadedPair:
@@ -275,7 +306,8 @@ def _model_config(engine: Engine, args: argparse.Namespace) -> dict[str, Any]:
     return {"target": info.target_name, "draft": info.draft_name, "device": info.device, "dtype": info.dtype,
             "target_precision": info.target_precision or info.dtype, "draft_precision": info.draft_precision or None,
             "devices": list(info.devices), "context": args.context, "fast_path": info.fast_path,
-            "fast_path_note": info.fast_path_note, "vocab_size": info.vocab_size, "k": args.k,
+            "fast_path_note": info.fast_path_note, "vocab_size": info.vocab_size,
+            "k": "auto" if args.k == K_AUTO else args.k,
             "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed,
             "max_new_tokens": args.max_new_tokens, "proposer": args.proposer, "raw": args.raw}
 
@@ -283,7 +315,7 @@ def _model_config(engine: Engine, args: argparse.Namespace) -> dict[str, Any]:
 # --------------------------------------------------------------------------- generate
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    needs_draft = args.mode == "speculative" and args.proposer in ("draft", "draft+ngram")
+    needs_draft = args.mode != "standard" and args.proposer in ("draft", "draft+ngram")
     _, engine = _load(args, needs_draft)
     generation = engine.generate(_request(args, args.prompt, args.mode, args.max_new_tokens))
     tokens: list[dict[str, str]] = []
@@ -309,11 +341,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _summary_line(s: Summary) -> str:
+    from engine.measure.explain import describe_decision, time_split
+
     line = (f"[{s.mode}] {s.new_tokens} tokens in {s.seconds:.2f} s ({s.tokens_per_s:.1f} tok/s), "
             f"stop: {s.stop_reason}")
-    if s.mode == "speculative":
+    if s.mode != "standard":
         line += (f"; acceptance {s.acceptance_rate:.0%} ({s.accepted}/{s.drafted}), "
-                 f"{s.tokens_per_target_forward:.2f} tokens per target forward")
+                 f"{s.tokens_per_target_forward:.2f} tokens per target forward, mean K {s.k_mean:.1f}")
+    line += f"; {time_split(s)}"
+    if s.decision is not None and s.decision.reason != "fixed":
+        line += f"; {describe_decision(s.decision)}"
     return line
 
 
@@ -344,15 +381,17 @@ def cmd_bench(args: argparse.Namespace) -> int:
         make_request=lambda prompt, mode, max_new: _request(args, prompt, mode, max_new),
         reload_pair=lambda: _load_pair(args, needs_draft),
     )
-    with tqdm(total=len(prompts) * len(modes), file=sys.stderr, desc="bench", unit="run", disable=None) as bar:
+    total = len(prompts) * len(modes) * args.repeat
+    with tqdm(total=total, file=sys.stderr, desc="bench", unit="run", disable=None) as bar:
         def progress(done: int, _total: int, note: str) -> None:
             bar.set_postfix_str(note)
             bar.update(done - bar.n)
 
-        result = run_bench(ctx, prompts, modes, max_new_tokens=args.max_new_tokens, warmup=args.warmup, k=args.k,
-                           cost_model=args.proposer != "ngram", progress=progress, proposer=args.proposer)
+        result = run_bench(ctx, prompts, modes, max_new_tokens=args.max_new_tokens, warmup=args.warmup,
+                           repeat=args.repeat, progress=progress, proposer=args.proposer)
+    result.summary["diagnostics"] = _diagnose(engine, args, result.summary)
     config = {**_model_config(engine, args), "modes": list(result.modes), "prompts": str(args.prompts),
-              "warmup": args.warmup, "wall_s": result.wall_s, **_environment(engine)}
+              "warmup": args.warmup, "repeat": args.repeat, "wall_s": result.wall_s, **_environment(engine)}
     table = format_table(result.summary, result.modes)
     try:
         if args.json_out is not None:
@@ -362,75 +401,31 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 names = [n for n in RunRecord.__dataclass_fields__ if n != "token_ids"]
                 writer = csv.DictWriter(f, fieldnames=names, extrasaction="ignore")
                 writer.writeheader()
-                writer.writerows(asdict(r) for r in result.runs)
+                writer.writerows({k: cell(v) for k, v in asdict(r).items()} for r in result.runs)
     except OSError as e:
         # The table still goes to stdout, so a long run is not lost to a bad output path.
         print(table)
         raise CliError(f"cannot write results: {e.strerror or e} ({e.filename})") from None
     print(f"{engine.info.target_name} / {engine.info.draft_name or '-'} on {engine.info.device} "
-          f"({_precisions(engine.info)}, {engine.info.fast_path}), {len(prompts)} prompts, k={args.k}, "
+          f"({_precisions(engine.info)}, {engine.info.fast_path}), {len(prompts)} prompts, k={args.k or 'auto'}, "
           f"temperature={args.temperature}, max_new_tokens={args.max_new_tokens}")
     print(table)
     return 0
 
 
-# --------------------------------------------------------------------------- distill
+def _diagnose(engine: Engine, args: argparse.Namespace, summary: dict[str, Any]) -> list[str]:
+    """The troubleshooting rules on what this bench measured, as lines to print and keep in the JSON."""
+    from engine.measure.diagnostics import diagnose, from_bench
+    from engine.measure.explain import describe_diagnosis
 
-def cmd_distill(args: argparse.Namespace) -> int:
-    from tqdm import tqdm
+    evidence = from_bench(summary, engine.info, k=args.k, temperature=args.temperature, proposer=args.proposer)
+    return [" ".join(describe_diagnosis(d)) for d in diagnose(evidence)]
 
-    from engine.heads.distill import distill
-    from engine.measure.bench import read_prompts
-
-    questions = [p.prompt for p in read_prompts(args.prompts)] if args.prompts is not None else []
-    budget = args.minutes * 60
-    with tqdm(total=round(budget), file=sys.stderr, desc="distill", unit="s", disable=None,
-              bar_format="{l_bar}{bar}| {n:.0f}/{total:.0f} s of the budget [{elapsed}<{remaining}] {postfix}") as bar:
-        logged = {"train": 0}
-
-        def progress(p) -> None:
-            bar.update(max(0, round(p.fraction * budget) - bar.n))
-            bar.set_postfix_str(p.message[:70])
-            kind = p.record.get("kind") if p.record is not None else None
-            if kind == "train":
-                logged["train"] += 1
-            # Without a terminal (a GPU job's log) the bar is off: the milestones and every 5th loss go to stderr.
-            quiet = bar.disable and kind == "train" and logged["train"] % 5
-            if (kind is not None and not quiet and (kind != "train" or bar.disable)) or args.verbose:
-                bar.write(f"{PROG}: [{p.fraction:.0%}, {p.eta_s / 60:.1f} min left] {p.message}", file=sys.stderr)
-
-        summary = distill(args.target, args.out, minutes=args.minutes, work=args.work, call_minutes=args.call_minutes,
-                          device=args.device, dtype=args.dtype, seed=args.seed, questions=questions,
-                          progress=progress)
-    print(json.dumps(summary, indent=2, ensure_ascii=False))
-    return 0
-
-
-# --------------------------------------------------------------------------- plan
 
 def _precisions(info) -> str:
     target = info.target_precision or info.dtype
     draft = info.draft_precision or info.dtype
     return target if not info.draft_name or draft == target else f"target {target}, draft {draft}"
-
-
-def cmd_plan(args: argparse.Namespace) -> int:
-    """Prints the memory plan (offline: configs and headers only); exit 1 when it does not fit."""
-    from engine.models.plan import format_plan
-    from engine.models.planner import plan_pair, preset_table
-
-    if args.presets:
-        print(preset_table(device="cuda", memory=args.memory, context=args.context, gpus=args.gpus))
-        return 0
-    target, draft = _pair_specs(args)
-    plan = plan_pair(target, draft, with_draft=not args.no_draft, device=args.device, dtype=args.dtype,
-                     target_precision=args.target_dtype, draft_precision=args.draft_dtype, context=args.context,
-                     memory=args.memory, gpus=args.gpus)
-    if args.json:
-        print(json.dumps(asdict(plan) | {"fits": plan.fits}, indent=2))
-    else:
-        print(format_plan(plan))
-    return 0 if plan.fits else 1
 
 
 # --------------------------------------------------------------------------- entry point
@@ -452,9 +447,16 @@ def main(argv: list[str] | None = None) -> int:
     _setup_logging(args.verbose)
     import torch
 
+    if args.command == "sweep":
+        from app.cli_sweep import cmd_sweep as command
+    elif args.command == "distill":
+        from app.cli_distill import cmd_distill as command
+    elif args.command == "plan":
+        from app.cli_plan import cmd_plan as command
+    else:
+        command = {"generate": cmd_generate, "bench": cmd_bench}[args.command]
     try:
-        commands = {"generate": cmd_generate, "bench": cmd_bench, "distill": cmd_distill, "plan": cmd_plan}
-        return commands[args.command](args)
+        return command(args)
     except ModelWontFitError as e:
         from engine.models.plan import format_plan
 

@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field, replace
 from app.chat_tree import Conversation, ConversationFormatError, StoredTokens, Turn
 from app.conversations import BackgroundWriter, ConversationHeader, ConversationStore
 from app.export import AnswerRecord, now_iso
+from engine.limits import K_AUTO
 from engine.measure.costmodel import CostModel, estimate_alpha
 from engine.settings import GenerationSettings, ModelSelection
 from engine.types import GenerationRequest, MemoryPlan, Message, ModelInfo, Sampling, Step, Summary
@@ -118,9 +119,13 @@ def build_request(settings: GenerationSettings, messages: tuple[Message, ...], r
 def answer_header(request: GenerationRequest, info: ModelInfo | None) -> str:
     """The line above an answer: which model and how it decodes."""
     name = info.target_name if info else "model"
+    proposer = PROPOSER_LABELS.get(request.proposer, request.proposer)
     if request.mode == "standard":
         return f"{name} · standard decoding"
-    return f"{name} · speculative · K={request.k} · {PROPOSER_LABELS.get(request.proposer, request.proposer)}"
+    if request.mode == "auto":
+        return f"{name} · auto: K and proposer chosen per step · {proposer}"
+    k = "K auto" if request.k == K_AUTO else f"K={request.k}"
+    return f"{name} · speculative · {k} · {proposer}"
 
 
 def cost_verdict(info: ModelInfo | None, summary: Summary | None, proposer: str = "draft") -> tuple[str, str]:
@@ -141,7 +146,7 @@ def cost_verdict(info: ModelInfo | None, summary: Summary | None, proposer: str 
         ratio = draft_ms / model.target_ms[1]
         return f"{name} = {ratio:.0%} of a target forward", costs + " Send a speculative prompt for a prediction."
     k, best = model.best_k(alpha, k_max)
-    predicted = model.predicted_speedup(alpha, summary.k) if summary.k <= k_max else None
+    predicted = model.predicted_speedup(alpha, summary.k) if 0 < summary.k <= k_max else None
     short = (f"predicted {predicted:.2f}× at K={summary.k}" if predicted is not None else f"best K={k}: {best:.2f}×")
     return short, costs + " " + model.verdict(alpha, k_max)
 

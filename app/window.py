@@ -39,7 +39,10 @@ from app.session import (
 )
 from app.settings import AppSettings
 from app.training import HeadTrainingController
+from app.tune import TuneController
 from app.worker import EngineFactory, HeadTrainer, WorkerHost, default_engine_factory, default_head_trainer
+from engine.measure.diagnostics import AnswerFacts, category_speedups
+from engine.measure.explain import describe_decision
 from engine.settings import GenerationSettings, ModelSelection
 from engine.types import Message, ModelInfo, Step, Summary
 from widgets.charts import LiveCharts
@@ -53,6 +56,7 @@ from widgets.race_view import RaceView
 from widgets.settings_panel import DisplaySettings, SettingsPanel
 from widgets.stats_line import format_stats_line
 from widgets.theme import ThemeManager
+from widgets.tune_view import TuneView
 
 log = logging.getLogger(__name__)
 
@@ -119,6 +123,13 @@ class MainWindow(QMainWindow):
             parent=self,
         )
         self.race.running_changed.connect(lambda _running: self._set_ready_state())
+        self.race.race_finished.connect(lambda _summary: self._update_evidence())
+        # The Tune tab sweeps through the same worker; Apply puts a configuration into the panel.
+        self.tune = TuneController(
+            self.worker, self.tune_view, current_settings=self.panel.values, apply_settings=self._apply_settings,
+            info=lambda: self.info, parent=self,
+        )
+        self.tune.running_changed.connect(lambda _running: self._set_ready_state())
         self.training = HeadTrainingController(
             self.worker, next_request_id=self.session.allocate_request_id,
             target_spec=lambda: self.selection.target.spec(), parent=self,
@@ -181,6 +192,7 @@ class MainWindow(QMainWindow):
         self.splitter.setStretchFactor(1, 1)
         self.splitter.setStretchFactor(2, 0)
         self.race_view = RaceView()
+        self.tune_view = TuneView()
         self.tabs = QTabWidget(self)
         self.tabs.setObjectName("mainTabs")
         self.tabs.setDocumentMode(True)
@@ -195,6 +207,7 @@ class MainWindow(QMainWindow):
         self.outer.setStretchFactor(1, 1)
         self.tabs.addTab(self.outer, "Chat")
         self.tabs.addTab(self.race_view, "Race: standard vs speculative")
+        self.tabs.addTab(self.tune_view, "Tune")
         self.setCentralWidget(self.tabs)
 
         self.prompt.send_requested.connect(self.send)
@@ -263,6 +276,7 @@ class MainWindow(QMainWindow):
         self.device_label = QLabel("")
         self.memory_label = QLabel("")
         self.cost_label = QLabel("")  # the cost model's verdict: does speculation pay on this machine?
+        self.decision_label = QLabel("")  # what the K controller decides now, and why
         self.load_label = QLabel("")
         self.load_bar = QProgressBar()
         self.load_bar.setRange(0, 100)
@@ -270,11 +284,13 @@ class MainWindow(QMainWindow):
         self.load_bar.setMaximumHeight(14)
         self.load_bar.setTextVisible(True)
         self.load_bar.hide()
-        for label in (self.model_label, self.device_label, self.memory_label, self.load_label, self.cost_label):
+        for label in (self.model_label, self.device_label, self.memory_label, self.load_label, self.cost_label,
+                      self.decision_label):
             label.setTextFormat(Qt.TextFormat.PlainText)
         status.addWidget(self.model_label)
         status.addWidget(self.load_label, 1)
         status.addPermanentWidget(self.load_bar)
+        status.addPermanentWidget(self.decision_label)
         status.addPermanentWidget(self.cost_label)
         status.addPermanentWidget(self.device_label)
         status.addPermanentWidget(self.memory_label)
@@ -498,7 +514,8 @@ class MainWindow(QMainWindow):
         self.charts.reset()
 
     def _can_chat(self) -> bool:
-        return self.active_request is None and self.info is not None and not self.is_loading() and not self.race.running
+        return (self.active_request is None and self.info is not None and not self.is_loading()
+                and not self.race.running and not self.tune.running)
 
     def _submit(self, request) -> int:
         rid = request.request_id
@@ -521,6 +538,9 @@ class MainWindow(QMainWindow):
         self.chat.append_steps(request_id, steps)
         if request_id == self.active_request:
             self.charts.push_steps(steps)
+            decision = steps[-1].decision
+            if decision is not None and decision.reason not in ("fixed", "standard"):
+                self.decision_label.setText(describe_decision(decision))
 
     def _on_generation_finished(self, request_id: int, summary: Summary) -> None:
         request = self.session.request(request_id)
@@ -530,6 +550,9 @@ class MainWindow(QMainWindow):
         record = self.session.finish(request_id, summary)
         if summary.mode == "speculative" and request.proposer in ("draft", "head") and record is not None:
             self._show_costs(record.info, summary, request.proposer)
+        if summary.decision is not None and summary.decision.reason not in ("fixed", "standard"):
+            self.decision_label.setText(describe_decision(summary.decision))
+        self._update_evidence()
         self._set_ready_state()
         self.conversations.touch_current()
         self.guard.update()
@@ -544,12 +567,14 @@ class MainWindow(QMainWindow):
 
     def _set_ready_state(self) -> None:
         generating = self.active_request is not None
-        racing = self.race.running
+        racing = self.race.running or self.tune.running
         self.prompt.set_generating(generating)
         if self.is_loading():
             self.prompt.set_ready(False, _NOT_READY)
         elif self.info is None:
             self.prompt.set_ready(False, _NO_MODEL)
+        elif self.tune.running:
+            self.prompt.set_ready(False, "A sweep is running in the Tune tab")
         elif racing:
             self.prompt.set_ready(False, "A race is running in the Race tab")
         elif self.training.running:
@@ -559,7 +584,10 @@ class MainWindow(QMainWindow):
         can_chat = not generating and self.info is not None and not self.is_loading() and not self.training.running
         reason = (_NOT_READY if self.is_loading() else _NO_MODEL if self.info is None
                   else "A draft head is training" if self.training.running else "An answer is streaming in the chat")
-        self.race_view.set_race_enabled(can_chat, reason)
+        self.race_view.set_race_enabled(can_chat and not self.tune.running,
+                                        "A sweep is running in the Tune tab" if self.tune.running else reason)
+        self.tune_view.set_enabled(can_chat and not self.race.running,
+                                   "A race is running in the Race tab" if self.race.running else reason)
         self.stop_action.setEnabled(generating)
         self.chat.set_busy(generating)
         self.regenerate_action.setEnabled(can_chat and not racing and self.session.can_regenerate())
@@ -571,6 +599,23 @@ class MainWindow(QMainWindow):
     def _on_settings_changed(self, settings: GenerationSettings) -> None:
         self.settings.set_generation(settings)
         self.guard.update()  # the system prompt and K change what a request needs
+        self._update_evidence()
+
+    def _apply_settings(self, settings: GenerationSettings) -> None:
+        """From the Tune tab: the panel shows (and the next answer uses) a measured configuration."""
+        self.panel.set_values(settings)
+        self._on_settings_changed(self.panel.values())
+
+    def _update_evidence(self) -> None:
+        """Everything this session measured, for the Tune tab's diagnoses."""
+        answers = tuple(AnswerFacts(r.request.mode, r.request.proposer, r.request.k, r.request.sampling.temperature,
+                                    r.summary) for r in self.records if r.summary.new_tokens)
+        categories = category_speedups((r.category, r.standard.tokens_per_s, r.speculative.tokens_per_s)
+                                       for r in self.race.results if r.category != "custom")
+        changes: dict[str, object] = {"answers": answers}
+        if len(categories) > 1:  # one category alone says nothing about where speculation loses
+            changes["categories"] = categories
+        self.tune.update_evidence(**changes)
 
     def ask_overflow(self, count) -> str:
         """"new", "drop" or "cancel" when the conversation no longer fits (a dialog; tests replace it)."""
@@ -587,6 +632,7 @@ class MainWindow(QMainWindow):
 
     def _on_theme_changed(self, _theme: str) -> None:
         self.chat.refresh_theme()
+        self.tune_view.refresh_theme()
         self.charts.refresh_theme()
         self.legend.refresh_palette()
         self.race_view.refresh_theme()
@@ -677,14 +723,25 @@ class MainWindow(QMainWindow):
             if torch is not None and self.info is not None and self.info.device.startswith("cuda"):
                 used = torch.cuda.memory_allocated() / 2**30
                 self.memory_label.setText(f"GPU {used:.2f} GiB")
+                free, total = torch.cuda.mem_get_info()
+                self._note_memory(1 - free / total, total / 2**30)
                 return
             import psutil
 
             rss = psutil.Process().memory_info().rss / 2**30
             self.memory_label.setText(f"RAM {rss:.2f} GiB")
+            machine = psutil.virtual_memory()
+            self._note_memory(machine.percent / 100, machine.total / 2**30)
         except Exception as e:  # a status figure is never worth an error dialog
             log.debug("memory figure unavailable: %s", e)
             self.memory_label.setText("")
+
+    def _note_memory(self, used: float, total_gib: float) -> None:
+        # Only a change of diagnosis is worth re-running the rules every two seconds.
+        full = used >= 0.9
+        if full != getattr(self, "_memory_full", False):
+            self._memory_full = full
+            self.tune.update_evidence(memory_used=used, memory_total_gib=total_gib)
 
     def _show_costs(self, info: ModelInfo | None, summary: Summary | None, proposer: str = "draft") -> None:
         short, full = cost_verdict(info, summary, proposer)

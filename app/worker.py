@@ -110,6 +110,10 @@ class EngineWorker(QObject):
     steps = Signal(int, object)  # request_id, tuple[Step, ...] in order
     generation_finished = Signal(int, object)  # request_id, Summary
     generation_failed = Signal(int, str)  # request_id, one-line message
+    sweep_requested = Signal(object)  # SweepJob (UI -> worker)
+    sweep_progress = Signal(int, int, object)  # done, total, the RunRecord just measured
+    sweep_finished = Signal(object)  # list[RunRecord]: every run measured (all of them, or up to a stop)
+    sweep_failed = Signal(str)  # one-line message; the runs measured before it are lost
     train_requested = Signal(object)  # TrainRequest (UI -> worker)
     training_started = Signal(int)  # request_id
     training_progress = Signal(int, object)  # request_id, engine.types.TrainingProgress
@@ -126,10 +130,12 @@ class EngineWorker(QObject):
         self._flush_interval_s = flush_interval_s
         self.engine: EngineLike | None = None
         self.stop_event = threading.Event()  # set from the UI thread; checked between steps
+        self.sweep_stop = threading.Event()  # set from the UI thread; checked between a sweep's runs
         self._cancel_upto = 0  # requests with an id <= this are cancelled (even before they start)
         self._closing = threading.Event()
         self.load_requested.connect(self._on_load_requested, Qt.ConnectionType.QueuedConnection)
         self.generate_requested.connect(self._on_generate_requested, Qt.ConnectionType.QueuedConnection)
+        self.sweep_requested.connect(self._on_sweep_requested, Qt.ConnectionType.QueuedConnection)
         self.train_requested.connect(self._on_train_requested, Qt.ConnectionType.QueuedConnection)
 
     # --- called from the UI thread -------------------------------------------------------------
@@ -139,6 +145,10 @@ class EngineWorker(QObject):
         self._cancel_upto = max(self._cancel_upto, request_id)
         self.stop_event.set()
 
+    def stop_sweep(self) -> None:
+        """Ends the sweep after its run in progress; safe from any thread."""
+        self.sweep_stop.set()
+
     def cancel_training(self) -> None:
         """Stops a training at its next step; it still exports what it has (safe from any thread)."""
         self.train_cancel.set()
@@ -147,6 +157,7 @@ class EngineWorker(QObject):
         """Makes the current generation, training and any load stop at their next checkpoint."""
         self._closing.set()
         self.stop_event.set()
+        self.sweep_stop.set()
         self.train_cancel.set()
 
     # --- slots (worker thread) -----------------------------------------------------------------
@@ -225,6 +236,25 @@ class EngineWorker(QObject):
             return
         self.generation_finished.emit(rid, summary)
 
+
+    @Slot(object)
+    def _on_sweep_requested(self, job: Any) -> None:
+        """Runs a sweep (engine.measure.sweep.run_sweep) on the resident engine; one terminal signal."""
+        from engine.measure.sweep import run_sweep
+
+        self.sweep_stop.clear()
+        if self.engine is None:
+            self.sweep_failed.emit("No model is loaded yet; wait for loading to finish or load models.")
+            return
+        try:
+            records = run_sweep(self.engine, job.prompts, job.configs, make_request=job.make_request,  # type: ignore[arg-type]
+                                max_new_tokens=job.max_new_tokens, repeat=job.repeat,
+                                progress=lambda done, total, record: self.sweep_progress.emit(done, total, record),
+                                cancel=self.sweep_stop)
+        except Exception as e:
+            self.sweep_failed.emit(_generation_error_message(e))
+            return
+        self.sweep_finished.emit(records)
 
     @Slot(object)
     def _on_train_requested(self, request: TrainRequest) -> None:

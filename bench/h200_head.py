@@ -131,7 +131,7 @@ def main() -> int:
         ctx = BenchContext(state["pair"], engine,
                            make_request=lambda prompt, mode, max_new: request(prompt, mode, max_new, temperature, k),
                            reload_pair=lambda: state["pair"])
-        result = run_bench(ctx, prompts, modes, max_new_tokens=args.max_new_tokens, warmup=1, k=k, proposer="head")
+        result = run_bench(ctx, prompts, modes, max_new_tokens=args.max_new_tokens, warmup=1, proposer="head")
         print(format_table(result.summary, result.modes))
         return {"summary": result.summary, "wall_s": result.wall_s,
                 "runs": [{**asdict(r), "token_ids": list(r.token_ids)} for r in result.runs]}

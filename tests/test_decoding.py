@@ -10,6 +10,7 @@ from scipy import stats as scipy_stats
 
 from engine.decoding.sampling import accept_draft, process
 from engine.errors import GenerationError
+from engine.limits import K_MAX
 from engine.types import GenerationRequest, Message, Sampling
 from tests.engine_fixtures import tiny_engine
 
@@ -218,7 +219,7 @@ def test_stop_string_ends_generation_and_is_not_in_the_text(engine):
 
 @pytest.mark.parametrize(
     "kw",
-    [dict(k=0), dict(max_new_tokens=0), dict(sampling=Sampling(top_p=0.0)), dict(prompt="")],
+    [dict(k=-1), dict(k=13), dict(max_new_tokens=0), dict(sampling=Sampling(top_p=0.0)), dict(prompt="")],
 )
 def test_bad_requests_fail_before_decoding(engine, kw):
     args = dict(prompt="hello", mode="speculative", k=3, max_new_tokens=5)
@@ -313,15 +314,18 @@ def test_queueing_the_next_round_ahead_changes_nothing(engine, kw):
         engine.eos_ids = saved
 
 
-def test_measured_costs_cover_the_verify_widths_and_leave_the_caches(engine):
+def test_measured_costs_cover_every_verify_width_and_each_proposer_and_leave_the_caches(engine):
     engine.target_runner.reset()
     engine.target_runner.forward(torch.tensor([5, 6, 7]))
     saved = engine.info
     try:
         engine.measure_costs(rounds=2)
         widths = [w for w, _ in engine.info.target_ms]
-        assert widths == [1, 2, 3, 4, 5, 6] and all(ms > 0 for _, ms in engine.info.target_ms)
-        assert engine.info.draft_ms > 0
+        assert widths == list(range(1, K_MAX + 2)) and all(ms > 0 for _, ms in engine.info.target_ms)
+        costs = {c.source: c for c in engine.info.proposer_costs}
+        assert set(costs) == {"draft", "ngram"}
+        assert costs["draft"].per_token_ms > 0 and engine.info.draft_ms == costs["draft"].per_token_ms
+        assert engine.info.measure_s > 0
         assert engine.target_runner.length == 3  # measured past the cached tokens, then rolled back
     finally:
         engine.info = saved

@@ -101,7 +101,8 @@ def test_settings_are_validated_and_clamped():
     s = GenerationSettings.from_dict({"seed": 3_000_000_000, "k": 400, "temperature": float("nan"),
                                       "top_p": "x", "mode": "weird", "max_new_tokens": -5, "top_k": 2.5})
     assert s.seed == 2**31 - 1 and s.k == 12 and s.temperature == 0.0 and s.top_p == 1.0
-    assert s.mode == "speculative" and s.max_new_tokens == 1 and s.top_k == 0
+    assert s.mode == "auto" and s.max_new_tokens == 1 and s.top_k == 0  # the default mode: auto
+    assert GenerationSettings.from_dict({"k": -3}).k == 0  # K auto is the lowest K
     assert GenerationSettings.from_dict({"seed": float("inf")}).seed == 0
     sel = ModelSelection.from_dict({"target": {"kind": "nonsense", "value": 3}, "draft": "x", "device": "tpu",
                                     "dtype": 7, "no_draft": "yes"})

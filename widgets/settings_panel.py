@@ -63,7 +63,9 @@ class SettingsPanel(QWidget):
         self.mode = QComboBox(decoding)
         for mode in MODES:
             self.mode.addItem(mode.capitalize(), mode)
-        self.mode.setToolTip("Speculative: a draft proposes K tokens, the target verifies them in one forward.\n"
+        self.mode.setToolTip("Auto: speculative decoding that chooses K and the proposer per step from measured costs\n"
+                             "and acceptance, and decodes standard steps where drafting would lose.\n"
+                             "Speculative: a draft proposes K tokens, the target verifies them in one forward.\n"
                              "Standard: the target alone, one token per forward.")
         form.addRow("Mode", self.mode)
         self.proposer = QComboBox(decoding)
@@ -73,7 +75,8 @@ class SettingsPanel(QWidget):
         form.addRow("Proposer", self.proposer)
         self.k = QSpinBox(decoding)
         self.k.setRange(*K_RANGE)
-        self.k.setToolTip("Draft tokens proposed per step (K).")
+        self.k.setSpecialValueText("auto")  # K_AUTO (0): chosen per step
+        self.k.setToolTip("Draft tokens proposed per step (K); auto chooses K per step (0 = a standard step).")
         form.addRow("Draft length K", self.k)
         outer.addWidget(decoding)
 
@@ -216,9 +219,9 @@ class SettingsPanel(QWidget):
     # --- internals ------------------------------------------------------------------------------
 
     def _update_enabled(self) -> None:
-        speculative = self.mode.currentData() == "speculative"
-        self.proposer.setEnabled(speculative)
-        self.k.setEnabled(speculative)
+        mode = self.mode.currentData()
+        self.proposer.setEnabled(mode != "standard")
+        self.k.setEnabled(mode == "speculative")  # auto mode always chooses K per step
         sampled = self.temperature.value() > 0
         for w in (self.top_k, self.top_p, self.seed):
             w.setEnabled(sampled)

@@ -1,8 +1,9 @@
 """The draft-head proposer: drafts from the target's own hidden states, one cheap layer per token.
 
-Every round first catches the head up on the rows the target verified last round (their hidden
-states, which the verify pass left in the target runner's `hidden`, and the tokens committed
-after them): no extra target forward. The last of those rows drafts token 1; K-1 chain steps
+Every round first catches the head up on the rows the target verified since it last drafted (their
+hidden states, which each verify pass leaves in the target runner's `hidden`, copied at commit, and
+the tokens committed after them): no extra target forward. Rounds it did not draft (a standard
+round, another proposer's) add their rows to the catch-up, so K = 0 rounds cost the head nothing. The last of those rows drafts token 1; K-1 chain steps
 draft the rest. Greedy drafts never leave the device (argmax, shown probability and the next
 input are written by the step itself, inside its CUDA graph); sampled drafts draw from the
 head's processed distribution over its reduced vocabulary, mapped back to target ids, which
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.decoding.proposers import Proposal
+from engine.decoding.proposers import Offer, Proposal
 from engine.decoding.sampling import draw, process
 from engine.heads.runner import HeadRunner
 from engine.runners import Runner, ids_tensor
@@ -21,6 +22,10 @@ from engine.types import Sampling
 
 class HeadProposer:
     """Proposer over a HeadRunner; reads the target runner's hidden rows after each verify."""
+
+    # It reads the target's rows of every round at commit: the loop must not queue the next round
+    # (which overwrites them) before this one is committed (ProposerSet.queue_standard).
+    reads_target = True
 
     def __init__(self, head: HeadRunner, target: Runner, sampling: Sampling, vocab: int,
                  generator: torch.Generator | None) -> None:
@@ -37,8 +42,13 @@ class HeadProposer:
     def start(self, prompt: list[int]) -> None:
         self.head.reset()
         # The loop prefilled prompt[:-1]: rows for those positions, each followed by the next prompt token.
-        self.rows = self.target.hidden if len(prompt) > 1 else None
+        # A copy: the first round (a standard one, say) writes the runner's rows before the head reads them.
+        self.rows = self.target.hidden[: len(prompt) - 1].clone() if len(prompt) > 1 else None
         self.next_ids = prompt[1:]
+
+    def offer(self, k: int) -> Offer:
+        # Nothing to read yet (a one-token prompt): it cannot draft until a round has left rows.
+        return Offer("head", k if self.rows is not None else 0)
 
     def propose(self, k: int) -> Proposal:
         head = self.head
@@ -73,6 +83,12 @@ class HeadProposer:
 
     def commit(self, proposal: Proposal, accepted: int, new_tokens: list[int]) -> None:
         # The verify fed [pending, drafts...]; its first len(new_tokens) rows are committed positions,
-        # each followed by the committed token at the same index. The next proposal reads them.
-        self.rows = self.target.hidden
-        self.next_ids = list(new_tokens)
+        # each followed by the committed token at the same index. The next proposal reads them, after
+        # any rows of rounds it did not draft (copied: the next round overwrites the runner's rows).
+        rows = self.target.hidden[: len(new_tokens)]  # [n, F]
+        if self.rows is not None and self.next_ids:
+            self.rows = torch.cat([self.rows[: len(self.next_ids)], rows])
+            self.next_ids += new_tokens
+        else:
+            self.rows = rows.clone()
+            self.next_ids = list(new_tokens)

@@ -18,9 +18,17 @@ from engine.heads import data as D
 from engine.heads.config import HeadConfig, feature_layers
 from engine.heads.model import DraftHead
 from engine.heads.shards import save_head
-from engine.heads.train import (Sequence, StepStats, Teacher, batches, collate, expected_tokens, greedy_acceptance,
-                                head_loss, lr_at)
-
+from engine.heads.train import (
+    Sequence,
+    StepStats,
+    Teacher,
+    batches,
+    collate,
+    expected_tokens,
+    greedy_acceptance,
+    head_loss,
+    lr_at,
+)
 
 log = logging.getLogger(__name__)
 

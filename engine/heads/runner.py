@@ -20,9 +20,9 @@ import torch
 import torch.nn.functional as F
 
 from engine.errors import GenerationError
-from engine.runners.lean import CACHE_ALIGN, PREFILL_CHUNK
-from engine.runners.graphs import kv_buckets
 from engine.heads.model import DraftHead, rope
+from engine.runners.graphs import kv_buckets
+from engine.runners.lean import CACHE_ALIGN, PREFILL_CHUNK
 
 log = logging.getLogger(__name__)
 
