@@ -58,7 +58,7 @@ def part_a(args, results: qc.Results, texts: list[str], reference: dict) -> None
             measure_costs = Engine.measure_costs
             Engine.measure_costs = lambda self, *a, **k: None  # seconds per int8 run; part B measures them
             try:
-                engine = Engine.from_pair(pair)
+                engine = Engine.from_pair(pair, head=None)
             finally:
                 Engine.measure_costs = measure_costs
             out = qc.run_prompts(engine, texts, args.max_new_tokens)
@@ -116,7 +116,7 @@ def part_b(args, results: qc.Results, texts: list[str]) -> None:
                                  draft_precision="bfloat16")
                 pair = LoadedPair(target, draft, tokenizer, info, vocab, plan)
                 qc.reset_peaks()  # building random weights is not loading: the peak starts here
-                engine = Engine.from_pair(pair)
+                engine = Engine.from_pair(pair, head=None)
                 out = qc.run_prompts(engine, texts[:2], args.max_new_tokens)
                 rows = qc.compare_plan(plan, measure(args.device)) if args.device != "cpu" else []
                 print(f"    {engine.info.fast_path} ({engine.info.fast_path_note or 'graphs for both'})\n"

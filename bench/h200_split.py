@@ -101,7 +101,8 @@ def part_b(args, results: qc.Results, texts: list[str]) -> None:
                          fast_path="eager", vocab_size=vocab,
                          devices=tuple(dict.fromkeys(d.device for d in plan.devices)))
         qc.reset_peaks()  # building random weights is not loading: peaks count from here
-        return Engine.from_pair(LoadedPair(target, draft, tokenizer, info, vocab, plan), fast_path=fast_path)
+        return Engine.from_pair(LoadedPair(target, draft, tokenizer, info, vocab, plan), fast_path=fast_path,
+                               head=None)
 
     def split() -> dict:
         plan = plan_for(args.gpus)
