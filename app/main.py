@@ -11,13 +11,13 @@ from engine.settings import PRECISIONS, ModelChoice, ModelSelection
 
 log = logging.getLogger(__name__)
 
-HEADLESS_COMMANDS = ("generate", "bench", "sweep", "plan")
+HEADLESS_COMMANDS = ("generate", "bench", "sweep", "distill", "plan")
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="specdec-studio",
-        description="Watch speculative decoding work. Headless: specdec-studio generate|bench|sweep|plan --help.",
+        description="Watch speculative decoding work. Headless: specdec-studio generate|bench|sweep|distill|plan --help.",
     )
     p.add_argument("--target", default=None, help="model folder, .gguf file or hub id (default: the packaged pair)")
     p.add_argument("--draft", default=None, help="model folder, .gguf file or hub id (default: the packaged pair)")

@@ -635,6 +635,17 @@ def test_main_delegates_headless_commands_to_the_cli(monkeypatch):
     assert seen == [["generate", "--prompt", "hi"], ["bench", "--help"]]
 
 
+def test_every_cli_command_runs_headless():
+    """`specdec-studio distill` (and any command added later) must reach the CLI, not the window's parser."""
+    import argparse
+
+    from app.cli import build_parser
+    from app.main import HEADLESS_COMMANDS
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    assert set(sub.choices) == set(HEADLESS_COMMANDS)
+
+
 def test_worker_signals_are_declared_as_designed():
     names = {"load_requested", "generate_requested", "load_progress", "load_finished", "load_failed",
              "generation_started", "steps", "generation_finished", "generation_failed"}
