@@ -721,10 +721,13 @@ class MainWindow(QMainWindow):
         torch = sys.modules.get("torch")
         try:
             if torch is not None and self.info is not None and self.info.device.startswith("cuda"):
-                used = torch.cuda.memory_allocated() / 2**30
-                self.memory_label.setText(f"GPU {used:.2f} GiB")
-                free, total = torch.cuda.mem_get_info()
-                self._note_memory(1 - free / total, total / 2**30)
+                # Every GPU of a split target (or cuda:1 alone), not whichever device is current.
+                devices = self.info.devices or (self.info.device,)
+                used = [torch.cuda.memory_allocated(d) / 2**30 for d in devices]
+                self.memory_label.setText(f"GPU {used[0]:.2f} GiB" if len(used) == 1 else
+                                          "GPUs " + " + ".join(f"{u:.2f}" for u in used) + " GiB")
+                fullest = min((torch.cuda.mem_get_info(d) for d in devices), key=lambda ft: ft[0] / ft[1])
+                self._note_memory(1 - fullest[0] / fullest[1], fullest[1] / 2**30)
                 return
             import psutil
 
