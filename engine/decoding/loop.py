@@ -15,7 +15,7 @@ from engine.decoding.detok import Detokenizer
 from engine.decoding.head import HeadProposer
 from engine.decoding.proposers import DraftModelProposer, Proposal, Proposer, ProposerSet
 from engine.decoding.sampling import accept_draft, display_probs, draw, process
-from engine.errors import GenerationError
+from engine.errors import GenerationError, IncompatibleModelsError
 from engine.heads.model import DraftHead
 from engine.heads.runner import HeadRunner
 from engine.limits import K_AUTO, K_MAX, widest_draft
@@ -124,6 +124,12 @@ class Engine:
         context = pair.plan.context if pair.plan is not None else None
         on_cpu = pair.target.device.type == "cpu"
         quantized = [m for m in (pair.target, pair.draft) if m is not None and quantized_kind(m)]
+        if len(pair.info.devices) > 1 and head is not None and str(head) not in ("auto", "none"):
+            # The head reads the target's input embeddings (first GPU) and output rows (last GPU) at once.
+            raise IncompatibleModelsError("A draft head needs the target on one GPU; this target is split over "
+                                          f"{', '.join(pair.info.devices)}. Load it without a head, or on one GPU.")
+        if len(pair.info.devices) > 1:
+            head = None  # "auto" too: a shipped head is skipped rather than failing the load
         # Before packing: the head gathers its output rows from the target's own output head.
         found = resolve_head(pair.target, head)
         layers = found[0].config.feature_layers if found else ()
