@@ -1,4 +1,5 @@
-"""Headless command line: `generate` streams one answer, `bench` measures, `sweep` tunes, `distill` trains a head."""
+"""Headless command line: `generate` streams one answer, `bench` measures, `sweep` tunes, `distill` trains a head,
+`plan` sizes memory."""
 from __future__ import annotations
 
 import argparse
@@ -14,7 +15,7 @@ from typing import TYPE_CHECKING, Any, NoReturn, TextIO
 from app import cli_options as opt
 from app.export import cell
 from app.session import build_request
-from engine.errors import EngineError
+from engine.errors import EngineError, ModelWontFitError
 from engine.limits import DEFAULT_K, K_AUTO, K_MAX, MAX_NEW_TOKENS
 from engine.measure.bench import MODE_RUNNERS
 from engine.settings import GenerationSettings
@@ -22,7 +23,8 @@ from engine.types import MODES, PROPOSERS, GenerationRequest, Message, Summary
 
 if TYPE_CHECKING:  # heavy imports (torch, transformers) wait until a command really runs
     from engine.decoding import Engine
-    from engine.models.store import LoadedPair, LoadProgress
+    from engine.models.loader import LoadedPair
+    from engine.models.store import LoadProgress
 
 PROG = "specdec-studio"
 log = logging.getLogger(__name__)
@@ -37,19 +39,53 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         if message.endswith("required: command"):
-            message = "a command is needed: generate, bench, sweep, distill or cache (see --help)"
+            message = "a command is needed: generate, bench, sweep, distill, cache or plan (see --help)"
         raise CliError(message)
 
 
-def _add_model_args(p: argparse.ArgumentParser, decoding: bool = True) -> None:
-    g = p.add_argument_group("models")
+def _positive_int(text: str) -> int:
+    return opt.whole(text, 1, 2**31 - 1, "this value")
+
+
+PRECISION_CHOICES = ["auto", "bfloat16", "float16", "float32", "int8", "nf4"]
+
+
+def _memory(text: str) -> int:
+    from engine.models.plan import parse_size
+
+    try:
+        return parse_size(opt.utf8(text, "a memory size"))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _add_pair_args(g: argparse._ArgumentGroup) -> None:
+    """What a pair is and how it is placed: shared by generate, bench, sweep and plan."""
     g.add_argument("--target", default=None, type=opt.model_spec,
                    help="model folder, .gguf file or hub id (default: packaged Qwen2.5-Coder-1.5B-Instruct)")
     g.add_argument("--draft", default=None, type=opt.model_spec,
                    help="model folder, .gguf file or hub id (default: packaged Qwen2.5-Coder-0.5B-Instruct)")
+    g.add_argument("--preset", default=None, type=opt.model_spec,
+                   help="a named pair instead of --target/--draft (specdec-studio plan --presets lists them)")
     g.add_argument("--device", default="auto", type=opt.device, help="auto, cpu, cuda or cuda:N (default: auto)")
     g.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
-                   help="auto: bf16 on CUDA and on CPUs with native bf16, else float32")
+                   help="float dtype of both models (auto: bf16 on CUDA and on CPUs with native bf16, else float32)")
+    g.add_argument("--target-quant", "--target-dtype", dest="target_dtype", default="auto", choices=PRECISION_CHOICES,
+                   help="the target's precision: int8 / nf4 (bitsandbytes) or a float dtype (default: --dtype)")
+    g.add_argument("--draft-quant", "--draft-dtype", dest="draft_dtype", default="auto", choices=PRECISION_CHOICES,
+                   help="the draft's precision, as --target-quant")
+    g.add_argument("--context", type=_positive_int, default=None,
+                   help="positions each KV cache holds (default: 8192, or the model's own limit if smaller)")
+    g.add_argument("--gpus", type=_positive_int, default=None,
+                   help="GPUs to split the target over (default: one, or as many as the memory plan needs)")
+    g.add_argument("--memory", type=_memory, default=None,
+                   help="memory per device instead of what is free, e.g. 24GiB (GiB binary, GB decimal)")
+
+
+def _add_model_args(p: argparse.ArgumentParser, decoding: bool = True) -> None:
+    g = p.add_argument_group("models")
+    _add_pair_args(g)
+    g.add_argument("--force", action="store_true", help="load even when the memory plan says it will not fit")
     g.add_argument("--head", default="auto", type=opt.head,
                    help="draft head folder for --proposer head; auto: the shipped head trained for this target "
                         "(if any); none: no head")
@@ -136,6 +172,15 @@ def build_parser() -> argparse.ArgumentParser:
                             "verify: hash every converted file (damaged models are removed and converted again)")
     cache.add_argument("--all", action="store_true", help="clean: converted models too (converted again on next use)")
     cache.add_argument("-v", "--verbose", action="store_true", help="log what the cache does (stderr)")
+
+    plan = sub.add_parser("plan", help="the memory plan of a pair: what it needs on each device, whether it fits")
+    g = plan.add_argument_group("models")
+    _add_pair_args(g)
+    g.add_argument("--no-draft", action="store_true", help="plan the target alone")
+    plan.add_argument("--presets", action="store_true",
+                      help="list every preset with its plan at 24, 48 and 80 GiB (or --memory)")
+    plan.add_argument("--json", action="store_true", help="print the plan as JSON")
+    plan.add_argument("-v", "--verbose", action="store_true", help="log what the planner reads (stderr)")
     return parser
 
 
@@ -169,17 +214,38 @@ class _LoadReporter:
             print(f"{PROG}: {p.message}", file=self.stream, flush=True)
 
 
+def _pair_specs(args: argparse.Namespace) -> tuple[str | None, str | None]:
+    """--target/--draft, or a preset's pair."""
+    if args.preset is None:
+        return args.target, args.draft
+    if args.target is not None or args.draft is not None:
+        raise CliError("give either --preset or --target/--draft, not both")
+    from engine.models.presets import preset
+
+    p = preset(args.preset)
+    return p.target.spec, p.draft.spec
+
+
 def _load(args: argparse.Namespace, needs_draft: bool) -> tuple[LoadedPair, Engine]:
     from engine.decoding import Engine
-    from engine.models.store import load_pair
 
     reporter = _LoadReporter(sys.stderr, args.verbose)
     compile_k = getattr(args, "k", DEFAULT_K) or DEFAULT_K  # K auto: compile the default K's widths
     head = None if args.head == "none" else args.head
-    pair = load_pair(args.target, args.draft, device=args.device, dtype=args.dtype,
-                     progress=reporter, with_draft=needs_draft, pack_cpu=args.fast_path in ("auto", "static"),
-                     head=head)
+    pair = _load_pair(args, needs_draft, reporter, pack_cpu=args.fast_path in ("auto", "static"), head=head)
     return pair, Engine.from_pair(pair, fast_path=args.fast_path, progress=reporter, compile_k=compile_k, head=head)
+
+
+def _load_pair(args: argparse.Namespace, needs_draft: bool, progress=None, *, pack_cpu: bool = False,
+               head: str | None = "auto") -> LoadedPair:
+    """pack_cpu / head: see load_pair (the engine's own pair packs while loading; hf baselines do not)."""
+    from engine.models.loader import load_pair
+
+    target, draft = _pair_specs(args)
+    return load_pair(target, draft, device=args.device, dtype=args.dtype, target_dtype=args.target_dtype,
+                     draft_dtype=args.draft_dtype, progress=progress, with_draft=needs_draft,
+                     context=args.context, gpus=args.gpus, memory=args.memory, force=args.force,
+                     pack_cpu=pack_cpu, head=head)
 
 
 def _settings(args: argparse.Namespace, mode: str, max_new_tokens: int) -> GenerationSettings:
@@ -214,7 +280,10 @@ def _environment(engine: Engine) -> dict[str, Any]:
 def _model_config(engine: Engine, args: argparse.Namespace) -> dict[str, Any]:
     info = engine.info
     return {"target": info.target_name, "draft": info.draft_name, "device": info.device, "dtype": info.dtype,
-            "fast_path": info.fast_path, "vocab_size": info.vocab_size, "k": "auto" if args.k == K_AUTO else args.k,
+            "target_precision": info.target_precision or info.dtype, "draft_precision": info.draft_precision or None,
+            "devices": list(info.devices), "context": args.context, "fast_path": info.fast_path,
+            "fast_path_note": info.fast_path_note, "vocab_size": info.vocab_size,
+            "k": "auto" if args.k == K_AUTO else args.k,
             "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed,
             "max_new_tokens": args.max_new_tokens, "proposer": args.proposer, "raw": args.raw}
 
@@ -241,7 +310,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     else:
         sys.stdout.write("\n")
         info = engine.info
-        print(f"{_summary_line(summary)}; {info.device}, {info.dtype}, {info.fast_path}", file=sys.stderr)
+        print(f"{_summary_line(summary)}; {info.device}, {_precisions(info)}, {info.fast_path}", file=sys.stderr)
+        if info.fast_path_note:
+            print(f"{PROG}: {info.fast_path_note}", file=sys.stderr)
     return 0
 
 
@@ -273,8 +344,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
         result_json,
         run_bench,
     )
-    from engine.models.store import load_pair
-
     # Cheap checks first: a typo in a file name should not cost a model load.
     prompts = read_prompts(args.prompts)
     modes = parse_modes(args.modes)
@@ -293,8 +362,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     ctx = BenchContext(
         pair, engine,
         make_request=lambda prompt, mode, max_new: _request(args, prompt, mode, max_new),
-        reload_pair=lambda: load_pair(args.target, args.draft, device=args.device, dtype=args.dtype,
-                                      with_draft=needs_draft),
+        reload_pair=lambda: _load_pair(args, needs_draft),
     )
     total = len(prompts) * len(modes) * args.repeat
     with tqdm(total=total, file=sys.stderr, desc="bench", unit="run", disable=None) as bar:
@@ -322,7 +390,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(table)
         raise CliError(f"cannot write results: {e.strerror or e} ({e.filename})") from None
     print(f"{engine.info.target_name} / {engine.info.draft_name or '-'} on {engine.info.device} "
-          f"({engine.info.dtype}, {engine.info.fast_path}), {len(prompts)} prompts, k={args.k or 'auto'}, "
+          f"({_precisions(engine.info)}, {engine.info.fast_path}), {len(prompts)} prompts, k={args.k or 'auto'}, "
           f"temperature={args.temperature}, max_new_tokens={args.max_new_tokens}")
     print(table)
     return 0
@@ -335,6 +403,12 @@ def _diagnose(engine: Engine, args: argparse.Namespace, summary: dict[str, Any])
 
     evidence = from_bench(summary, engine.info, k=args.k, temperature=args.temperature, proposer=args.proposer)
     return [" ".join(describe_diagnosis(d)) for d in diagnose(evidence)]
+
+
+def _precisions(info) -> str:
+    target = info.target_precision or info.dtype
+    draft = info.draft_precision or info.dtype
+    return target if not info.draft_name or draft == target else f"target {target}, draft {draft}"
 
 
 # --------------------------------------------------------------------------- entry point
@@ -373,10 +447,17 @@ def main(argv: list[str] | None = None) -> int:
         from app.cli_sweep import cmd_sweep as command
     elif args.command == "distill":
         from app.cli_distill import cmd_distill as command
+    elif args.command == "plan":
+        from app.cli_plan import cmd_plan as command
     else:
         command = {"generate": cmd_generate, "bench": cmd_bench}[args.command]
     try:
         return command(args)
+    except ModelWontFitError as e:
+        from engine.models.plan import format_plan
+
+        print(format_plan(e.plan), file=sys.stderr)  # type: ignore[arg-type]  # a MemoryPlan
+        return _fail(f"{e} (--force loads it anyway)")
     except (CliError, EngineError) as e:
         return _fail(str(e))
     except torch.OutOfMemoryError:

@@ -7,24 +7,29 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from engine.settings import ModelChoice, ModelSelection
+from engine.settings import PRECISIONS, ModelChoice, ModelSelection
 
 log = logging.getLogger(__name__)
 
-HEADLESS_COMMANDS = ("generate", "bench", "sweep", "distill", "cache")
+HEADLESS_COMMANDS = ("generate", "bench", "sweep", "distill", "cache", "plan")
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="specdec-studio",
-        description="Watch speculative decoding work. Headless: specdec-studio generate|bench|sweep|distill|cache --help.",
+        description="Watch speculative decoding work. Headless: specdec-studio generate|bench|sweep|distill|cache|plan --help.",
     )
     p.add_argument("--target", default=None, help="model folder, .gguf file or hub id (default: the packaged pair)")
     p.add_argument("--draft", default=None, help="model folder, .gguf file or hub id (default: the packaged pair)")
     p.add_argument("--no-draft", action="store_true", help="load the target only (n-gram or standard decoding)")
     p.add_argument("--device", default=None, help="auto, cpu, cuda or cuda:N (default: last used, else auto)")
     p.add_argument("--dtype", default=None, choices=["auto", "bfloat16", "float16", "float32"],
-                   help="model precision (default: last used, else auto)")
+                   help="float dtype of both models (default: last used, else auto)")
+    p.add_argument("--target-quant", "--target-dtype", dest="target_dtype", default=None, choices=PRECISIONS,
+                   help="the target's precision: int8 / nf4 (bitsandbytes) or a float dtype (default: last used)")
+    p.add_argument("--draft-quant", "--draft-dtype", dest="draft_dtype", default=None, choices=PRECISIONS,
+                   help="the draft's precision (default: last used)")
+    p.add_argument("--context", type=int, default=None, help="positions each KV cache holds (default: last used)")
     p.add_argument("--demo", action="store_true", help="no models: a scripted engine streams a sample answer")
     p.add_argument("--settings", default=None, help="use this .ini file for settings instead of the user's")
     p.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
@@ -41,6 +46,9 @@ def _selection_from_args(args: argparse.Namespace, saved: ModelSelection) -> Mod
         device=args.device or saved.device,
         dtype=args.dtype or saved.dtype,
         no_draft=args.no_draft or (saved.no_draft and args.draft is None),
+        target_precision=args.target_dtype or saved.target_precision,
+        draft_precision=args.draft_dtype or saved.draft_precision,
+        context=saved.context if args.context is None else max(0, args.context),
     )
 
 

@@ -15,7 +15,7 @@ from app.export import AnswerRecord, now_iso
 from engine.limits import K_AUTO
 from engine.measure.costmodel import CostModel, estimate_alpha
 from engine.settings import GenerationSettings, ModelSelection
-from engine.types import GenerationRequest, Message, ModelInfo, Sampling, Step, Summary
+from engine.types import GenerationRequest, MemoryPlan, Message, ModelInfo, Sampling, Step, Summary
 
 PROPOSER_LABELS = {"draft": "draft", "ngram": "n-gram", "draft+ngram": "draft + n-gram", "head": "draft head"}
 
@@ -30,6 +30,11 @@ class LoadRequest:
     dtype: str = "auto"  # auto / bfloat16 / float16 / float32
     with_draft: bool = True  # False: target only (n-gram proposer or standard decoding)
     fast_path: str = "auto"  # auto / eager / static / compiled, passed to Engine.from_pair
+    target_dtype: str = "auto"  # the target's precision: auto / a float dtype / int8 / nf4
+    draft_dtype: str = "auto"  # the draft's precision
+    context: int | None = None  # positions each KV cache holds (None: the default)
+    force: bool = False  # load even when the memory plan says it will not fit (a person said so)
+    memory: int | None = None  # memory budget per device in bytes (None: what the device has free)
 
 
 @dataclass(frozen=True)
@@ -44,7 +49,7 @@ class TrainRequest:
     out: str  # folder for the head; its work folder (data, checkpoints, log) is out/work
 
 
-def load_request_for(selection: ModelSelection) -> LoadRequest:
+def load_request_for(selection: ModelSelection, *, force: bool = False) -> LoadRequest:
     """The one conversion from what the Models dialog (or the command line) chose to a load."""
     return LoadRequest(
         target=selection.target.spec(),
@@ -52,7 +57,38 @@ def load_request_for(selection: ModelSelection) -> LoadRequest:
         device=selection.device,
         dtype=selection.dtype,
         with_draft=not selection.no_draft,
+        target_dtype=selection.target_precision,
+        draft_dtype=selection.draft_precision,
+        context=selection.context or None,
+        force=force,
+        memory=int(selection.memory_gib * 2**30) or None,
     )
+
+
+def plan_for(selection: ModelSelection) -> MemoryPlan:
+    """The memory plan of what the Models dialog shows (configs and headers only; raises EngineError)."""
+    from engine.models.planner import plan_pair
+
+    return plan_pair(selection.target.spec(), None if selection.no_draft else selection.draft.spec(),
+                     with_draft=not selection.no_draft, device=selection.device, dtype=selection.dtype,
+                     target_precision=selection.target_precision, draft_precision=selection.draft_precision,
+                     context=selection.context or None, memory=int(selection.memory_gib * 2**30) or None)
+
+
+def device_line(info: ModelInfo) -> str:
+    """The status bar's device part: where, in what precision, which runner, and what runs without graphs."""
+    where = " + ".join(info.devices) if info.devices else info.device
+    target = info.target_precision or info.dtype
+    draft = info.draft_precision or info.dtype
+    precision = target if not info.draft_name or draft == target else f"target {target}, draft {draft}"
+    line = f"{where} · {precision} · {info.fast_path}"
+    eager = [role for role in ("target", "draft") if info.fast_path_note.startswith(role) or f"; {role}:" in
+             info.fast_path_note]
+    if eager:
+        line += f" (no CUDA graphs for the {' and '.join(eager)})"
+    elif info.fast_path_note:
+        line += " (eager)"
+    return line
 
 
 def system_messages(settings: GenerationSettings) -> tuple[Message, ...]:

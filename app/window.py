@@ -34,7 +34,9 @@ from app.session import (
     LoadRequest,
     answer_header,
     cost_verdict,
+    device_line,
     load_request_for,
+    plan_for,
 )
 from app.settings import AppSettings
 from app.training import HeadTrainingController
@@ -337,19 +339,41 @@ class MainWindow(QMainWindow):
 
     # --- models ---------------------------------------------------------------------------------
 
-    def load_models(self, selection: ModelSelection) -> None:
+    def load_models(self, selection: ModelSelection, *, force: bool = False) -> None:
         """Loads in the background; the pair in use keeps answering until the new one is ready."""
         self._loading_selection = selection
         self.load_label.setText("Checking tokenizers…")
         self.load_bar.setValue(0)
         self.load_bar.show()
         self._set_ready_state()
-        self.worker.load_requested.emit(load_request_for(selection))
+        self.worker.load_requested.emit(load_request_for(selection, force=force))
 
     def open_model_dialog(self) -> None:
-        dialog = ModelDialog(self.selection, self)
-        if dialog.exec() == ModelDialog.DialogCode.Accepted:
-            self.load_models(dialog.selection())
+        from engine.models.presets import pair_presets
+
+        dialog = ModelDialog(self.selection, self, planner=plan_for, presets=pair_presets())
+        if dialog.exec() != ModelDialog.DialogCode.Accepted:
+            return
+        selection = dialog.selection()
+        plan = dialog.plan
+        force = False
+        if plan is not None and not plan.fits:
+            force = self._confirm_load_anyway(plan)
+            if not force:
+                return
+        self.load_models(selection, force=force)
+
+    def _confirm_load_anyway(self, plan) -> bool:
+        """Asks before loading what the memory plan says will not fit."""
+        worst = max(plan.devices, key=lambda d: d.total - (d.capacity or 0))
+        change = f"\n\nCheapest change that fits: {plan.suggestion.description}." if plan.suggestion else ""
+        answer = QMessageBox.question(
+            self, "The models will not fit",
+            f"The memory plan needs {worst.total / 2**30:.1f} GiB on {worst.device}, which has "
+            f"{(worst.capacity or 0) / 2**30:.1f} GiB.{change}\n\nLoad anyway? It will probably run out of memory.",
+            QMessageBox.StandardButton.Yes | QMessageBox.StandardButton.No, QMessageBox.StandardButton.No,
+        )
+        return answer == QMessageBox.StandardButton.Yes
 
     def open_train_dialog(self):
         """The "Train a draft head" dialog for the loaded target (None when no target is loaded yet)."""
@@ -401,12 +425,14 @@ class MainWindow(QMainWindow):
         self.load_label.setText("Ready")
         names = info.target_name + (f" + {info.draft_name}" if info.draft_name else " (no draft)")
         self.model_label.setText(names)
-        self.device_label.setText(f"{info.device} · {info.dtype} · {info.fast_path}")
+        self.device_label.setText(device_line(info))
+        self.device_label.setToolTip(info.fast_path_note or "")
         self._show_costs(info, None)
         self.panel.set_draft_available(info.draft_name is not None, head=info.head_name is not None)
         self.context.set_counter(counter_for(self.worker.engine))
         self.guard.update(now=True)
-        self.chat.add_system_note(f"Loaded {names} on {info.device} ({info.dtype}, {info.fast_path}).")
+        note = f" {info.fast_path_note}." if info.fast_path_note else ""
+        self.chat.add_system_note(f"Loaded {names} on {device_line(info)}.{note}")
         self._set_ready_state()
         self._update_memory()
         # torch + transformers + the models are ~10^6 long-lived objects; a full collection walking
@@ -720,10 +746,13 @@ class MainWindow(QMainWindow):
         torch = sys.modules.get("torch")
         try:
             if torch is not None and self.info is not None and self.info.device.startswith("cuda"):
-                used = torch.cuda.memory_allocated() / 2**30
-                self.memory_label.setText(f"GPU {used:.2f} GiB")
-                free, total = torch.cuda.mem_get_info()
-                self._note_memory(1 - free / total, total / 2**30)
+                # Every GPU of a split target (or cuda:1 alone), not whichever device is current.
+                devices = self.info.devices or (self.info.device,)
+                used = [torch.cuda.memory_allocated(d) / 2**30 for d in devices]
+                self.memory_label.setText(f"GPU {used[0]:.2f} GiB" if len(used) == 1 else
+                                          "GPUs " + " + ".join(f"{u:.2f}" for u in used) + " GiB")
+                fullest = min((torch.cuda.mem_get_info(d) for d in devices), key=lambda ft: ft[0] / ft[1])
+                self._note_memory(1 - fullest[0] / fullest[1], fullest[1] / 2**30)
                 return
             import psutil
 

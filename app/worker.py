@@ -63,11 +63,12 @@ class LoadCancelled(Exception):
 def default_engine_factory(request: LoadRequest, progress: ProgressCallback) -> EngineLike:
     """load_pair (tokenizer check first, then weights) and the engine on top of it."""
     from engine.decoding import Engine
-    from engine.models.store import load_pair
+    from engine.models.loader import load_pair
 
     pair = load_pair(request.target, request.draft, device=request.device, dtype=request.dtype,
-                     progress=progress, with_draft=request.with_draft,
-                     pack_cpu=request.fast_path in ("auto", "static"))
+                     target_dtype=request.target_dtype, draft_dtype=request.draft_dtype, progress=progress,
+                     with_draft=request.with_draft, context=request.context, force=request.force,
+                     memory=request.memory, pack_cpu=request.fast_path in ("auto", "static"))
     return Engine.from_pair(pair, fast_path=request.fast_path, progress=progress)
 
 

@@ -70,7 +70,7 @@ def main() -> int:
     from app.session import build_request
     from engine.decoding import Engine
     from engine.measure.bench import BenchContext, format_table, read_prompts, run_bench
-    from engine.models.store import load_pair
+    from engine.models.loader import load_pair
     from engine.settings import GenerationSettings
     from engine.types import Message
 

@@ -49,7 +49,7 @@ def phase_load(args: argparse.Namespace) -> dict:
     import torch
 
     from engine.decoding import Engine
-    from engine.models.store import load_pair
+    from engine.models.loader import load_pair
     from engine.types import GenerationRequest, Message
 
     torch.set_num_threads(args.threads)

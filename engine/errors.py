@@ -14,6 +14,14 @@ class ModelLoadError(EngineError):
     """A model could not be found, verified, converted or loaded."""
 
 
+class ModelWontFitError(ModelLoadError):
+    """The memory plan says the pair will not fit; `plan` (an engine.types.MemoryPlan) says by how much."""
+
+    def __init__(self, message: str, plan: object) -> None:
+        super().__init__(message)
+        self.plan = plan
+
+
 class IncompatibleModelsError(EngineError):
     """Draft and target do not share a tokenizer."""
 

@@ -23,6 +23,10 @@ MAX_PATH_CHARS = 4096  # PATH_MAX on Linux; longer stored "paths" are damage
 SOURCE_KINDS = ("default", "folder", "gguf", "hub")
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
+# One model's precision: a float dtype, or 8-bit / 4-bit weights through bitsandbytes ("auto": DTYPES' choice).
+PRECISIONS = ("auto", "bfloat16", "float16", "float32", "int8", "nf4")
+CONTEXT_RANGE = (0, 1 << 20)  # 0: the default (engine.limits.DEFAULT_MAX_LENGTH, or the model's limit)
+MEMORY_RANGE = (0.0, 4096.0)  # GiB per device; 0: what the device has free
 
 
 def _clamp(value, low, high):
@@ -97,8 +101,12 @@ class ModelSelection:
     target: ModelChoice = ModelChoice()  # the model whose output is produced
     draft: ModelChoice = ModelChoice()  # the proposer model
     device: str = "auto"  # auto / cpu / cuda / cuda:N
-    dtype: str = "auto"  # auto / bfloat16 / float16 / float32
+    dtype: str = "auto"  # auto / bfloat16 / float16 / float32: both models' float dtype
     no_draft: bool = False  # target only: n-gram lookup or standard decoding
+    target_precision: str = "auto"  # PRECISIONS: the target's own precision ("auto": dtype)
+    draft_precision: str = "auto"  # PRECISIONS: the draft's own precision
+    context: int = 0  # positions each KV cache holds; 0: the default
+    memory_gib: float = 0.0  # memory budget per device in GiB; 0: the device's free memory
 
     @classmethod
     def from_dict(cls, raw: dict[str, object]) -> ModelSelection:
@@ -117,7 +125,21 @@ class ModelSelection:
         if not (device in DEVICES or (device.startswith("cuda:") and device[5:].isdigit())):
             device = "auto"
         dtype = selection.dtype if selection.dtype in DTYPES else "auto"
-        return ModelSelection(selection.target, selection.draft, device, dtype, selection.no_draft)
+        precisions = [p if p in PRECISIONS else "auto" for p in (selection.target_precision, selection.draft_precision)]
+        memory = selection.memory_gib if math.isfinite(selection.memory_gib) else 0.0
+        return ModelSelection(selection.target, selection.draft, device, dtype, selection.no_draft,
+                              *precisions, _clamp(selection.context, *CONTEXT_RANGE), _clamp(memory, *MEMORY_RANGE))
+
+
+@dataclass(frozen=True)
+class PairPreset:
+    """A named target/draft pair as the Models dialog offers it (engine.models.presets makes them)."""
+
+    name: str  # what --preset takes, e.g. "qwen3-32b"
+    title: str  # what a menu shows
+    target: ModelChoice  # the target's source
+    draft: ModelChoice  # the draft's source
+    offline: bool  # True when it needs no download (the packaged pair)
 
 
 def _coerce(cls, raw: dict[str, object]) -> dict[str, object]:

@@ -161,6 +161,10 @@ class ModelInfo:
     target_ms: tuple[tuple[int, float], ...] = ()  # measured (width, ms per target forward) at load, widths 1..K_MAX+1
     proposer_costs: tuple[ProposerCost, ...] = ()  # measured at load: what drafting costs, per proposer
     measure_s: float = 0.0  # seconds the cost measurement took at load
+    target_precision: str = ""  # "int8" / "nf4" / a float dtype; "" means `dtype`
+    draft_precision: str = ""  # the same for the draft
+    devices: tuple[str, ...] = ()  # every device holding target weights, when it is split over several
+    fast_path_note: str = ""  # why part of the pair runs without CUDA graphs ("" when nothing to say)
     head_name: str | None = None  # the draft head loaded for this target (None: none fits or none asked)
     head_ms: float = 0.0  # measured ms per draft token of the head at load (0: not measured / no head)
 
@@ -225,3 +229,76 @@ class TrainingProgress:
     # The log line just written, if any: kind "train" (step, loss, acc per draft step), "eval" (step,
     # acceptance per draft position), "data", "vocab", "export" or "call".
     record: dict | None = None
+
+
+# --------------------------------------------------------------------------- memory plans
+# The memory plan is computed by engine.models.plan before any weight loads; views draw it from these.
+
+PlanKind = Literal["weights", "kv", "graphs", "activations", "runtime"]
+
+
+@dataclass(frozen=True)
+class PlanItem:
+    """One line of a device's memory plan."""
+
+    kind: PlanKind  # what the bytes hold
+    model: str  # "target", "draft", or "" for what both share (runtime, activations)
+    label: str  # what a person reads, e.g. "target weights (nf4)"
+    bytes: int  # planned bytes
+
+
+@dataclass(frozen=True)
+class DevicePlan:
+    """What one device will hold at the peak, against what it has."""
+
+    device: str  # "cuda:0", "cuda:1", "cpu"
+    items: tuple[PlanItem, ...]  # the planned lines, weights first
+    capacity: int | None  # bytes this process may use there; None when unknown
+    capacity_source: str  # "free memory", "given", "RAM available" or "unknown"
+
+    @property
+    def total(self) -> int:
+        return sum(i.bytes for i in self.items)
+
+    @property
+    def fits(self) -> bool:
+        return self.capacity is None or self.total <= self.capacity
+
+
+@dataclass(frozen=True)
+class PlanChange:
+    """A change to the chosen models and settings that makes the plan fit."""
+
+    description: str  # what a person reads, e.g. "quantize the target to nf4"
+    target_precision: str  # precision of the target after the change
+    draft_precision: str  # precision of the draft after the change
+    context: int  # context length after the change
+    draft: str | None  # draft model spec after the change (None: the packaged default)
+    with_draft: bool  # False when the change drops the draft model
+    draft_name: str | None  # display name of another draft the change picks (None: the same draft)
+    needed: int  # bytes the busiest device needs after the change
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """A pair's planned memory on every device it uses, and what to change when it does not fit."""
+
+    target_name: str  # display name of the target
+    draft_name: str | None  # display name of the draft (None: no draft)
+    target_precision: str  # "bfloat16", "int8", "nf4", ...
+    draft_precision: str | None  # the draft's precision (None: no draft)
+    context: int  # positions each KV cache holds
+    runner: str  # the runner the engine will use for the target ("cuda-graphs", "static-eager", "eager", ...)
+    devices: tuple[DevicePlan, ...]  # one per device used, the target's first layers first
+    suggestion: PlanChange | None = None  # the cheapest change that fits (only when this does not)
+    notes: tuple[str, ...] = ()  # caveats a person should read (sizes from a preset's config, offline, ...)
+    target_layers: tuple[int, ...] = ()  # index into devices of each target layer (all 0 on one device)
+    output_device: int = 0  # index into devices of the output head (the draft and the logits live there)
+
+    @property
+    def fits(self) -> bool:
+        return all(d.fits for d in self.devices)
+
+    @property
+    def total(self) -> int:
+        return sum(d.total for d in self.devices)

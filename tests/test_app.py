@@ -635,6 +635,17 @@ def test_main_delegates_headless_commands_to_the_cli(monkeypatch):
     assert seen == [["generate", "--prompt", "hi"], ["bench", "--help"]]
 
 
+def test_every_cli_command_runs_headless():
+    """`specdec-studio distill` (and any command added later) must reach the CLI, not the window's parser."""
+    import argparse
+
+    from app.cli import build_parser
+    from app.main import HEADLESS_COMMANDS
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    assert set(sub.choices) == set(HEADLESS_COMMANDS)
+
+
 def test_worker_signals_are_declared_as_designed():
     names = {"load_requested", "generate_requested", "load_progress", "load_finished", "load_failed",
              "generation_started", "steps", "generation_finished", "generation_failed"}
@@ -688,3 +699,23 @@ def test_cost_verdict_says_plainly_whether_speculation_pays():
     cheap_draft = ModelInfo("t", "d", "cpu", "float32", "cpu-onednn", 100, draft_ms=0.1, target_ms=((1, 10.0), (6, 11.0)))
     assert "pays here" in cost_verdict(cheap_draft, summary)[1]
     assert cost_verdict(ModelInfo("t", None, "cpu", "float32", "eager", 100), summary) == ("", "")
+
+
+def test_memory_figure_counts_every_gpu_of_a_split_target(make_window, monkeypatch):
+    """The status bar reads the GPUs that hold the pair, not whichever device is current."""
+    import sys
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    w = make_window()
+    allocated = {"cuda:0": 3 * 2**30, "cuda:1": 5 * 2**30}
+    free = {"cuda:0": 60, "cuda:1": 5}  # of 100: cuda:1 is the fullest
+    fake_cuda = SimpleNamespace(memory_allocated=lambda d: allocated[d], mem_get_info=lambda d: (free[d], 100))
+    monkeypatch.setitem(sys.modules, "torch", SimpleNamespace(cuda=fake_cuda))
+    w.session.info = replace(w.info, device="cuda:1", devices=("cuda:0", "cuda:1"))
+    w._update_memory()
+    assert w.memory_label.text() == "GPUs 3.00 + 5.00 GiB"
+    assert w._memory_full  # 95% used on cuda:1
+    w.session.info = replace(w.info, device="cuda:1", devices=())
+    w._update_memory()
+    assert w.memory_label.text() == "GPU 5.00 GiB"

@@ -16,7 +16,8 @@ import torch
 from app.cli import main
 from engine.errors import ModelLoadError
 from engine.models import cache, cache_space, store
-from engine.models.store import LoadProgress, PackagedModel, load_pair
+from engine.models.loader import load_pair
+from engine.models.store import LoadProgress, PackagedModel
 from tests.test_store import _fake_packages
 from tests.tiny import build_model, build_tokenizer, write_tiny_gguf
 
@@ -267,7 +268,7 @@ def test_cache_clean_frees_space_and_waits_for_no_one(packaged, tmp_path, capsys
 _WORKER = """
 import json, os, sys, time
 sys.path[:0] = [{root!r}, {pkgs!r}]
-from engine.models import store
+from engine.models import loader, store
 store.DEFAULT_MODELS["target"] = store.PackagedModel("Fake-Target", {names!r}, {sha!r}, {size!r})
 slow = sys.argv[1] == "slow"
 ready = {ready!r}  # the second process creates it once its imports are done
@@ -283,7 +284,7 @@ def progress(p):
             time.sleep(0.1)
         time.sleep(3)
 
-pair = store.load_pair(None, None, device="cpu", dtype="float32", with_draft=False, progress=progress)
+pair = loader.load_pair(None, None, device="cpu", dtype="float32", with_draft=False, progress=progress)
 print(json.dumps(["done", pair.info.target_name]), flush=True)
 """
 

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from engine.decoding import Engine
-from engine.models.store import load_pair
+from engine.models.loader import load_pair
 from engine.runners import cpu
 from engine.types import GenerationRequest
 from tests.tiny import build_model, build_tokenizer
@@ -118,7 +118,7 @@ def test_float32_from_a_bfloat16_file_is_exact_and_keeps_no_pages(bf16_folder):
 
 
 def test_pack_cpu_packs_each_model_before_the_next_loads(tiny_pair, monkeypatch):
-    from engine.models import store
+    from engine.models import loader as store
 
     loaded: list[nn.Module] = []
     unpacked_when_loading: list[int] = []
@@ -145,7 +145,7 @@ def test_pack_cpu_packs_each_model_before_the_next_loads(tiny_pair, monkeypatch)
 
 
 def test_float32_pack_cpu_casts_each_weight_as_it_packs(bf16_folder, monkeypatch):
-    from engine.models import store
+    from engine.models import loader as store
 
     seen: list[torch.dtype] = []
     real = cpu.PackedLinear.__init__
@@ -171,7 +171,7 @@ def test_float32_pack_cpu_casts_each_weight_as_it_packs(bf16_folder, monkeypatch
 
 
 def test_without_onednn_pack_cpu_still_gives_a_float32_model(bf16_folder, monkeypatch):
-    from engine.models import store
+    from engine.models import loader as store
 
     monkeypatch.setattr(cpu, "onednn_available", lambda: False)
     pair = store.load_pair(str(bf16_folder), None, device="cpu", dtype="float32", with_draft=False, pack_cpu=True)

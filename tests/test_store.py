@@ -13,12 +13,11 @@ import transformers
 from engine.errors import IncompatibleModelsError, ModelLoadError
 from engine.models import device as device_mod
 from engine.models import store
+from engine.models.loader import load_pair, load_tokenizer
 from engine.models.store import (
     LoadProgress,
     PackagedModel,
     check_compatible,
-    load_pair,
-    load_tokenizer,
     pick_device,
     pick_dtype,
     resolve_source,
@@ -199,13 +198,13 @@ def test_changed_gguf_is_reconverted(tiny_gguf, tmp_path, monkeypatch):
     src, model, tok = tiny_gguf
     path = tmp_path / "m.gguf"
     path.write_bytes(src.read_bytes())
-    store.load_pair(str(path), None, device="cpu", dtype="float32", with_draft=False)
+    load_pair(str(path), None, device="cpu", dtype="float32", with_draft=False)
     first = json.loads(next((tmp_path / "cache" / "models").iterdir()).joinpath(store.MARKER).read_text())
     write_tiny_gguf(path, tok, build_model(len(tok), seed=11))
     calls = []
     real = store._convert
     monkeypatch.setattr(store, "_convert", lambda *a, **k: calls.append(1) or real(*a, **k))
-    store.load_pair(str(path), None, device="cpu", dtype="float32", with_draft=False)
+    load_pair(str(path), None, device="cpu", dtype="float32", with_draft=False)
     second = json.loads(next((tmp_path / "cache" / "models").iterdir()).joinpath(store.MARKER).read_text())
     assert calls == [1] and first["sha256"] != second["sha256"]
 

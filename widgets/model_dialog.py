@@ -1,13 +1,17 @@
-"""The Load models dialog: target and draft from the packaged default, a folder, a .gguf file or a hub id."""
+"""The Load models dialog: target and draft (a preset, the packaged default, a folder, a .gguf file or a hub id),
+each model's precision, the context, and the memory plan of that choice before anything loads."""
 from __future__ import annotations
 
-from PySide6.QtCore import Qt
+from collections.abc import Callable, Sequence
+
+from PySide6.QtCore import Qt, QTimer
 from PySide6.QtWidgets import (
     QButtonGroup,
     QCheckBox,
     QComboBox,
     QDialog,
     QDialogButtonBox,
+    QDoubleSpinBox,
     QFileDialog,
     QFormLayout,
     QGridLayout,
@@ -17,11 +21,30 @@ from PySide6.QtWidgets import (
     QLineEdit,
     QPushButton,
     QRadioButton,
+    QSpinBox,
     QVBoxLayout,
     QWidget,
 )
 
-from engine.settings import DEVICES, DTYPES, SOURCE_KINDS, ModelChoice, ModelSelection
+from engine.errors import EngineError
+from engine.settings import (
+    CONTEXT_RANGE,
+    DEVICES,
+    DTYPES,
+    MEMORY_RANGE,
+    PRECISIONS,
+    SOURCE_KINDS,
+    ModelChoice,
+    ModelSelection,
+    PairPreset,
+)
+from engine.types import MemoryPlan, PlanChange
+from widgets.plan_bar import PlanBar
+
+Planner = Callable[[ModelSelection], MemoryPlan]  # raises EngineError when a model cannot be sized
+PLAN_DELAY_MS = 250  # typing a path re-plans once it pauses, not per keystroke
+PRECISION_TIP = ("auto: the float dtype below. int8 / nf4: 8-bit / 4-bit weights through bitsandbytes "
+                 "(about a half / a quarter of bf16; nf4 runs in CUDA graphs, int8 eagerly).")
 
 DEFAULT_LABELS = {
     "target": "Default (Qwen2.5-Coder 1.5B, packaged)",
@@ -64,7 +87,20 @@ class _SourcePicker(QGroupBox):
         for kind, field in self.fields.items():
             # Typing into a field picks its source; nobody wants to click the radio as well.
             field.textEdited.connect(lambda _t, k=kind: self.radios[k].setChecked(True))
+        self.precision = QComboBox(self)
+        self.precision.addItems(PRECISIONS)
+        self.precision.setToolTip(PRECISION_TIP)
+        grid.addWidget(QLabel("Precision", self), 4, 0)
+        grid.addWidget(self.precision, 4, 1, 1, 2, Qt.AlignmentFlag.AlignLeft)
         self.radios["default"].setChecked(True)
+
+    def connect_changed(self, slot: Callable[[], None]) -> None:
+        """Calls `slot` whenever this side's choice changes."""
+        for radio in self.radios.values():
+            radio.toggled.connect(slot)
+        for field in self.fields.values():
+            field.textChanged.connect(slot)
+        self.precision.currentIndexChanged.connect(slot)
 
     def choice(self) -> ModelChoice:
         kind = next(k for k, r in self.radios.items() if r.isChecked())
@@ -91,18 +127,30 @@ class _SourcePicker(QGroupBox):
 
 
 class ModelDialog(QDialog):
-    """Picks a pair; the app checks tokenizers and loads off the UI thread after OK."""
+    """Picks a pair; shows its memory plan as it changes; the app loads off the UI thread after Load."""
 
-    def __init__(self, selection: ModelSelection | None = None, parent: QWidget | None = None) -> None:
+    def __init__(self, selection: ModelSelection | None = None, parent: QWidget | None = None, *,
+                 planner: Planner | None = None, presets: Sequence[PairPreset] = ()) -> None:
         super().__init__(parent)
         self.setWindowTitle("Load models")
-        self.setMinimumWidth(620)
+        self.setMinimumWidth(660)
+        self._planner = planner
+        self._presets = tuple(presets)
+        self.plan: MemoryPlan | None = None  # the plan of the current choice (None: not planned)
         layout = QVBoxLayout(self)
         layout.setSpacing(10)
         intro = QLabel("Draft and target must share a tokenizer (same model family). "
-                       "Tokenizers are checked before any weights load.", self)
+                       "Tokenizers are checked and memory is planned before any weights load.", self)
         intro.setWordWrap(True)
         layout.addWidget(intro)
+        self.preset = QComboBox(self)
+        self.preset.addItem("Choose a preset pair…")
+        for p in self._presets:
+            self.preset.addItem(p.title + ("" if p.offline else "  (download)"), p.name)
+        self.preset.setToolTip("Hub presets need the network once, unless they are in the local Hugging Face cache.")
+        self.preset.activated.connect(self._on_preset)
+        if self._presets:
+            layout.addWidget(self.preset)
         self.target = _SourcePicker("target", self)
         layout.addWidget(self.target)
         self.draft = _SourcePicker("draft", self)
@@ -117,19 +165,53 @@ class ModelDialog(QDialog):
         self.device.setEditable(True)  # cuda:1 and friends
         self.dtype = QComboBox(self)
         self.dtype.addItems(DTYPES)
-        self.dtype.setToolTip("auto: bfloat16 on CUDA and on CPUs with native bf16, else float32")
+        self.dtype.setToolTip("Float dtype of both models (auto: bfloat16 on CUDA and on CPUs with native bf16, "
+                              "else float32); a model's own precision above overrides it")
+        self.context = QSpinBox(self)
+        self.context.setRange(*CONTEXT_RANGE)
+        self.context.setSingleStep(1024)
+        self.context.setSpecialValueText("auto (8,192)")
+        self.context.setToolTip("Positions each KV cache holds; a shorter context needs less memory")
+        self.memory = QDoubleSpinBox(self)
+        self.memory.setRange(*MEMORY_RANGE)
+        self.memory.setDecimals(1)
+        self.memory.setSuffix(" GiB")
+        self.memory.setSpecialValueText("free memory")
+        self.memory.setToolTip("Memory each device may use; 'free memory' asks the device. "
+                               "Set it to plan for another GPU, or to leave room for other programs.")
         form.addRow("Device", self.device)
-        form.addRow("Precision", self.dtype)
+        form.addRow("Float dtype", self.dtype)
+        form.addRow("Context", self.context)
+        form.addRow("Memory budget", self.memory)
         row.addLayout(form)
         row.addStretch(1)
         layout.addLayout(row)
+        plan_box = QGroupBox("Memory plan", self)
+        plan_layout = QVBoxLayout(plan_box)
+        self.plan_bar = PlanBar(plan_box)
+        self.plan_bar.change_applied.connect(self.apply_change)
+        plan_layout.addWidget(self.plan_bar)
+        plan_box.setVisible(planner is not None)
+        layout.addWidget(plan_box)
         buttons = QDialogButtonBox(QDialogButtonBox.StandardButton.Ok | QDialogButtonBox.StandardButton.Cancel,
                                    Qt.Orientation.Horizontal, self)
         buttons.button(QDialogButtonBox.StandardButton.Ok).setText("Load")
         buttons.accepted.connect(self.accept)
         buttons.rejected.connect(self.reject)
         layout.addWidget(buttons)
+        self._timer = QTimer(self)
+        self._timer.setSingleShot(True)
+        self._timer.setInterval(PLAN_DELAY_MS)
+        self._timer.timeout.connect(self.update_plan)
         self.set_selection(selection or ModelSelection())
+        for picker in (self.target, self.draft):
+            picker.connect_changed(self._timer.start)
+        self.no_draft.toggled.connect(self._timer.start)
+        self.device.currentTextChanged.connect(self._timer.start)
+        self.dtype.currentIndexChanged.connect(self._timer.start)
+        self.context.valueChanged.connect(self._timer.start)
+        self.memory.valueChanged.connect(self._timer.start)
+        self.update_plan()
 
     def selection(self) -> ModelSelection:
         return ModelSelection(
@@ -138,6 +220,10 @@ class ModelDialog(QDialog):
             device=self.device.currentText().strip() or "auto",
             dtype=self.dtype.currentText(),
             no_draft=self.no_draft.isChecked(),
+            target_precision=self.target.precision.currentText(),
+            draft_precision=self.draft.precision.currentText(),
+            context=self.context.value(),
+            memory_gib=self.memory.value(),
         )
 
     def set_selection(self, selection: ModelSelection) -> None:
@@ -147,3 +233,42 @@ class ModelDialog(QDialog):
         self.dtype.setCurrentIndex(max(0, self.dtype.findText(selection.dtype)))
         self.no_draft.setChecked(selection.no_draft)
         self.draft.setEnabled(not selection.no_draft)
+        self.target.precision.setCurrentIndex(max(0, self.target.precision.findText(selection.target_precision)))
+        self.draft.precision.setCurrentIndex(max(0, self.draft.precision.findText(selection.draft_precision)))
+        self.context.setValue(selection.context)
+        self.memory.setValue(selection.memory_gib)
+
+    def update_plan(self) -> None:
+        """Plans the current choice now (configs and headers only, well under a second)."""
+        self._timer.stop()
+        if self._planner is None:
+            return
+        try:
+            self.plan = self._planner(self.selection())
+        except EngineError as e:
+            self.plan = None
+            self.plan_bar.set_message(str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__)
+            return
+        self.plan_bar.set_plan(self.plan)
+
+    def apply_change(self, change: PlanChange) -> None:
+        """Applies the plan's suggestion to the choices (precisions, context, draft)."""
+        self.target.precision.setCurrentIndex(max(0, self.target.precision.findText(change.target_precision)))
+        if not change.with_draft:
+            self.no_draft.setChecked(True)
+        else:
+            if change.draft_name is not None:
+                self.draft.set_choice(ModelChoice.from_spec(change.draft))
+            self.draft.precision.setCurrentIndex(max(0, self.draft.precision.findText(change.draft_precision)))
+        if self.plan is None or change.context != self.plan.context:
+            self.context.setValue(change.context)
+        self.update_plan()
+
+    def _on_preset(self, index: int) -> None:
+        if index <= 0:
+            return
+        preset = self._presets[index - 1]
+        self.target.set_choice(preset.target)
+        self.draft.set_choice(preset.draft)
+        self.no_draft.setChecked(False)
+        self.update_plan()

@@ -15,12 +15,13 @@ from engine.decoding.detok import Detokenizer
 from engine.decoding.head import HeadProposer
 from engine.decoding.proposers import DraftModelProposer, Proposal, Proposer, ProposerSet
 from engine.decoding.sampling import accept_draft, display_probs, draw, process
-from engine.errors import GenerationError
+from engine.errors import GenerationError, IncompatibleModelsError
 from engine.heads.model import DraftHead
 from engine.heads.runner import HeadRunner
 from engine.limits import K_AUTO, K_MAX, widest_draft
 from engine.measure.stats import summarize
 from engine.runners import EagerRunner, Runner, ids_tensor
+from engine.runners.base import output_device
 from engine.types import (
     Decision,
     DraftSource,
@@ -81,14 +82,16 @@ class Engine:
         vocab: int | None = None,
         target_runner: Runner | None = None,
         draft_runner: Runner | None = None,
+        max_length: int | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.info = info
         self.target = target
         self.draft = draft
-        self.device = next(target.parameters()).device
-        self.target_runner = target_runner or EagerRunner(target)
-        self.draft_runner = draft_runner or (EagerRunner(draft) if draft is not None else None)
+        # Where logits come out: a target split over GPUs ends on its last one, where the draft lives.
+        self.device = output_device(target)
+        self.target_runner = target_runner or EagerRunner(target, max_length)
+        self.draft_runner = draft_runner or (EagerRunner(draft, max_length) if draft is not None else None)
         # Compare on the shared vocabulary: Qwen2.5 0.5B has 151936 rows, 7B 152064.
         heads = [self.target_runner.vocab_size] + ([self.draft_runner.vocab_size] if self.draft_runner else [])
         self.vocab = vocab or min(heads)
@@ -114,14 +117,25 @@ class Engine:
         load_pair(pack_cpu=True) resolved it.
         """
         from engine.heads.shards import resolve_head
+        from engine.models.quant import quantized_kind
 
         target_runner = draft_runner = None
         name = "eager"
+        notes: list[str] = []
+        context = pair.plan.context if pair.plan is not None else None
+        on_cpu = pair.target.device.type == "cpu"
+        quantized = [m for m in (pair.target, pair.draft) if m is not None and quantized_kind(m)]
+        if len(pair.info.devices) > 1 and head is not None and str(head) not in ("auto", "none"):
+            # The head reads the target's input embeddings (first GPU) and output rows (last GPU) at once.
+            raise IncompatibleModelsError("A draft head needs the target on one GPU; this target is split over "
+                                          f"{', '.join(pair.info.devices)}. Load it without a head, or on one GPU.")
+        if len(pair.info.devices) > 1:
+            head = None  # "auto" too: a shipped head is skipped rather than failing the load
         # Before packing: the head gathers its output rows from the target's own output head (when
         # load_pair packed the target already, it resolved the head first).
         found = pair.head if getattr(pair, "head_resolved", False) else resolve_head(pair.target, head)
         layers = found[0].config.feature_layers if found else ()
-        if fast_path in ("auto", "static") and pair.target.device.type == "cpu":
+        if fast_path in ("auto", "static") and on_cpu and not quantized:
             from engine.runners.cpu import try_pack
 
             if progress is not None:
@@ -133,21 +147,25 @@ class Engine:
             if packed and pair.draft is not None:
                 try_pack(pair.draft)
             name = packed or name
-        if fast_path != "eager" and pair.target.device.type == "cuda":
+        if fast_path != "eager" and not on_cpu:
             try:
                 from engine.runners.graphs import build_runners
 
                 target_runner, draft_runner, name = build_runners(
-                    pair.target, pair.draft, progress=progress,
+                    pair.target, pair.draft, progress=progress, max_length=context,
                     compile_k=compile_k if fast_path == "compiled" else None, hidden_layers=layers,
                 )
+                notes += [f"{role}: {r.fallback_reason}" for role, r in (("target", target_runner),
+                                                                          ("draft", draft_runner))
+                          if r is not None and r.fallback_reason]
             except Exception as exc:  # any model the fast path cannot take falls back, loudly
                 if fast_path in ("static", "compiled"):
                     raise
                 log.warning("fast path unavailable, using eager decoding: %s", exc)
                 target_runner = draft_runner = None
                 name = "eager"
-        info = replace(pair.info, fast_path=name)
+                notes.append(_first_line(exc))
+        info = replace(pair.info, fast_path=name, fast_path_note="; ".join(notes))
         engine = cls(
             pair.target,
             pair.tokenizer,
@@ -156,6 +174,7 @@ class Engine:
             vocab=pair.shared_vocab,
             target_runner=target_runner,
             draft_runner=draft_runner,
+            max_length=context,
         )
         if found is not None:
             engine.attach_head(found[0], found[1].name, progress)
@@ -468,7 +487,7 @@ class Generation(Iterator[Step]):
         """
         eng, sampling = self.engine, self.request.sampling
         cuda = eng.device.type == "cuda"
-        marks = [_mark(cuda)]
+        marks = [_mark(cuda, eng.device)]
         if decision.k == 0:  # a standard round: one target forward, one token
             ids = pending if isinstance(pending, torch.Tensor) else ids_tensor([pending], eng.device)
             logits = eng.target_runner.forward(ids)[0, : eng.vocab]  # [V]
@@ -488,7 +507,7 @@ class Generation(Iterator[Step]):
             proposal = proposers.propose(decision.source, decision.k)
             draft = proposal.tokens  # [n]
             n = draft.shape[0]
-            marks.append(_mark(cuda))
+            marks.append(_mark(cuda, eng.device))
             ids = torch.cat([ids_tensor([pending], eng.device), draft])  # [n+1]
             logits = eng.target_runner.forward(ids)[:, : eng.vocab]  # [n+1, V]
             p = process(logits, sampling)  # [n+1, V]
@@ -512,8 +531,8 @@ class Generation(Iterator[Step]):
             # Token ids stay exact in float32 (< 2**24). Pinned destination: the copy is queued too.
             outcome = torch.empty(outcome.shape, pin_memory=True).copy_(outcome, non_blocking=True)
             done = torch.cuda.Event()
-            done.record()
-        marks.append(_mark(cuda))
+            done.record(torch.cuda.current_stream(eng.device))
+        marks.append(_mark(cuda, eng.device))
         return _Launched(outcome, n, proposal, decision, done, tuple(marks), next_input)
 
     def _collect(self, launched: _Launched) -> tuple[_StepResult, Proposal | None]:
@@ -630,13 +649,22 @@ def _with_text(step: Step, text: str) -> Step:
     return replace(step, text=text, tokens=tuple(views))
 
 
-def _mark(cuda: bool):
-    """A point in a round's timeline: a recorded timing event on CUDA, the host clock elsewhere."""
+def _mark(cuda: bool, device: torch.device):
+    """A point in a round's timeline: a recorded timing event on CUDA, the host clock elsewhere.
+
+    Recorded on the stream of the engine's device, which need not be the current device (cuda:1,
+    or the last GPU of a split target, where its logits and the draft live).
+    """
     if not cuda:
         return time.perf_counter()
     event = torch.cuda.Event(enable_timing=True)
-    event.record()
+    event.record(torch.cuda.current_stream(device))
     return event
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0][:200] if text else type(exc).__name__
 
 
 def _eos_ids(tokenizer, model) -> set[int]:

@@ -283,7 +283,7 @@ def prepare(target: str | None, out: Path, *, minutes: float, work: Path | None 
     Loading counts against the budget.
     """
     started = time.perf_counter()
-    from engine.models.store import load_pair
+    from engine.models.loader import load_pair
 
     report = progress or (lambda p: None)
     report(DistillProgress("load", 0.0, minutes * 60, "loading the target"))

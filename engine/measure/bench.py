@@ -34,7 +34,7 @@ from engine.types import GenerationRequest
 
 if TYPE_CHECKING:  # heavy imports (torch, transformers) wait until a bench really runs
     from engine.decoding import Engine
-    from engine.models.store import LoadedPair
+    from engine.models.loader import LoadedPair
 
 __all__ = ["BenchPrompt", "RunRecord", "read_prompts"]  # re-exported: the CLI and tests import them from here
 
@@ -321,20 +321,22 @@ def run_bench(ctx: BenchContext, prompts: Sequence[BenchPrompt], modes: Sequence
         for mode in modes:
             MODE_RUNNERS[mode].run(ctx, prompts[0], min(max_new_tokens, 32))
     cuda = ctx.engine.device.type == "cuda"
+    gpus = (ctx.engine.info.devices or (str(ctx.engine.device),)) if cuda else ()  # every GPU of a split target
     errors: list[dict[str, str]] = []
-    peaks: dict[tuple[str, int], float] = {}  # peak GPU memory per prompt and repeat (MB), to show there is no growth
+    peaks: dict[tuple[str, int], float] = {}  # peak GPU memory per prompt and repeat (MB, all GPUs), to show there is no growth
     # The warm-up run prefills both models with the prompt when a draft is loaded.
     warm_mode = "speculative" if ctx.engine.draft_runner is not None else "standard"
 
     def warm(prompt: BenchPrompt) -> None:
         MODE_RUNNERS[warm_mode].run(ctx, prompt, min(max_new_tokens, 4))
         if cuda:
-            torch.cuda.reset_peak_memory_stats(ctx.engine.device)
+            for gpu in gpus:
+                torch.cuda.reset_peak_memory_stats(gpu)
 
     def run(task: Task) -> RunRecord:
         record = MODE_RUNNERS[task.label].run(ctx, task.prompt, max_new_tokens)
         if cuda:
-            peaks[(task.prompt.id, task.repeat)] = torch.cuda.max_memory_allocated(ctx.engine.device) / 2**20
+            peaks[(task.prompt.id, task.repeat)] = sum(torch.cuda.max_memory_allocated(g) for g in gpus) / 2**20
         return replace(record, repeat=task.repeat)
 
     def failed(task: Task, exc: Exception) -> bool:

@@ -1,4 +1,4 @@
-"""The model store: finds, verifies, converts, caches and loads a target/draft pair."""
+"""The model store: finds, verifies, converts and caches models; checks that two share a tokenizer."""
 from __future__ import annotations
 
 import hashlib
@@ -19,12 +19,9 @@ import torch
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
-    PreTrainedModel,
-    PreTrainedTokenizerBase,
 )
 
 from engine.errors import IncompatibleModelsError, ModelLoadError
-from engine.models import memory
 from engine.models.cache import (
     CACHE_FORMAT,
     MARKER,
@@ -40,18 +37,15 @@ from engine.models.cache import (
 from engine.models.cache_space import sweep
 from engine.models.device import (
     cpu_has_native_bf16,
-    dtype_name,
     pick_device,
     pick_dtype,
 )
 from engine.models.gguf import quiet_gguf_bars, read_gguf_header
-from engine.types import ModelInfo
 
 __all__ = [
-    "LoadProgress", "ProgressFn", "LoadedPair", "ModelSource", "TokenizerInfo", "PackagedModel",
+    "LoadProgress", "ProgressFn", "ModelSource", "TokenizerInfo", "PackagedModel",
     "DEFAULT_MODELS", "INSTALL_HINT", "resolve_source", "pick_device", "pick_dtype",
-    "cpu_has_native_bf16", "check_compatible", "tokenizer_info", "load_pair", "load_tokenizer",
-    "cache_dir", "MARKER", "CACHE_FORMAT",
+    "cpu_has_native_bf16", "check_compatible", "tokenizer_info", "cache_dir", "MARKER", "CACHE_FORMAT",
 ]
 
 log = logging.getLogger(__name__)
@@ -70,19 +64,6 @@ class LoadProgress:
 
 
 ProgressFn = Callable[[LoadProgress], None]
-
-
-@dataclass
-class LoadedPair:  # not frozen: holds models
-    target: PreTrainedModel  # the model whose distribution is produced
-    draft: PreTrainedModel | None  # the proposer model (None: target only)
-    tokenizer: PreTrainedTokenizerBase  # the target's tokenizer
-    info: ModelInfo  # names, device, dtype; fast_path="eager" here
-    shared_vocab: int  # vocabulary size both models share (compare/slice logits to this)
-    # The draft head load_pair found before packing the target (DraftHead, HeadFiles), or None;
-    # head_resolved says load_pair looked (a packed target has no plain output head left to bind to).
-    head: tuple | None = None
-    head_resolved: bool = False
 
 
 @dataclass(frozen=True)
@@ -544,8 +525,19 @@ def _hub_folder(repo_id: str, *, weights: bool) -> Path:
     try:
         return Path(snapshot_download(repo_id, allow_patterns=patterns + (["*.safetensors"] if weights else [])))
     except Exception as e:
+        from engine.models.presets import offline_message, preset_model
+
+        kind = type(e).__name__
+        if kind == "GatedRepoError":
+            raise ModelLoadError(
+                f"{repo_id} is gated: accept its licence on huggingface.co and log in (`hf auth login`), "
+                f"then load it again."
+            ) from None
+        if preset_model(repo_id) is not None and kind in ("LocalEntryNotFoundError", "OfflineModeIsEnabled",
+                                                          "ConnectionError", "ConnectTimeout", "ProxyError"):
+            raise ModelLoadError(offline_message(repo_id)) from None  # a preset, plainly: no network
         text = str(e).strip()
-        reason = text.splitlines()[0].split(". ")[0].rstrip(".") if text else type(e).__name__
+        reason = text.splitlines()[0].split(". ")[0].rstrip(".") if text else kind
         raise ModelLoadError(
             f"{repo_id} is not a local path and could not be loaded from the Hugging Face cache "
             f"(offline?): {reason[:200]}. Give a model folder or .gguf file, or download it first."
@@ -610,169 +602,3 @@ def check_compatible(target_tok_info: TokenizerInfo, draft_tok_info: TokenizerIn
 
 
 # --------------------------------------------------------------------------- loading
-
-def _load_model(folder: Path, name: str, device: torch.device, dtype: torch.dtype, *,
-                keep_linear_weights: bool = False) -> PreTrainedModel:
-    # On the CPU, a file in a narrower float type loads memory-mapped without a copy and is then cast
-    # one tensor at a time, each mapped source given back as it goes: casting in from_pretrained
-    # would keep every mapped page resident beside the copies until the end (a 4.8 GB higher peak).
-    stored = memory.stored_dtypes(folder) & {"BF16", "F16", "F32"} if device.type == "cpu" else set()
-    narrow = {"BF16": torch.bfloat16, "F16": torch.float16}.get(next(iter(stored))) if len(stored) == 1 else None
-    load_dtype = narrow if narrow is not None and dtype == torch.float32 else dtype
-
-    def attempt(attn: str) -> PreTrainedModel:
-        return AutoModelForCausalLM.from_pretrained(str(folder), dtype=load_dtype, attn_implementation=attn)
-
-    try:
-        try:
-            model = attempt("sdpa")
-        except (ValueError, ImportError) as e:
-            if "sdpa" not in str(e).lower() and "attention" not in str(e).lower():
-                raise
-            log.info("%s does not support SDPA attention; using eager attention", name)
-            model = attempt("eager")
-        if load_dtype != dtype:
-            # keep_linear_weights: the packer casts those one at a time next (load_pair, pack_cpu).
-            memory.cast_releasing_pages(model, dtype, keep_linear_weights=keep_linear_weights)
-        model = model.to(device=device) if keep_linear_weights else model.to(device=device, dtype=dtype)
-    except (torch.OutOfMemoryError, MemoryError):
-        raise _out_of_memory(name, device, dtype) from None
-    except RuntimeError as e:
-        # The CPU allocator reports exhaustion as a plain RuntimeError.
-        if "allocate memory" in str(e) or "out of memory" in str(e).lower():
-            raise _out_of_memory(name, device, dtype) from None
-        raise ModelLoadError(f"Could not load {name} from {folder}: {_first_line(e)}") from None
-    except ModelLoadError:
-        raise
-    except Exception as e:  # a damaged folder fails inside transformers or safetensors with any type
-        raise ModelLoadError(f"Could not load {name} from {folder}: {_first_line(e)}") from None
-    model.eval()
-    model.requires_grad_(False)
-    return model
-
-
-def _out_of_memory(name: str, device: torch.device, dtype: torch.dtype) -> ModelLoadError:
-    return ModelLoadError(
-        f"Out of memory loading {name} on {device} in {dtype_name(dtype)}: choose a smaller model, "
-        f"--dtype bfloat16, or free memory (other programs, other models)."
-    )
-
-
-def _head_rows(model: PreTrainedModel) -> int:
-    return int(model.get_output_embeddings().out_features)
-
-
-def load_pair(
-    target: str | None,
-    draft: str | None,
-    *,
-    device: str = "auto",
-    dtype: str = "auto",
-    progress: ProgressFn | None = None,
-    with_draft: bool = True,
-    pack_cpu: bool = False,
-    head: str | None = "auto",
-) -> LoadedPair:
-    """Resolves, checks (before any weights load), converts if needed, and loads target + draft.
-
-    pack_cpu: on the CPU, pack each model's linear layers for oneDNN right after it loads (what
-    Engine.from_pair would do for the fast path), so the draft never loads beside an unpacked
-    target: the float32 peak stays near the final size. Leave False for models that must stay as
-    Hugging Face ships them (the bench's hf baselines).
-    head: the draft head to use (engine.heads.shards.resolve_head: "auto", a folder, None). When the
-    target is packed here it is resolved first, as binding reads the target's unpacked output head;
-    Engine.from_pair then takes it from the pair.
-    """
-    started = time.perf_counter()
-    _emit(progress, "check", 0.0, "Finding the models")
-    torch_device = pick_device(device)
-    torch_dtype = pick_dtype(torch_device, dtype)
-    sources = [resolve_source(target, "target")]
-    if with_draft:
-        sources.append(resolve_source(draft, "draft"))
-    sweep()  # temp files of processes that died (kill -9 mid-conversion): hundreds of MB to GBs each
-    with ExitStack() as stack:  # holds the cache lock from assembling to the last conversion, if either runs
-        prepared = [_prepare(s, progress, stack) for s in sources]
-
-        _emit(progress, "check", 0.5, "Checking that draft and target share a tokenizer")
-        infos = [_tokenizer_info(p) for p in prepared]
-        shared = check_compatible(infos[0], infos[1]) if with_draft else infos[0].head_rows
-        _emit(progress, "check", 1.0, f"Tokenizers match (shared vocabulary {shared:,})")
-
-        folders = [_ensure_folder(p, progress) for p in prepared]
-
-    models: list[PreTrainedModel] = []
-    found_head = None
-    for i, (p, folder) in enumerate(zip(prepared, folders)):
-        _emit(progress, "load", i / len(folders),
-              f"Loading {p.source.name} ({p.source.role}) on {torch_device} in {dtype_name(torch_dtype)}")
-        packing = pack_cpu and torch_device.type == "cpu"
-        model = _load_model(folder, p.source.name, torch_device, torch_dtype, keep_linear_weights=packing)
-        if packing:
-            from engine.runners.cpu import try_pack
-
-            if i == 0:
-                from engine.heads.shards import resolve_head
-
-                found_head = resolve_head(model, head)
-            _emit(progress, "load", (i + 0.5) / len(folders), f"Packing {p.source.name} for the CPU fast path")
-            if try_pack(model, torch_dtype) is None:  # no oneDNN here: the linear weights still need casting
-                memory.cast_releasing_pages(model, torch_dtype)
-        models.append(model)
-        del model
-    _emit(progress, "load", 1.0, "Models loaded")
-    if with_draft:
-        # Real heads can differ from config.json (e.g. resized embeddings): trust the loaded weights.
-        shared = min(shared, *(_head_rows(m) for m in models))
-    else:
-        shared = _head_rows(models[0])
-
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(str(folders[0]))
-    except Exception as e:
-        raise ModelLoadError(f"Could not load the tokenizer of {sources[0].name}: {_first_line(e)}") from None
-
-    _emit(progress, "warmup", 0.0, "Warming up")
-    with torch.inference_mode():
-        ids = torch.tensor([[tokenizer.eos_token_id or 0]], device=torch_device)
-        for m, source in zip(models, sources):
-            try:
-                logits = m(input_ids=ids).logits  # first call pays one-time allocator / kernel selection costs
-                if not bool(torch.isfinite(logits).all()):
-                    raise ModelLoadError(
-                        f"{source.name} computes scores that are not finite numbers (NaN or infinity): its "
-                        f"weights are damaged, or they overflow in {dtype_name(torch_dtype)}; try float32."
-                    )
-            except ModelLoadError:
-                raise
-            except (torch.OutOfMemoryError, MemoryError):
-                raise _out_of_memory(source.name, torch_device, torch_dtype) from None
-            except Exception as e:  # weights that load but cannot run (a damaged or odd config)
-                raise ModelLoadError(f"{source.name} loaded but cannot run: {_first_line(e)}") from None
-    # The engine continues this stage (fast-path set-up, cost measurement) before the pair is ready.
-    _emit(progress, "warmup", 0.4, f"Models warmed up in {time.perf_counter() - started:.1f} s")
-
-    info = ModelInfo(
-        target_name=sources[0].name,
-        draft_name=sources[1].name if with_draft else None,
-        device=str(torch_device),
-        dtype=dtype_name(torch_dtype),
-        fast_path="eager",
-        vocab_size=shared,
-    )
-    return LoadedPair(target=models[0], draft=models[1] if with_draft else None,
-                      tokenizer=tokenizer, info=info, shared_vocab=shared,
-                      head=found_head, head_resolved=pack_cpu and torch_device.type == "cpu")
-
-
-def load_tokenizer(spec: str | None, role: Role) -> PreTrainedTokenizerBase:
-    """The tokenizer of one model spec (from its converted folder when there is one)."""
-    with ExitStack() as stack:
-        prepared = _prepare(resolve_source(spec, role), None, stack)
-        try:
-            if prepared.folder is not None:
-                return AutoTokenizer.from_pretrained(str(prepared.folder))
-            assert prepared.gguf is not None
-            return AutoTokenizer.from_pretrained(str(prepared.gguf.parent), gguf_file=prepared.gguf.name)
-        except Exception as e:
-            raise ModelLoadError(f"Could not load the tokenizer of {prepared.source.name}: {_first_line(e)}") from None

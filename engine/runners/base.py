@@ -80,11 +80,12 @@ def measure_forward_costs(runner: Runner, widths: Iterable[int], iters: int) -> 
             runner.rollback(saved)
             begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             torch.cuda.synchronize(device)
-            begin.record()
+            stream = torch.cuda.current_stream(device)  # the device's, not the current device's
+            begin.record(stream)
             for _ in range(iters):
                 runner.forward(ids)
                 runner.rollback(saved)
-            end.record()
+            end.record(stream)
             end.synchronize()
             costs[width] = begin.elapsed_time(end) / iters
         else:
@@ -105,3 +106,9 @@ def cache_keyword(model: torch.nn.Module) -> str:
     name; older releases know only the old one. Asking the signature keeps stderr quiet on both.
     """
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def output_device(model: torch.nn.Module) -> torch.device:
+    """Where a model's logits come out: its output head's device (the last GPU of a split model)."""
+    weight = getattr(model.get_output_embeddings(), "weight", None)  # a packed CPU head has none
+    return weight.device if isinstance(weight, torch.Tensor) else next(model.parameters()).device

@@ -7,6 +7,10 @@ launch instead of hundreds of kernel launches from Python. Other widths (the pro
 lean forward eagerly. On CPU everything runs eagerly; that is what the unit tests exercise.
 
 Rollback moves the write position only: stale cache slots are masked by position and overwritten.
+
+A model split over GPUs is captured as one graph per stage (device) and width; a forward replays
+them in order, copying the hidden state across. Layers that cannot be captured (bitsandbytes'
+LLM.int8(), see engine.models.quant.CAPTURABLE) keep the static cache and run eagerly.
 """
 from __future__ import annotations
 
@@ -27,6 +31,18 @@ log = logging.getLogger(__name__)
 Progress = Callable[[float, str], None]  # (fraction done 0..1, what is happening)
 WARMUP_ITERS = 3  # eager runs on a side stream before each capture, as PyTorch asks
 MIN_BUCKET = 512  # smallest attention span; spans double up to the whole cache
+
+
+def capture_problem(model: nn.Module) -> str | None:
+    """Why this model's forward cannot be captured in a CUDA graph, or None when it can."""
+    from engine.models.quant import CAPTURABLE, layer_kind
+
+    for module in model.modules():
+        kind = layer_kind(module)
+        if kind is not None and not CAPTURABLE.get(kind, True):
+            return (f"{kind} layers (bitsandbytes) cannot be captured in a CUDA graph: "
+                    f"static cache, eager kernel launches")
+    return None
 
 
 def kv_buckets(cache_len: int, smallest: int) -> tuple[int, ...]:
@@ -61,19 +77,22 @@ class StaticGraphRunner:
         min_bucket: int = MIN_BUCKET,
         compile_widths: Iterable[int] = (),
         compile_spans: int = 2,
+        stage_breaks: tuple[int, ...] = (),
         hidden_layers: tuple[int, ...] = (),
     ) -> None:
-        self.decoder = LeanDecoder(model, max_length, share_weights=share_weights, attention=attention)
+        self.decoder = LeanDecoder(model, max_length, share_weights=share_weights, attention=attention,
+                                   stage_breaks=stage_breaks)
         self._forward = self.decoder.forward
+        self._run_stage = self.decoder.run_stage
         # Opt-in: inductor fuses the elementwise ops (norms, RoPE, SiLU) before capture, which cuts
         # kernel count per forward. It compiles once per (width, span), ~20 s each on an H200, so
         # only the widths the loop uses every step and the smallest spans are compiled.
         self.compile_widths = frozenset(int(w) for w in compile_widths)
         self.compile_spans = compile_spans
         self._compiled = (
-            torch.compile(self.decoder.forward, dynamic=False, fullgraph=True) if self.compile_widths else None
+            torch.compile(self.decoder.run_stage, dynamic=False, fullgraph=True) if self.compile_widths else None
         )
-        self.device = self.decoder.device
+        self.device = self.decoder.device  # where logits come out (the last stage's device)
         self.vocab_size = self.decoder.config.vocab_size
         self.max_length = max_length
         self.length = 0
@@ -81,19 +100,26 @@ class StaticGraphRunner:
         self.use_graphs = cuda if use_graphs is None else (use_graphs and cuda)
         if use_graphs and not cuda:
             log.info("CUDA graphs asked for on %s; running the static forward eagerly", self.device)
+        self.fallback_reason: str | None = None  # why graphs are off although CUDA is there
+        self.capture_failed = False  # capture was tried and failed (another attention kernel may succeed)
+        problem = capture_problem(model)
+        if self.use_graphs and problem:
+            self.use_graphs, self.fallback_reason = False, problem
         self.graph_widths = tuple(sorted({int(w) for w in graph_widths if 0 < int(w) <= max_length}))
         self.buckets = kv_buckets(self.decoder.config.cache_len, min_bucket)
-        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # (width, bucket) -> graph
-        self.static_ids: dict[int, torch.Tensor] = {}  # width -> [W] long input buffer
-        self.static_out: dict[int, torch.Tensor] = {}  # width -> [W, V] float32 output
+        self.graphs: dict[tuple[int, int], list[torch.cuda.CUDAGraph]] = {}  # (width, bucket) -> one per stage
+        self.static_ids: dict[int, torch.Tensor] = {}  # width -> [W] long input buffer (input device)
+        self.static_out: dict[int, torch.Tensor] = {}  # width -> [W, V] float32 output (output device)
+        self.stage_out: dict[tuple[int, int], torch.Tensor] = {}  # (stage, width) -> [W, hidden] it writes
+        self.stage_in: dict[tuple[int, int], torch.Tensor] = {}  # (stage, width) -> [W, hidden] it reads
         # Hidden rows for a draft head (Runner.keep_hidden): captured inside the graphs too.
         self.hidden_layers: tuple[int, ...] = tuple(hidden_layers)
-        self.static_hidden: dict[int, torch.Tensor] = {}  # width -> [W, n * hidden]
+        self.static_hidden: dict[int, torch.Tensor] = {}  # width -> [W, n * hidden] (output device)
         self.hidden: torch.Tensor | None = None  # rows of the last forward or prefill
-        self.fallback_reason: str | None = None  # why graphs are off although CUDA is there
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}  # one side stream per device for captures
         with torch.inference_mode(False):
-            # Graphs read the write position from here; the host `length` is the truth.
-            self.start = torch.zeros((), dtype=torch.long, device=self.device)
+            # Graphs read the write position from here (stage 0; later stages have their own copy).
+            self.start = torch.zeros((), dtype=torch.long, device=self.decoder.input_device)
         self.name = "static-eager"
 
     # -- Runner -----------------------------------------------------------------------------
@@ -113,11 +139,16 @@ class StaticGraphRunner:
         self.hidden_layers = layers
         self.hidden = None
         if self.graphs:
-            self.graphs.clear()
-            self.static_ids.clear()
-            self.static_out.clear()
-            self.static_hidden.clear()
+            self._drop_graphs()
             self.warmup()
+
+    def _drop_graphs(self) -> None:
+        self.graphs.clear()
+        self.static_ids.clear()
+        self.static_out.clear()
+        self.stage_out.clear()
+        self.stage_in.clear()
+        self.static_hidden.clear()
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """Appends ids [W] to the cache; returns float32 logits [W, V] (see the class note on reuse)."""
@@ -127,13 +158,16 @@ class StaticGraphRunner:
                 f"The context is full: {self.length} cached tokens + {width} new exceed the "
                 f"{self.max_length}-token cache of this runner. Shorten the prompt or max_new_tokens."
             )
-        graph = self.graphs.get((width, self._bucket(self.length + width)))
-        if graph is None:  # eagerly, in chunks; _eager advances the length per chunk
+        graphs = self.graphs.get((width, self._bucket(self.length + width)))
+        if graphs is None:  # eagerly, in chunks; _eager advances the length per chunk
             outs = self._chunks(ids.view(width), logits=True)
             return outs[0] if len(outs) == 1 else torch.cat(outs)
         self.static_ids[width].copy_(ids.view(width), non_blocking=True)
-        self.start.fill_(self.length)
-        graph.replay()
+        self._set_start(self.length)
+        for s, graph in enumerate(graphs):
+            if s:  # the hidden state crosses to the next GPU (ordered against both devices' streams)
+                self.stage_in[(s, width)].copy_(self.stage_out[(s - 1, width)], non_blocking=True)
+            graph.replay()
         self.length += width
         self.hidden = self.static_hidden.get(width)
         return self.static_out[width]
@@ -153,6 +187,11 @@ class StaticGraphRunner:
         """The smallest attention span holding `end` positions."""
         return next(b for b in self.buckets if b >= end)
 
+    def _set_start(self, length: int) -> None:
+        self.start.fill_(length)
+        for stage in self.decoder.stages[1:]:
+            stage.start.fill_(length)
+
     def _chunks(self, ids: torch.Tensor, logits: bool) -> list[torch.Tensor | None]:
         """The eager forward over ids [W] in PREFILL_CHUNK pieces; `hidden` gets all W rows."""
         outs, rows = [], []
@@ -165,7 +204,7 @@ class StaticGraphRunner:
         return outs
 
     def _eager(self, ids: torch.Tensor, logits: bool = True) -> torch.Tensor | None:
-        self.start.fill_(self.length)
+        self._set_start(self.length)
         hidden = None
         if self.hidden_layers:
             buf = torch.empty(ids.shape[0], len(self.hidden_layers) * self.decoder.config.hidden,
@@ -194,52 +233,90 @@ class StaticGraphRunner:
             report(1.0, "ready (eager static cache)")
             return
         try:
-            with torch.cuda.device(self.device), torch.inference_mode(False), torch.no_grad():
-                pool = torch.cuda.graph_pool_handle()  # shared: graphs never run concurrently
+            with torch.inference_mode(False), torch.no_grad():
+                # Graphs of one runner never run concurrently, so they share one pool per device.
+                pools = {}
+                for stage in self.decoder.stages:
+                    with torch.cuda.device(stage.device):
+                        pools[stage.device] = torch.cuda.graph_pool_handle()
                 todo = [(w, b) for w in widths for b in self.buckets if w <= b]
                 for i, (width, bucket) in enumerate(todo):
                     report(i / len(todo), f"capturing CUDA graph {i + 1}/{len(todo)} (width {width}, span {bucket})")
-                    self._capture(width, bucket, pool)
+                    self._capture(width, bucket, pools)
             self.name = "cuda-graphs+compile" if self._compiled is not None else "cuda-graphs"
-            log.info("captured %d CUDA graphs: widths %s x spans %s", len(todo), list(widths), list(self.buckets))
+            log.info("captured %d CUDA graphs: widths %s x spans %s x %d stage(s)", len(todo), list(widths),
+                     list(self.buckets), len(self.decoder.stages))
         except Exception as exc:  # capture is an optimisation: never let it break decoding
             log.warning("CUDA graph capture failed, using the static cache eagerly: %s", exc, exc_info=True)
-            self.graphs.clear()
-            self.static_ids.clear()
-            self.static_out.clear()
-            self.static_hidden.clear()
+            self._drop_graphs()
             self.fallback_reason = f"CUDA graph capture failed: {exc}"
+            self.capture_failed = True
             self.name = "static-eager"
-            torch.cuda.synchronize(self.device)
+            for stage in self.decoder.stages:
+                torch.cuda.synchronize(stage.device)
         self.length = saved
         report(1.0, f"ready ({self.name})")
 
-    def _capture(self, width: int, bucket: int, pool: object) -> None:
-        # One input and one output buffer per width, shared by that width's graphs (one per span).
-        if width not in self.static_ids:
-            self.static_ids[width] = torch.zeros(width, dtype=torch.long, device=self.device)
-            self.static_out[width] = torch.zeros(width, self.vocab_size, dtype=torch.float32, device=self.device)
-            if self.hidden_layers:
-                self.static_hidden[width] = torch.zeros(width, len(self.hidden_layers) * self.decoder.config.hidden,
-                                                        dtype=self.decoder.dtype, device=self.device)
-        ids, out = self.static_ids[width], self.static_out[width]
+    def _buffers(self, width: int) -> None:
+        """One set of input/output buffers per width, shared by that width's graphs (one per span)."""
+        if width in self.static_ids:
+            return
+        stages, c = self.decoder.stages, self.decoder.config
+        self.static_ids[width] = torch.zeros(width, dtype=torch.long, device=self.decoder.input_device)
+        self.static_out[width] = torch.zeros(width, self.vocab_size, dtype=torch.float32, device=self.device)
+        if self.hidden_layers:
+            self.static_hidden[width] = torch.zeros(width, len(self.hidden_layers) * c.hidden,
+                                                    dtype=self.decoder.dtype, device=self.device)
+        for s in range(len(stages) - 1):
+            self.stage_out[(s, width)] = torch.zeros(width, c.hidden, dtype=self.decoder.dtype,
+                                                     device=stages[s].device)
+            self.stage_in[(s + 1, width)] = torch.zeros(width, c.hidden, dtype=self.decoder.dtype,
+                                                        device=stages[s + 1].device)
+
+    def _stream(self, device: torch.device) -> torch.cuda.Stream:
+        # One side stream per device for every warm-up and capture: blocks the caching allocator
+        # keeps for a stream are reused by the next capture instead of piling up per new stream.
+        if device not in self._streams:
+            self._streams[device] = torch.cuda.Stream(device)
+        return self._streams[device]
+
+    def _capture(self, width: int, bucket: int, pools: dict) -> None:
+        self._buffers(width)
         hidden = (self.static_hidden[width], self.hidden_layers) if self.hidden_layers else None
-        forward = self._forward
+        stages = self.decoder.stages
+        run = self._run_stage
         if self._compiled is not None and width in self.compile_widths and bucket in self.buckets[: self.compile_spans]:
-            forward = self._compiled
-        self.start.fill_(0)
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            for _ in range(WARMUP_ITERS):
-                out.copy_(forward(ids, self.start, bucket, True, hidden))
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
-            out.copy_(forward(ids, self.start, bucket, True, hidden))  # [W, V]
-        graph.replay()  # one replay so a broken capture fails here, not in the first generation
-        torch.cuda.synchronize(self.device)
-        self.graphs[(width, bucket)] = graph
+            run = self._compiled
+        self._set_start(0)
+        graphs = []
+        for s, stage in enumerate(stages):
+            last = s == len(stages) - 1
+            inp = self.static_ids[width] if s == 0 else self.stage_in[(s, width)]
+            out = self.static_out[width] if last else self.stage_out[(s, width)]
+            start = self.start if s == 0 else stage.start
+
+            def step(s=s, inp=inp, out=out, start=start) -> None:
+                # [W, V] from the last stage, [W, hidden] before; kept layers' rows into `hidden`
+                out.copy_(run(s, inp, start, bucket, True, hidden))
+
+            with torch.cuda.device(stage.device):
+                stream = self._stream(stage.device)
+                stream.wait_stream(torch.cuda.current_stream(stage.device))
+                with torch.cuda.stream(stream):
+                    for _ in range(WARMUP_ITERS):
+                        step()
+                torch.cuda.current_stream(stage.device).wait_stream(stream)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pools[stage.device], stream=stream):
+                    step()
+            graphs.append(graph)
+        for s, graph in enumerate(graphs):  # one replay so a broken capture fails here, not in a generation
+            if s:
+                self.stage_in[(s, width)].copy_(self.stage_out[(s - 1, width)])
+            graph.replay()
+        for stage in stages:
+            torch.cuda.synchronize(stage.device)
+        self.graphs[(width, bucket)] = graphs
 
     def measure_costs(self, widths: Iterable[int], iters: int = 20) -> dict[int, float]:
         return measure_forward_costs(self, widths, iters)
@@ -292,7 +369,7 @@ def build_runners(
 
     share = 0.8 if draft_runner is not None else 1.0
     target_runner.warmup(stage(0.0, share))
-    if target_runner.fallback_reason and attention == "sdpa":
+    if target_runner.capture_failed and attention == "sdpa":
         # The fused attention kernel is the likeliest part to refuse capture; plain matmuls rarely do.
         log.warning("retrying graph capture with matmul attention: %s", target_runner.fallback_reason)
         return build_runners(target, draft, max_length=max_length, k_max=k_max, attention="math", progress=progress,

@@ -1,11 +1,11 @@
-"""A lean Qwen2/Llama/Mistral decoder forward on a Hugging Face model's own weights, static KV cache.
+"""A lean Qwen2/Qwen3/Llama/Mistral decoder forward on a Hugging Face model's own weights, static KV cache.
 
 gpt-fast style: one preallocated cache per layer, RoPE tables computed once, K/V written with
 `index_copy_` at `start + arange(W)`, attention over the whole static cache with the mask
 `key_pos <= query_pos`. Slots past the write position are masked, so rolling back is just moving
 `start` back (stale entries are overwritten later). Attention reads a fixed span of the cache
 (the runner picks the smallest of a few doubling spans that holds the context), so every shape is
-fixed for a given (width, span) and the forward can be captured as a CUDA graph (engine/fast/runner.py).
+fixed for a given (width, span) and the forward can be captured as a CUDA graph (engine/runners/graphs.py).
 
 Weights: q/k/v and gate/up are concatenated once so each is one matmul. With share_weights (the
 default) the HF model's own parameters are re-pointed at slices of those fused tensors, so nothing
@@ -14,6 +14,11 @@ use). Consequences: the model's q/k/v (and gate/up) weights now share storage, s
 building a LeanDecoder, not after; and do not move or cast the model afterwards (`.to()` would
 leave the decoder on the old tensors). share_weights=False keeps the originals and costs one extra
 copy of the attention and MLP input weights (about 1.7 GB for the 1.5B target in bf16).
+
+Quantized linears (bitsandbytes int8 / nf4, or any module that is not a plain nn.Linear) are
+called through their own forward, one per projection, instead of being fused. A model split
+across GPUs by a device_map runs as stages, one per device (a contiguous run of layers); each
+stage has its own RoPE tables and write position, and the hidden state crosses between them.
 """
 from __future__ import annotations
 
@@ -28,7 +33,7 @@ from engine.errors import EngineError
 
 log = logging.getLogger(__name__)
 
-SUPPORTED_TYPES = ("qwen2", "llama", "mistral")
+SUPPORTED_TYPES = ("qwen2", "qwen3", "llama", "mistral")
 # RoPE variants whose cos/sin depend only on the position (not on the current sequence length).
 STATIC_ROPE = ("default", "linear", "llama3", "yarn")
 CACHE_ALIGN = 64  # cache slots rounded up so attention masks meet SDPA kernels' alignment rules
@@ -58,13 +63,8 @@ class LeanConfig:
         return self.n_heads // self.n_kv_heads
 
 
-def _plain_linear(module: nn.Module, what: str) -> nn.Linear:
-    if type(module) is not nn.Linear or not module.weight.is_floating_point():
-        raise UnsupportedModelError(
-            f"The fast path needs plain floating-point linear layers, but {what} is "
-            f"{type(module).__name__} (quantized or wrapped); using the eager path."
-        )
-    return module
+def _is_plain(module: nn.Module) -> bool:
+    return type(module) is nn.Linear and module.weight.is_floating_point()
 
 
 def check_supported(model: nn.Module, max_length: int) -> None:
@@ -90,12 +90,23 @@ def check_supported(model: nn.Module, max_length: int) -> None:
     if rope_type not in STATIC_ROPE:
         raise UnsupportedModelError(f"RoPE type {rope_type!r} depends on the sequence length; using the eager path.")
     devices = {p.device for p in model.parameters()}
-    if len(devices) != 1 or next(iter(devices)).type == "meta":
+    if any(d.type == "meta" for d in devices) or (len(devices) > 1 and any(d.type != "cuda" for d in devices)):
         raise UnsupportedModelError(
-            f"The fast path needs the whole model on one device; its weights are on {sorted(map(str, devices))}."
+            f"The fast path needs every weight on the GPU; this model's are on {sorted(map(str, devices))}."
         )
-    if getattr(model, "hf_device_map", None) and len(set(model.hf_device_map.values())) > 1:
-        raise UnsupportedModelError("The model is split across devices (device_map); using the eager path.")
+    order = [_layer_device(layer) for layer in model.model.layers]
+    runs = [d for i, d in enumerate(order) if i == 0 or d != order[i - 1]]
+    if len(runs) != len(set(runs)):
+        raise UnsupportedModelError("The model's layers go back and forth between devices; using the eager path.")
+    head, norm = model.get_output_embeddings().weight.device, model.model.norm.weight.device
+    if model.model.embed_tokens.weight.device != order[0] or head != order[-1] or norm != head:
+        raise UnsupportedModelError(
+            "The split model's embedding or output head is not beside its first or last layer; using the eager path."
+        )
+
+
+def _layer_device(layer: nn.Module) -> torch.device:
+    return layer.input_layernorm.weight.device
 
 
 def _fuse(modules: list[nn.Linear], share: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -122,20 +133,60 @@ def _fuse(modules: list[nn.Linear], share: bool) -> tuple[torch.Tensor, torch.Te
     return weight, bias
 
 
+class _Proj:
+    """Linear modules reading one input: one fused matmul when all are plain, else each module's forward."""
+
+    def __init__(self, modules: list[nn.Module], share: bool) -> None:
+        self.modules: tuple[nn.Module, ...] = ()
+        self.weight: torch.Tensor | None = None  # [sum(out), in]
+        self.bias: torch.Tensor | None = None
+        if all(_is_plain(m) for m in modules):
+            if len(modules) == 1:
+                m = modules[0]
+                self.weight, self.bias = m.weight.detach(), None if m.bias is None else m.bias.detach()
+            else:
+                self.weight, self.bias = _fuse(modules, share)
+        else:
+            self.modules = tuple(modules)  # quantized: the kernels live in the modules
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        """h [W, in] -> [W, sum(out)]."""
+        if self.weight is not None:
+            return F.linear(h, self.weight, self.bias)
+        outs = [m(h) for m in self.modules]
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+
+    def residual(self, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """x + self(h), the add fused into the GEMM when the weight is plain."""
+        if self.weight is not None:
+            return _linear_residual(x, h, self.weight, self.bias)
+        return x + self(h)
+
+
 @dataclass
 class _Layer:
     ln1: torch.Tensor  # [hidden] input RMSNorm weight
-    wqkv: torch.Tensor  # [(Hq + 2 Hkv) * D, hidden]
-    bqkv: torch.Tensor | None  # [(Hq + 2 Hkv) * D] (Qwen2 has q/k/v bias; Llama does not)
-    wo: torch.Tensor  # [hidden, Hq * D]
-    bo: torch.Tensor | None
+    qkv: _Proj  # -> [W, (Hq + 2 Hkv) * D] (Qwen2 has q/k/v bias; Llama does not)
+    qk_norm: torch.Tensor | None  # [Hq + Hkv, D] Qwen3's per-head RMSNorm weights for q then k; None elsewhere
+    o: _Proj  # [W, Hq * D] -> [W, hidden]
     ln2: torch.Tensor  # [hidden] post-attention RMSNorm weight
-    w13: torch.Tensor  # [2 * inter, hidden] gate and up
-    b13: torch.Tensor | None
-    w2: torch.Tensor  # [hidden, inter] down
-    b2: torch.Tensor | None
+    gate_up: _Proj  # -> [W, 2 * inter]
+    down: _Proj  # [W, inter] -> [W, hidden]
     k_cache: torch.Tensor  # [1, Hkv, cache_len, D]
     v_cache: torch.Tensor  # [1, Hkv, cache_len, D]
+
+
+@dataclass
+class _Stage:
+    """A run of consecutive layers on one device, with that device's copy of the position tables."""
+
+    device: torch.device
+    first: int  # index of its first layer in the model
+    layers: list[_Layer]
+    key_pos: torch.Tensor  # [cache_len] positions 0..cache_len-1
+    cos: torch.Tensor  # [cache_len, D]
+    sin: torch.Tensor  # [cache_len, D], sign folded in for the roll form of rotate_half
+    start: torch.Tensor  # long scalar: write position (stage 0 uses the caller's)
 
 
 def _linear_residual(x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -155,8 +206,11 @@ class LeanDecoder:
     """forward(ids [W], start) -> float32 logits [W, V], appending W tokens at positions start.. start+W-1."""
 
     def __init__(
-        self, model: nn.Module, max_length: int, *, share_weights: bool = True, attention: str = "sdpa"
+        self, model: nn.Module, max_length: int, *, share_weights: bool = True, attention: str = "sdpa",
+        stage_breaks: tuple[int, ...] = (),
     ) -> None:
+        """stage_breaks: layer indices that start a new stage although the device does not change
+        (tests run the split-model path on one CPU this way)."""
         check_supported(model, max_length)
         if attention not in ATTENTION:
             raise ValueError(f"attention must be one of {ATTENTION}, not {attention!r}")
@@ -167,7 +221,10 @@ class LeanDecoder:
         n_heads = config.num_attention_heads
         n_kv = getattr(config, "num_key_value_heads", None) or n_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // n_heads
-        lm_head = _plain_linear(model.get_output_embeddings(), "the output head")
+        lm_head = model.get_output_embeddings()
+        if not _is_plain(lm_head):
+            raise UnsupportedModelError(
+                f"The fast path needs a plain output head, not {type(lm_head).__name__}; using the eager path.")
         cache_len = -(-max_length // CACHE_ALIGN) * CACHE_ALIGN
         self.config = LeanConfig(
             n_layers=len(base.layers),
@@ -183,7 +240,8 @@ class LeanDecoder:
         )
         assert n_heads % n_kv == 0, f"{n_heads} query heads do not group over {n_kv} key/value heads"
         weight = base.embed_tokens.weight
-        self.device = weight.device
+        self.input_device = weight.device  # where ids go in
+        self.device = lm_head.weight.device  # where logits come out (the same unless split)
         self.dtype = weight.dtype
         self.model = model  # keeps the weights alive; nothing else is used from it after this
         self.share_weights = share_weights
@@ -193,41 +251,52 @@ class LeanDecoder:
             self.lm_bias = None if lm_head.bias is None else lm_head.bias.detach()
             self.norm = base.norm.weight.detach()
             self.layers = [self._build_layer(layer) for layer in base.layers]
-            positions = torch.arange(cache_len, device=self.device)
-            self.key_pos = positions  # [cache_len]
-            # HF's own rotary module, so every static RoPE variant (llama3, yarn, ...) matches it.
-            dummy = torch.zeros(1, device=self.device, dtype=self.dtype)
-            cos, sin = base.rotary_emb(dummy, positions[None])  # [1, cache_len, D] in dtype
-            self.cos = cos[0].contiguous()  # [cache_len, D]
-            # rotate_half(x) * sin == roll(x, D/2) * [-sin_first_half, sin_second_half]
-            half = head_dim // 2
-            self.sin = torch.cat([-sin[0, :, :half], sin[0, :, half:]], dim=-1).contiguous()
+            self.stages: list[_Stage] = []
+            for i, (layer, built) in enumerate(zip(base.layers, self.layers)):
+                device = _layer_device(layer)
+                if not self.stages or self.stages[-1].device != device or i in stage_breaks:
+                    self.stages.append(self._stage(base, device, i))
+                self.stages[-1].layers.append(built)
+        projections = [p for layer in self.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        self.quantized = any(p.modules for p in projections)
         log.info(
-            "lean decoder: %d layers, %d/%d heads x %d, cache %d slots, %.1f MiB of KV cache",
-            self.config.n_layers, n_heads, n_kv, head_dim, cache_len, self.cache_bytes() / 2**20,
+            "lean decoder: %d layers on %s, %d/%d heads x %d, cache %d slots, %.1f MiB of KV cache%s",
+            self.config.n_layers, ", ".join(str(st.device) for st in self.stages), n_heads, n_kv, head_dim,
+            cache_len, self.cache_bytes() / 2**20, ", quantized linears" if self.quantized else "",
+        )
+
+    def _stage(self, base: nn.Module, device: torch.device, first: int) -> _Stage:
+        positions = torch.arange(self.config.cache_len, device=device)
+        # HF's own rotary module, so every static RoPE variant (llama3, yarn, ...) matches it.
+        dummy = torch.zeros(1, device=device, dtype=self.dtype)
+        cos, sin = (t.to(device) for t in base.rotary_emb(dummy, positions[None]))  # [1, cache_len, D] in dtype
+        # rotate_half(x) * sin == roll(x, D/2) * [-sin_first_half, sin_second_half]
+        half = self.config.head_dim // 2
+        return _Stage(
+            device=device, first=first, layers=[], key_pos=positions, cos=cos[0].contiguous(),
+            sin=torch.cat([-sin[0, :, :half], sin[0, :, half:]], dim=-1).contiguous(),
+            start=torch.zeros((), dtype=torch.long, device=device),
         )
 
     def _build_layer(self, layer: nn.Module) -> _Layer:
         attn, mlp = layer.self_attn, layer.mlp
-        q, k, v, o = (_plain_linear(getattr(attn, n), n) for n in ("q_proj", "k_proj", "v_proj", "o_proj"))
-        gate, up, down = (_plain_linear(getattr(mlp, n), n) for n in ("gate_proj", "up_proj", "down_proj"))
-        wqkv, bqkv = _fuse([q, k, v], self.share_weights)
-        w13, b13 = _fuse([gate, up], self.share_weights)
         c = self.config
+        qk_norm = None
+        if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm over each head of q and k, before RoPE
+            qk_norm = torch.cat([attn.q_norm.weight.detach().expand(c.n_heads, c.head_dim),
+                                 attn.k_norm.weight.detach().expand(c.n_kv_heads, c.head_dim)])
+        device = _layer_device(layer)
         shape = (1, c.n_kv_heads, c.cache_len, c.head_dim)
         return _Layer(
             ln1=layer.input_layernorm.weight.detach(),
-            wqkv=wqkv,
-            bqkv=bqkv,
-            wo=o.weight.detach(),
-            bo=None if o.bias is None else o.bias.detach(),
+            qkv=_Proj([attn.q_proj, attn.k_proj, attn.v_proj], self.share_weights),
+            qk_norm=qk_norm,
+            o=_Proj([attn.o_proj], self.share_weights),
             ln2=layer.post_attention_layernorm.weight.detach(),
-            w13=w13,
-            b13=b13,
-            w2=down.weight.detach(),
-            b2=None if down.bias is None else down.bias.detach(),
-            k_cache=torch.zeros(shape, device=self.device, dtype=self.dtype),
-            v_cache=torch.zeros(shape, device=self.device, dtype=self.dtype),
+            gate_up=_Proj([mlp.gate_proj, mlp.up_proj], self.share_weights),
+            down=_Proj([mlp.down_proj], self.share_weights),
+            k_cache=torch.zeros(shape, device=device, dtype=self.dtype),
+            v_cache=torch.zeros(shape, device=device, dtype=self.dtype),
         )
 
     def cache_bytes(self) -> int:
@@ -235,14 +304,15 @@ class LeanDecoder:
 
     def fused_bytes(self) -> int:
         """Memory taken by the fused q/k/v and gate/up weights (0 extra when shared with the HF model)."""
-        return sum(t.numel() * t.element_size() for layer in self.layers for t in (layer.wqkv, layer.w13))
+        return sum(p.weight.numel() * p.weight.element_size() for layer in self.layers
+                   for p in (layer.qkv, layer.gate_up) if p.weight is not None)
 
     @torch.no_grad()
     def forward(
         self, ids: torch.Tensor, start: torch.Tensor, kv_len: int | None = None, logits: bool = True,
         hidden: tuple[torch.Tensor, tuple[int, ...]] | None = None,
     ) -> torch.Tensor | None:
-        """ids [W] long, start: long scalar tensor on the device -> float32 logits [W, V].
+        """ids [W] long, start: long scalar tensor on the input device -> float32 logits [W, V].
 
         logits=False only fills the cache (the prompt): no output head, no [W, V] allocation.
         hidden=(out [W, n * hidden], layers): the outputs of those n layers are copied into `out`
@@ -250,31 +320,52 @@ class LeanDecoder:
 
         Attention reads the first `kv_len` cache slots (default: all); the caller guarantees
         start + W <= kv_len, and picks kv_len from a few buckets so short contexts read little.
-        No host syncs and no data-dependent shapes: capturable as a CUDA graph for fixed W, kv_len.
+        No host syncs and no data-dependent shapes: each stage is capturable as a CUDA graph for
+        fixed W, kv_len (on one device, the whole forward is one stage).
+        """
+        x = ids if ids.device == self.input_device else ids.to(self.input_device)
+        for s, stage in enumerate(self.stages):
+            if s:
+                x = x.to(stage.device)
+                stage.start.copy_(start)
+            x = self.run_stage(s, x, start if s == 0 else stage.start, kv_len, logits, hidden)
+        return x
+
+    def run_stage(
+        self, s: int, x: torch.Tensor, start: torch.Tensor, kv_len: int | None = None, logits: bool = True,
+        hidden: tuple[torch.Tensor, tuple[int, ...]] | None = None,
+    ) -> torch.Tensor | None:
+        """Stage s: ids [W] (stage 0) or hidden [W, hidden] in; hidden out, or logits [W, V] from the last.
+
+        Kept layers (`hidden`) of this stage are copied into that buffer, which lives on the output
+        device: for a split model the copy crosses GPUs and cannot be captured, so such a runner
+        falls back to the static cache without graphs (reported).
         """
         c = self.config
-        width = ids.shape[0]
+        stage = self.stages[s]
         kv_len = kv_len or c.cache_len
-        pos = start + self.key_pos[:width]  # [W] absolute positions
-        cos = self.cos.index_select(0, pos)  # [W, D]
-        sin = self.sin.index_select(0, pos)  # [W, D]
+        if s == 0:
+            x = F.embedding(x, self.embed)  # [W, hidden]
+        width = x.shape[0]
+        pos = start + stage.key_pos[:width]  # [W] absolute positions
+        cos = stage.cos.index_select(0, pos)[:, None, :]  # [W, 1, D] broadcasts over heads
+        sin = stage.sin.index_select(0, pos)[:, None, :]
         # Causal over the static cache: slots beyond a query's position (the future, or stale tokens
         # left by a rollback) are masked. Rows repeat per query head of a KV group (see below).
-        mask = self.key_pos[None, :kv_len] <= pos[:, None]  # [W, L]
+        mask = stage.key_pos[None, :kv_len] <= pos[:, None]  # [W, L]
         mask = mask.repeat(c.group, 1)  # [G*W, L]
         # Additive form built once per forward, not converted from bool inside every layer.
-        bias = torch.zeros(mask.shape, dtype=self.dtype, device=self.device).masked_fill_(~mask, float("-inf"))
-        cos = cos[:, None, :]  # [W, 1, D] broadcasts over heads
-        sin = sin[:, None, :]
-        x = F.embedding(ids, self.embed)  # [W, hidden]
+        bias = torch.zeros(mask.shape, dtype=self.dtype, device=stage.device).masked_fill_(~mask, float("-inf"))
         q_size, kv_size = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
         n_qk = c.n_heads + c.n_kv_heads
         keep = {} if hidden is None else {layer: slot for slot, layer in enumerate(hidden[1])}
-        for index, layer in enumerate(self.layers):
+        for index, layer in enumerate(stage.layers, stage.first):
             h = _rms_norm(x, layer.ln1, c.eps)
-            qkv = F.linear(h, layer.wqkv, layer.bqkv)  # [W, (Hq + 2 Hkv) * D]
-            # RoPE on the query and key heads at once: rotate_half(x) = roll(x, D/2) * (-1 | +1).
+            qkv = layer.qkv(h)  # [W, (Hq + 2 Hkv) * D]
             qk = qkv[:, : q_size + kv_size].view(width, n_qk, c.head_dim)  # [W, Hq + Hkv, D]
+            if layer.qk_norm is not None:
+                qk = _rms_norm(qk, layer.qk_norm, c.eps)  # per head, [Hq + Hkv, D] weights broadcast over W
+            # RoPE on the query and key heads at once: rotate_half(x) = roll(x, D/2) * (-1 | +1).
             qk = qk * cos + torch.roll(qk, c.head_dim // 2, dims=-1) * sin  # [W, Hq + Hkv, D]
             v = qkv[:, q_size + kv_size :].view(width, c.n_kv_heads, c.head_dim)  # [W, Hkv, D]
             k = qk[:, c.n_heads :].transpose(0, 1).unsqueeze(0)  # [1, Hkv, W, D]
@@ -285,13 +376,15 @@ class LeanDecoder:
             q = qk[:, : c.n_heads].transpose(0, 1).reshape(1, c.n_kv_heads, c.group * width, c.head_dim)
             o = self._attend(q, layer.k_cache[:, :, :kv_len], layer.v_cache[:, :, :kv_len], bias)  # [1, Hkv, G*W, D]
             o = o.view(c.n_heads, width, c.head_dim).transpose(0, 1).reshape(width, q_size)  # [W, Hq*D]
-            x = _linear_residual(x, o, layer.wo, layer.bo)
+            x = layer.o.residual(x, o)
             h = _rms_norm(x, layer.ln2, c.eps)
-            gate, up = F.linear(h, layer.w13, layer.b13).chunk(2, dim=-1)  # [W, inter] each
-            x = _linear_residual(x, F.silu(gate) * up, layer.w2, layer.b2)
+            gate, up = layer.gate_up(h).chunk(2, dim=-1)  # [W, inter] each
+            x = layer.down.residual(x, F.silu(gate) * up)
             if index in keep:
                 slot = keep[index]
                 hidden[0][:, slot * c.hidden : (slot + 1) * c.hidden].copy_(x)
+        if s < len(self.stages) - 1:
+            return x  # [W, hidden]
         if not logits:
             return None
         x = _rms_norm(x, self.norm, c.eps)
