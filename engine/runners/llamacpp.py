@@ -1,0 +1,271 @@
+"""The llama.cpp runner: a GGUF model through llama-cpp-python's low-level API, behind the Runner seam.
+
+One llama_context per model with one sequence (id 0). forward() feeds a llama_batch that asks for
+logits at every position and hands back llama.cpp's own logits buffer as a torch tensor without a
+copy; rollback removes the KV cells at positions >= the committed length (llama_memory_seq_rm).
+llama.cpp's calls release the GIL (ctypes), so the UI thread keeps running while a model decodes.
+"""
+from __future__ import annotations
+
+import collections
+import ctypes
+import importlib
+import logging
+import os
+import threading
+from collections.abc import Iterable
+from functools import lru_cache
+from pathlib import Path
+from types import ModuleType
+
+import numpy as np
+import torch
+
+from engine.errors import GenerationError, ModelLoadError
+from engine.limits import K_MAX
+
+log = logging.getLogger(__name__)
+
+NAME = "llama.cpp"
+DEFAULT_N_CTX = 4096  # KV cells per model: the 1.5B's f16 cache is 28 KiB a token (115 MiB here)
+DEFAULT_N_BATCH = 512  # prompt tokens per llama_decode call; larger prompts are fed in chunks
+FLASH_ATTN = True  # measured below
+# Rows reserved in llama.cpp's logits buffer at load: the widest verify the loop sends, so the
+# buffer is never reallocated under a tensor handed out by forward().
+RESERVED_OUTPUTS = K_MAX + 1
+
+_backend_lock = threading.Lock()
+_backend_ready = False
+_recent_log: collections.deque[str] = collections.deque(maxlen=20)  # llama.cpp's last lines, for errors
+_log_callback = None  # kept alive: llama.cpp holds a raw pointer to it
+
+
+class RuntimeUnavailable(ModelLoadError):
+    """llama-cpp-python cannot be imported here; the message says why and how to install it."""
+
+
+INSTALL_HINT = ".venv/bin/pip install -e ."  # builds llama-cpp-python from source (cmake, a C++ compiler)
+
+
+@lru_cache(maxsize=1)
+def _import() -> ModuleType | str:
+    try:
+        return importlib.import_module("llama_cpp")
+    except Exception as e:  # ImportError, or OSError from a shared library that does not load
+        text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        return f"{type(e).__name__}: {text}"[:200]
+
+
+def unavailable_reason() -> str | None:
+    """None when llama-cpp-python imports; otherwise one line saying why it does not."""
+    found = _import()
+    return found if isinstance(found, str) else None
+
+
+def llama_cpp() -> ModuleType:
+    """The llama_cpp module with its backend initialised and its log routed to `logging`."""
+    global _backend_ready, _log_callback
+    found = _import()
+    if isinstance(found, str):
+        raise RuntimeUnavailable(f"llama.cpp is not available ({found}); install it with: {INSTALL_HINT}")
+    with _backend_lock:
+        if not _backend_ready:
+            _log_callback = found.llama_log_callback(_on_log)
+            found.llama_log_set(_log_callback, ctypes.c_void_p(0))
+            found.llama_backend_init()
+            _backend_ready = True
+    return found
+
+
+def _on_log(level: int, text: bytes, _user: ctypes.c_void_p) -> None:
+    # ggml levels: 1 info, 2 warn, 3 error, 4 debug, 5 continuation. Load chatter stays at debug.
+    line = text.decode("utf-8", errors="replace").rstrip()
+    if not line:
+        return
+    _recent_log.append(line)
+    log.log(logging.WARNING if level == 3 else logging.DEBUG, "llama.cpp: %s", line)
+
+
+def _last_error() -> str:
+    """The last thing llama.cpp said, for an error message (it reports reasons only in its log)."""
+    for line in reversed(_recent_log):
+        if "error" in line.lower() or "failed" in line.lower():
+            return line.split(": ", 1)[-1][:200]
+    return "see the log (-v) for llama.cpp's reason"
+
+
+def physical_cores() -> int:
+    """Physical cores this process may run on (hyperthreads do not speed up a memory-bound decode)."""
+    allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
+    cores: set[tuple[str, str]] = set()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            cpu, package = -1, "0"
+            for line in f:
+                key, _, value = line.partition(":")
+                key, value = key.strip(), value.strip()
+                if key == "processor":
+                    cpu = int(value)
+                elif key == "physical id":
+                    package = value
+                elif key == "core id" and cpu in allowed:
+                    cores.add((package, value))
+    except (OSError, ValueError):
+        pass
+    return max(1, min(len(cores) or len(allowed), len(allowed)))
+
+
+def file_type_name(code: int) -> str:
+    """'Q4_K_M' for llama.cpp's file type 15 (the GGUF's general.file_type)."""
+    import gguf
+
+    try:
+        return gguf.LlamaFileType(code).name.removeprefix("MOSTLY_").removeprefix("ALL_")
+    except ValueError:
+        return f"type {code}"
+
+
+class LlamaCppRunner:
+    """One GGUF model in its own llama.cpp context; the KV cache holds one sequence.
+
+    forward() returns a view of llama.cpp's logits buffer: valid until the next call on this
+    runner (the loop reads it before it calls again). The buffer is reserved for
+    RESERVED_OUTPUTS rows at load, so it is never moved while a view exists.
+    """
+
+    name = NAME
+    device = torch.device("cpu")
+
+    def __init__(self, path: Path, *, n_ctx: int = DEFAULT_N_CTX, threads: int | None = None,
+                 n_batch: int = DEFAULT_N_BATCH, flash_attn: bool = FLASH_ATTN, label: str | None = None) -> None:
+        lib = llama_cpp()
+        self._lib = lib
+        self.path = path
+        self.flash_attn = flash_attn
+        self.label = label or path.stem
+        self._model = self._ctx = None
+        self._batch = None
+        mparams = lib.llama_model_default_params()
+        mparams.n_gpu_layers = 0  # this runner is the CPU runtime; GPUs run the torch path
+        model = lib.llama_model_load_from_file(str(path).encode(), mparams)
+        if not model:
+            raise ModelLoadError(f"llama.cpp could not load {path}: {_last_error()}.")
+        self._model = model
+        self.threads = threads or physical_cores()
+        n_ctx = max(8, min(n_ctx, int(lib.llama_model_n_ctx_train(model)) or n_ctx))
+        cparams = lib.llama_context_default_params()
+        cparams.n_ctx = n_ctx
+        cparams.n_batch = cparams.n_ubatch = min(n_batch, n_ctx)
+        cparams.n_seq_max = 1
+        cparams.n_threads = cparams.n_threads_batch = self.threads
+        cparams.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn else lib.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        cparams.no_perf = True
+        ctx = lib.llama_init_from_model(model, cparams)
+        if not ctx:
+            self.close()
+            raise ModelLoadError(f"llama.cpp could not create a context for {path} "
+                                 f"({n_ctx} tokens): {_last_error()}.")
+        self._ctx = ctx
+        self._memory = lib.llama_get_memory(ctx)
+        vocab = lib.llama_model_get_vocab(model)
+        self.vocab_size = int(lib.llama_vocab_n_tokens(vocab))  # one logits row per token id
+        self.max_length = int(lib.llama_n_ctx(ctx))
+        self.n_batch = int(cparams.n_batch)
+        self.file_type = file_type_name(int(lib.llama_model_ftype(model)))
+        self.file_bytes = int(lib.llama_model_size(model))
+        # End-of-generation ids as llama.cpp sees them (eos, eot, <|endoftext|>, ...).
+        self.eog_ids = frozenset(i for i in range(self.vocab_size) if lib.llama_vocab_is_eog(vocab, i))
+        self._batch = lib.llama_batch_init(self.n_batch, 0, 1)
+        for i in range(self.n_batch):  # one sequence: these never change
+            self._batch.n_seq_id[i] = 1
+            self._batch.seq_id[i][0] = 0
+        self.length = 0
+        self._reserve_outputs()
+
+    # -- the Runner protocol ------------------------------------------------------------------
+    def reset(self) -> None:
+        self._lib.llama_memory_clear(self._memory, False)  # cells only; their data is overwritten
+        self.length = 0
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """Appends ids [W] and returns float32 logits [W, V], one row per fed position."""
+        tokens = ids.tolist()
+        width = len(tokens)
+        assert 0 < width <= RESERVED_OUTPUTS, f"a forward takes 1..{RESERVED_OUTPUTS} tokens, got {width}"
+        self._decode(tokens, outputs=True)
+        rows = self._lib.llama_get_logits(self._ctx)  # [W * V] floats, in batch order
+        return torch.from_numpy(np.ctypeslib.as_array(rows, shape=(width, self.vocab_size)))
+
+    def prefill(self, ids: torch.Tensor) -> None:
+        """Appends ids [W] in chunks of n_batch, asking for no logits (the prompt needs none)."""
+        tokens = ids.tolist()
+        for start in range(0, len(tokens), self.n_batch):
+            self._decode(tokens[start:start + self.n_batch], outputs=False)
+
+    def rollback(self, length: int) -> None:
+        assert 0 <= length <= self.length, f"cannot roll back to {length} from {self.length}"
+        if length < self.length:
+            removed = self._lib.llama_memory_seq_rm(self._memory, 0, length, -1)
+            assert removed, "llama.cpp refused to remove the cells past the committed length"
+            self.length = length
+
+    def measure_costs(self, widths: Iterable[int], iters: int = 3) -> dict[int, float]:
+        from engine.runners import measure_forward_costs
+
+        return measure_forward_costs(self, widths, iters)
+
+    # -- llama.cpp specifics ------------------------------------------------------------------
+    def set_threads(self, threads: int) -> None:
+        """Threads for every later decode (single-token and batched alike)."""
+        self.threads = max(1, int(threads))
+        self._lib.llama_set_n_threads(self._ctx, self.threads, self.threads)
+
+    def kv_length(self) -> int:
+        """Tokens llama.cpp itself holds for the sequence (its largest position + 1)."""
+        return int(self._lib.llama_memory_seq_pos_max(self._memory, 0)) + 1
+
+    def close(self) -> None:
+        """Frees the context, the model and the batch; the runner cannot be used afterwards."""
+        lib = getattr(self, "_lib", None)
+        if lib is None:
+            return
+        if self._batch is not None:
+            lib.llama_batch_free(self._batch)
+            self._batch = None
+        if self._ctx:
+            lib.llama_free(self._ctx)
+            self._ctx = None
+        if self._model:
+            lib.llama_model_free(self._model)
+            self._model = None
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown: the library may already be gone
+            pass
+
+    def _decode(self, tokens: list[int], *, outputs: bool) -> None:
+        batch, n = self._batch, len(tokens)
+        if self.length + n > self.max_length:
+            raise GenerationError(
+                f"The context is full: {self.length + n} tokens do not fit the {self.max_length} "
+                f"llama.cpp holds for {self.label}; start a new chat or load with a larger context.")
+        flag = 1 if outputs else 0
+        for i, token in enumerate(tokens):
+            batch.token[i] = token
+            batch.pos[i] = self.length + i
+            batch.logits[i] = flag
+        batch.n_tokens = n
+        status = self._lib.llama_decode(self._ctx, batch)
+        if status != 0:
+            # 1: no KV slot; < 0: invalid batch or a failed compute. The cache is as before the call.
+            raise GenerationError(f"llama.cpp could not decode {n} tokens of {self.label} "
+                                  f"(status {status}: {_last_error()}).")
+        self.length += n
+
+    def _reserve_outputs(self) -> None:
+        """One forward of the widest verify, so the logits buffer is allocated once, at load."""
+        width = min(RESERVED_OUTPUTS, self.max_length, self.n_batch)
+        self.forward(torch.zeros(width, dtype=torch.long))
+        self.reset()
