@@ -19,7 +19,7 @@ from engine.types import MODES, PROPOSERS, GenerationRequest, Message, Summary
 
 if TYPE_CHECKING:  # heavy imports (torch, transformers) wait until a command really runs
     from engine.decoding import Engine
-    from engine.models.store import LoadedPair, LoadProgress
+    from engine.models.store import LoadProgress
 
 PROG = "specdec-studio"
 log = logging.getLogger(__name__)
@@ -77,6 +77,11 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--fast-path", default="auto", choices=["auto", "eager", "static", "compiled"],
                    help="auto: static cache + CUDA graphs where possible, else eager; compiled: also "
                         "torch.compile the per-step forwards for --k (CUDA; minutes of warm-up)")
+    g.add_argument("--runtime", default="auto", choices=["auto", "torch", "llamacpp"],
+                   help="auto: llama.cpp on the CPU for .gguf files and the packaged pair (when installed), "
+                        "torch otherwise; --dtype and --fast-path apply to torch")
+    g.add_argument("--threads", type=_positive_int, default=None,
+                   help="CPU threads per llama.cpp decode (default: the physical cores)")
     d = p.add_argument_group("decoding")
     d.add_argument("--k", type=_k, default=5, help="draft tokens proposed per step (>= 1)")
     d.add_argument("--temperature", type=_non_negative_float, default=0.0, help="0 = greedy")
@@ -141,14 +146,13 @@ class _LoadReporter:
             print(f"{PROG}: {p.message}", file=self.stream, flush=True)
 
 
-def _load(args: argparse.Namespace, needs_draft: bool) -> tuple[LoadedPair, Engine]:
-    from engine.decoding import Engine
-    from engine.models.store import load_pair
+def _load(args: argparse.Namespace, needs_draft: bool, runtime: str | None = None) -> Engine:
+    from engine.models.runtime import load_engine
 
     reporter = _LoadReporter(sys.stderr, args.verbose)
-    pair = load_pair(args.target, args.draft, device=args.device, dtype=args.dtype,
-                     progress=reporter, with_draft=needs_draft)
-    return pair, Engine.from_pair(pair, fast_path=args.fast_path, progress=reporter, compile_k=args.k)
+    return load_engine(args.target, args.draft, runtime=runtime or args.runtime, device=args.device,
+                       dtype=args.dtype, with_draft=needs_draft, fast_path=args.fast_path, threads=args.threads,
+                       progress=reporter, compile_k=args.k)
 
 
 def _settings(args: argparse.Namespace, mode: str, max_new_tokens: int) -> GenerationSettings:
@@ -176,14 +180,17 @@ def _environment(engine: Engine) -> dict[str, Any]:
     except OSError:
         pass
     gpu = torch.cuda.get_device_name(engine.device) if engine.device.type == "cuda" else None
-    return {"torch": torch.__version__, "transformers": transformers.__version__, "cpu": cpu, "gpu": gpu,
+    llama = sys.modules.get("llama_cpp")  # imported only when the llama.cpp runtime ran
+    return {"torch": torch.__version__, "transformers": transformers.__version__,
+            "llama_cpp_python": getattr(llama, "__version__", None), "cpu": cpu, "gpu": gpu,
             "python": platform.python_version()}
 
 
 def _model_config(engine: Engine, args: argparse.Namespace) -> dict[str, Any]:
     info = engine.info
     return {"target": info.target_name, "draft": info.draft_name, "device": info.device, "dtype": info.dtype,
-            "fast_path": info.fast_path, "vocab_size": info.vocab_size, "k": args.k,
+            "fast_path": info.fast_path, "runtime": info.runtime, "threads": info.threads,
+            "vocab_size": info.vocab_size, "k": args.k,
             "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed,
             "max_new_tokens": args.max_new_tokens, "proposer": args.proposer, "raw": args.raw}
 
@@ -192,7 +199,7 @@ def _model_config(engine: Engine, args: argparse.Namespace) -> dict[str, Any]:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     needs_draft = args.mode == "speculative" and args.proposer != "ngram"
-    _, engine = _load(args, needs_draft)
+    engine = _load(args, needs_draft)
     generation = engine.generate(_request(args, args.prompt, args.mode, args.max_new_tokens))
     tokens: list[dict[str, str]] = []
     for step in generation:
@@ -210,8 +217,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
     else:
         sys.stdout.write("\n")
         info = engine.info
-        print(f"{_summary_line(summary)}; {info.device}, {info.dtype}, {info.fast_path}", file=sys.stderr)
+        print(f"{_summary_line(summary)}; {info.device}, {info.dtype}, {_runtime_label(info)}", file=sys.stderr)
     return 0
+
+
+def _runtime_label(info) -> str:
+    """'llama.cpp, 2 threads' or the torch fast path's name, plus why when auto fell back."""
+    label = f"{info.fast_path}, {info.threads} threads" if info.runtime == "llamacpp" else info.fast_path
+    return f"{label} ({info.runtime_note})" if info.runtime_note else label
 
 
 def _summary_line(s: Summary) -> str:
@@ -237,7 +250,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         result_json,
         run_bench,
     )
-    from engine.models.store import load_pair
+    from engine.models.store import LoadedPair, load_pair
 
     # Cheap checks first: a typo in a file name should not cost a model load.
     prompts = read_prompts(args.prompts)
@@ -246,12 +259,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if out is not None and not out.parent.exists():
             raise CliError(f"output folder {out.parent} does not exist")
     needs_draft = any(MODE_RUNNERS[m].needs_draft for m in modes) and args.proposer != "ngram"
-    pair, engine = _load(args, needs_draft)
+    engine = _load(args, needs_draft)
+    # The hf-* baselines run on the engine's own torch models; on llama.cpp they load their own.
+    pair = (LoadedPair(engine.target, engine.draft, engine.tokenizer, engine.info, engine.vocab)
+            if engine.target is not None else None)
     ctx = BenchContext(
         pair, engine,
         make_request=lambda prompt, mode, max_new: _request(args, prompt, mode, max_new),
         reload_pair=lambda: load_pair(args.target, args.draft, device=args.device, dtype=args.dtype,
                                       with_draft=needs_draft),
+        load_runtime=lambda runtime: _load(args, needs_draft, runtime),
     )
     with tqdm(total=len(prompts) * len(modes), file=sys.stderr, desc="bench", unit="run", disable=None) as bar:
         def progress(done: int, _total: int, note: str) -> None:
@@ -277,7 +294,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(table)
         raise CliError(f"cannot write results: {e.strerror or e} ({e.filename})") from None
     print(f"{engine.info.target_name} / {engine.info.draft_name or '-'} on {engine.info.device} "
-          f"({engine.info.dtype}, {engine.info.fast_path}), {len(prompts)} prompts, k={args.k}, "
+          f"({engine.info.dtype}, {_runtime_label(engine.info)}), {len(prompts)} prompts, k={args.k}, "
           f"temperature={args.temperature}, max_new_tokens={args.max_new_tokens}")
     print(table)
     return 0

@@ -17,7 +17,7 @@ ENCODING = "utf-8-sig"  # the BOM makes Excel read UTF-8 (Chinese text) instead 
 
 SUMMARY_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(Summary))
 SESSION_COLUMNS: tuple[str, ...] = (
-    "request_id", "timestamp", "target_model", "draft_model", "device", "dtype", "fast_path",
+    "request_id", "timestamp", "target_model", "draft_model", "device", "dtype", "fast_path", "runtime", "threads",
     "proposer", "request_mode", "request_k", "temperature", "top_k", "top_p", "seed", "max_new_tokens",
 ) + SUMMARY_FIELDS
 TRACE_COLUMNS: tuple[str, ...] = (
@@ -67,6 +67,8 @@ def session_rows(records: Iterable[AnswerRecord]) -> list[dict[str, object]]:
             "device": info.device if info else "",
             "dtype": info.dtype if info else "",
             "fast_path": info.fast_path if info else "",
+            "runtime": info.runtime if info else "",
+            "threads": info.threads if info else "",
             "proposer": req.proposer if req.mode == "speculative" else "",
             "request_mode": req.mode,
             "request_k": req.k if req.mode == "speculative" else 0,

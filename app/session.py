@@ -29,6 +29,8 @@ class LoadRequest:
     dtype: str = "auto"  # auto / bfloat16 / float16 / float32
     with_draft: bool = True  # False: target only (n-gram proposer or standard decoding)
     fast_path: str = "auto"  # auto / eager / static / compiled, passed to Engine.from_pair
+    runtime: str = "auto"  # auto / torch / llamacpp (engine.models.runtime.choose_runtime)
+    threads: int | None = None  # CPU threads per llama.cpp decode; None = the physical cores
 
 
 def load_request_for(selection: ModelSelection) -> LoadRequest:
@@ -39,7 +41,17 @@ def load_request_for(selection: ModelSelection) -> LoadRequest:
         device=selection.device,
         dtype=selection.dtype,
         with_draft=not selection.no_draft,
+        runtime=selection.runtime,
+        threads=selection.threads or None,
     )
+
+
+def runtime_label(info: ModelInfo) -> str:
+    """What runs the pair, for the status bar: 'llama.cpp · 2 threads', the torch fast path's name,
+    and 'torch (llama.cpp unavailable: …)' when auto could not use llama.cpp."""
+    if info.runtime == "llamacpp":
+        return f"{info.fast_path} · {info.threads} threads" if info.threads else info.fast_path
+    return f"{info.fast_path} (torch; {info.runtime_note})" if info.runtime_note else info.fast_path
 
 
 def system_messages(settings: GenerationSettings) -> tuple[Message, ...]:

