@@ -10,14 +10,25 @@
 """
 from __future__ import annotations
 
+import atexit
 import time
+import weakref
 from dataclasses import replace
 from typing import Any
 
 from engine.errors import InputError
 from engine.measure.bench import BenchContext, BenchPrompt, RunRecord, engine_run, register_mode
 
-_plain: dict[int, Any] = {}  # id(engine) -> its llama_cpp.Llama, loaded once
+# engine -> its llama_cpp.Llama, loaded once and dropped with the engine.
+_plain: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+
+
+@atexit.register
+def _close_plain() -> None:
+    # Closed before the interpreter tears llama_cpp down: its __del__ fails on a half-gone module.
+    for llm in list(_plain.values()):
+        llm.close()
+    _plain.clear()
 
 
 def plain_llama(engine) -> Any:
@@ -27,14 +38,14 @@ def plain_llama(engine) -> Any:
     runner = engine.target_runner
     if not isinstance(runner, LlamaCppRunner):
         raise InputError("llamacpp-plain compares against the llama.cpp runtime: run the bench with --runtime llamacpp.")
-    if id(engine) not in _plain:
+    if engine not in _plain:
         lib = llama_cpp()
-        _plain[id(engine)] = lib.Llama(
+        _plain[engine] = lib.Llama(
             model_path=str(runner.path), n_ctx=runner.max_length, n_batch=runner.n_batch, n_ubatch=runner.n_batch,
             n_threads=runner.threads, n_threads_batch=runner.threads, flash_attn=runner.flash_attn,
             n_gpu_layers=0, verbose=False,
         )
-    return _plain[id(engine)]
+    return _plain[engine]
 
 
 def run_plain(llm: Any, prompt_ids: list[int], max_new_tokens: int, eog) -> tuple[list[int], float]:

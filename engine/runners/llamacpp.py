@@ -44,7 +44,7 @@ class RuntimeUnavailable(ModelLoadError):
     """llama-cpp-python cannot be imported here; the message says why and how to install it."""
 
 
-INSTALL_HINT = ".venv/bin/pip install -e ."  # builds llama-cpp-python from source (cmake, a C++ compiler)
+INSTALL_HINT = ".venv/bin/pip install llama-cpp-python==0.3.36 (it builds from source: cmake and a C++ compiler)"
 
 
 @lru_cache(maxsize=1)
