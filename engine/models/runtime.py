@@ -13,7 +13,7 @@ import os
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from engine.errors import ModelLoadError
@@ -115,8 +115,6 @@ def load_engine(
     choice = choose_runtime(runtime, device, sources)
     if choice.runtime == "llamacpp":
         return load_llamacpp(sources, threads=threads, progress=progress)
-    from dataclasses import replace
-
     from engine.models.store import load_pair
 
     pair = load_pair(target, draft, device=device, dtype=dtype, progress=progress, with_draft=with_draft)
