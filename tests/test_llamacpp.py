@@ -193,6 +193,9 @@ def test_auto_picks_llamacpp_for_gguf_on_cpu_and_torch_for_folders(ggufs):
     assert runtime_mod.choose_runtime("auto", "cpu", gguf).runtime == "llamacpp"
     assert runtime_mod.choose_runtime("auto", "cpu", folder) == runtime_mod.RuntimeChoice("torch")
     assert runtime_mod.choose_runtime("torch", "cpu", gguf).runtime == "torch"
+    # A torch setting asked for explicitly means torch.
+    assert runtime_mod.choose_runtime("auto", "cpu", gguf, dtype="float32").runtime == "torch"
+    assert runtime_mod.choose_runtime("auto", "cpu", gguf, fast_path="eager").runtime == "torch"
     with pytest.raises(ModelLoadError, match="loads .gguf files"):
         runtime_mod.choose_runtime("llamacpp", "cpu", folder)
     with pytest.raises(ModelLoadError, match="runs on the CPU"):
@@ -221,7 +224,7 @@ def test_missing_module_falls_back_to_torch_and_says_why(ggufs, monkeypatch):
         assert choice.runtime == "torch" and "llama.cpp unavailable" in choice.note and "\n" not in choice.note
         with pytest.raises(llamacpp_mod.RuntimeUnavailable, match="pip install"):
             runtime_mod.choose_runtime("llamacpp", "cpu", gguf)
-        engine = runtime_mod.load_engine(str(ggufs[0]), None, with_draft=False, device="cpu", dtype="float32")
+        engine = runtime_mod.load_engine(str(ggufs[0]), None, with_draft=False, device="cpu")
         assert engine.info.runtime == "torch" and engine.info.runtime_note == choice.note
         from app.session import runtime_label
 
@@ -231,26 +234,45 @@ def test_missing_module_falls_back_to_torch_and_says_why(ggufs, monkeypatch):
     assert builtins is not None
 
 
-def test_tokenizer_is_built_once_and_cached(ggufs, tmp_path, monkeypatch):
-    monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path / "fresh"))
-    source = resolve_source(str(ggufs[0]), "target")
-    first = runtime_mod.gguf_tokenizer(source, ggufs[0])
-    entries = list((tmp_path / "fresh" / "tokenizers").iterdir())
-    assert len(entries) == 1 and json.loads((entries[0] / "specdec.json").read_text())["size"] > 0
+TEXTS = ["def add(a, b):\n    return a + b\n", "快速排序是一种分治算法。🙂🚀 and  spaces   and\ttabs\n\n\nnewlines",
+         "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n", "Hello world! How are you? I'm fine. 3.14159"]
 
+
+def test_llamacpp_tokenizer_matches_transformers(ggufs):
+    """llama.cpp's own vocabulary encodes, decodes and templates as the Hugging Face tokenizer does."""
+    from transformers import AutoTokenizer
+
+    from engine.runners.llamacpp_tokenizer import LlamaCppTokenizer
+
+    ours = LlamaCppTokenizer(LlamaCppRunner(ggufs[0], n_ctx=64, threads=1))
+    reference = AutoTokenizer.from_pretrained(ggufs[2])
+    for text in TEXTS:
+        ids = reference(text, add_special_tokens=False)["input_ids"]
+        assert ours(text)["input_ids"] == ids
+        for skip in (True, False):
+            assert ours.decode(ids, skip_special_tokens=skip) == reference.decode(ids, skip_special_tokens=skip)
+    # A character split across tokens decodes to U+FFFD until it is complete (the detokenizer relies on it).
+    ids = reference("快速🙂", add_special_tokens=False)["input_ids"]
+    assert [ours.decode(ids[:i]) for i in range(len(ids) + 1)] == [reference.decode(ids[:i]) for i in range(len(ids) + 1)]
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "用Python写一个快速排序"}]
+    assert (ours.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+            == reference.apply_chat_template(chat, tokenize=False, add_generation_prompt=True))
+    assert (ours.eos_token_id, ours.eos_token, len(ours)) == (reference.eos_token_id, reference.eos_token, len(reference))
+
+
+def test_load_builds_no_tokenizer_and_converts_nothing(ggufs, tmp_path, monkeypatch):
     import transformers
 
     def refuse(*args, **kwargs):
-        if kwargs.get("gguf_file"):
-            raise AssertionError("the tokenizer was built from the GGUF again")
-        return real(*args, **kwargs)
+        raise AssertionError("a Hugging Face tokenizer or model was built")
 
-    real = transformers.AutoTokenizer.from_pretrained
+    monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path / "fresh"))
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", refuse)
-    again = runtime_mod.gguf_tokenizer(source, ggufs[0])
-    text = "def add(a, b):\n  快速排序 🙂"
-    assert again(text)["input_ids"] == first(text)["input_ids"]
-    assert again.chat_template == first.chat_template
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", refuse)
+    engine = runtime_mod.load_engine(str(ggufs[0]), str(ggufs[1]), runtime="llamacpp", threads=1)
+    generation = engine.generate(_request("speculative"))
+    assert "".join(step.text for step in generation) == generation.summary.text
+    assert not (tmp_path / "fresh").exists() or not any((tmp_path / "fresh").rglob("*.safetensors"))
 
 
 def test_cli_generate_and_bench_on_llamacpp(ggufs, tmp_path, capsys):

@@ -2,36 +2,25 @@
 
 auto: llama.cpp on the CPU for GGUF sources (the packaged pair included) when llama-cpp-python
 imports; torch otherwise (GPUs, model folders, hub ids). On llama.cpp a GGUF loads as it is: the
-packaged pair is assembled and SHA-checked once, never converted; the tokenizer the loop needs is
-built from the GGUF once and cached as a small folder.
+packaged pair is assembled and SHA-checked once, never converted, and the tokenizer is llama.cpp's
+own (engine/runners/llamacpp_tokenizer.py).
 """
 from __future__ import annotations
 
-import json
 import logging
-import os
-import shutil
-import tempfile
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from engine.errors import ModelLoadError
 from engine.models.store import (
-    CACHE_FORMAT,
     DEFAULT_MODELS,
-    MARKER,
     LoadProgress,
     ModelSource,
     ProgressFn,
     _assemble_default,
-    _cache_entry,
-    _cached_folder,
     _emit,
-    _first_line,
-    _marker,
     _read_gguf_tokenizer,
-    cache_dir,
     check_compatible,
     resolve_source,
 )
@@ -60,10 +49,12 @@ def _on_cpu(device: str) -> bool:
     return not torch.cuda.is_available()
 
 
-def choose_runtime(requested: str, device: str, sources: list[ModelSource]) -> RuntimeChoice:
+def choose_runtime(requested: str, device: str, sources: list[ModelSource], *, dtype: str = "auto",
+                   fast_path: str = "auto") -> RuntimeChoice:
     """auto → llama.cpp for GGUF sources on the CPU when it imports, else torch (saying why).
 
-    An explicit "llamacpp" that cannot run is a ModelLoadError naming the reason.
+    An explicit torch dtype or fast path (--dtype float32, --fast-path eager) asks for torch under
+    auto. An explicit "llamacpp" that cannot run is a ModelLoadError naming the reason.
     """
     from engine.runners.llamacpp import INSTALL_HINT, RuntimeUnavailable, unavailable_reason
 
@@ -85,7 +76,7 @@ def choose_runtime(requested: str, device: str, sources: list[ModelSource]) -> R
         if missing is not None:
             raise RuntimeUnavailable(f"llama.cpp is not available ({missing}); install it with: {INSTALL_HINT}")
         return RuntimeChoice("llamacpp")
-    if not cpu or not_gguf is not None:
+    if not cpu or not_gguf is not None or dtype != "auto" or fast_path != "auto":
         return RuntimeChoice("torch")
     if missing is not None:
         return RuntimeChoice("torch", f"llama.cpp unavailable ({missing}): running on torch")
@@ -112,7 +103,7 @@ def load_engine(
     from engine.decoding import Engine
 
     sources = [resolve_source(target, "target")] + ([resolve_source(draft, "draft")] if with_draft else [])
-    choice = choose_runtime(runtime, device, sources)
+    choice = choose_runtime(runtime, device, sources, dtype=dtype, fast_path=fast_path)
     if choice.runtime == "llamacpp":
         return load_llamacpp(sources, threads=threads, progress=progress)
     from engine.models.store import load_pair
@@ -136,58 +127,11 @@ def gguf_file(source: ModelSource, progress: ProgressFn | None = None) -> Path:
     raise ModelLoadError(f"{source.name} is not a GGUF model; the llama.cpp runtime needs a .gguf file.")
 
 
-def _tokenizer_meta(source: ModelSource) -> dict:
-    """What identifies the GGUF a cached tokenizer was built from (its SHA-256, or path, size and time)."""
-    if source.kind == "default":
-        return {"sha256": DEFAULT_MODELS[source.ref].sha256}
-    st = Path(source.ref).stat()
-    return {"source": source.ref, "size": st.st_size, "mtime_ns": st.st_mtime_ns}
-
-
-def gguf_tokenizer(source: ModelSource, gguf: Path, progress: ProgressFn | None = None):
-    """The Hugging Face tokenizer of a GGUF model, without converting its weights.
-
-    From the converted folder when the torch runtime made one; else built from the GGUF's metadata
-    once (about 20 s for Qwen2.5's 151,646 tokens on two cores) and cached as a small folder.
-    """
-    from transformers import AutoTokenizer
-
-    folder = _cached_folder(source)
-    entry = cache_dir() / "tokenizers" / _cache_entry(source).name
-    meta = {**_tokenizer_meta(source), "format": CACHE_FORMAT}
-    cached = _marker(entry)
-    if folder is None and cached is not None and all(cached.get(k) == v for k, v in meta.items()):
-        folder = entry
-    try:
-        if folder is not None:
-            return AutoTokenizer.from_pretrained(str(folder))
-        _emit(progress, "load", 0.1, f"Building the {source.name} tokenizer from its GGUF (once)")
-        started = time.perf_counter()
-        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    except Exception as e:
-        raise ModelLoadError(f"Could not load the tokenizer of {source.name}: {_first_line(e)}") from None
-    _save_tokenizer(tokenizer, entry, {**meta, "built_s": round(time.perf_counter() - started, 1)})
-    return tokenizer
-
-
-def _save_tokenizer(tokenizer, entry: Path, meta: dict) -> None:
-    """Writes the tokenizer folder all-or-nothing; failing to cache only costs a rebuild next time."""
-    try:
-        entry.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{entry.name}-", dir=entry.parent))
-        tokenizer.save_pretrained(str(tmp))
-        (tmp / MARKER).write_text(json.dumps(meta, indent=2), encoding="utf-8")
-        if entry.exists():
-            shutil.rmtree(entry)
-        os.replace(tmp, entry)
-    except OSError as e:
-        log.warning("could not cache the tokenizer in %s: %s", entry, e)
-
-
 def load_llamacpp(sources: list[ModelSource], *, threads: int | None = None, progress: ProgressFn | None = None):
     """Target (and draft) GGUFs on llama.cpp runners: tokenizers checked first, no weight conversion."""
     from engine.decoding import Engine
     from engine.runners.llamacpp import NAME, LlamaCppRunner, physical_cores
+    from engine.runners.llamacpp_tokenizer import LlamaCppTokenizer
 
     started = time.perf_counter()
     _emit(progress, "check", 0.0, "Finding the models")
@@ -196,7 +140,6 @@ def load_llamacpp(sources: list[ModelSource], *, threads: int | None = None, pro
     infos = [_read_gguf_tokenizer(f, s.name) for f, s in zip(files, sources)]
     shared = check_compatible(infos[0], infos[1]) if len(infos) > 1 else infos[0].head_rows
     _emit(progress, "check", 1.0, f"Tokenizers match (shared vocabulary {shared:,})")
-    tokenizer = gguf_tokenizer(sources[0], files[0], progress)
     threads = threads or physical_cores()
     runners = []
     for i, (f, s) in enumerate(zip(files, sources)):
@@ -206,6 +149,7 @@ def load_llamacpp(sources: list[ModelSource], *, threads: int | None = None, pro
     shared = min(shared, *(r.vocab_size for r in runners))
     _emit(progress, "warmup", 0.4, f"Models loaded in {time.perf_counter() - started:.1f} s")
     target = runners[0]
+    tokenizer = LlamaCppTokenizer(target)  # the vocabulary llama.cpp loaded: nothing to build or convert
     info = ModelInfo(
         target_name=sources[0].name,
         draft_name=sources[1].name if len(sources) > 1 else None,

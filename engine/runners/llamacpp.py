@@ -168,6 +168,7 @@ class LlamaCppRunner:
         self._ctx = ctx
         self._memory = lib.llama_get_memory(ctx)
         vocab = lib.llama_model_get_vocab(model)
+        self.model_handle, self.vocab_handle = model, vocab  # for the tokenizer (llamacpp_tokenizer.py)
         self.vocab_size = int(lib.llama_vocab_n_tokens(vocab))  # one logits row per token id
         self.max_length = int(lib.llama_n_ctx(ctx))
         self.n_batch = int(cparams.n_batch)
