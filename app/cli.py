@@ -11,7 +11,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn, TextIO
 
-from app.session import build_request
+from app.session import build_request, runtime_label
 from engine.errors import EngineError
 from engine.measure.bench import MODE_RUNNERS
 from engine.settings import GenerationSettings
@@ -217,14 +217,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     else:
         sys.stdout.write("\n")
         info = engine.info
-        print(f"{_summary_line(summary)}; {info.device}, {info.dtype}, {_runtime_label(info)}", file=sys.stderr)
+        print(f"{_summary_line(summary)}; {info.device}, {info.dtype}, {runtime_label(info)}", file=sys.stderr)
     return 0
-
-
-def _runtime_label(info) -> str:
-    """'llama.cpp, 2 threads' or the torch fast path's name, plus why when auto fell back."""
-    label = f"{info.fast_path}, {info.threads} threads" if info.runtime == "llamacpp" else info.fast_path
-    return f"{label} ({info.runtime_note})" if info.runtime_note else label
 
 
 def _summary_line(s: Summary) -> str:
@@ -294,7 +288,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(table)
         raise CliError(f"cannot write results: {e.strerror or e} ({e.filename})") from None
     print(f"{engine.info.target_name} / {engine.info.draft_name or '-'} on {engine.info.device} "
-          f"({engine.info.dtype}, {_runtime_label(engine.info)}), {len(prompts)} prompts, k={args.k}, "
+          f"({engine.info.dtype}, {runtime_label(engine.info)}), {len(prompts)} prompts, k={args.k}, "
           f"temperature={args.temperature}, max_new_tokens={args.max_new_tokens}")
     print(table)
     return 0

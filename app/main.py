@@ -25,6 +25,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default=None, help="auto, cpu, cuda or cuda:N (default: last used, else auto)")
     p.add_argument("--dtype", default=None, choices=["auto", "bfloat16", "float16", "float32"],
                    help="model precision (default: last used, else auto)")
+    p.add_argument("--runtime", default=None, choices=["auto", "torch", "llamacpp"],
+                   help="auto: llama.cpp on the CPU for GGUF models, torch otherwise (default: last used, else auto)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads per llama.cpp decode, 0 = the physical cores (default: last used, else 0)")
     p.add_argument("--demo", action="store_true", help="no models: a scripted engine streams a sample answer")
     p.add_argument("--settings", default=None, help="use this .ini file for settings instead of the user's")
     p.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
@@ -39,6 +43,8 @@ def _selection_from_args(args: argparse.Namespace, saved: ModelSelection) -> Mod
         device=args.device or saved.device,
         dtype=args.dtype or saved.dtype,
         no_draft=args.no_draft or (saved.no_draft and args.draft is None),
+        runtime=args.runtime or saved.runtime,
+        threads=saved.threads if args.threads is None else max(0, args.threads),
     )
 
 

@@ -47,8 +47,8 @@ def load_request_for(selection: ModelSelection) -> LoadRequest:
 
 
 def runtime_label(info: ModelInfo) -> str:
-    """What runs the pair, for the status bar: 'llama.cpp · 2 threads', the torch fast path's name,
-    and 'torch (llama.cpp unavailable: …)' when auto could not use llama.cpp."""
+    """What runs the pair, for the status bar and the CLI: 'llama.cpp · 2 threads', the torch fast
+    path's name, and 'cpu-onednn (torch; llama.cpp unavailable (…))' when auto could not use llama.cpp."""
     if info.runtime == "llamacpp":
         return f"{info.fast_path} · {info.threads} threads" if info.threads else info.fast_path
     return f"{info.fast_path} (torch; {info.runtime_note})" if info.runtime_note else info.fast_path

@@ -355,7 +355,7 @@ class MainWindow(QMainWindow):
         self.guard.update(now=True)
         self.chat.add_system_note(f"Loaded {names} on {info.device} ({info.dtype}, {runtime}).")
         if info.runtime_note:
-            self.chat.add_system_note(info.runtime_note[:1].upper() + info.runtime_note[1:] + ".")
+            self.chat.add_system_note(f"Running on torch: {info.runtime_note}.")
         self._set_ready_state()
         self._update_memory()
         # torch + transformers + the models are ~10^6 long-lived objects; a full collection walking

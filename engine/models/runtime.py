@@ -79,7 +79,7 @@ def choose_runtime(requested: str, device: str, sources: list[ModelSource], *, d
     if not cpu or not_gguf is not None or dtype != "auto" or fast_path != "auto":
         return RuntimeChoice("torch")
     if missing is not None:
-        return RuntimeChoice("torch", f"llama.cpp unavailable ({missing}): running on torch")
+        return RuntimeChoice("torch", f"llama.cpp unavailable ({missing})")
     return RuntimeChoice("llamacpp")
 
 

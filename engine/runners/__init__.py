@@ -1,7 +1,8 @@
 """Runners: the seam between the decoding loop and a model (one forward, a KV cache, rollback).
 
 base.py is the protocol; eager.py the Hugging Face model as shipped; lean.py + graphs.py the
-static-cache fast path with CUDA graphs; cpu.py packs weights for oneDNN on the CPU.
+static-cache fast path with CUDA graphs; cpu.py packs weights for oneDNN on the CPU; llamacpp.py
+runs GGUF models through llama.cpp (with llamacpp_tokenizer.py, its vocabulary as the tokenizer).
 """
 from engine.runners.base import Runner, ids_tensor, measure_forward_costs
 from engine.runners.eager import EagerRunner
