@@ -29,6 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--conversations", type=int, default=0,
                    help="saved conversations to show in the sidebar (scripted ones, in a throw-away data folder)")
     p.add_argument("--beside", default="", help="also save the last answer rendered beside its token view here")
+    p.add_argument("--runtime", default="auto", choices=["auto", "torch", "llamacpp"], help="with --real")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO)
 
@@ -72,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
         QTimer.singleShot(int(timeout_s * 1000), loop.quit)
         loop.exec()
 
-    window.load_models(ModelSelection())
+    window.load_models(ModelSelection(runtime=args.runtime))
     wait_for(lambda: window.info is not None or not window.is_loading(), args.timeout)
     if window.info is None:
         print("models did not load", file=sys.stderr)

@@ -30,6 +30,7 @@ NAME = "llama.cpp"
 DEFAULT_N_CTX = 4096  # KV cells per model: the 1.5B's f16 cache is 28 KiB a token (115 MiB here)
 DEFAULT_N_BATCH = 512  # prompt tokens per llama_decode call; larger prompts are fed in chunks
 FLASH_ATTN = True  # measured below
+USE_MMAP = True  # measured below
 # Rows reserved in llama.cpp's logits buffer at load: the widest verify the loop sends, so the
 # buffer is never reallocated under a tensor handed out by forward().
 RESERVED_OUTPUTS = K_MAX + 1
@@ -77,13 +78,19 @@ def llama_cpp() -> ModuleType:
     return found
 
 
+# ggml's log levels (ggml.h): 1 debug, 2 info, 3 warn, 4 error, 5 continues the previous line.
+# Its warnings are load chatter (e.g. a GGUF's token types) and stay at info; errors are warnings.
+_LEVELS = {1: logging.DEBUG, 2: logging.DEBUG, 3: logging.INFO, 4: logging.WARNING}
+_last_level = logging.DEBUG
+
+
 def _on_log(level: int, text: bytes, _user: ctypes.c_void_p) -> None:
-    # ggml levels: 1 info, 2 warn, 3 error, 4 debug, 5 continuation. Load chatter stays at debug.
+    global _last_level
+    _last_level = _LEVELS.get(level, _last_level)
     line = text.decode("utf-8", errors="replace").rstrip()
-    if not line:
-        return
-    _recent_log.append(line)
-    log.log(logging.WARNING if level == 3 else logging.DEBUG, "llama.cpp: %s", line)
+    if line:
+        _recent_log.append(line)
+        log.log(_last_level, "llama.cpp: %s", line)
 
 
 def _last_error() -> str:
@@ -137,7 +144,8 @@ class LlamaCppRunner:
     device = torch.device("cpu")
 
     def __init__(self, path: Path, *, n_ctx: int = DEFAULT_N_CTX, threads: int | None = None,
-                 n_batch: int = DEFAULT_N_BATCH, flash_attn: bool = FLASH_ATTN, label: str | None = None) -> None:
+                 n_batch: int = DEFAULT_N_BATCH, flash_attn: bool = FLASH_ATTN, use_mmap: bool = USE_MMAP,
+                 label: str | None = None) -> None:
         lib = llama_cpp()
         self._lib = lib
         self.path = path
@@ -147,6 +155,7 @@ class LlamaCppRunner:
         self._batch = None
         mparams = lib.llama_model_default_params()
         mparams.n_gpu_layers = 0  # this runner is the CPU runtime; GPUs run the torch path
+        mparams.load_mode = lib.LLAMA_LOAD_MODE_MMAP if use_mmap else lib.LLAMA_LOAD_MODE_NONE
         model = lib.llama_model_load_from_file(str(path).encode(), mparams)
         if not model:
             raise ModelLoadError(f"llama.cpp could not load {path}: {_last_error()}.")
