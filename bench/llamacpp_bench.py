@@ -145,10 +145,13 @@ def main() -> int:
     model = CostModel.from_info(engine.info)
     predictions = {}
     for mode, draft_ms in (("speculative", model.draft_ms), ("speculative-ngram", 0.0)):
+        runs = [r for r in bench.runs if r.mode == mode]
+        counts = [sum(getattr(r, f) for r in runs) for f in ("new_tokens", "target_forwards", "drafted", "draft_forwards")]
         alpha = alpha_from_mean_accepted(s[mode]["tokens_per_target_forward"] - 1.0, args.k)
         m = CostModel(draft_ms=draft_ms, target_ms=model.target_ms)
-        predictions[mode] = {"alpha": alpha, "predicted": m.predicted_speedup(alpha, args.k),
+        predictions[mode] = {"alpha": alpha, "predicted": m.predicted_from_counts(*counts),
                              "measured": s[mode]["tokens_per_s"] / s["standard"]["tokens_per_s"],
+                             "mean_draft": counts[2] / max(counts[1], 1),
                              "best_k": m.best_k(alpha, model.k_max)[0], "verdict": m.verdict(alpha, model.k_max)}
     result.update(summary=summary, ratios=ratios, cost_predictions=predictions, wall_s=bench.wall_s,
                   info=engine.info.__dict__, environment=_environment(engine),
@@ -171,8 +174,8 @@ def main() -> int:
     print("cost model (measured at load): draft %.1f ms; target %s" % (
         model.draft_ms, ", ".join(f"w{w} {ms:.1f}" for w, ms in sorted(model.target_ms.items()))))
     for mode, p in predictions.items():
-        print(f"  {mode}: alpha {p['alpha']:.2f}, predicted {p['predicted']:.2f}x, measured {p['measured']:.2f}x; "
-              f"{p['verdict']}")
+        print(f"  {mode}: {p['mean_draft']:.2f} drafts per step, alpha {p['alpha']:.2f}; predicted "
+              f"{p['predicted']:.2f}x from the run's counts, measured {p['measured']:.2f}x. {p['verdict']}")
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=2, ensure_ascii=False, default=str), encoding="utf-8")
     print(f"\nJSON: {args.json}")

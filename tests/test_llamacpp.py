@@ -183,6 +183,9 @@ def test_verdict_names_a_linear_verify():
                            "forward (60 vs 30 ms) and the draft 67% of one; at 80% acceptance the best K=1")
     flat = CostModel(draft_ms=20.0, target_ms={1: 30.0, 6: 33.0})
     assert "verify" not in flat.verdict(0.1, 5)
+    # n-gram drafts vary in length: 100 tokens in 80 steps that drafted 40 tokens in all (0.5 a step).
+    ngram = CostModel(draft_ms=0.0, target_ms={1: 30.0, 2: 60.0, 4: 101.0, 6: 150.0})
+    assert ngram.predicted_from_counts(100, 80, 40, 0) == pytest.approx(100 / 80 * 30 / 45)
 
 
 # --------------------------------------------------------------------------- choosing the runtime

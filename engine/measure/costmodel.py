@@ -73,6 +73,16 @@ class CostModel:
             return 1.0
         return expected_tokens_per_step(alpha, k) * self.target_ms[1] / self.step_ms(k)
 
+    def predicted_from_counts(self, tokens: int, target_forwards: int, drafted: int, draft_forwards: int) -> float:
+        """Speculative/standard speedup these costs predict for what a run did: its tokens per step,
+        mean draft length and draft forwards per step. For drafts that vary in length (n-gram
+        lookup proposes nothing when it finds no match), where a fixed K and alpha do not apply."""
+        if target_forwards <= 0 or tokens <= 0:
+            return 1.0
+        step = (self.target_cost(1 + drafted / target_forwards) + self.draft_ms * draft_forwards / target_forwards
+                + self.overhead_ms)
+        return tokens / target_forwards * self.target_ms[1] / step
+
     def best_k(self, alpha: float, k_max: int = 12) -> tuple[int, float]:
         """(K, predicted speedup) maximising the speedup over K = 1..k_max; (0, 1.0) if none pays."""
         best = (0, 1.0)

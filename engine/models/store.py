@@ -12,15 +12,13 @@ import tempfile
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Callable, Literal
+from typing import TYPE_CHECKING, Any, Callable, Literal
 
 import torch
-from transformers import (
-    AutoModelForCausalLM,
-    AutoTokenizer,
-    PreTrainedModel,
-    PreTrainedTokenizerBase,
-)
+from transformers import AutoTokenizer
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from engine.errors import IncompatibleModelsError, ModelLoadError
 from engine.models.device import (
@@ -40,6 +38,17 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+
+def __getattr__(name: str) -> Any:
+    # transformers' model classes cost ~120 MB to import; the llama.cpp runtime loads none, so they
+    # are imported where a model is loaded (store.AutoModelForCausalLM still names the class).
+    if name == "AutoModelForCausalLM":
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 Role = Literal["target", "draft"]
 SourceKind = Literal["default", "folder", "gguf", "hub"]
@@ -405,7 +414,7 @@ def _cached_folder(source: ModelSource) -> Path | None:
 def _convert(gguf: Path, entry: Path, meta: dict, name: str, progress: ProgressFn | None) -> Path:
     """GGUF -> bf16 safetensors folder, written to a temp dir and renamed so it is all-or-nothing."""
     import transformers
-    from transformers import GgufConfig
+    from transformers import AutoModelForCausalLM, GgufConfig
 
     entry.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{entry.name}-", dir=entry.parent))
@@ -561,6 +570,8 @@ def check_compatible(target_tok_info: TokenizerInfo, draft_tok_info: TokenizerIn
 # --------------------------------------------------------------------------- loading
 
 def _load_model(folder: Path, name: str, device: torch.device, dtype: torch.dtype) -> PreTrainedModel:
+    from transformers import AutoModelForCausalLM
+
     def attempt(attn: str) -> PreTrainedModel:
         return AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype, attn_implementation=attn)
 
