@@ -262,7 +262,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         make_request=lambda prompt, mode, max_new: _request(args, prompt, mode, max_new),
         reload_pair=lambda: load_pair(args.target, args.draft, device=args.device, dtype=args.dtype,
                                       with_draft=needs_draft),
-        load_runtime=lambda runtime: _load(args, needs_draft, runtime),
+        load_runtime=lambda runtime: _load(args, False, runtime),  # only standard decoding runs there
     )
     with tqdm(total=len(prompts) * len(modes), file=sys.stderr, desc="bench", unit="run", disable=None) as bar:
         def progress(done: int, _total: int, note: str) -> None:

@@ -29,6 +29,9 @@ log = logging.getLogger(__name__)
 NAME = "llama.cpp"
 DEFAULT_N_CTX = 4096  # KV cells per model: the 1.5B's f16 cache is 28 KiB a token (115 MiB here)
 DEFAULT_N_BATCH = 512  # prompt tokens per llama_decode call; larger prompts are fed in chunks
+DEFAULT_N_UBATCH = 512  # tokens per graph evaluation: the compute buffers grow with it
+KV_TYPE = "f16"  # "f16" or "q8_0" (half the cache memory)
+_KV_TYPES = {"f16": 1, "q8_0": 8}  # ggml type ids (ggml.h)
 FLASH_ATTN = True  # measured below
 USE_MMAP = True  # measured below
 # Rows reserved in llama.cpp's logits buffer at load: the widest verify the loop sends, so the
@@ -37,7 +40,7 @@ RESERVED_OUTPUTS = K_MAX + 1
 
 _backend_lock = threading.Lock()
 _backend_ready = False
-_recent_log: collections.deque[str] = collections.deque(maxlen=20)  # llama.cpp's last lines, for errors
+_recent_log: collections.deque[tuple[int, str]] = collections.deque(maxlen=20)  # (level, line), for errors
 _log_callback = None  # kept alive: llama.cpp holds a raw pointer to it
 
 
@@ -89,14 +92,14 @@ def _on_log(level: int, text: bytes, _user: ctypes.c_void_p) -> None:
     _last_level = _LEVELS.get(level, _last_level)
     line = text.decode("utf-8", errors="replace").rstrip()
     if line:
-        _recent_log.append(line)
+        _recent_log.append((_last_level, line))
         log.log(_last_level, "llama.cpp: %s", line)
 
 
 def _last_error() -> str:
     """The last thing llama.cpp said, for an error message (it reports reasons only in its log)."""
-    for line in reversed(_recent_log):
-        if "error" in line.lower() or "failed" in line.lower():
+    for level, line in reversed(_recent_log):
+        if level >= logging.WARNING:
             return line.split(": ", 1)[-1][:200]
     return "see the log (-v) for llama.cpp's reason"
 
@@ -144,12 +147,12 @@ class LlamaCppRunner:
     device = torch.device("cpu")
 
     def __init__(self, path: Path, *, n_ctx: int = DEFAULT_N_CTX, threads: int | None = None,
-                 n_batch: int = DEFAULT_N_BATCH, flash_attn: bool = FLASH_ATTN, use_mmap: bool = USE_MMAP,
-                 label: str | None = None) -> None:
+                 n_batch: int = DEFAULT_N_BATCH, n_ubatch: int = DEFAULT_N_UBATCH, kv_type: str = KV_TYPE,
+                 flash_attn: bool = FLASH_ATTN, use_mmap: bool = USE_MMAP, label: str | None = None) -> None:
         lib = llama_cpp()
         self._lib = lib
         self.path = path
-        self.flash_attn = flash_attn
+        self.flash_attn, self.use_mmap, self.kv_type_id = flash_attn, use_mmap, _KV_TYPES[kv_type]
         self.label = label or path.stem
         self._model = self._ctx = None
         self._batch = None
@@ -164,7 +167,10 @@ class LlamaCppRunner:
         n_ctx = max(8, min(n_ctx, int(lib.llama_model_n_ctx_train(model)) or n_ctx))
         cparams = lib.llama_context_default_params()
         cparams.n_ctx = n_ctx
-        cparams.n_batch = cparams.n_ubatch = min(n_batch, n_ctx)
+        cparams.n_batch = min(n_batch, n_ctx)
+        cparams.n_ubatch = min(n_ubatch, cparams.n_batch)
+        cparams.n_outputs_max = RESERVED_OUTPUTS  # no forward asks for more rows of logits
+        cparams.type_k = cparams.type_v = _KV_TYPES[kv_type]
         cparams.n_seq_max = 1
         cparams.n_threads = cparams.n_threads_batch = self.threads
         cparams.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn else lib.LLAMA_FLASH_ATTN_TYPE_DISABLED
@@ -180,7 +186,7 @@ class LlamaCppRunner:
         self.model_handle, self.vocab_handle = model, vocab  # for the tokenizer (llamacpp_tokenizer.py)
         self.vocab_size = int(lib.llama_vocab_n_tokens(vocab))  # one logits row per token id
         self.max_length = int(lib.llama_n_ctx(ctx))
-        self.n_batch = int(cparams.n_batch)
+        self.n_batch, self.n_ubatch, self.kv_type = int(cparams.n_batch), int(cparams.n_ubatch), kv_type
         self.file_type = file_type_name(int(lib.llama_model_ftype(model)))
         self.file_bytes = int(lib.llama_model_size(model))
         # End-of-generation ids as llama.cpp sees them (eos, eot, <|endoftext|>, ...).
