@@ -120,6 +120,14 @@ def test_threads_can_be_set(ggufs):
     assert llamacpp_mod.physical_cores() >= 1
 
 
+def test_an_8bit_kv_cache_falls_back_to_f16_where_heads_do_not_fit(ggufs):
+    # The tiny model's heads are 16 wide; q8_0 blocks are 32: llama.cpp refuses, the runner keeps going.
+    runner = LlamaCppRunner(ggufs[0], n_ctx=64, threads=1, kv_type="q8_0")
+    assert runner.kv_type == "f16"
+    runner.prefill(_ids(4, runner.vocab_size))
+    assert runner.kv_length() == 4
+
+
 # --------------------------------------------------------------------------- the loop on llama.cpp
 
 def test_engine_loads_from_gguf_without_conversion(engine, ggufs):

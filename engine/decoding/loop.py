@@ -17,7 +17,7 @@ from engine.decoding.sampling import accept_draft, display_probs, draw, process
 from engine.errors import GenerationError
 from engine.limits import K_MAX
 from engine.measure.stats import summarize
-from engine.runners import EagerRunner, Runner, ids_tensor
+from engine.runners import Runner, ids_tensor
 from engine.types import (
     GenerationRequest,
     ModelInfo,
@@ -83,8 +83,13 @@ class Engine:
         self.info = info
         self.target = target
         self.draft = draft
-        self.target_runner = target_runner or EagerRunner(target)
-        self.draft_runner = draft_runner or (EagerRunner(draft) if draft is not None else None)
+        if target_runner is None or (draft is not None and draft_runner is None):
+            from engine.runners.eager import EagerRunner  # imports transformers: only for torch models
+
+            target_runner = target_runner or EagerRunner(target)
+            draft_runner = draft_runner or (EagerRunner(draft) if draft is not None else None)
+        self.target_runner = target_runner
+        self.draft_runner = draft_runner
         self.device = next(target.parameters()).device if target is not None else self.target_runner.device
         # Compare on the shared vocabulary: Qwen2.5 0.5B has 151936 rows, 7B 152064.
         heads = [self.target_runner.vocab_size] + ([self.draft_runner.vocab_size] if self.draft_runner else [])

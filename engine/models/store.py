@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Literal
 
 import torch
-from transformers import AutoTokenizer
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -41,12 +40,13 @@ log = logging.getLogger(__name__)
 
 
 def __getattr__(name: str) -> Any:
-    # transformers' model classes cost ~120 MB to import; the llama.cpp runtime loads none, so they
-    # are imported where a model is loaded (store.AutoModelForCausalLM still names the class).
-    if name == "AutoModelForCausalLM":
-        from transformers import AutoModelForCausalLM
+    # transformers costs ~150 MB to import with its model classes; the llama.cpp runtime needs none
+    # of it, so it is imported where a torch model or tokenizer is loaded (store.AutoModelForCausalLM
+    # and store.AutoTokenizer still name the classes).
+    if name in ("AutoModelForCausalLM", "AutoTokenizer"):
+        import transformers
 
-        return AutoModelForCausalLM
+        return getattr(transformers, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -332,6 +332,8 @@ def _is_placeholder(token: str) -> bool:
 
 def _read_folder_tokenizer(folder: Path, name: str) -> TokenizerInfo:
     """Tokenizer facts from tokenizer.json + configs; builds the tokenizer only as a fallback."""
+    from transformers import AutoTokenizer
+
     config = _read_json(folder / "config.json")
     text_config = config.get("text_config") or config
     rows = int(text_config.get("vocab_size") or 0)
@@ -414,7 +416,7 @@ def _cached_folder(source: ModelSource) -> Path | None:
 def _convert(gguf: Path, entry: Path, meta: dict, name: str, progress: ProgressFn | None) -> Path:
     """GGUF -> bf16 safetensors folder, written to a temp dir and renamed so it is all-or-nothing."""
     import transformers
-    from transformers import AutoModelForCausalLM, GgufConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
     entry.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{entry.name}-", dir=entry.parent))
@@ -621,6 +623,8 @@ def load_pair(
     with_draft: bool = True,
 ) -> LoadedPair:
     """Resolves, checks (before any weights load), converts if needed, and loads target + draft."""
+    from transformers import AutoTokenizer
+
     started = time.perf_counter()
     _emit(progress, "check", 0.0, "Finding the models")
     torch_device = pick_device(device)
@@ -676,6 +680,8 @@ def load_pair(
 
 def load_tokenizer(spec: str | None, role: Role) -> PreTrainedTokenizerBase:
     """The tokenizer of one model spec (from its converted folder when there is one)."""
+    from transformers import AutoTokenizer
+
     prepared = _prepare(resolve_source(spec, role), None)
     try:
         if prepared.folder is not None:

@@ -3,7 +3,8 @@
 Building a Hugging Face tokenizer from a GGUF takes ~17 s for Qwen2.5's 151,646 tokens on two
 cores and holds ~130 MB of Python objects; llama.cpp loaded the same vocabulary with the weights.
 Encoding and decoding go through llama.cpp (its "qwen2" pre-tokenizer matches Hugging Face's);
-the chat template is the GGUF's own, rendered by transformers' Jinja renderer.
+the chat template is the GGUF's own, rendered in the Jinja environment transformers uses, without
+importing transformers (~30 MB): the llama.cpp runtime needs none of it.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ class LlamaCppTokenizer:
         self._lib = runner._lib
         self._vocab = runner.vocab_handle
         self._pieces: dict[tuple[int, bool], bytes] = {}  # (id, special) -> bytes; filled as ids appear
+        self._template = None  # the compiled chat template, on first use
         template = self._lib.llama_model_chat_template(runner.model_handle, None)
         self.chat_template: str | None = template.decode("utf-8") if template else None
         eos = int(self._lib.llama_vocab_eos(self._vocab))
@@ -60,15 +62,13 @@ class LlamaCppTokenizer:
 
     def apply_chat_template(self, conversation: Sequence[dict[str, str]], tokenize: bool = False,
                             add_generation_prompt: bool = False, **kwargs: Any) -> str | list[int]:
-        from transformers.utils.chat_template_utils import render_jinja_template
-
         if not self.chat_template:
             raise ValueError("this model has no chat template")
-        rendered, _ = render_jinja_template(
-            conversations=[list(conversation)], chat_template=self.chat_template,
-            add_generation_prompt=add_generation_prompt, eos_token=self.eos_token, bos_token=self.bos_token, **kwargs,
-        )
-        return self.encode(rendered[0]) if tokenize else rendered[0]
+        if self._template is None:
+            self._template = _compile(self.chat_template)
+        text = self._template.render(messages=list(conversation), add_generation_prompt=add_generation_prompt,
+                                     eos_token=self.eos_token, bos_token=self.bos_token, **kwargs)
+        return self.encode(text) if tokenize else text
 
     def _piece(self, token_id: int, special: bool) -> bytes:
         key = (token_id, special)
@@ -81,3 +81,25 @@ class LlamaCppTokenizer:
                 n = self._lib.llama_token_to_piece(self._vocab, token_id, buf, len(buf), 0, special)
             piece = self._pieces[key] = buf.raw[:max(n, 0)]
         return piece
+
+
+def _compile(source: str):
+    """The chat template in the sandboxed Jinja environment chat templates are written for
+    (the one transformers renders them in: trimmed blocks, loop controls, tojson, raise_exception)."""
+    import json
+    from datetime import datetime
+
+    from jinja2.exceptions import TemplateError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str):
+        raise TemplateError(message)
+
+    def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(source)
