@@ -69,9 +69,12 @@ def measure(threads: int, max_new_tokens: int, target: str | None, draft: str | 
         probe.setInterval(PROBE_MS)
         last = [0]
 
+        at: list[float] = []
+
         def tick() -> None:
             now = clock.nsecsElapsed()
             gaps.append((now - last[0]) / 1e6)
+            at.append(now / 1e9)
             last[0] = now
 
         probe.timeout.connect(tick)
@@ -95,14 +98,19 @@ def measure(threads: int, max_new_tokens: int, target: str | None, draft: str | 
         headless = engines[-1].generate(request)
         for _ in headless:
             pass
+        # Where the worst gaps fell: (ms, seconds into the answer) - a gap at the very end is the
+        # window finishing the answer (markdown), not llama.cpp decoding.
+        worst = sorted(zip(gaps[1:], at[1:]), reverse=True)[:5]
         figures[mode] = {
             "max_gap_ms": float(gaps_ms.max()), "p99_gap_ms": float(np.percentile(gaps_ms, 99)),
+            "worst_gaps": [(round(g, 1), round(t, 2)) for g, t in worst], "answer_s": summary.seconds,
             "tok_s_in_window": summary.tokens_per_s, "tok_s_headless": headless.summary.tokens_per_s,
             "tokens": summary.new_tokens,
         }
         print(f"threads={threads} {mode}: max UI gap {figures[mode]['max_gap_ms']:.1f} ms "
               f"(p99 {figures[mode]['p99_gap_ms']:.1f} ms; target < {TARGET_MAX_GAP_MS:.0f}), "
-              f"{summary.tokens_per_s:.1f} tok/s in the window vs {headless.summary.tokens_per_s:.1f} headless",
+              f"{summary.tokens_per_s:.1f} tok/s in the window vs {headless.summary.tokens_per_s:.1f} headless; "
+              f"worst gaps (ms, s into the {summary.seconds:.1f} s answer): {figures[mode]['worst_gaps']}",
               flush=True)
     window.close()
     return figures

@@ -105,6 +105,29 @@ def test_prefill_longer_than_a_batch_is_chunked(ggufs):
     assert torch.allclose(chunked, whole.forward(ids[49:]), atol=1e-2)
 
 
+def test_the_cache_grows_and_keeps_what_it_held(ggufs):
+    """A context starts small and is made again, bigger, when the sequence outgrows it; the cached
+    tokens are fed again, so decoding goes on as if nothing happened."""
+    grower = LlamaCppRunner(ggufs[0], threads=1, min_cells=256)
+    steady = LlamaCppRunner(ggufs[0], threads=1, min_cells=512)
+    assert (grower.cells, steady.cells, grower.max_length) == (256, 512, 512)
+    ids = _ids(300, grower.vocab_size, seed=5)
+    for start in range(0, 299, 13):  # verify-sized forwards past the first context's 256 cells
+        chunk = ids[start:start + 13]
+        ours, reference = grower.forward(chunk).clone(), steady.forward(chunk)
+        assert torch.equal(ours.argmax(-1), reference.argmax(-1))
+        assert (ours - reference).abs().max() < 1e-2 * reference.abs().max()
+    assert grower.cells == 512 and grower.kv_length() == grower.length == 299
+    grower.rollback(100)
+    assert grower.kv_length() == 100 and len(grower._tokens) == 100
+
+
+def test_a_new_prompt_reserves_room_for_an_answer(ggufs):
+    runner = LlamaCppRunner(ggufs[0], threads=1, min_cells=256)
+    runner.prefill(_ids(10, runner.vocab_size))
+    assert runner.cells == 512  # 10 + ANSWER_ROOM cells, rounded up (and capped by the model's 512)
+
+
 def test_measure_costs_leave_the_cache_as_it_was(ggufs):
     runner = LlamaCppRunner(ggufs[0], n_ctx=64, threads=1)
     runner.prefill(_ids(5, runner.vocab_size))

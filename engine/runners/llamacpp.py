@@ -29,8 +29,10 @@ log = logging.getLogger(__name__)
 NAME = "llama.cpp"
 # Memory, measured with the default pair on two cores (the weights are 1,534 MiB; the process with
 # torch and the engine imported is ~220 MiB before any model):
-DEFAULT_N_CTX = 4096  # KV cells per model, allocated (and cleared) up front
-KV_TYPE = "q8_0"  # 8-bit KV cache: 85 MiB for both models at 4,096 cells, f16 160 MiB ("f16" or "q8_0")
+DEFAULT_N_CTX = 32768  # most KV cells a context may grow to (and at most the model's training context)
+MIN_CELLS = 1024  # a context's first size; it doubles when a prompt or an answer needs more
+ANSWER_ROOM = 512  # cells a new prompt reserves beyond itself: an answer of the app's default length
+KV_TYPE = "q8_0"  # 8-bit KV cache: 21 KiB a token for both models (f16: 40 KiB) ("f16" or "q8_0")
 _KV_TYPES = {"f16": 1, "q8_0": 8}  # ggml type ids (ggml.h)
 DEFAULT_N_BATCH = 512  # prompt tokens per llama_decode call; larger prompts are fed in chunks
 # Tokens per graph evaluation. The compute buffers grow with it (512: 108 MiB for both models,
@@ -145,9 +147,14 @@ def file_type_name(code: int) -> str:
 class LlamaCppRunner:
     """One GGUF model in its own llama.cpp context; the KV cache holds one sequence.
 
+    The cache grows with use, like the torch runtime's dynamic cache: llama.cpp allocates (and
+    clears) every cell of a context up front, so a context starts at 1,024 cells and is made again
+    with twice as many when a prompt or an answer needs more (up to max_length); what was cached is
+    fed again then, once per doubling. A new prompt reserves room for itself and a long answer.
+
     forward() returns a view of llama.cpp's logits buffer: valid until the next call on this
     runner (the loop reads it before it calls again). The buffer is reserved for
-    RESERVED_OUTPUTS rows at load, so it is never moved while a view exists.
+    RESERVED_OUTPUTS rows when a context is made, so it is never moved while a view exists.
     """
 
     name = NAME
@@ -155,7 +162,8 @@ class LlamaCppRunner:
 
     def __init__(self, path: Path, *, n_ctx: int = DEFAULT_N_CTX, threads: int | None = None,
                  n_batch: int = DEFAULT_N_BATCH, n_ubatch: int = DEFAULT_N_UBATCH, kv_type: str = KV_TYPE,
-                 flash_attn: bool = FLASH_ATTN, use_mmap: bool = USE_MMAP, label: str | None = None) -> None:
+                 flash_attn: bool = FLASH_ATTN, use_mmap: bool = USE_MMAP, min_cells: int = MIN_CELLS,
+                 label: str | None = None) -> None:
         lib = llama_cpp()
         self._lib = lib
         self.path = path
@@ -170,52 +178,40 @@ class LlamaCppRunner:
         if not model:
             raise ModelLoadError(f"llama.cpp could not load {path}: {_last_error()}.")
         self._model = model
+        vocab = lib.llama_model_get_vocab(model)
+        self.model_handle, self.vocab_handle = model, vocab  # for the tokenizer (llamacpp_tokenizer.py)
+        self.vocab_size = int(lib.llama_vocab_n_tokens(vocab))  # one logits row per token id
+        self.max_length = max(8, min(n_ctx, int(lib.llama_model_n_ctx_train(model)) or n_ctx))
         self.threads = threads or physical_cores()
-        n_ctx = max(8, min(n_ctx, int(lib.llama_model_n_ctx_train(model)) or n_ctx))
+        self.file_type = file_type_name(int(lib.llama_model_ftype(model)))
+        self.file_bytes = int(lib.llama_model_size(model))
+        # End-of-generation ids as llama.cpp sees them (eos, eot, <|endoftext|>, ...).
+        self.eog_ids = frozenset(i for i in range(self.vocab_size) if lib.llama_vocab_is_eog(vocab, i))
+        self._batch, self._batch_size = lib.llama_batch_init(n_batch, 0, 1), n_batch
+        for i in range(n_batch):  # one sequence: these never change
+            self._batch.n_seq_id[i] = 1
+            self._batch.seq_id[i][0] = 0
         cparams = lib.llama_context_default_params()
-        cparams.n_ctx = n_ctx
-        cparams.n_batch = min(n_batch, n_ctx)
-        cparams.n_ubatch = min(n_ubatch, cparams.n_batch)
+        cparams.n_batch = n_batch
+        cparams.n_ubatch = min(n_ubatch, n_batch)
         cparams.n_outputs_max = RESERVED_OUTPUTS  # no forward asks for more rows of logits
         cparams.n_seq_max = 1
         cparams.n_threads = cparams.n_threads_batch = self.threads
         cparams.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn else lib.LLAMA_FLASH_ATTN_TYPE_DISABLED
         cparams.no_perf = True
-        ctx = None
-        for kv in dict.fromkeys((kv_type, "f16")):  # q8_0 needs head sizes in multiples of 32
-            cparams.type_k = cparams.type_v = _KV_TYPES[kv]
-            ctx = lib.llama_init_from_model(model, cparams)
-            if ctx:
-                kv_type = kv
-                break
-            log.info("llama.cpp: no %s KV cache for %s (%s)", kv, self.label, _last_error())
-        if not ctx:
-            self.close()
-            raise ModelLoadError(f"llama.cpp could not create a context for {path} "
-                                 f"({n_ctx} tokens): {_last_error()}.")
-        self._ctx = ctx
-        self._memory = lib.llama_get_memory(ctx)
-        vocab = lib.llama_model_get_vocab(model)
-        self.model_handle, self.vocab_handle = model, vocab  # for the tokenizer (llamacpp_tokenizer.py)
-        self.vocab_size = int(lib.llama_vocab_n_tokens(vocab))  # one logits row per token id
-        self.max_length = int(lib.llama_n_ctx(ctx))
-        self.n_batch, self.n_ubatch = int(cparams.n_batch), int(cparams.n_ubatch)
-        self.kv_type, self.kv_type_id = kv_type, _KV_TYPES[kv_type]  # what the context got
-        self.file_type = file_type_name(int(lib.llama_model_ftype(model)))
-        self.file_bytes = int(lib.llama_model_size(model))
-        # End-of-generation ids as llama.cpp sees them (eos, eot, <|endoftext|>, ...).
-        self.eog_ids = frozenset(i for i in range(self.vocab_size) if lib.llama_vocab_is_eog(vocab, i))
-        self._batch = lib.llama_batch_init(self.n_batch, 0, 1)
-        for i in range(self.n_batch):  # one sequence: these never change
-            self._batch.n_seq_id[i] = 1
-            self._batch.seq_id[i][0] = 0
+        self._cparams = cparams
+        self.kv_type, self.kv_type_id = kv_type, _KV_TYPES[kv_type]
+        self.cells = 0  # KV cells of the current context
         self.length = 0
-        self._reserve_outputs()
+        self._tokens: list[int] = []  # the cached ids, fed again when the context grows
+        self.min_cells = min_cells
+        self._make_context(min(min_cells, self.max_length))
 
     # -- the Runner protocol ------------------------------------------------------------------
     def reset(self) -> None:
         self._lib.llama_memory_clear(self._memory, False)  # cells only; their data is overwritten
         self.length = 0
+        self._tokens.clear()
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """Appends ids [W] and returns float32 logits [W, V], one row per fed position."""
@@ -229,6 +225,8 @@ class LlamaCppRunner:
     def prefill(self, ids: torch.Tensor) -> None:
         """Appends ids [W] in chunks of n_batch, asking for no logits (the prompt needs none)."""
         tokens = ids.tolist()
+        if self.length == 0:
+            self._grow(len(tokens) + ANSWER_ROOM)  # a new prompt: room for it and a long answer
         for start in range(0, len(tokens), self.n_batch):
             self._decode(tokens[start:start + self.n_batch], outputs=False)
 
@@ -238,6 +236,7 @@ class LlamaCppRunner:
             removed = self._lib.llama_memory_seq_rm(self._memory, 0, length, -1)
             assert removed, "llama.cpp refused to remove the cells past the committed length"
             self.length = length
+            del self._tokens[length:]
 
     def measure_costs(self, widths: Iterable[int], iters: int = 3) -> dict[int, float]:
         from engine.runners import measure_forward_costs
@@ -247,7 +246,7 @@ class LlamaCppRunner:
     # -- llama.cpp specifics ------------------------------------------------------------------
     def set_threads(self, threads: int) -> None:
         """Threads for every later decode (single-token and batched alike)."""
-        self.threads = max(1, int(threads))
+        self.threads = self._cparams.n_threads = self._cparams.n_threads_batch = max(1, int(threads))
         self._lib.llama_set_n_threads(self._ctx, self.threads, self.threads)
 
     def kv_length(self) -> int:
@@ -275,12 +274,14 @@ class LlamaCppRunner:
         except Exception:  # interpreter shutdown: the library may already be gone
             pass
 
+    # -- internals ----------------------------------------------------------------------------
     def _decode(self, tokens: list[int], *, outputs: bool) -> None:
         batch, n = self._batch, len(tokens)
         if self.length + n > self.max_length:
             raise GenerationError(
                 f"The context is full: {self.length + n} tokens do not fit the {self.max_length} "
-                f"llama.cpp holds for {self.label}; start a new chat or load with a larger context.")
+                f"llama.cpp holds for {self.label}; start a new chat.")
+        self._grow(self.length + n)
         flag = 1 if outputs else 0
         for i, token in enumerate(tokens):
             batch.token[i] = token
@@ -293,9 +294,47 @@ class LlamaCppRunner:
             raise GenerationError(f"llama.cpp could not decode {n} tokens of {self.label} "
                                   f"(status {status}: {_last_error()}).")
         self.length += n
+        self._tokens.extend(tokens)
 
-    def _reserve_outputs(self) -> None:
-        """One forward of the widest verify, so the logits buffer is allocated once, at load."""
-        width = min(RESERVED_OUTPUTS, self.max_length, self.n_batch)
-        self.forward(torch.zeros(width, dtype=torch.long))
+    def _grow(self, length: int) -> None:
+        """A context of at least `length` cells (the next power of two, within max_length)."""
+        if length <= self.cells or self.cells >= self.max_length:
+            return
+        cached = self._tokens[:]
+        self._make_context(min(self.max_length, max(self.min_cells, 1 << (length - 1).bit_length())))
+        if cached:  # the cache does not survive a new context: feed it again, once per doubling
+            log.info("llama.cpp: %s grew to %d cells; feeding %d cached tokens again", self.label, self.cells,
+                     len(cached))
+            self.prefill(torch.tensor(cached))
+
+    def _make_context(self, cells: int) -> None:
+        """A fresh context of `cells` KV cells, its logits buffer reserved; the cache starts empty."""
+        lib, cparams = self._lib, self._cparams
+        if self._ctx:
+            lib.llama_free(self._ctx)
+            self._ctx = None
+        cparams.n_ctx = cells
+        cparams.n_batch = min(self._batch_size, cells)
+        cparams.n_ubatch = min(cparams.n_ubatch, cparams.n_batch)
+        ctx = None
+        for kv in dict.fromkeys((self.kv_type, "f16")):  # q8_0 needs head sizes in multiples of 32
+            cparams.type_k = cparams.type_v = _KV_TYPES[kv]
+            ctx = lib.llama_init_from_model(self._model, cparams)
+            if ctx:
+                self.kv_type, self.kv_type_id = kv, _KV_TYPES[kv]
+                break
+            log.info("llama.cpp: no %s KV cache for %s (%s)", kv, self.label, _last_error())
+        if not ctx:
+            self.close()
+            raise ModelLoadError(f"llama.cpp could not create a context for {self.path} "
+                                 f"({cells} tokens): {_last_error()}.")
+        self._ctx = ctx
+        self._memory = lib.llama_get_memory(ctx)
+        self.cells = int(lib.llama_n_ctx(ctx))
+        self.n_batch, self.n_ubatch = int(cparams.n_batch), int(cparams.n_ubatch)
+        self.length = 0
+        self._tokens = []
+        # One forward of the widest verify allocates the logits buffer now, not under a view.
+        self.forward(torch.zeros(min(RESERVED_OUTPUTS, self.cells, self.n_batch), dtype=torch.long))
         self.reset()
+
