@@ -3,11 +3,11 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from datetime import datetime
 from typing import Any, Literal
 
-from engine.types import GenerationRequest, Message, Sampling, Step, Summary, TokenView
+from engine.types import Decision, GenerationRequest, Message, Sampling, Step, Summary, TokenView
 
 FORMAT = "specdec-studio.conversation"  # every file we write says what it is, so foreign JSON is refused
 VERSION = 1  # bump when the layout changes; a file from a newer version is reported, never rewritten
@@ -153,9 +153,13 @@ def _summary_from(raw: Any, text: str) -> Summary | None:
     if not isinstance(raw, dict):
         return None
     try:
-        values = {f.name: raw[f.name] for f in fields(Summary) if f.name != "text"}
+        # Fields added later (with defaults) may be missing from older files.
+        values = {f.name: raw[f.name] for f in fields(Summary)
+                  if f.name != "text" and (f.name in raw or f.default is MISSING)}
         for name in ("per_position_acceptance", "accepted_length_histogram"):
             values[name] = tuple(values[name])
+        decision = values.get("decision")
+        values["decision"] = Decision(**decision) if isinstance(decision, dict) else None
         return Summary(text=text, **values)
     except (KeyError, TypeError):
         return None

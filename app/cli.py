@@ -1,4 +1,4 @@
-"""Headless command line: `specdec-studio generate` streams one answer, `specdec-studio bench` measures."""
+"""Headless command line: `generate` streams one answer, `bench` measures, `sweep` tunes, `distill` trains a head."""
 from __future__ import annotations
 
 import argparse
@@ -11,8 +11,10 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn, TextIO
 
+from app.export import cell
 from app.session import build_request, runtime_label
 from engine.errors import EngineError
+from engine.limits import DEFAULT_K, K_AUTO, K_MAX
 from engine.measure.bench import MODE_RUNNERS
 from engine.settings import GenerationSettings
 from engine.types import MODES, PROPOSERS, GenerationRequest, Message, Summary
@@ -34,7 +36,7 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         if message.endswith("required: command"):
-            message = "a command is needed: generate or bench (see --help)"
+            message = "a command is needed: generate, bench, sweep or distill (see --help)"
         raise CliError(message)
 
 
@@ -49,10 +51,26 @@ def _positive_int(text: str) -> int:
 
 
 def _k(text: str) -> int:
+    """1..K_MAX, or "auto" (K_AUTO: chosen per step)."""
+    if text.strip().lower() == "auto":
+        return K_AUTO
     try:
-        return _positive_int(text)
+        value = _positive_int(text)
     except argparse.ArgumentTypeError as e:
-        raise argparse.ArgumentTypeError(f"K (draft tokens per step) {e}") from None
+        raise argparse.ArgumentTypeError(f"K (draft tokens per step) {e}, or auto") from None
+    if value > K_MAX:
+        raise argparse.ArgumentTypeError(f"K (draft tokens per step) must be at most {K_MAX}, or auto")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    return value
 
 
 def _non_negative_float(text: str) -> float:
@@ -65,7 +83,7 @@ def _non_negative_float(text: str) -> float:
     return value
 
 
-def _add_model_args(p: argparse.ArgumentParser) -> None:
+def _add_model_args(p: argparse.ArgumentParser, decoding: bool = True) -> None:
     g = p.add_argument_group("models")
     g.add_argument("--target", default=None,
                    help="model folder, .gguf file or hub id (default: packaged Qwen2.5-Coder-1.5B-Instruct)")
@@ -74,6 +92,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: auto)")
     g.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
                    help="auto: bf16 on CUDA and on CPUs with native bf16, else float32")
+    g.add_argument("--head", default="auto",
+                   help="draft head folder for --proposer head; auto: the shipped head trained for this target "
+                        "(if any); none: no head")
     g.add_argument("--fast-path", default="auto", choices=["auto", "eager", "static", "compiled"],
                    help="auto: static cache + CUDA graphs where possible, else eager; compiled: also "
                         "torch.compile the per-step forwards for --k (CUDA; minutes of warm-up)")
@@ -83,13 +104,18 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--threads", type=_positive_int, default=None,
                    help="CPU threads per llama.cpp decode (default: the physical cores)")
     d = p.add_argument_group("decoding")
-    d.add_argument("--k", type=_k, default=5, help="draft tokens proposed per step (>= 1)")
+    d.add_argument("-v", "--verbose", action="store_true", help="log what the engine does (stderr)")
+    if not decoding:
+        return
+    d.add_argument("--k", type=_k, default=DEFAULT_K,
+                   help=f"draft tokens proposed per step (1..{K_MAX}), or auto: chosen per step from measured "
+                        "costs and acceptance (0 = a standard step)")
     d.add_argument("--temperature", type=_non_negative_float, default=0.0, help="0 = greedy")
     d.add_argument("--top-k", type=int, default=0, help="0 disables")
     d.add_argument("--top-p", type=float, default=1.0, help="1 disables")
     d.add_argument("--seed", type=int, default=0)
-    d.add_argument("--proposer", default="draft", choices=list(PROPOSERS))
-    d.add_argument("-v", "--verbose", action="store_true", help="log what the engine does (stderr)")
+    d.add_argument("--proposer", default="draft", choices=list(PROPOSERS),
+                   help="draft, ngram or draft+ngram (in auto mode draft+ngram is routed per step)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -99,7 +125,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="generate one answer, streaming it to stdout")
     gen.add_argument("--prompt", required=True, help="the user message (or raw text with --raw)")
     gen.add_argument("--raw", action="store_true", help="feed the prompt as-is, without the chat template")
-    gen.add_argument("--mode", default="speculative", choices=list(MODES))
+    gen.add_argument("--mode", default="speculative", choices=list(MODES),
+                     help="auto: the router, speculative decoding whose K (0 = standard) and proposer are chosen "
+                          "per step")
     gen.add_argument("--max-new-tokens", type=_positive_int, default=128)
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     _add_model_args(gen)
@@ -112,8 +140,39 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", dest="json_out", type=Path, default=None, help="write the full results here")
     bench.add_argument("--csv", dest="csv_out", type=Path, default=None, help="write one row per run here")
     bench.add_argument("--warmup", type=int, default=1, help="untimed warm-up generations per mode")
+    bench.add_argument("--repeat", type=_positive_int, default=1,
+                       help="time every prompt in every mode N times: median and spread (mode order rotates)")
     bench.add_argument("--raw", action="store_true", help="feed prompts as-is, without the chat template")
     _add_model_args(bench)
+
+    sweep = sub.add_parser("sweep", help="measure proposer x K x temperature; write sweep.csv and sweep.png")
+    sweep.add_argument("--prompts", required=True, type=Path, help='JSONL: {"id", "category", "prompt"} per line')
+    sweep.add_argument("--k", dest="ks", default="1,2,3,5,8,12", help="comma-separated K values (1..12, or auto)")
+    sweep.add_argument("--temperature", dest="temperatures", default="0", help="comma-separated temperatures")
+    sweep.add_argument("--proposer", dest="proposers", default="draft", help="comma-separated: draft, ngram, draft+ngram")
+    sweep.add_argument("--auto", action="store_true", help="also measure --mode auto per proposer")
+    sweep.add_argument("--repeat", type=_positive_int, default=1, help="time every configuration N times")
+    sweep.add_argument("--max-new-tokens", type=_positive_int, default=64)
+    sweep.add_argument("--out", required=True, type=Path, help="folder for sweep.csv, sweep.png, sweep.json")
+    sweep.add_argument("--raw", action="store_true", help="feed prompts as-is, without the chat template")
+    _add_model_args(sweep, decoding=False)
+
+    distill = sub.add_parser("distill", help="train a draft head on the target's own answers (resumable)")
+    distill.add_argument("--target", default=None,
+                         help="model folder, .gguf file or hub id (default: packaged Qwen2.5-Coder-1.5B-Instruct)")
+    distill.add_argument("--out", required=True, type=Path, help="where the head's shards and manifest go")
+    distill.add_argument("--minutes", type=_positive_float, default=17.0,
+                         help="the whole budget, all calls together: data, training, export (default 17)")
+    distill.add_argument("--work", type=Path, default=None,
+                         help="work folder (data, checkpoints, log); running again with it resumes (default OUT/work)")
+    distill.add_argument("--call-minutes", type=_positive_float, default=None,
+                         help="stop this call after so many minutes, exporting what is trained so far")
+    distill.add_argument("--prompts", type=Path, default=None,
+                         help='extra questions to answer, JSONL {"prompt": ...} (benchmark prompts are refused)')
+    distill.add_argument("--seed", type=int, default=0)
+    distill.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: auto)")
+    distill.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
+    distill.add_argument("-v", "--verbose", action="store_true", help="log what the engine does (stderr)")
     return parser
 
 
@@ -146,13 +205,20 @@ class _LoadReporter:
             print(f"{PROG}: {p.message}", file=self.stream, flush=True)
 
 
-def _load(args: argparse.Namespace, needs_draft: bool, runtime: str | None = None) -> Engine:
+def _load(args: argparse.Namespace, needs_draft: bool, runtime: str | None = None,
+          needs_head: bool | None = None) -> Engine:
+    """needs_head: a draft head will propose (default: --proposer head outside standard mode); the
+    head reads the target's hidden states, which llama.cpp does not give, so auto then picks torch."""
     from engine.models.runtime import load_engine
 
     reporter = _LoadReporter(sys.stderr, args.verbose)
+    compile_k = getattr(args, "k", DEFAULT_K) or DEFAULT_K  # K auto: compile the default K's widths
+    head = None if args.head == "none" else args.head
+    if needs_head is None:
+        needs_head = getattr(args, "mode", "standard") != "standard" and getattr(args, "proposer", None) == "head"
     return load_engine(args.target, args.draft, runtime=runtime or args.runtime, device=args.device,
                        dtype=args.dtype, with_draft=needs_draft, fast_path=args.fast_path, threads=args.threads,
-                       progress=reporter, compile_k=args.k)
+                       progress=reporter, compile_k=compile_k, head=head, needs_head=needs_head)
 
 
 def _settings(args: argparse.Namespace, mode: str, max_new_tokens: int) -> GenerationSettings:
@@ -190,7 +256,7 @@ def _model_config(engine: Engine, args: argparse.Namespace) -> dict[str, Any]:
     info = engine.info
     return {"target": info.target_name, "draft": info.draft_name, "device": info.device, "dtype": info.dtype,
             "fast_path": info.fast_path, "runtime": info.runtime, "threads": info.threads,
-            "vocab_size": info.vocab_size, "k": args.k,
+            "vocab_size": info.vocab_size, "k": "auto" if args.k == K_AUTO else args.k,
             "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed,
             "max_new_tokens": args.max_new_tokens, "proposer": args.proposer, "raw": args.raw}
 
@@ -198,7 +264,7 @@ def _model_config(engine: Engine, args: argparse.Namespace) -> dict[str, Any]:
 # --------------------------------------------------------------------------- generate
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    needs_draft = args.mode == "speculative" and args.proposer != "ngram"
+    needs_draft = args.mode != "standard" and args.proposer in ("draft", "draft+ngram")
     engine = _load(args, needs_draft)
     generation = engine.generate(_request(args, args.prompt, args.mode, args.max_new_tokens))
     tokens: list[dict[str, str]] = []
@@ -222,11 +288,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _summary_line(s: Summary) -> str:
+    from engine.measure.explain import describe_decision, time_split
+
     line = (f"[{s.mode}] {s.new_tokens} tokens in {s.seconds:.2f} s ({s.tokens_per_s:.1f} tok/s), "
             f"stop: {s.stop_reason}")
-    if s.mode == "speculative":
+    if s.mode != "standard":
         line += (f"; acceptance {s.acceptance_rate:.0%} ({s.accepted}/{s.drafted}), "
-                 f"{s.tokens_per_target_forward:.2f} tokens per target forward")
+                 f"{s.tokens_per_target_forward:.2f} tokens per target forward, mean K {s.k_mean:.1f}")
+    line += f"; {time_split(s)}"
+    if s.decision is not None and s.decision.reason != "fixed":
+        line += f"; {describe_decision(s.decision)}"
     return line
 
 
@@ -252,7 +323,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     for out in (args.json_out, args.csv_out):
         if out is not None and not out.parent.exists():
             raise CliError(f"output folder {out.parent} does not exist")
-    needs_draft = any(MODE_RUNNERS[m].needs_draft for m in modes) and args.proposer != "ngram"
+    needs_draft = any(MODE_RUNNERS[m].needs_draft for m in modes) and args.proposer in ("draft", "draft+ngram")
     engine = _load(args, needs_draft)
     # The hf-* baselines run on the engine's own torch models; on llama.cpp they load their own.
     pair = (LoadedPair(engine.target, engine.draft, engine.tokenizer, engine.info, engine.vocab)
@@ -262,17 +333,19 @@ def cmd_bench(args: argparse.Namespace) -> int:
         make_request=lambda prompt, mode, max_new: _request(args, prompt, mode, max_new),
         reload_pair=lambda: load_pair(args.target, args.draft, device=args.device, dtype=args.dtype,
                                       with_draft=needs_draft),
-        load_runtime=lambda runtime: _load(args, False, runtime),  # only standard decoding runs there
+        load_runtime=lambda runtime: _load(args, False, runtime, needs_head=False),  # only standard runs there
     )
-    with tqdm(total=len(prompts) * len(modes), file=sys.stderr, desc="bench", unit="run", disable=None) as bar:
+    total = len(prompts) * len(modes) * args.repeat
+    with tqdm(total=total, file=sys.stderr, desc="bench", unit="run", disable=None) as bar:
         def progress(done: int, _total: int, note: str) -> None:
             bar.set_postfix_str(note)
             bar.update(done - bar.n)
 
-        result = run_bench(ctx, prompts, modes, max_new_tokens=args.max_new_tokens, warmup=args.warmup, k=args.k,
-                           cost_model=args.proposer != "ngram", progress=progress)
+        result = run_bench(ctx, prompts, modes, max_new_tokens=args.max_new_tokens, warmup=args.warmup,
+                           repeat=args.repeat, progress=progress, proposer=args.proposer)
+    result.summary["diagnostics"] = _diagnose(engine, args, result.summary)
     config = {**_model_config(engine, args), "modes": list(result.modes), "prompts": str(args.prompts),
-              "warmup": args.warmup, "wall_s": result.wall_s, **_environment(engine)}
+              "warmup": args.warmup, "repeat": args.repeat, "wall_s": result.wall_s, **_environment(engine)}
     table = format_table(result.summary, result.modes)
     try:
         if args.json_out is not None:
@@ -282,16 +355,25 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 names = [n for n in RunRecord.__dataclass_fields__ if n != "token_ids"]
                 writer = csv.DictWriter(f, fieldnames=names, extrasaction="ignore")
                 writer.writeheader()
-                writer.writerows(asdict(r) for r in result.runs)
+                writer.writerows({k: cell(v) for k, v in asdict(r).items()} for r in result.runs)
     except OSError as e:
         # The table still goes to stdout, so a long run is not lost to a bad output path.
         print(table)
         raise CliError(f"cannot write results: {e.strerror or e} ({e.filename})") from None
     print(f"{engine.info.target_name} / {engine.info.draft_name or '-'} on {engine.info.device} "
-          f"({engine.info.dtype}, {runtime_label(engine.info)}), {len(prompts)} prompts, k={args.k}, "
+          f"({engine.info.dtype}, {runtime_label(engine.info)}), {len(prompts)} prompts, k={args.k or 'auto'}, "
           f"temperature={args.temperature}, max_new_tokens={args.max_new_tokens}")
     print(table)
     return 0
+
+
+def _diagnose(engine: Engine, args: argparse.Namespace, summary: dict[str, Any]) -> list[str]:
+    """The troubleshooting rules on what this bench measured, as lines to print and keep in the JSON."""
+    from engine.measure.diagnostics import diagnose, from_bench
+    from engine.measure.explain import describe_diagnosis
+
+    evidence = from_bench(summary, engine.info, k=args.k, temperature=args.temperature, proposer=args.proposer)
+    return [" ".join(describe_diagnosis(d)) for d in diagnose(evidence)]
 
 
 # --------------------------------------------------------------------------- entry point
@@ -313,8 +395,14 @@ def main(argv: list[str] | None = None) -> int:
     _setup_logging(args.verbose)
     import torch
 
+    if args.command == "sweep":
+        from app.cli_sweep import cmd_sweep as command
+    elif args.command == "distill":
+        from app.cli_distill import cmd_distill as command
+    else:
+        command = {"generate": cmd_generate, "bench": cmd_bench}[args.command]
     try:
-        return cmd_generate(args) if args.command == "generate" else cmd_bench(args)
+        return command(args)
     except (CliError, EngineError) as e:
         return _fail(str(e))
     except torch.OutOfMemoryError:

@@ -12,6 +12,7 @@ from PySide6.QtWidgets import QMessageBox
 
 from app.chat_tree import messages_fitting
 from app.session import system_messages
+from engine.limits import widest_draft
 from engine.types import Message
 
 if TYPE_CHECKING:
@@ -221,7 +222,7 @@ class ContextGuard(QObject):
     def reserve(self) -> int:
         # The engine needs room for one round of K drafts + 1 beyond the prompt (engine.decoding).
         settings = self.window.panel.values()
-        return (settings.k if settings.mode == "speculative" else 0) + 1
+        return widest_draft(settings.mode, settings.k) + 1
 
     def update(self, *_: object, now: bool = False) -> None:
         w = self.window

@@ -10,8 +10,10 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 
 from engine.errors import GenerationError
+from engine.limits import K_AUTO, K_MAX
 from engine.measure.stats import summarize
 from engine.types import (
+    Decision,
     GenerationRequest,
     ModelInfo,
     Step,
@@ -37,6 +39,8 @@ DEMO_ANSWER = (
     "平均时间复杂度是 O(n log n)，最坏情况是 O(n²)。The draft model guesses most of the "
     "boilerplate, and the target only corrects the interesting tokens."
 )
+
+DEMO_AUTO_K = 4  # the K the scripted controller "chooses" when K is auto
 
 DEMO_INFO = ModelInfo(
     target_name="demo-target", draft_name="demo-draft", device="cpu", dtype="float32",
@@ -64,8 +68,11 @@ def scripted_steps(
     seed: int = 0,
     step_ms: float = 10.0,
     source: str = "draft",
+    adaptive: bool = False,
 ) -> list[Step]:
-    """Steps that commit exactly `text`, with rejections drawn per draft position at `acceptance`."""
+    """Steps that commit exactly `text`, with rejections drawn per draft position at `acceptance`.
+
+    `adaptive`: the steps say the K controller chose their K (as with K auto and auto mode)."""
     rng = random.Random(seed)
     tokens = split_tokens(text)
     steps: list[Step] = []
@@ -102,13 +109,16 @@ def scripted_steps(
         pos += len(committed)
         total += len(committed)
         draft_ms = 0.0 if mode == "standard" else step_ms * 0.3
+        decision = (Decision(k, source, "best", acceptance, 1.0 + acceptance * 1.5, k, 1.0 + acceptance * 1.5)  # type: ignore[arg-type]
+                    if adaptive else None)
         steps.append(Step(
-            index=index, mode=mode,  # type: ignore[arg-type]
+            index=index, mode="standard" if mode == "standard" else "speculative",
             proposed=proposed, proposed_q=(0.8,) * len(proposed), proposed_p=(0.5,) * len(proposed),
             sources=(source,) * len(proposed),  # type: ignore[arg-type]
             accepted=accepted, added=token_id - 1, added_status=added_status,  # type: ignore[arg-type]
             tokens=tuple(views), text="".join(committed), new_tokens=len(committed), total_tokens=total,
             draft_ms=draft_ms, verify_ms=step_ms - draft_ms, elapsed_s=(index + 1) * step_ms / 1000.0,
+            decision=decision,
         ))
     return steps
 
@@ -146,7 +156,7 @@ class ScriptedGeneration(Iterator[Step]):
             step = replace(step, elapsed_s=time.perf_counter() - t0, stop_reason=stop if last else None)
             out.append(step)
             yield step
-        k = req.k if req.mode == "speculative" else 0
+        k = req.k if req.mode == "speculative" else 0  # K_AUTO (0) when chosen per step
         self.summary = summarize(out, mode=req.mode, k=k, prompt_tokens=12,
                                  seconds=max(time.perf_counter() - t0, 1e-6), stop_reason=stop)
 
@@ -165,13 +175,14 @@ class ScriptedEngine:
     context_length: int = 32768  # tokens the "model" holds (the context meter reads it)
 
     def generate(self, request: GenerationRequest, cancel: threading.Event | None = None) -> ScriptedGeneration:
-        if request.mode == "speculative" and request.k < 1:
-            raise GenerationError(f"K must be at least 1 (got {request.k}).")
+        if request.mode == "speculative" and not K_AUTO <= request.k <= K_MAX:
+            raise GenerationError(f"K must be 1..{K_MAX}, or auto (got {request.k}).")
         self.requests_seen += 1
         source = "ngram" if request.proposer == "ngram" else "draft"
-        steps = scripted_steps(self.text, mode=request.mode, k=request.k, acceptance=self.acceptance,
-                               seed=request.sampling.seed + self.requests_seen, step_ms=self.delay_s * 1000 or 1.0,
-                               source=source)
+        adaptive = request.mode == "auto" or request.k == K_AUTO
+        steps = scripted_steps(self.text, mode=request.mode, k=DEMO_AUTO_K if adaptive else request.k,
+                               acceptance=self.acceptance, seed=request.sampling.seed + self.requests_seen,
+                               step_ms=self.delay_s * 1000 or 1.0, source=source, adaptive=adaptive)
         return ScriptedGeneration(steps, request, cancel or threading.Event(), self.delay_s,
                                   self.fail_at, self.fail_with)
 

@@ -11,18 +11,22 @@ from pathlib import Path
 
 from app.chat_tree import Conversation
 from app.conversations import encode, write_atomically
+from engine.limits import K_AUTO
 from engine.types import GenerationRequest, ModelInfo, Step, Summary
 
 ENCODING = "utf-8-sig"  # the BOM makes Excel read UTF-8 (Chinese text) instead of the ANSI code page
 
-SUMMARY_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(Summary))
+SUMMARY_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(Summary) if f.name != "decision")
+# The controller's last decision, as numbers (a Decision is not one cell).
+DECISION_COLUMNS: tuple[str, ...] = ("decision_k", "decision_reason", "decision_acceptance",
+                                     "decision_predicted_speedup")
 SESSION_COLUMNS: tuple[str, ...] = (
     "request_id", "timestamp", "target_model", "draft_model", "device", "dtype", "fast_path", "runtime", "threads",
     "proposer", "request_mode", "request_k", "temperature", "top_k", "top_p", "seed", "max_new_tokens",
-) + SUMMARY_FIELDS
+) + SUMMARY_FIELDS + DECISION_COLUMNS
 TRACE_COLUMNS: tuple[str, ...] = (
-    "request_id", "step", "mode", "proposed", "accepted", "added_status", "new_tokens", "total_tokens",
-    "draft_ms", "verify_ms", "elapsed_s", "stop_reason", "text",
+    "request_id", "step", "mode", "k_chosen", "k_reason", "proposed", "accepted", "added_status", "new_tokens",
+    "total_tokens", "draft_ms", "verify_ms", "overhead_ms", "elapsed_s", "stop_reason", "text",
 )
 
 
@@ -69,9 +73,9 @@ def session_rows(records: Iterable[AnswerRecord]) -> list[dict[str, object]]:
             "fast_path": info.fast_path if info else "",
             "runtime": info.runtime if info else "",
             "threads": info.threads if info else "",
-            "proposer": req.proposer if req.mode == "speculative" else "",
+            "proposer": req.proposer if req.mode != "standard" else "",
             "request_mode": req.mode,
-            "request_k": req.k if req.mode == "speculative" else 0,
+            "request_k": ("auto" if req.k == K_AUTO or req.mode == "auto" else req.k) if req.mode != "standard" else 0,
             "temperature": req.sampling.temperature,
             "top_k": req.sampling.top_k,
             "top_p": req.sampling.top_p,
@@ -80,6 +84,10 @@ def session_rows(records: Iterable[AnswerRecord]) -> list[dict[str, object]]:
         }
         for name in SUMMARY_FIELDS:
             row[name] = getattr(r.summary, name)
+        d = r.summary.decision
+        row.update(decision_k=d.k if d else None, decision_reason=d.reason if d else None,
+                   decision_acceptance=d.acceptance if d else None,
+                   decision_predicted_speedup=d.predicted_speedup if d else None)
         rows.append({k: cell(v) for k, v in row.items()})
     return rows
 
@@ -92,6 +100,8 @@ def trace_rows(records: Iterable[AnswerRecord]) -> list[dict[str, object]]:
                 "request_id": r.request.request_id,
                 "step": s.index,
                 "mode": s.mode,
+                "k_chosen": s.decision.k if s.decision is not None else len(s.proposed),
+                "k_reason": s.decision.reason if s.decision is not None else None,
                 "proposed": len(s.proposed),
                 "accepted": s.accepted,
                 "added_status": s.added_status,
@@ -99,6 +109,7 @@ def trace_rows(records: Iterable[AnswerRecord]) -> list[dict[str, object]]:
                 "total_tokens": s.total_tokens,
                 "draft_ms": s.draft_ms,
                 "verify_ms": s.verify_ms,
+                "overhead_ms": s.overhead_ms,
                 "elapsed_s": s.elapsed_s,
                 "stop_reason": s.stop_reason,
                 "text": s.text,

@@ -11,13 +11,13 @@ from engine.settings import ModelChoice, ModelSelection
 
 log = logging.getLogger(__name__)
 
-HEADLESS_COMMANDS = ("generate", "bench")
+HEADLESS_COMMANDS = ("generate", "bench", "sweep")
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="specdec-studio",
-        description="Watch speculative decoding work. Headless: specdec-studio generate|bench --help.",
+        description="Watch speculative decoding work. Headless: specdec-studio generate|bench|sweep --help.",
     )
     p.add_argument("--target", default=None, help="model folder, .gguf file or hub id (default: the packaged pair)")
     p.add_argument("--draft", default=None, help="model folder, .gguf file or hub id (default: the packaged pair)")

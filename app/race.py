@@ -28,6 +28,7 @@ from app.race_logic import (
     write_race_csv,
 )
 from app.session import build_request, system_messages
+from engine.limits import K_AUTO
 from engine.settings import GenerationSettings
 from engine.types import GenerationRequest, Message, Mode, Step, Summary
 from widgets.race_view import RaceView
@@ -108,6 +109,8 @@ class RaceController(QObject):
             return None
         repeats = max(1, int(repeats))
         settings = self._settings()
+        if settings.mode == "auto":  # the speculative side then chooses K per step, as the chat would
+            settings = replace(settings, mode="speculative", k=K_AUTO)
         base = build_request(settings, system_messages(settings) + (Message("user", prompt),))
         race = _Race(
             race_id=self._next_race_id,

@@ -2,16 +2,16 @@
 from __future__ import annotations
 
 import csv
-import json
 import math
 import os
 import statistics
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, fields
-from importlib import resources
 from typing import Literal
 
 from app.export import ENCODING, cell, write_csv
+from engine.measure import experiment
+from engine.measure.experiment import BenchPrompt
 from engine.types import Mode, Step, Summary
 
 NEAR_TIE = 0.05  # target probabilities closer than this are a near-tie: rounding can flip argmax
@@ -20,22 +20,12 @@ CUSTOM = "custom"  # prompt id and category of a prompt typed by hand
 DivergenceKind = Literal["near_tie", "numerics", "length"]
 
 
-@dataclass(frozen=True)
-class BenchPrompt:
-    id: str  # "p00" ...; CUSTOM for a typed prompt
-    category: str  # code / longform_zh / longform_en / chat / math / short / summarize, or CUSTOM
-    prompt: str  # the user message sent to both modes
+__all__ = ["BenchPrompt"]  # the experiment core's prompt record, re-exported for the race's callers
 
 
 def load_bench_prompts() -> tuple[BenchPrompt, ...]:
     """assets/bench_prompts.jsonl (a packaged copy of the benchmark prompts), in file order."""
-    raw = resources.files("assets").joinpath("bench_prompts.jsonl").read_text(encoding="utf-8")
-    prompts = []
-    for line in raw.splitlines():
-        if line.strip():
-            entry = json.loads(line)
-            prompts.append(BenchPrompt(str(entry["id"]), str(entry["category"]), str(entry["prompt"])))
-    return tuple(prompts)
+    return experiment.packaged_prompts()
 
 
 def prompt_meta(text: str, prompts: Sequence[BenchPrompt]) -> BenchPrompt:
@@ -125,25 +115,22 @@ def committed_tokens(steps: Iterable[Step]) -> list[tuple[int, float | None]]:
 
 
 def speedup(standard: Summary, speculative: Summary) -> float:
-    """What each mode achieves alone, divided: NaN when standard decoding produced nothing."""
-    if standard.tokens_per_s <= 0:
-        return math.nan
-    return speculative.tokens_per_s / standard.tokens_per_s
+    """What each mode achieves alone, divided (experiment.speedup): NaN when standard produced nothing."""
+    return experiment.speedup(standard.tokens_per_s, speculative.tokens_per_s)
 
 
 def first_divergence(standard_steps: Sequence[Step], speculative_steps: Sequence[Step]) -> Divergence | None:
-    """None when the committed token ids are identical, else the first index where they differ."""
+    """None when the committed token ids are identical (experiment.first_difference), else the first
+    index where they differ, with the target probabilities that explain it."""
     std, spec = committed_tokens(standard_steps), committed_tokens(speculative_steps)
-    for i, ((a, pa), (b, pb)) in enumerate(zip(std, spec)):
-        if a != b:
-            near = pa is not None and pb is not None and abs(pa - pb) <= NEAR_TIE
-            return Divergence(i, "near_tie" if near else "numerics", a, b, pa, pb)
-    if len(std) == len(spec):
+    i = experiment.first_difference([t for t, _ in std], [t for t, _ in spec])
+    if i is None:
         return None
-    i = min(len(std), len(spec))
-    a = std[i] if i < len(std) else (None, None)
-    b = spec[i] if i < len(spec) else (None, None)
-    return Divergence(i, "length", a[0], b[0], a[1], b[1])
+    (a, pa), (b, pb) = (std[i] if i < len(std) else (None, None)), (spec[i] if i < len(spec) else (None, None))
+    if a is None or b is None:
+        return Divergence(i, "length", a, b, pa, pb)
+    near = pa is not None and pb is not None and abs(pa - pb) <= NEAR_TIE
+    return Divergence(i, "near_tie" if near else "numerics", a, b, pa, pb)
 
 
 def describe_divergence(d: Divergence) -> str:

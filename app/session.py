@@ -12,11 +12,12 @@ from dataclasses import asdict, dataclass, field, replace
 from app.chat_tree import Conversation, ConversationFormatError, StoredTokens, Turn
 from app.conversations import BackgroundWriter, ConversationHeader, ConversationStore
 from app.export import AnswerRecord, now_iso
+from engine.limits import K_AUTO
 from engine.measure.costmodel import CostModel, estimate_alpha
 from engine.settings import GenerationSettings, ModelSelection
 from engine.types import GenerationRequest, Message, ModelInfo, Sampling, Step, Summary
 
-PROPOSER_LABELS = {"draft": "draft", "ngram": "n-gram", "draft+ngram": "draft + n-gram"}
+PROPOSER_LABELS = {"draft": "draft", "ngram": "n-gram", "draft+ngram": "draft + n-gram", "head": "draft head"}
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,18 @@ class LoadRequest:
     fast_path: str = "auto"  # auto / eager / static / compiled, passed to Engine.from_pair
     runtime: str = "auto"  # auto / torch / llamacpp (engine.models.runtime.choose_runtime)
     threads: int | None = None  # CPU threads per llama.cpp decode; None = the physical cores
+
+
+@dataclass(frozen=True)
+class TrainRequest:
+    """Train a draft head for the loaded target (the app's "Train a draft head…")."""
+
+    request_id: int  # names every training signal
+    target: str | None  # the loaded target's spec (None: the packaged default)
+    device: str  # where the loaded target runs; training loads its own copy there
+    dtype: str  # the loaded target's dtype
+    minutes: float  # the whole budget: data, training, export
+    out: str  # folder for the head; its work folder (data, checkpoints, log) is out/work
 
 
 def load_request_for(selection: ModelSelection) -> LoadRequest:
@@ -82,26 +95,34 @@ def build_request(settings: GenerationSettings, messages: tuple[Message, ...], r
 def answer_header(request: GenerationRequest, info: ModelInfo | None) -> str:
     """The line above an answer: which model and how it decodes."""
     name = info.target_name if info else "model"
+    proposer = PROPOSER_LABELS.get(request.proposer, request.proposer)
     if request.mode == "standard":
         return f"{name} · standard decoding"
-    return f"{name} · speculative · K={request.k} · {PROPOSER_LABELS.get(request.proposer, request.proposer)}"
+    if request.mode == "auto":
+        return f"{name} · auto: K and proposer chosen per step · {proposer}"
+    k = "K auto" if request.k == K_AUTO else f"K={request.k}"
+    return f"{name} · speculative · {k} · {proposer}"
 
 
-def cost_verdict(info: ModelInfo | None, summary: Summary | None) -> tuple[str, str]:
+def cost_verdict(info: ModelInfo | None, summary: Summary | None, proposer: str = "draft") -> tuple[str, str]:
     """(status-bar text, tooltip) from the forward costs measured at load and, once an answer
-    exists, its acceptance: what speculative decoding should buy on this machine, said plainly."""
-    if info is None or not info.target_ms or info.draft_ms <= 0:
+    exists, its acceptance: what speculative decoding should buy on this machine, said plainly.
+    With proposer "head" the draft cost is the draft head's (ModelInfo.head_ms)."""
+    head = proposer == "head"
+    draft_ms = (info.head_ms if head else info.draft_ms) if info is not None else 0.0
+    if info is None or not info.target_ms or draft_ms <= 0:
         return "", ""
-    model = CostModel.from_info(info)
+    model = replace(CostModel.from_info(info), draft_ms=draft_ms)
     k_max = model.k_max
-    costs = (f"Measured at load: draft {info.draft_ms:.1f} ms per forward, target "
+    name = "draft head" if head else "draft"
+    costs = (f"Measured at load: {name} {draft_ms:.1f} ms per {'token' if head else 'forward'}, target "
              + ", ".join(f"{ms:.1f} ms ({w} tok)" for w, ms in info.target_ms) + ".")
     alpha = estimate_alpha(summary) if summary is not None else None
     if summary is None or alpha is None:
-        ratio = info.draft_ms / model.target_ms[1]
-        return f"draft = {ratio:.0%} of a target forward", costs + " Send a speculative prompt for a prediction."
+        ratio = draft_ms / model.target_ms[1]
+        return f"{name} = {ratio:.0%} of a target forward", costs + " Send a speculative prompt for a prediction."
     k, best = model.best_k(alpha, k_max)
-    predicted = model.predicted_speedup(alpha, summary.k) if summary.k <= k_max else None
+    predicted = model.predicted_speedup(alpha, summary.k) if 0 < summary.k <= k_max else None
     short = (f"predicted {predicted:.2f}× at K={summary.k}" if predicted is not None else f"best K={k}: {best:.2f}×")
     return short, costs + " " + model.verdict(alpha, k_max)
 

@@ -37,7 +37,11 @@ from app.session import (
     runtime_label,
 )
 from app.settings import AppSettings
-from app.worker import EngineFactory, WorkerHost, default_engine_factory
+from app.training import HeadTrainingController
+from app.tune import TuneController
+from app.worker import EngineFactory, HeadTrainer, WorkerHost, default_engine_factory, default_head_trainer
+from engine.measure.diagnostics import AnswerFacts, category_speedups
+from engine.measure.explain import describe_decision
 from engine.settings import GenerationSettings, ModelSelection
 from engine.types import Message, ModelInfo, Step, Summary
 from widgets.charts import LiveCharts
@@ -51,6 +55,7 @@ from widgets.race_view import RaceView
 from widgets.settings_panel import DisplaySettings, SettingsPanel
 from widgets.stats_line import format_stats_line
 from widgets.theme import ThemeManager
+from widgets.tune_view import TuneView
 
 log = logging.getLogger(__name__)
 
@@ -89,12 +94,13 @@ class MainWindow(QMainWindow):
         engine_factory: EngineFactory = default_engine_factory,
         settings: AppSettings | None = None,
         store: ConversationStore | None = None,
+        head_trainer: HeadTrainer = default_head_trainer,
         parent: QWidget | None = None,
     ) -> None:
         super().__init__(parent)
         self.setWindowTitle(APP_NAME)
         self.settings = settings or AppSettings()
-        self.host = WorkerHost(engine_factory, self)
+        self.host = WorkerHost(engine_factory, self, head_trainer=head_trainer)
         self.worker = self.host.worker
         self.session = ChatSession(store or _open_store(), on_save_error=self._on_save_error_thread)
         self.selection = self.settings.models()  # what was last loaded successfully (or asked for)
@@ -116,6 +122,19 @@ class MainWindow(QMainWindow):
             parent=self,
         )
         self.race.running_changed.connect(lambda _running: self._set_ready_state())
+        self.race.race_finished.connect(lambda _summary: self._update_evidence())
+        # The Tune tab sweeps through the same worker; Apply puts a configuration into the panel.
+        self.tune = TuneController(
+            self.worker, self.tune_view, current_settings=self.panel.values, apply_settings=self._apply_settings,
+            info=lambda: self.info, parent=self,
+        )
+        self.tune.running_changed.connect(lambda _running: self._set_ready_state())
+        self.training = HeadTrainingController(
+            self.worker, next_request_id=self.session.allocate_request_id,
+            target_spec=lambda: self.selection.target.spec(), parent=self,
+        )
+        self.training.running_changed.connect(lambda _running: self._set_ready_state())
+        self.training.head_attached.connect(self._on_head_attached)
         self.panel.set_values(self.settings.generation())
         self.panel.set_display(self.settings.display())
         self._apply_display(self.panel.display())
@@ -172,6 +191,7 @@ class MainWindow(QMainWindow):
         self.splitter.setStretchFactor(1, 1)
         self.splitter.setStretchFactor(2, 0)
         self.race_view = RaceView()
+        self.tune_view = TuneView()
         self.tabs = QTabWidget(self)
         self.tabs.setObjectName("mainTabs")
         self.tabs.setDocumentMode(True)
@@ -186,6 +206,7 @@ class MainWindow(QMainWindow):
         self.outer.setStretchFactor(1, 1)
         self.tabs.addTab(self.outer, "Chat")
         self.tabs.addTab(self.race_view, "Race: standard vs speculative")
+        self.tabs.addTab(self.tune_view, "Tune")
         self.setCentralWidget(self.tabs)
 
         self.prompt.send_requested.connect(self.send)
@@ -212,6 +233,7 @@ class MainWindow(QMainWindow):
 
         file_menu = bar.addMenu("&File")
         self.load_action = action(file_menu, "&Load models…", self.open_model_dialog, "Ctrl+L")
+        self.train_head_action = action(file_menu, "&Train a draft head…", self.open_train_dialog)
         file_menu.addSeparator()
         self.export_action = action(file_menu, "&Export session CSV…", lambda: self.export_session(), "Ctrl+E")
         self.export_trace_action = action(file_menu, "Export step &trace CSV…", lambda: self.export_trace())
@@ -253,6 +275,7 @@ class MainWindow(QMainWindow):
         self.device_label = QLabel("")
         self.memory_label = QLabel("")
         self.cost_label = QLabel("")  # the cost model's verdict: does speculation pay on this machine?
+        self.decision_label = QLabel("")  # what the K controller decides now, and why
         self.load_label = QLabel("")
         self.load_bar = QProgressBar()
         self.load_bar.setRange(0, 100)
@@ -260,11 +283,13 @@ class MainWindow(QMainWindow):
         self.load_bar.setMaximumHeight(14)
         self.load_bar.setTextVisible(True)
         self.load_bar.hide()
-        for label in (self.model_label, self.device_label, self.memory_label, self.load_label, self.cost_label):
+        for label in (self.model_label, self.device_label, self.memory_label, self.load_label, self.cost_label,
+                      self.decision_label):
             label.setTextFormat(Qt.TextFormat.PlainText)
         status.addWidget(self.model_label)
         status.addWidget(self.load_label, 1)
         status.addPermanentWidget(self.load_bar)
+        status.addPermanentWidget(self.decision_label)
         status.addPermanentWidget(self.cost_label)
         status.addPermanentWidget(self.device_label)
         status.addPermanentWidget(self.memory_label)
@@ -309,6 +334,24 @@ class MainWindow(QMainWindow):
         if dialog.exec() == ModelDialog.DialogCode.Accepted:
             self.load_models(dialog.selection())
 
+    def open_train_dialog(self):
+        """The "Train a draft head" dialog for the loaded target (None when no target is loaded yet)."""
+        if self.info is None:
+            self._show_info("Train a draft head", "Load a target first: File ▸ Load models…")
+            return None
+        if self.info.runtime != "torch":  # a head reads the target's hidden states; llama.cpp gives none
+            self._show_info("Train a draft head", "A draft head reads the target's hidden states, which the "
+                            f"{self.info.fast_path} runtime does not give: load the models with Runtime "
+                            "torch (File ▸ Load models…) to train and use one.")
+            return None
+        return self.training.open(self.info, self)
+
+    def _on_head_attached(self, info: ModelInfo) -> None:
+        self.session.info = info
+        self.panel.set_draft_available(info.draft_name is not None, head=info.head_name is not None)
+        self.chat.add_system_note(f"Draft head ready: {info.head_name} ({info.head_ms:.2f} ms per draft token). "
+                                  "Choose the proposer “Draft head” to use it.")
+
     def is_loading(self) -> bool:
         return self._loading_selection is not None
 
@@ -350,7 +393,7 @@ class MainWindow(QMainWindow):
         self.device_label.setText(f"{info.device} · {info.dtype} · {runtime}")
         self.device_label.setToolTip(info.runtime_note)
         self._show_costs(info, None)
-        self.panel.set_draft_available(info.draft_name is not None)
+        self.panel.set_draft_available(info.draft_name is not None, head=info.head_name is not None)
         self.context.set_counter(counter_for(self.worker.engine))
         self.guard.update(now=True)
         self.chat.add_system_note(f"Loaded {names} on {info.device} ({info.dtype}, {runtime}).")
@@ -455,7 +498,8 @@ class MainWindow(QMainWindow):
         self.charts.reset()
 
     def _can_chat(self) -> bool:
-        return self.active_request is None and self.info is not None and not self.is_loading() and not self.race.running
+        return (self.active_request is None and self.info is not None and not self.is_loading()
+                and not self.race.running and not self.tune.running)
 
     def _submit(self, request) -> int:
         rid = request.request_id
@@ -478,6 +522,9 @@ class MainWindow(QMainWindow):
         self.chat.append_steps(request_id, steps)
         if request_id == self.active_request:
             self.charts.push_steps(steps)
+            decision = steps[-1].decision
+            if decision is not None and decision.reason not in ("fixed", "standard"):
+                self.decision_label.setText(describe_decision(decision))
 
     def _on_generation_finished(self, request_id: int, summary: Summary) -> None:
         request = self.session.request(request_id)
@@ -485,8 +532,11 @@ class MainWindow(QMainWindow):
             return
         self.chat.finish_assistant_message(request_id, summary, format_stats_line(summary, request))
         record = self.session.finish(request_id, summary)
-        if summary.mode == "speculative" and request.proposer == "draft" and record is not None:
-            self._show_costs(record.info, summary)
+        if summary.mode == "speculative" and request.proposer in ("draft", "head") and record is not None:
+            self._show_costs(record.info, summary, request.proposer)
+        if summary.decision is not None and summary.decision.reason not in ("fixed", "standard"):
+            self.decision_label.setText(describe_decision(summary.decision))
+        self._update_evidence()
         self._set_ready_state()
         self.conversations.touch_current()
         self.guard.update()
@@ -501,29 +551,55 @@ class MainWindow(QMainWindow):
 
     def _set_ready_state(self) -> None:
         generating = self.active_request is not None
-        racing = self.race.running
+        racing = self.race.running or self.tune.running
         self.prompt.set_generating(generating)
         if self.is_loading():
             self.prompt.set_ready(False, _NOT_READY)
         elif self.info is None:
             self.prompt.set_ready(False, _NO_MODEL)
+        elif self.tune.running:
+            self.prompt.set_ready(False, "A sweep is running in the Tune tab")
         elif racing:
             self.prompt.set_ready(False, "A race is running in the Race tab")
+        elif self.training.running:
+            self.prompt.set_ready(False, "A draft head is training (cancel it in its window)")
         else:
             self.prompt.set_ready(True)
-        can_chat = not generating and self.info is not None and not self.is_loading()
-        reason = _NOT_READY if self.is_loading() else _NO_MODEL if self.info is None else "An answer is streaming in the chat"
-        self.race_view.set_race_enabled(can_chat, reason)
+        can_chat = not generating and self.info is not None and not self.is_loading() and not self.training.running
+        reason = (_NOT_READY if self.is_loading() else _NO_MODEL if self.info is None
+                  else "A draft head is training" if self.training.running else "An answer is streaming in the chat")
+        self.race_view.set_race_enabled(can_chat and not self.tune.running,
+                                        "A sweep is running in the Tune tab" if self.tune.running else reason)
+        self.tune_view.set_enabled(can_chat and not self.race.running,
+                                   "A race is running in the Race tab" if self.race.running else reason)
         self.stop_action.setEnabled(generating)
         self.chat.set_busy(generating)
         self.regenerate_action.setEnabled(can_chat and not racing and self.session.can_regenerate())
-        self.load_action.setEnabled(not self.is_loading())
+        self.load_action.setEnabled(not self.is_loading() and not self.training.running)
+        self.train_head_action.setEnabled(self.info is not None and not self.is_loading())
 
     # --- settings and view ----------------------------------------------------------------------
 
     def _on_settings_changed(self, settings: GenerationSettings) -> None:
         self.settings.set_generation(settings)
         self.guard.update()  # the system prompt and K change what a request needs
+        self._update_evidence()
+
+    def _apply_settings(self, settings: GenerationSettings) -> None:
+        """From the Tune tab: the panel shows (and the next answer uses) a measured configuration."""
+        self.panel.set_values(settings)
+        self._on_settings_changed(self.panel.values())
+
+    def _update_evidence(self) -> None:
+        """Everything this session measured, for the Tune tab's diagnoses."""
+        answers = tuple(AnswerFacts(r.request.mode, r.request.proposer, r.request.k, r.request.sampling.temperature,
+                                    r.summary) for r in self.records if r.summary.new_tokens)
+        categories = category_speedups((r.category, r.standard.tokens_per_s, r.speculative.tokens_per_s)
+                                       for r in self.race.results if r.category != "custom")
+        changes: dict[str, object] = {"answers": answers}
+        if len(categories) > 1:  # one category alone says nothing about where speculation loses
+            changes["categories"] = categories
+        self.tune.update_evidence(**changes)
 
     def ask_overflow(self, count) -> str:
         """"new", "drop" or "cancel" when the conversation no longer fits (a dialog; tests replace it)."""
@@ -540,6 +616,7 @@ class MainWindow(QMainWindow):
 
     def _on_theme_changed(self, _theme: str) -> None:
         self.chat.refresh_theme()
+        self.tune_view.refresh_theme()
         self.charts.refresh_theme()
         self.legend.refresh_palette()
         self.race_view.refresh_theme()
@@ -630,17 +707,28 @@ class MainWindow(QMainWindow):
             if torch is not None and self.info is not None and self.info.device.startswith("cuda"):
                 used = torch.cuda.memory_allocated() / 2**30
                 self.memory_label.setText(f"GPU {used:.2f} GiB")
+                free, total = torch.cuda.mem_get_info()
+                self._note_memory(1 - free / total, total / 2**30)
                 return
             import psutil
 
             rss = psutil.Process().memory_info().rss / 2**30
             self.memory_label.setText(f"RAM {rss:.2f} GiB")
+            machine = psutil.virtual_memory()
+            self._note_memory(machine.percent / 100, machine.total / 2**30)
         except Exception as e:  # a status figure is never worth an error dialog
             log.debug("memory figure unavailable: %s", e)
             self.memory_label.setText("")
 
-    def _show_costs(self, info: ModelInfo | None, summary: Summary | None) -> None:
-        short, full = cost_verdict(info, summary)
+    def _note_memory(self, used: float, total_gib: float) -> None:
+        # Only a change of diagnosis is worth re-running the rules every two seconds.
+        full = used >= 0.9
+        if full != getattr(self, "_memory_full", False):
+            self._memory_full = full
+            self.tune.update_evidence(memory_used=used, memory_total_gib=total_gib)
+
+    def _show_costs(self, info: ModelInfo | None, summary: Summary | None, proposer: str = "draft") -> None:
+        short, full = cost_verdict(info, summary, proposer)
         self.cost_label.setText(short)
         self.cost_label.setToolTip(full)
 

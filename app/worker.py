@@ -12,7 +12,7 @@ from typing import Any, Protocol
 
 from PySide6.QtCore import QObject, Qt, QThread, Signal, Slot
 
-from app.session import LoadRequest
+from app.session import LoadRequest, TrainRequest
 from engine.errors import EngineError
 from engine.measure.stats import summarize
 from engine.types import GenerationRequest, ModelInfo, Step
@@ -55,6 +55,28 @@ def default_engine_factory(request: LoadRequest, progress: ProgressCallback) -> 
                        threads=request.threads, progress=progress)
 
 
+# (request, engine, progress, cancel) -> (summary, ModelInfo with the new head, or None when none trained)
+HeadTrainer = Callable[[TrainRequest, EngineLike, ProgressCallback, threading.Event], tuple[dict, ModelInfo | None]]
+
+
+def default_head_trainer(request: TrainRequest, engine: EngineLike, progress: ProgressCallback,
+                         cancel: threading.Event) -> tuple[dict, ModelInfo | None]:
+    """Distils a head for the loaded target (training loads a second copy of it) and attaches the result."""
+    from pathlib import Path
+
+    from engine.heads.distill import prepare
+
+    distiller = prepare(request.target, Path(request.out), minutes=request.minutes, device=request.device,
+                        dtype=request.dtype, progress=progress, cancel=cancel)
+    summary = distiller.run()
+    head = distiller.head
+    if head is None or not summary.get("steps"):
+        return summary, None
+    dtype = next(engine.target.parameters()).dtype  # type: ignore[attr-defined]
+    engine.attach_head(head.to(dtype=dtype).eval().requires_grad_(False), distiller.name)  # type: ignore[attr-defined]
+    return summary, engine.info
+
+
 def _is_out_of_memory(exc: BaseException) -> bool:
     # torch.OutOfMemoryError without importing torch here (the fake engines never need it).
     return isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError"
@@ -85,18 +107,33 @@ class EngineWorker(QObject):
     steps = Signal(int, object)  # request_id, tuple[Step, ...] in order
     generation_finished = Signal(int, object)  # request_id, Summary
     generation_failed = Signal(int, str)  # request_id, one-line message
+    sweep_requested = Signal(object)  # SweepJob (UI -> worker)
+    sweep_progress = Signal(int, int, object)  # done, total, the RunRecord just measured
+    sweep_finished = Signal(object)  # list[RunRecord]: every run measured (all of them, or up to a stop)
+    sweep_failed = Signal(str)  # one-line message; the runs measured before it are lost
+    train_requested = Signal(object)  # TrainRequest (UI -> worker)
+    training_started = Signal(int)  # request_id
+    training_progress = Signal(int, object)  # request_id, engine.types.TrainingProgress
+    training_finished = Signal(int, object)  # request_id, summary dict (cancelled runs included)
+    training_failed = Signal(int, str)  # request_id, one-line message
+    head_attached = Signal(object)  # ModelInfo now in use, with the new draft head
 
     def __init__(self, engine_factory: EngineFactory = default_engine_factory,
-                 flush_interval_s: float = FLUSH_INTERVAL_S) -> None:
+                 flush_interval_s: float = FLUSH_INTERVAL_S, head_trainer: HeadTrainer = default_head_trainer) -> None:
         super().__init__()
         self._factory = engine_factory
+        self._trainer = head_trainer
+        self.train_cancel = threading.Event()  # set from the UI thread; checked between training steps
         self._flush_interval_s = flush_interval_s
         self.engine: EngineLike | None = None
         self.stop_event = threading.Event()  # set from the UI thread; checked between steps
+        self.sweep_stop = threading.Event()  # set from the UI thread; checked between a sweep's runs
         self._cancel_upto = 0  # requests with an id <= this are cancelled (even before they start)
         self._closing = threading.Event()
         self.load_requested.connect(self._on_load_requested, Qt.ConnectionType.QueuedConnection)
         self.generate_requested.connect(self._on_generate_requested, Qt.ConnectionType.QueuedConnection)
+        self.sweep_requested.connect(self._on_sweep_requested, Qt.ConnectionType.QueuedConnection)
+        self.train_requested.connect(self._on_train_requested, Qt.ConnectionType.QueuedConnection)
 
     # --- called from the UI thread -------------------------------------------------------------
 
@@ -105,10 +142,20 @@ class EngineWorker(QObject):
         self._cancel_upto = max(self._cancel_upto, request_id)
         self.stop_event.set()
 
+    def stop_sweep(self) -> None:
+        """Ends the sweep after its run in progress; safe from any thread."""
+        self.sweep_stop.set()
+
+    def cancel_training(self) -> None:
+        """Stops a training at its next step; it still exports what it has (safe from any thread)."""
+        self.train_cancel.set()
+
     def close(self) -> None:
-        """Makes the current generation and any load stop at their next checkpoint."""
+        """Makes the current generation, training and any load stop at their next checkpoint."""
         self._closing.set()
         self.stop_event.set()
+        self.sweep_stop.set()
+        self.train_cancel.set()
 
     # --- slots (worker thread) -----------------------------------------------------------------
 
@@ -187,6 +234,57 @@ class EngineWorker(QObject):
         self.generation_finished.emit(rid, summary)
 
 
+    @Slot(object)
+    def _on_sweep_requested(self, job: Any) -> None:
+        """Runs a sweep (engine.measure.sweep.run_sweep) on the resident engine; one terminal signal."""
+        from engine.measure.sweep import run_sweep
+
+        self.sweep_stop.clear()
+        if self.engine is None:
+            self.sweep_failed.emit("No model is loaded yet; wait for loading to finish or load models.")
+            return
+        try:
+            records = run_sweep(self.engine, job.prompts, job.configs, make_request=job.make_request,  # type: ignore[arg-type]
+                                max_new_tokens=job.max_new_tokens, repeat=job.repeat,
+                                progress=lambda done, total, record: self.sweep_progress.emit(done, total, record),
+                                cancel=self.sweep_stop)
+        except Exception as e:
+            self.sweep_failed.emit(_generation_error_message(e))
+            return
+        self.sweep_finished.emit(records)
+
+    @Slot(object)
+    def _on_train_requested(self, request: TrainRequest) -> None:
+        """Trains like a generation: on this thread, one terminal signal, cancelable between steps."""
+        rid = request.request_id
+        self.train_cancel.clear()
+        if self._closing.is_set():
+            self.train_cancel.set()
+        self.training_started.emit(rid)
+        if self.engine is None:
+            self.training_failed.emit(rid, "No model is loaded yet; load the target first.")
+            return
+        try:
+            summary, info = self._trainer(request, self.engine, lambda p: self.training_progress.emit(rid, p),
+                                          self.train_cancel)
+        except Exception as e:
+            self.training_failed.emit(rid, _training_error_message(e))
+            return
+        finally:
+            _release_memory()  # the training's own copy of the target goes now
+        if info is not None:
+            self.head_attached.emit(info)
+        self.training_finished.emit(rid, summary)
+
+def _training_error_message(exc: BaseException) -> str:
+    if _is_out_of_memory(exc):
+        return "Out of memory while training the draft head: close other programs or use a GPU."
+    if isinstance(exc, EngineError):
+        return _first_line(exc)
+    log.exception("unexpected error while training a draft head")
+    return f"Training failed ({type(exc).__name__}: {_first_line(exc)})."
+
+
 def _generation_error_message(exc: BaseException) -> str:
     if _is_out_of_memory(exc):
         log.warning("out of memory while generating: %s", exc)
@@ -211,9 +309,9 @@ class WorkerHost(QObject):
     """Starts the worker thread, owns it, and shuts it down without hanging or leaking it."""
 
     def __init__(self, engine_factory: EngineFactory = default_engine_factory,
-                 parent: QObject | None = None) -> None:
+                 parent: QObject | None = None, *, head_trainer: HeadTrainer = default_head_trainer) -> None:
         super().__init__(parent)
-        self.worker = EngineWorker(engine_factory)
+        self.worker = EngineWorker(engine_factory, head_trainer=head_trainer)
         self.thread = QThread()  # no parent: it must outlive nothing but this host
         self.thread.setObjectName("EngineWorker")
         self.worker.moveToThread(self.thread)

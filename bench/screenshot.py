@@ -1,4 +1,7 @@
-"""Saves a screenshot of the main window after one streamed answer (scripted engine by default, or real models)."""
+"""Saves a screenshot of the main window after one streamed answer, a race or a sweep (scripted engine or real models).
+
+    .venv/bin/python bench/screenshot.py --real --tune --tune-prompts 2 --max-new-tokens 16 --out assets/screenshot-tune.png
+"""
 from __future__ import annotations
 
 import argparse
@@ -30,6 +33,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="saved conversations to show in the sidebar (scripted ones, in a throw-away data folder)")
     p.add_argument("--beside", default="", help="also save the last answer rendered beside its token view here")
     p.add_argument("--runtime", default="auto", choices=["auto", "torch", "llamacpp"], help="with --real")
+    p.add_argument("--tune", action="store_true", help="run a sweep in the Tune tab and grab it finished")
+    p.add_argument("--tune-k", default="1,2,3,5,8", help="the Tune tab's K list")
+    p.add_argument("--tune-t", default="0,0.7", help="the Tune tab's temperatures")
+    p.add_argument("--tune-prompts", type=int, default=2, help="how many bench prompts the sweep uses")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO)
 
@@ -80,7 +87,18 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     if args.max_new_tokens:
         window.panel.set_values(replace(window.panel.values(), max_new_tokens=args.max_new_tokens))
-    if args.race:
+    if args.tune:
+        view = window.tune_view
+        window.tabs.setCurrentWidget(view)
+        view.ks.setText(args.tune_k)
+        view.temperatures.setText(args.tune_t)
+        view.prompts.setValue(args.tune_prompts)
+        if args.max_new_tokens:
+            view.max_new_tokens.setValue(args.max_new_tokens)
+        view.start_button.click()
+        wait_for(lambda: window.tune.running, 5.0)
+        wait_for(lambda: not window.tune.running, args.timeout)
+    elif args.race:
         window.tabs.setCurrentWidget(window.race_view)
         window.race_view.set_prompt_text(args.prompt)
         window.race_view.race_button.click()

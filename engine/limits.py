@@ -10,6 +10,20 @@ K_MAX = 12
 # Draft length when a person has not chosen one.
 DEFAULT_K = 5
 
+# A request's K meaning "chosen per step": the controller (engine/decoding/control.py) picks K in
+# 0..K_MAX before each step from the measured costs and acceptance; 0 there is a standard step.
+# Like top_k = 0 ("off"), it is the one value a fixed K can never take.
+K_AUTO = 0
+
+
+
+def widest_draft(mode: str, k: int) -> int:
+    """The most draft tokens one step may verify: the room a request needs beyond its prompt, less one."""
+    if mode == "standard":
+        return 0
+    return K_MAX if mode == "auto" or k == K_AUTO else k
+
+
 # Cache positions of the static-cache fast path when the caller does not say (capped by the
 # model's own max_position_embeddings).
 DEFAULT_MAX_LENGTH = 8192

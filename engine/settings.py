@@ -9,10 +9,10 @@ import math
 import os
 from dataclasses import dataclass, fields
 
-from engine.limits import DEFAULT_K, K_MAX, MAX_NEW_TOKENS
+from engine.limits import K_AUTO, K_MAX, MAX_NEW_TOKENS
 from engine.types import MODES, PROPOSERS
 
-K_RANGE = (1, K_MAX)
+K_RANGE = (K_AUTO, K_MAX)  # K_AUTO (0): chosen per step
 MAX_NEW_TOKENS_RANGE = (1, MAX_NEW_TOKENS)
 TEMPERATURE_RANGE = (0.0, 2.0)
 SEED_RANGE = (0, 2**31 - 1)  # what a Qt spin box holds, and every torch generator accepts
@@ -35,9 +35,9 @@ def _clamp(value, low, high):
 class GenerationSettings:
     """How answers are decoded, as the settings panel edits them."""
 
-    mode: str = "speculative"  # "speculative" or "standard"
-    proposer: str = "draft"  # "draft", "ngram" or "draft+ngram"
-    k: int = DEFAULT_K  # draft tokens per step, K_RANGE
+    mode: str = "auto"  # "auto" (K and proposer chosen per step), "speculative" or "standard"
+    proposer: str = "draft+ngram"  # "draft", "ngram" or "draft+ngram" (routed per step in auto mode)
+    k: int = K_AUTO  # draft tokens per step, K_RANGE; K_AUTO: chosen per step
     temperature: float = 0.0  # 0 = greedy
     top_k: int = 0  # 0 disables
     top_p: float = 1.0  # 1 disables

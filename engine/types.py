@@ -4,15 +4,25 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-Mode = Literal["speculative", "standard"]
+# auto: speculative decoding whose controller picks the proposer and K (0 = a standard step) per step.
+Mode = Literal["speculative", "standard", "auto"]
 # How a token came to be; one palette entry per value (assets/palette.json).
 TokenStatus = Literal["accepted", "rejected", "corrected", "bonus", "target"]
 # Which proposer produced a draft token.
-DraftSource = Literal["draft", "ngram"]
-Proposer = Literal["draft", "ngram", "draft+ngram"]
+DraftSource = Literal["draft", "ngram", "head"]
+Proposer = Literal["draft", "ngram", "draft+ngram", "head"]
 StopReason = Literal["eos", "stop_string", "max_new_tokens", "cancelled", "context_full"]
-MODES: tuple[Mode, ...] = ("speculative", "standard")
-PROPOSERS: tuple[Proposer, ...] = ("draft", "ngram", "draft+ngram")
+MODES: tuple[Mode, ...] = ("auto", "speculative", "standard")
+# Why a step drafted the K it did (engine/decoding/control.py); engine/measure/explain.py words it.
+KReason = Literal[
+    "standard",  # standard decoding was asked for
+    "fixed",  # a fixed K was asked for
+    "best",  # the K predicted fastest from measured costs and the acceptance measured so far
+    "no_gain",  # no K is predicted to beat a standard step: the draft costs more than it saves
+    "no_match",  # nothing to propose (no n-gram match), so a standard step
+    "probe",  # a short draft after standard steps, to measure the acceptance again
+]
+PROPOSERS: tuple[Proposer, ...] = ("draft", "ngram", "draft+ngram", "head")
 
 
 @dataclass(frozen=True)
@@ -37,8 +47,8 @@ class Sampling:
 class GenerationRequest:
     messages: tuple[Message, ...] = ()  # chat history; rendered with the target's chat template
     prompt: str | None = None  # raw text, used as-is (no template) when messages is empty
-    mode: Mode = "speculative"  # speculative (draft + verify) or standard (target only)
-    k: int = 5  # draft tokens proposed per step (speculative only)
+    mode: Mode = "speculative"  # speculative (draft + verify), standard (target only) or auto (the router)
+    k: int = 5  # draft tokens per step (speculative only); K_AUTO (0): chosen per step (auto always is)
     sampling: Sampling = field(default_factory=Sampling)  # temperature / top-k / top-p / seed
     max_new_tokens: int = 128  # hard cap on generated tokens
     stop_strings: tuple[str, ...] = ()  # generation ends once the text contains one of these
@@ -62,6 +72,19 @@ class TokenView:
 
 
 @dataclass(frozen=True)
+class Decision:
+    """What the K controller chose for one step, and the numbers behind it (no words: the app says them)."""
+
+    k: int  # draft tokens asked for; 0 = a standard step (the target alone)
+    source: DraftSource | None  # the proposer asked to draft; None for a standard step
+    reason: KReason  # why this K
+    acceptance: float | None = None  # estimated per-token acceptance of the proposer weighed (None: not estimated)
+    predicted_speedup: float | None = None  # predicted tokens/s of this choice over a standard step
+    best_k: int = 0  # the best K > 0 weighed (for a standard step: what speculation would have drafted)
+    best_speedup: float | None = None  # its predicted tokens/s over a standard step
+
+
+@dataclass(frozen=True)
 class Step:
     """One round of the decoding loop; standard decoding has one target token per step."""
 
@@ -82,6 +105,8 @@ class Step:
     verify_ms: float  # time spent in the target forward and acceptance
     elapsed_s: float  # seconds since the generation started (prefill included)
     stop_reason: StopReason | None = None  # set on the last step only
+    decision: Decision | None = None  # the K controller's choice for this step (None from engines without one)
+    overhead_ms: float = 0.0  # wall time of the step outside drafting and verifying (host work, sync, consumer)
 
 
 @dataclass(frozen=True)
@@ -89,7 +114,7 @@ class Summary:
     """What one generation did, as numbers."""
 
     mode: Mode  # mode of the generation
-    k: int  # draft length used (0 for standard)
+    k: int  # the request's draft length (0 for standard, and K_AUTO when chosen per step: see k_mean)
     prompt_tokens: int  # tokens in the rendered prompt
     new_tokens: int  # tokens generated
     seconds: float  # wall time, prefill included
@@ -104,6 +129,22 @@ class Summary:
     draft_forwards: int  # draft forwards after prefill
     stop_reason: StopReason  # why generation ended
     text: str  # the generated text
+    k_mean: float = 0.0  # mean K asked for per step (standard steps count 0)
+    standard_steps: int = 0  # steps the controller made standard (K = 0) in speculative or auto mode
+    prefill_s: float = 0.0  # time to take the prompt into the caches
+    draft_s: float = 0.0  # time spent drafting (sum of the steps' draft_ms)
+    verify_s: float = 0.0  # time spent in target forwards and acceptance (sum of verify_ms)
+    overhead_s: float = 0.0  # the rest: seconds - prefill_s - draft_s - verify_s (host work, syncs, consumer)
+    decision: Decision | None = None  # the controller's last decision: what it concluded for this answer
+
+
+@dataclass(frozen=True)
+class ProposerCost:
+    """What one proposer's drafting costs, measured by timing its own propose() (engine.measure.costmodel)."""
+
+    source: DraftSource  # the proposer ("draft", "ngram", ...)
+    per_token_ms: float  # each drafted token (a draft-model forward; ~0 for n-gram lookup)
+    per_proposal_ms: float  # once per step that drafts (set-up, lookups), whatever K
 
 
 @dataclass(frozen=True)
@@ -117,7 +158,73 @@ class ModelInfo:
     fast_path: str  # "eager" or the name of the accelerated path in use
     vocab_size: int  # shared vocabulary size compared on
     draft_ms: float = 0.0  # measured ms per 1-token draft forward at load (0: not measured / no draft)
-    target_ms: tuple[tuple[int, float], ...] = ()  # measured (width, ms per target forward) at load
+    target_ms: tuple[tuple[int, float], ...] = ()  # measured (width, ms per target forward) at load, widths 1..K_MAX+1
+    proposer_costs: tuple[ProposerCost, ...] = ()  # measured at load: what drafting costs, per proposer
+    measure_s: float = 0.0  # seconds the cost measurement took at load
+    head_name: str | None = None  # the draft head loaded for this target (None: none fits or none asked)
+    head_ms: float = 0.0  # measured ms per draft token of the head at load (0: not measured / no head)
     runtime: str = "torch"  # what runs the forwards: "torch" or "llamacpp"
     threads: int = 0  # CPU threads a decode uses (llama.cpp); 0 = the runtime's own default
     runtime_note: str = ""  # why this runtime, when it is not the one asked for (e.g. llama.cpp missing)
+
+
+@dataclass(frozen=True)
+class SweepRow:
+    """One configuration of a sweep, measured over every prompt of it (engine.measure.sweep)."""
+
+    mode: Mode  # "standard" (the baseline row of its temperature), "speculative" or "auto"
+    proposer: Proposer | None  # where drafts came from; None for standard
+    k: int  # the fixed K; K_AUTO (0) when chosen per step; 0 for standard
+    temperature: float  # sampling temperature (0 = greedy)
+    tokens_per_s: float  # total tokens / total seconds over the prompts
+    speedup: float  # tok/s over standard decoding at the same temperature, measured in the same run
+    acceptance: float  # accepted / drafted
+    tokens_per_target_forward: float  # new tokens per target forward
+    acceptance_by_position: tuple[float, ...]  # P(accepted | reached) per draft position
+    drafting_share: float  # share of the wall time spent drafting
+    predicted_speedup: float | None  # what the cost model predicts from its measured acceptance and overheads
+    identical: int | None  # greedy: outputs identical to standard's; None when sampling
+    compared: int  # outputs compared for identity (0 when sampling)
+    runs: int  # timed generations behind the row
+    k_mean: float = 0.0  # mean K chosen per step (equals k for a fixed K)
+
+    @property
+    def label(self) -> str:
+        """"standard", "draft K=3", "ngram K=auto", "auto draft+ngram" (the temperature is separate)."""
+        if self.mode == "standard":
+            return "standard"
+        if self.mode == "auto":
+            return f"auto {self.proposer}"
+        return f"{self.proposer} K={self.k or 'auto'}"
+
+
+# Which troubleshooting rule fired (engine/measure/diagnostics.py says it in words).
+DiagnosisKind = Literal["position_one", "temperature", "draft_cost", "best_k", "memory", "category"]
+# What the app can do about it with one click, if anything.
+DiagnosisAction = Literal["apply_k", "lower_temperature", "use_auto", "none"]
+
+
+@dataclass(frozen=True)
+class Diagnosis:
+    """A finding from this session's measured data, the number behind it and what to do."""
+
+    kind: DiagnosisKind  # the rule that fired
+    value: float  # the measured number behind it (an acceptance, a speedup, a share of memory)
+    reference: float  # what it is compared with (the other positions, standard decoding, the limit)
+    action: DiagnosisAction  # what applying it does
+    k: int = 0  # for apply_k: the K to apply
+    temperature: float = 0.0  # the temperature it concerns (temperature rule: the lower one)
+    category: str = ""  # for category: the prompt category where speculation loses
+
+
+@dataclass(frozen=True)
+class TrainingProgress:
+    """What a draft-head distillation is doing, for a progress bar and live loss/acceptance curves."""
+
+    phase: str  # "load", "data", "train", "eval", "export" or "done"
+    fraction: float  # of the whole time budget used so far, 0..1
+    eta_s: float  # seconds left in the budget (or in this call, if it ends first)
+    message: str  # one line for people
+    # The log line just written, if any: kind "train" (step, loss, acc per draft step), "eval" (step,
+    # acceptance per draft position), "data", "vocab", "export" or "call".
+    record: dict | None = None

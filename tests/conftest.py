@@ -66,3 +66,11 @@ def no_dangling_threads():
 
     yield
     assert not running_threads(), f"dangling worker threads: {running_threads()}"
+
+
+@pytest.fixture(scope="session")
+def tiny_head(tmp_path_factory):
+    """A predictable tiny target and a draft head distilled from it (about half its drafts accepted)."""
+    from tests.head_fixtures import build_tiny_head
+
+    return build_tiny_head(tmp_path_factory.mktemp("head"))

@@ -23,6 +23,7 @@ from app.worker import (
     running_threads,
 )
 from engine.errors import GenerationError
+from engine.limits import K_AUTO
 from engine.measure.stats import summarize
 from engine.settings import GenerationSettings, ModelChoice, ModelSelection
 from engine.types import GenerationRequest, Message, ModelInfo, Step, Summary, TokenView
@@ -174,6 +175,7 @@ def test_send_streams_coloured_tokens_stats_charts_and_csv(make_window, qtbot, t
     w = make_window(engine)
     assert w.windowTitle() == "SpecDec Studio"
     assert w.prompt.button.isEnabled()
+    w.panel.set_values(GenerationSettings(mode="speculative", k=5, proposer="draft"))  # the default is auto
 
     rid, summary = send_with_enter(qtbot, w, "Say hello")
     assert summary.text == SCRIPT_TEXT and summary.stop_reason == "eos"
@@ -245,10 +247,40 @@ def test_multi_turn_history_is_sent_with_each_request(make_window, qtbot):
         Message("user", "first"), Message("assistant", SCRIPT_TEXT), Message("user", "second"))
 
 
+def test_the_default_is_auto_mode_with_k_chosen_per_step(make_window, qtbot):
+    engine = FakeEngine()
+    w = make_window(engine)
+    w.panel.set_values(GenerationSettings())
+    assert w.panel.k.text() == "auto" and not w.panel.k.isEnabled() and w.panel.proposer.isEnabled()
+    send_with_enter(qtbot, w, "hi")
+    r = engine.requests[-1]
+    assert (r.mode, r.k, r.proposer) == ("auto", K_AUTO, "draft+ngram")
+
+
+def test_exports_carry_the_k_chosen_the_reason_and_the_time_split(tmp_path):
+    from dataclasses import replace
+
+    from app.export import AnswerRecord, write_session_csv, write_trace_csv
+    from engine.types import Decision
+
+    decision = Decision(3, "draft", "best", 0.8, 1.3, 3, 1.3)
+    steps = [replace(s, decision=decision, overhead_ms=0.25) for s in script()]
+    summary = summarize(steps, mode="auto", k=K_AUTO, prompt_tokens=4, seconds=1.0, stop_reason="eos", prefill_s=0.1)
+    record = AnswerRecord(GenerationRequest(mode="auto", k=K_AUTO), summary, FAKE_INFO, "now", tuple(steps))
+    write_session_csv(tmp_path / "s.csv", [record])
+    write_trace_csv(tmp_path / "t.csv", [record])
+    [row] = read_csv(tmp_path / "s.csv")
+    assert (row["request_mode"], row["request_k"], row["decision_k"], row["decision_reason"]) == ("auto", "auto", "3", "best")
+    assert float(row["prefill_s"]) == 0.1 and float(row["draft_s"]) == pytest.approx(0.006)
+    assert float(row["overhead_s"]) == pytest.approx(1.0 - 0.1 - 0.006 - 0.024)
+    trace = read_csv(tmp_path / "t.csv")
+    assert [(t["k_chosen"], t["k_reason"], t["overhead_ms"]) for t in trace] == [("3", "best", "0.25")] * 3
+
+
 def test_settings_reach_the_request(make_window, qtbot):
     engine = FakeEngine()
     w = make_window(engine)
-    w.panel.set_values(GenerationSettings(k=9, temperature=0.7, top_k=40, top_p=0.9, seed=3,
+    w.panel.set_values(GenerationSettings(mode="speculative", k=9, temperature=0.7, top_k=40, top_p=0.9, seed=3,
                                           max_new_tokens=77, proposer="ngram"))
     send_with_enter(qtbot, w, "hi")
     r = engine.requests[-1]
@@ -639,7 +671,8 @@ def test_end_to_end_with_tiny_real_models(make_window, qtbot, tiny_pair, tmp_pat
     info: ModelInfo = blocker.args[0]
     assert (info.target_name, info.draft_name, info.device, info.dtype) == ("target", "draft", "cpu", "float32")
     assert stages[0] == "check" and "load" in stages
-    w.panel.set_values(GenerationSettings(k=4, max_new_tokens=24, system_prompt=""))
+    w.panel.set_values(GenerationSettings(mode="speculative", k=4, proposer="draft", max_new_tokens=24,
+                                          system_prompt=""))
     rid, summary = send_with_enter(qtbot, w, "def add(a, b):")
     assert summary.new_tokens > 0 and summary.mode == "speculative"
     view = w.chat.token_view(rid)

@@ -66,19 +66,32 @@ def test_bench_json_contract(tiny_pair, tmp_path, capsys):
                 "prompts", "torch", "transformers", "cpu", "gpu"):
         assert key in result["config"], key
     runs = result["runs"]
+    # The mode order rotates per prompt, so no mode always pays a prompt's first run for the other.
     assert [(r["prompt_id"], r["mode"]) for r in runs] == [
-        ("a", "standard"), ("a", "speculative"), ("b", "standard"), ("b", "speculative")]
+        ("a", "standard"), ("a", "speculative"), ("b", "speculative"), ("b", "standard")]
     for r in runs:
         assert set(r) == {"prompt_id", "category", "mode", "new_tokens", "seconds", "tokens_per_s",
                           "target_forwards", "draft_forwards", "drafted", "accepted", "text", "token_ids",
-                          "round_seconds"}
+                          "round_seconds", "repeat", "prefill_s", "draft_s", "verify_s", "overhead_s", "k_mean",
+                          "standard_steps", "position_reached", "position_accepted", "drafted_steps", "drafted_by",
+                          "catch_up_widths"}
         assert len(r["token_ids"]) == r["new_tokens"]
         assert 0 < r["round_seconds"] <= r["seconds"]  # rounds are a part of the generation's time
+        # The time split adds up to the generation's time.
+        parts = r["prefill_s"] + r["draft_s"] + r["verify_s"] + r["overhead_s"]
+        assert parts == pytest.approx(r["seconds"], rel=1e-6)
+        assert (r["draft_s"] > 0) == (r["mode"] == "speculative")
     summary = result["summary"]
     for mode in ("standard", "speculative"):
         assert set(summary[mode]) == {"tokens_per_s", "acceptance_rate", "tokens_per_target_forward",
-                                      "new_tokens", "seconds", "in_rounds"}
+                                      "new_tokens", "seconds", "in_rounds", "time_split", "k_mean",
+                                      "standard_steps", "per_position_acceptance", "runs"}
         assert 0 < summary[mode]["in_rounds"] <= 1
+        assert sum(summary[mode]["time_split"].values()) == pytest.approx(1.0)
+    assert summary["standard"]["per_position_acceptance"] == [] and len(summary["speculative"]["per_position_acceptance"]) == 5
+    assert "speculative acceptance by draft position: " in captured.out
+    assert set(summary["categories"]) == {"code", "chat"}
+    assert set(summary["categories"]["code"]["vs_standard"]) == {"speculative"}
     assert summary["compared"] == 2
     # float32 greedy on CPU: speculative output is the target's own, token for token.
     assert summary["identical_outputs"] == 2 and summary["divergences"] == []

@@ -87,6 +87,23 @@ def test_save_and_reload_keeps_everything(tmp_path):
     assert [(h.id, h.title, h.turns) for h in headers] == [(c.id, "Quicksort, renamed", 2)]
 
 
+def test_a_summary_keeps_its_decision_and_older_files_without_new_figures_still_load():
+    from dataclasses import replace
+
+    from app.chat_tree import _summary_from, _summary_json
+    from engine.types import Decision
+
+    steps = scripted_steps("a b c d e", k=4, acceptance=0.7, seed=1, adaptive=True)
+    summary = summarize(steps, mode="auto", k=0, prompt_tokens=9, seconds=0.5, stop_reason="eos", prefill_s=0.1)
+    assert isinstance(summary.decision, Decision)
+    assert _summary_from(json.loads(json.dumps(_summary_json(summary))), summary.text) == summary
+    old = _summary_json(replace(summary, decision=None))
+    for name in ("k_mean", "standard_steps", "prefill_s", "draft_s", "verify_s", "overhead_s", "decision"):
+        old.pop(name)
+    back = _summary_from(old, summary.text)
+    assert back is not None and back.new_tokens == summary.new_tokens and back.decision is None
+
+
 def test_list_uses_the_index_and_notices_changed_files(tmp_path):
     store = ConversationStore(tmp_path)
     ids = []

@@ -10,6 +10,7 @@ from scipy import stats as scipy_stats
 
 from engine.decoding.sampling import accept_draft, process
 from engine.errors import GenerationError
+from engine.limits import K_MAX
 from engine.types import GenerationRequest, Message, Sampling
 from tests.engine_fixtures import tiny_engine
 
@@ -151,9 +152,17 @@ def test_speculative_sampling_matches_the_targets_processed_distribution(engine)
     Temperature, top-k and top-p are applied to both models; the exact target law is computed
     from its logits and compared with 2,000 speculative samples (chi-square).
     """
+    check_sampling_law(engine, "hello world", proposer="draft")
+
+
+def check_sampling_law(engine, prompt: str, *, proposer: str, messages: tuple = (), trials: int = 2000) -> None:
+    """Asserts that speculative samples of the first two tokens follow the target's processed law (chi-square).
+
+    Shared by every proposer (draft model, draft head): whatever proposes, the output law is the target's.
+    """
     sampling = dict(temperature=1.3, top_k=5, top_p=0.9)
-    prompt = "hello world"
-    ids = engine.encode(GenerationRequest(prompt=prompt))
+    request = dict(messages=messages) if messages else dict(prompt=prompt)
+    ids = engine.encode(GenerationRequest(**request))
     exact: dict[tuple[int, int], float] = {}
     with torch.inference_mode():
         p1 = process(engine.target(torch.tensor([ids])).logits[0, -1].float(), Sampling(**sampling))
@@ -161,11 +170,10 @@ def test_speculative_sampling_matches_the_targets_processed_distribution(engine)
             p2 = process(engine.target(torch.tensor([ids + [t1]])).logits[0, -1].float(), Sampling(**sampling))
             for t2 in torch.nonzero(p2).flatten().tolist():
                 exact[(t1, t2)] = p1[t1].item() * p2[t2].item()
-    trials = 2000
     counts = {key: 0 for key in exact}
     for seed in range(trials):
-        gen, _ = _run(engine, prompt=prompt, mode="speculative", k=3, max_new_tokens=2,
-                      sampling=Sampling(seed=seed, **sampling))
+        gen, _ = _run(engine, mode="speculative", k=3, max_new_tokens=2, proposer=proposer,
+                      sampling=Sampling(seed=seed, **sampling), **request)
         key = tuple(gen.token_ids)
         assert key in counts, f"sampled {key}, which the processed target law gives probability 0"
         counts[key] += 1
@@ -211,7 +219,7 @@ def test_stop_string_ends_generation_and_is_not_in_the_text(engine):
 
 @pytest.mark.parametrize(
     "kw",
-    [dict(k=0), dict(max_new_tokens=0), dict(sampling=Sampling(top_p=0.0)), dict(prompt="")],
+    [dict(k=-1), dict(k=13), dict(max_new_tokens=0), dict(sampling=Sampling(top_p=0.0)), dict(prompt="")],
 )
 def test_bad_requests_fail_before_decoding(engine, kw):
     args = dict(prompt="hello", mode="speculative", k=3, max_new_tokens=5)
@@ -306,15 +314,18 @@ def test_queueing_the_next_round_ahead_changes_nothing(engine, kw):
         engine.eos_ids = saved
 
 
-def test_measured_costs_cover_the_verify_widths_and_leave_the_caches(engine):
+def test_measured_costs_cover_every_verify_width_and_each_proposer_and_leave_the_caches(engine):
     engine.target_runner.reset()
     engine.target_runner.forward(torch.tensor([5, 6, 7]))
     saved = engine.info
     try:
         engine.measure_costs(rounds=2)
         widths = [w for w, _ in engine.info.target_ms]
-        assert widths == [1, 2, 3, 4, 5, 6] and all(ms > 0 for _, ms in engine.info.target_ms)
-        assert engine.info.draft_ms > 0
+        assert widths == list(range(1, K_MAX + 2)) and all(ms > 0 for _, ms in engine.info.target_ms)
+        costs = {c.source: c for c in engine.info.proposer_costs}
+        assert set(costs) == {"draft", "ngram"}
+        assert costs["draft"].per_token_ms > 0 and engine.info.draft_ms == costs["draft"].per_token_ms
+        assert engine.info.measure_s > 0
         assert engine.target_runner.length == 3  # measured past the cached tokens, then rolled back
     finally:
         engine.info = saved

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from engine.errors import ModelLoadError
+from engine.limits import K_MAX
 from engine.models import runtime as runtime_mod
 from engine.models.store import resolve_source
 from engine.runners import llamacpp as llamacpp_mod
@@ -157,8 +158,11 @@ def test_engine_loads_from_gguf_without_conversion(engine, ggufs):
     info = engine.info
     assert (info.runtime, info.fast_path, info.device, info.dtype) == ("llamacpp", "llama.cpp", "cpu", "F32")
     assert info.threads == 1 and engine.target is None
-    # Costs per width, for the cost model and auto mode.
-    assert [w for w, _ in info.target_ms] == list(range(1, 7)) and info.draft_ms > 0
+    # Costs of every verify width the loop may use, for the cost model and auto mode.
+    assert [w for w, _ in info.target_ms] == list(range(1, K_MAX + 2)) and info.draft_ms > 0
+    assert {c.source for c in info.proposer_costs} == {"draft", "ngram"} and info.head_name is None
+    # Measuring the verify widths left the target's cache as it was (each round rolls back what it fed).
+    assert engine.target_runner.kv_length() == engine.target_runner.length == 0
     assert engine.tokenizer.eos_token_id in engine.eos_ids
 
 

@@ -26,6 +26,7 @@ from app.race_logic import (
     write_race_csv,
 )
 from app.worker import LoadRequest, WorkerHost, running_threads
+from engine.limits import K_AUTO
 from engine.measure.stats import summarize
 from engine.settings import GenerationSettings
 from engine.types import (
@@ -131,7 +132,7 @@ class RaceEngine:
 
     def generate(self, request: GenerationRequest, cancel: threading.Event) -> ScriptedGeneration:
         self.requests.append(request)
-        mode = request.mode
+        mode = "standard" if request.mode == "standard" else "speculative"  # the chat's auto mode drafts too
         seconds = self.seconds[mode][self.calls[mode] % len(self.seconds[mode])]
         self.calls[mode] += 1
         return ScriptedGeneration(self.scripts[mode], request, seconds, cancel, self.delay_s)
@@ -153,8 +154,8 @@ def race_setup(qtbot):
         view.resize(1300, 850)
         view.show()
         ids = iter(range(1, 10_000))
-        chosen = settings or GenerationSettings(system_prompt="Be brief.", k=4, temperature=0.0, seed=7,
-                                                max_new_tokens=64)
+        chosen = settings or GenerationSettings(mode="speculative", system_prompt="Be brief.", k=4, temperature=0.0,
+                                                seed=7, max_new_tokens=64)
         controller = RaceController(host.worker, view, next_request_id=lambda: next(ids),
                                     current_settings=lambda: chosen)
         return controller, view
@@ -464,6 +465,13 @@ def raced_window(qtbot, tmp_path):
     yield w, engine
     w.close()
     assert not running_threads()
+
+
+def test_a_race_in_auto_mode_chooses_k_per_step(race_setup, qtbot):
+    controller, view = race_setup(RaceEngine(standard_steps(), speculative_steps(STD_IDS)), GenerationSettings())
+    run_race(qtbot, controller, view, "Race me")
+    engine_requests = controller.worker.engine.requests
+    assert [(r.mode, r.k) for r in engine_requests] == [("standard", K_AUTO), ("speculative", K_AUTO)]
 
 
 def test_race_and_chat_share_the_main_windows_worker(qtbot, raced_window):

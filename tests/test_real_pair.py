@@ -43,6 +43,9 @@ def test_cli_json_on_the_real_pair_is_lossless_in_float32(real_cache, capsys):
     std = _generate(capsys, "standard")
     assert {t["status"] for t in std["tokens"]} == {"target"}
     assert std["text"] == spec["text"]  # float32 greedy: token for token the same answer
+    auto = _generate(capsys, "auto")  # K and (draft) proposer chosen per step, standard steps included
+    assert auto["summary"]["mode"] == "auto" and auto["summary"]["decision"] is not None
+    assert auto["text"] == std["text"]
 
 
 def test_llamacpp_runtime_on_the_real_pair(real_cache, capsys):

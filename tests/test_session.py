@@ -104,13 +104,20 @@ def test_cost_verdict_before_and_after_an_answer():
     summary = _summary([_step(i, 5, 5) for i in range(9)] + [_step(9, 0, 5)])
     short, full = cost_verdict(INFO, summary)
     assert short.startswith("predicted ") and "at K=5" in short and "pays here" in full
+    # A draft head's cost per token replaces the draft model's when the head proposed.
+    from dataclasses import replace
+
+    assert cost_verdict(INFO, None, "head") == ("", "")  # no head measured
+    short, full = cost_verdict(replace(INFO, head_ms=1.5), None, "head")
+    assert short.startswith("draft head = ") and "draft head 1.5 ms per token" in full
 
 
 def test_settings_are_validated_and_clamped():
     s = GenerationSettings.from_dict({"seed": 3_000_000_000, "k": 400, "temperature": float("nan"),
                                       "top_p": "x", "mode": "weird", "max_new_tokens": -5, "top_k": 2.5})
     assert s.seed == 2**31 - 1 and s.k == 12 and s.temperature == 0.0 and s.top_p == 1.0
-    assert s.mode == "speculative" and s.max_new_tokens == 1 and s.top_k == 0
+    assert s.mode == "auto" and s.max_new_tokens == 1 and s.top_k == 0  # the default mode: auto
+    assert GenerationSettings.from_dict({"k": -3}).k == 0  # K auto is the lowest K
     assert GenerationSettings.from_dict({"seed": float("inf")}).seed == 0
     sel = ModelSelection.from_dict({"target": {"kind": "nonsense", "value": 3}, "draft": "x", "device": "tpu",
                                     "dtype": 7, "no_draft": "yes"})

@@ -309,12 +309,14 @@ def test_stats_line():
     steps = script_steps()
     summary = make_summary(steps)
     line = format_stats_line(summary, GenerationRequest(k=4))
-    assert line == "speculative · K=4 · 73% accepted · 3.7 tokens/step · 22 tok/s · 11 tokens · 0.5 s"
+    split = (f"draft {summary.draft_s / summary.seconds:.0%} / verify {summary.verify_s / summary.seconds:.0%} / "
+             f"other {1 - (summary.draft_s + summary.verify_s) / summary.seconds:.0%} of the time")
+    assert line == "speculative · K=4 · 73% accepted · 3.7 tokens/step · 22 tok/s · 11 tokens · 0.5 s · " + split
     sampled = GenerationRequest(k=4, sampling=Sampling(temperature=0.7))
     assert format_stats_line(summary, sampled).endswith("· T=0.7")
     std = summarize([standard_step(i, "a") for i in range(128)], mode="standard", k=0, prompt_tokens=3,
                     seconds=10.1, stop_reason="max_new_tokens")
-    assert format_stats_line(std) == "standard · 1.0 tokens/step · 13 tok/s · 128 tokens · 10.1 s"
+    assert format_stats_line(std).startswith("standard · 1.0 tokens/step · 13 tok/s · 128 tokens · 10.1 s · draft 0% / ")
 
 
 # --- legend, palette --------------------------------------------------------------------------
@@ -380,6 +382,42 @@ def test_chart_standard_steps_and_ring_buffer(qtbot):
     np.testing.assert_allclose(s["tokens_per_s"], 100.0)
     np.testing.assert_allclose(s["tokens_per_s_rolling"][-1], 100.0)
     assert len(s["position_acceptance"]) == 0
+
+
+def test_chart_plots_the_k_chosen_and_the_time_split(charts):
+    """Auto mode: a standard step the controller chose is K = 0 (not a gap); a short n-gram match
+    under a larger K shows the K chosen; every step's drafting, verifying and overhead times."""
+    from dataclasses import replace
+
+    from engine.types import Decision
+
+    chosen_standard = replace(standard_step(0, "a"), decision=Decision(0, None, "no_gain", 0.4, 1.0, 2, 0.9),
+                              overhead_ms=1.5)
+    drafted = replace(spec_step(1, ["b"], [], "c", total_before=1), decision=Decision(4, "ngram", "best", 0.8, 1.4, 4, 1.4),
+                      overhead_ms=0.5)
+    plain = standard_step(2, "d", total_before=3)  # standard mode: no K at all
+    charts.push_steps([chosen_standard, drafted, plain])
+    charts.refresh()
+    s = charts.series()
+    assert s["k"][0] == 0 and s["k"][1] == 4 and np.isnan(s["k"][2])
+    assert list(s["accepted"][:2]) == [0, 1]
+    np.testing.assert_allclose(s["draft_ms"], [0.0, 2.0, 0.0])
+    np.testing.assert_allclose(s["verify_ms"], [10.0, 8.0, 10.0])
+    np.testing.assert_allclose(s["overhead_ms"], [1.5, 0.5, 0.0])
+    assert "time_split" in charts.plots()
+
+
+def test_stats_line_says_what_auto_decided():
+    from dataclasses import replace
+
+    from engine.types import Decision
+
+    no_gain = Decision(0, None, "no_gain", 0.41, 1.0, 2, 0.91)
+    steps = [replace(standard_step(i, "a", total_before=i), decision=no_gain) for i in range(3)]
+    summary = summarize(steps, mode="auto", k=0, prompt_tokens=3, seconds=0.05, stop_reason="eos")
+    line = format_stats_line(summary, GenerationRequest(mode="auto", k=0, proposer="draft"))
+    assert line.startswith("auto · K auto, mean 0.0 · 100% standard steps")
+    assert line.endswith("standard here: at 41% acceptance the draft costs more than it saves (best K=2: 0.91x)")
 
 
 def test_chart_zero_time_step_is_guarded(charts):

@@ -44,7 +44,8 @@ def build_tokenizer(vocab_size: int = 320, seed_corpus: list[str] | None = None)
     return fast
 
 
-def build_model(vocab_size: int, *, seed: int, layers: int = 2, hidden: int = 64) -> Qwen2ForCausalLM:
+def build_model(vocab_size: int, *, seed: int, layers: int = 2, hidden: int = 64,
+                context: int = 512) -> Qwen2ForCausalLM:
     torch.manual_seed(seed)
     config = Qwen2Config(
         vocab_size=vocab_size,
@@ -53,7 +54,7 @@ def build_model(vocab_size: int, *, seed: int, layers: int = 2, hidden: int = 64
         num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=512,
+        max_position_embeddings=context,
         tie_word_embeddings=True,
         initializer_range=0.3,  # peaky distributions, so greedy and top-k behave like a real model
         eos_token_id=None,
@@ -74,10 +75,10 @@ def noisy_copy(model: Qwen2ForCausalLM, *, noise: float, seed: int) -> Qwen2ForC
     return draft
 
 
-def save_pair(root: Path, *, noise: float = 0.3, seed: int = 0, tokenizer=None) -> tuple[Path, Path]:
+def save_pair(root: Path, *, noise: float = 0.3, seed: int = 0, tokenizer=None, context: int = 512) -> tuple[Path, Path]:
     """Writes target/ and draft/ folders (config, safetensors, tokenizer) under `root`."""
     tok = tokenizer or build_tokenizer()
-    target = build_model(len(tok), seed=seed)
+    target = build_model(len(tok), seed=seed, context=context)
     target.config.eos_token_id = tok.eos_token_id
     draft = noisy_copy(target, noise=noise, seed=seed + 1)
     paths = []
@@ -87,3 +88,37 @@ def save_pair(root: Path, *, noise: float = 0.3, seed: int = 0, tokenizer=None) 
         tok.save_pretrained(folder)
         paths.append(folder)
     return paths[0], paths[1]
+
+
+def save_predictable_target(folder: Path, *, seed: int = 0, context: float = 0.01, tokenizer=None) -> Path:
+    """A target whose next token depends mostly on the current one, for draft-head tests.
+
+    A random transformer's next token hinges on its whole context, so a small head trained for
+    seconds agrees with it by chance only. Here the attention and MLP outputs are scaled by
+    `context` and the output head is untied and peaky: the next token is a random function of
+    the current one, nudged by the context; a head trained for ~150 steps then agrees with it
+    about half the time (accepted and rejected drafts both occur, as with a real head).
+    """
+    tok = tokenizer or build_tokenizer()
+    base = build_model(len(tok), seed=seed, layers=4)
+    config = base.config
+    config.tie_word_embeddings = False
+    config.eos_token_id = tok.eos_token_id
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(config).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.mul_(context)
+            layer.mlp.down_proj.weight.mul_(context)
+        model.lm_head.weight.mul_(4.0)
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
+
+
+if __name__ == "__main__":
+    # A pair for trying GPU scripts on the CPU first: python -m tests.tiny /tmp/tiny [context]
+    import sys
+
+    folder = Path(sys.argv[1] if len(sys.argv) > 1 else "/tmp/tiny")
+    print(*save_pair(folder, noise=0.02, context=int(sys.argv[2]) if len(sys.argv) > 2 else 4096))

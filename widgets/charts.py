@@ -1,4 +1,4 @@
-"""Live pyqtgraph charts of one generation: acceptance rate, K per step, tokens/s, acceptance by position."""
+"""Live pyqtgraph charts of one generation: acceptance rate, K per step, tokens/s, time split, acceptance by position."""
 from __future__ import annotations
 
 import logging
@@ -23,8 +23,8 @@ pg.setConfigOptions(antialias=True, background="w", foreground="k")
 ACCEPTANCE_WINDOW = 20  # steps in the rolling acceptance rate
 RATE_WINDOW_S = 1.0  # seconds of wall clock in the rolling tokens/s
 # Ring buffer columns, one row per step.
-_STEP, _ACCEPTANCE, _K, _ACCEPTED, _TPS, _TPS_ROLLING = range(6)
-_COLUMNS = 6
+_STEP, _ACCEPTANCE, _K, _ACCEPTED, _TPS, _TPS_ROLLING, _DRAFT_MS, _VERIFY_MS, _OVERHEAD_MS = range(9)
+_COLUMNS = 9
 _AXIS_WIDTH = 52  # pixels for every left axis
 
 
@@ -67,7 +67,7 @@ def theme_plot(plot: pg.PlotItem) -> None:
 
 
 class LiveCharts(QWidget):
-    """Four stacked plots fed by `push_steps`; a 15 Hz timer redraws only when new data arrived.
+    """Five stacked plots fed by `push_steps`; a 15 Hz timer redraws only when new data arrived.
 
     Curves are created once; data lives in a preallocated ring buffer that keeps the newest
     `capacity` steps contiguous (the older half is dropped when it fills), so pushing is O(steps)
@@ -111,6 +111,11 @@ class LiveCharts(QWidget):
             for curve in (self._acceptance_curve, self._k_curve, self._accepted_curve):
                 curve.setData([], [])
         self._set_draft_titles(no_drafts=self._rows > 0 and not self._speculative_rows)
+        for column, curve in self._time_curves.items():
+            curve.setData(x, rows[:, column], connect="finite")
+        if self._rows:
+            top_ms = float(np.nanmax(rows[:, [_DRAFT_MS, _VERIFY_MS, _OVERHEAD_MS]]))
+            self._time_plot.setYRange(0, _nice_ceiling(top_ms * 1.1) if top_ms > 0 else 1, padding=0)
         finite = np.isfinite(rows[:, _TPS])
         self._tps_scatter.setData(x[finite], rows[finite, _TPS])
         self._tps_curve.setData(x, rows[:, _TPS_ROLLING], connect="finite")
@@ -153,6 +158,9 @@ class LiveCharts(QWidget):
             "accepted": rows[:, _ACCEPTED].copy(),
             "tokens_per_s": rows[:, _TPS].copy(),
             "tokens_per_s_rolling": rows[:, _TPS_ROLLING].copy(),
+            "draft_ms": rows[:, _DRAFT_MS].copy(),
+            "verify_ms": rows[:, _VERIFY_MS].copy(),
+            "overhead_ms": rows[:, _OVERHEAD_MS].copy(),
             "position_acceptance": self.position_acceptance(),
         }
 
@@ -166,6 +174,7 @@ class LiveCharts(QWidget):
             "acceptance_rate": self._acceptance_plot,
             "k": self._k_plot,
             "tokens_per_s": self._tps_plot,
+            "time_split": self._time_plot,
             "position_acceptance": self._position_plot,
         }
 
@@ -210,7 +219,8 @@ class LiveCharts(QWidget):
         self._k_plot = step_plot(1, "Draft tokens per step", "tokens")
         self._k_plot.setYRange(0, 6, padding=0)
         self._k_plot.addLegend(offset=(-6, 4), labelTextSize="8pt", brush=(255, 255, 255, 200))
-        self._k_curve = self._k_plot.plot(pen=pg.mkPen(_colour(neutral), width=1), name="K proposed")
+        # The K the controller chose (0: a standard step), which a short n-gram match may not fill.
+        self._k_curve = self._k_plot.plot(pen=pg.mkPen(_colour(neutral), width=1), name="K chosen")
         self._accepted_curve = self._k_plot.plot(pen=pg.mkPen(_colour(accepted), width=1), name="accepted")
 
         self._tps_plot = step_plot(2, "Speed", "tok/s")
@@ -220,16 +230,24 @@ class LiveCharts(QWidget):
         )
         self._tps_curve = self._tps_plot.plot(pen=pg.mkPen(_colour(bonus), width=1), name=f"last {RATE_WINDOW_S:g} s")
 
+        self._time_plot = step_plot(3, "Time per step", "ms")
+        self._time_plot.addLegend(offset=(-6, 4), labelTextSize="8pt", brush=(255, 255, 255, 200))
+        self._time_curves = {
+            _DRAFT_MS: self._time_plot.plot(pen=pg.mkPen(_colour(accepted), width=1), name="drafting"),
+            _VERIFY_MS: self._time_plot.plot(pen=pg.mkPen(_colour(bonus), width=1), name="verifying"),
+            _OVERHEAD_MS: self._time_plot.plot(pen=pg.mkPen(_colour(neutral), width=1), name="overhead"),
+        }
+
         # The speed plot always has data (standard decoding too), so it drives the shared x range;
-        # the other two would autorange to 0..1 while empty and drag it along.
-        for plot in (self._acceptance_plot, self._k_plot):
+        # the others would autorange to 0..1 while empty and drag it along.
+        for plot in (self._acceptance_plot, self._k_plot, self._time_plot):
             plot.enableAutoRange(x=False)
             plot.setXLink(self._tps_plot)
         self._tps_plot.enableAutoRange(x=False)  # refresh() sets it in coarse steps instead
-        for plot in (self._acceptance_plot, self._k_plot, self._tps_plot):
+        for plot in (self._acceptance_plot, self._k_plot, self._tps_plot, self._time_plot):
             plot.getViewBox().sigRangeChangedManually.connect(self._on_x_changed_manually)
 
-        self._position_plot = self._graphics.addPlot(row=3, col=0, title="Acceptance by draft position")
+        self._position_plot = self._graphics.addPlot(row=4, col=0, title="Acceptance by draft position")
         self._position_plot.setLabel("left", "%")
         self._position_plot.getAxis("left").setWidth(_AXIS_WIDTH)
         cache_axes(self._position_plot)
@@ -264,6 +282,8 @@ class LiveCharts(QWidget):
         self._accepted_curve.setPen(pg.mkPen(_colour(accepted), width=1))
         self._tps_scatter.setSymbolBrush(_colour(bonus, 110))
         self._tps_curve.setPen(pg.mkPen(_colour(bonus), width=1))
+        for column, colour in ((_DRAFT_MS, accepted), (_VERIFY_MS, bonus), (_OVERHEAD_MS, palette.muted)):
+            self._time_curves[column].setPen(pg.mkPen(_colour(colour), width=1))
         self._bars.setOpts(brush=_colour(accepted, 200))
 
     def _on_x_changed_manually(self, *_: object) -> None:
@@ -291,7 +311,13 @@ class LiveCharts(QWidget):
         seconds = (step.draft_ms + step.verify_ms) / 1000.0
         tps = step.new_tokens / seconds if seconds > 0 else np.nan
         k = len(step.proposed)
-        if k:
+        decision = step.decision
+        chosen = decision is not None and decision.reason not in ("standard", "fixed")
+        if chosen and not k:  # a standard step the controller chose: K = 0 on the chart, nothing drafted
+            self._speculative_rows += 1
+            acceptance = 100.0 * self._window_accepted / self._window_proposed if self._window_proposed else np.nan
+            k_value, accepted_value = 0.0, 0.0
+        elif k:
             self._speculative_rows += 1
             self._window.append((step.accepted, k))
             self._window_accepted += step.accepted
@@ -309,7 +335,8 @@ class LiveCharts(QWidget):
             reached = min(k, step.accepted + 1)
             self._reached[:reached] += 1
             self._hits[: min(step.accepted, k)] += 1
-            k_value, accepted_value = float(k), float(step.accepted)
+            k_value = float(decision.k) if chosen and decision is not None else float(k)
+            accepted_value = float(step.accepted)
         else:
             acceptance = k_value = accepted_value = np.nan
         # Wall-clock rate over the last second; the first point is the start of the first step.
@@ -321,4 +348,5 @@ class LiveCharts(QWidget):
         base_s, base_tokens = self._rate_points[0]
         span = step.elapsed_s - base_s
         rolling = (step.total_tokens - base_tokens) / span if span > 0 else tps
-        self._append_row((float(step.index), acceptance, k_value, accepted_value, tps, rolling))
+        self._append_row((float(step.index), acceptance, k_value, accepted_value, tps, rolling, step.draft_ms,
+                          step.verify_ms, step.overhead_ms))

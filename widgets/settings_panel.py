@@ -38,7 +38,8 @@ class DisplaySettings:
         return cls(**values)
 
 
-_PROPOSER_LABELS = {"draft": "Draft model", "ngram": "N-gram (prompt lookup)", "draft+ngram": "Draft + n-gram"}
+_PROPOSER_LABELS = {"draft": "Draft model", "ngram": "N-gram (prompt lookup)", "draft+ngram": "Draft + n-gram",
+                    "head": "Draft head (trained on the target)"}
 
 
 class SettingsPanel(QWidget):
@@ -62,7 +63,9 @@ class SettingsPanel(QWidget):
         self.mode = QComboBox(decoding)
         for mode in MODES:
             self.mode.addItem(mode.capitalize(), mode)
-        self.mode.setToolTip("Speculative: a draft proposes K tokens, the target verifies them in one forward.\n"
+        self.mode.setToolTip("Auto: speculative decoding that chooses K and the proposer per step from measured costs\n"
+                             "and acceptance, and decodes standard steps where drafting would lose.\n"
+                             "Speculative: a draft proposes K tokens, the target verifies them in one forward.\n"
                              "Standard: the target alone, one token per forward.")
         form.addRow("Mode", self.mode)
         self.proposer = QComboBox(decoding)
@@ -72,7 +75,8 @@ class SettingsPanel(QWidget):
         form.addRow("Proposer", self.proposer)
         self.k = QSpinBox(decoding)
         self.k.setRange(*K_RANGE)
-        self.k.setToolTip("Draft tokens proposed per step (K).")
+        self.k.setSpecialValueText("auto")  # K_AUTO (0): chosen per step
+        self.k.setToolTip("Draft tokens proposed per step (K); auto chooses K per step (0 = a standard step).")
         form.addRow("Draft length K", self.k)
         outer.addWidget(decoding)
 
@@ -195,23 +199,29 @@ class SettingsPanel(QWidget):
             self._updating = False
         self._update_enabled()
 
-    def set_draft_available(self, available: bool) -> None:
-        """Without a draft model only the n-gram proposer (or standard decoding) can run."""
+    def set_draft_available(self, available: bool, head: bool = False) -> None:
+        """Without a draft model only n-gram lookup and a draft head (when one is loaded) can propose."""
+        needs = {"draft": available, "draft+ngram": available, "head": head, "ngram": True}
         model = self.proposer.model()
         for row in range(self.proposer.count()):
-            needs_draft = self.proposer.itemData(row) != "ngram"
             item = model.item(row)  # type: ignore[attr-defined]
-            item.setEnabled(available or not needs_draft)
-        if not available and self.proposer.currentData() != "ngram":
-            self.proposer.setCurrentIndex(self.proposer.findData("ngram"))
-        self.hint.setText("" if available else "No draft model loaded: speculative decoding uses n-gram lookup.")
+            item.setEnabled(needs.get(self.proposer.itemData(row), True))
+        if not needs.get(self.proposer.currentData(), True):
+            fallback = "head" if head else "ngram"
+            self.proposer.setCurrentIndex(self.proposer.findData(fallback))
+        if available:
+            self.hint.setText("")
+        elif head:
+            self.hint.setText("No draft model loaded: speculative decoding uses the draft head or n-gram lookup.")
+        else:
+            self.hint.setText("No draft model loaded: speculative decoding uses n-gram lookup.")
 
     # --- internals ------------------------------------------------------------------------------
 
     def _update_enabled(self) -> None:
-        speculative = self.mode.currentData() == "speculative"
-        self.proposer.setEnabled(speculative)
-        self.k.setEnabled(speculative)
+        mode = self.mode.currentData()
+        self.proposer.setEnabled(mode != "standard")
+        self.k.setEnabled(mode == "speculative")  # auto mode always chooses K per step
         sampled = self.temperature.value() > 0
         for w in (self.top_k, self.top_p, self.seed):
             w.setEnabled(sampled)

@@ -1,6 +1,7 @@
 """The one-line summary shown under each finished answer ("speculative · K=5 · 78% accepted · ...")."""
 from __future__ import annotations
 
+from engine.measure.explain import describe_decision
 from engine.types import GenerationRequest, Summary
 
 # Stop reasons worth telling a reader; eos / stop strings / max tokens are the normal endings.
@@ -12,12 +13,20 @@ def _rate(tokens_per_s: float) -> str:
 
 
 def format_stats_line(summary: Summary, request: GenerationRequest | None = None) -> str:
-    """e.g. "speculative · K=5 · 78% accepted · 3.9 tokens/step · 41 tok/s · 256 tokens · 6.2 s"."""
+    """e.g. "speculative · K=5 · 78% accepted · 3.9 tokens/step · 41 tok/s · 256 tokens · 6.2 s ·
+    draft 30% · verify 64% · overhead 6%"; with K chosen per step, the mean K and the last decision too."""
     parts: list[str] = []
-    if summary.mode == "speculative":
+    adaptive = summary.mode == "auto" or (summary.mode == "speculative" and summary.k == 0 and summary.k_mean)
+    if summary.mode != "standard":
         proposer = request.proposer if request is not None else "draft"
-        parts.append("speculative" if proposer == "draft" else f"speculative ({proposer})")
-        parts.append(f"K={summary.k or (request.k if request is not None else 0)}")
+        parts.append(summary.mode if proposer == "draft" else f"{summary.mode} ({proposer})")
+        if adaptive:
+            parts.append(f"K auto, mean {summary.k_mean:.1f}")
+            steps = summary.target_forwards
+            if summary.standard_steps and steps:
+                parts.append(f"{summary.standard_steps / steps:.0%} standard steps")
+        else:
+            parts.append(f"K={summary.k or (request.k if request is not None else 0)}")
         parts.append(f"{summary.acceptance_rate * 100:.0f}% accepted")
     else:
         parts.append("standard")
@@ -25,8 +34,16 @@ def format_stats_line(summary: Summary, request: GenerationRequest | None = None
     parts.append(f"{_rate(summary.tokens_per_s)} tok/s")
     parts.append(f"{summary.new_tokens} tokens")
     parts.append(f"{summary.seconds:.1f} s")
+    if summary.draft_s or summary.verify_s:
+        # Shares of the answer's time; never over 100% (steps timed on the device can overlap the host).
+        total = max(summary.seconds, summary.draft_s + summary.verify_s)
+        other = total - summary.draft_s - summary.verify_s
+        parts.append(f"draft {summary.draft_s / total:.0%} / verify {summary.verify_s / total:.0%}"
+                     f" / other {other / total:.0%} of the time")
     if request is not None and not request.sampling.greedy:
         parts.append(f"T={request.sampling.temperature:g}")
     if summary.stop_reason in _NOTABLE_STOPS:
         parts.append(_NOTABLE_STOPS[summary.stop_reason])
+    if adaptive and summary.decision is not None:
+        parts.append(describe_decision(summary.decision))
     return " · ".join(parts)

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import logging
-import statistics
 import threading
 import time
 from collections import deque
@@ -11,16 +10,23 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from engine.decoding.control import AdaptiveK, FixedK, KController, StepCosts, TuningMemory
 from engine.decoding.detok import Detokenizer
-from engine.decoding.proposers import DraftModelProposer, Proposal, Proposer
+from engine.decoding.head import HeadProposer
+from engine.decoding.proposers import DraftModelProposer, Proposal, Proposer, ProposerSet
 from engine.decoding.sampling import accept_draft, display_probs, draw, process
 from engine.errors import GenerationError
-from engine.limits import K_MAX
+from engine.heads.model import DraftHead
+from engine.heads.runner import HeadRunner
+from engine.limits import K_AUTO, K_MAX, widest_draft
 from engine.measure.stats import summarize
 from engine.runners import Runner, ids_tensor
 from engine.types import (
+    Decision,
+    DraftSource,
     GenerationRequest,
     ModelInfo,
+    Sampling,
     Step,
     StopReason,
     Summary,
@@ -56,6 +62,7 @@ class _Launched:
     outcome: torch.Tensor  # [4n + 3] float: drafts, q(x), p(x), accept prob, accepted, added, p(added)
     n: int  # draft tokens in this round
     proposal: Proposal | None  # None for a standard round
+    decision: Decision  # what the K controller chose for this round
     done: torch.cuda.Event | None  # CUDA: recorded after the copy to the host
     marks: tuple  # CUDA: timing events (begin, drafted, verified); CPU: perf_counter times
     token: torch.Tensor | None = None  # standard round: its token [1] on the device, the next round's input
@@ -95,22 +102,32 @@ class Engine:
         heads = [self.target_runner.vocab_size] + ([self.draft_runner.vocab_size] if self.draft_runner else [])
         self.vocab = vocab or min(heads)
         self.eos_ids = _eos_ids(tokenizer, target) | {int(i) for i in eos_ids}
+        self.head_runner: HeadRunner | None = None  # a draft head for this target (attach_head)
         self._lock = threading.Lock()  # one generation at a time: the caches are shared
         # Queue rounds ahead of the host (see Generation._loop). None: on CUDA only, where it keeps
         # the device busy while the host describes steps; on a CPU the work runs inside the launch,
         # so it would only delay each step's tokens. Tests force it on to check it changes no output.
         self.lookahead: bool | None = None
+        self.tuning = TuningMemory()  # what adaptive K learned in this process; each answer starts from it
 
     @classmethod
-    def from_pair(cls, pair, *, fast_path: str = "auto", progress=None, compile_k: int = 5) -> Engine:
+    def from_pair(cls, pair, *, fast_path: str = "auto", progress=None, compile_k: int = 5,
+                  head: str | None = "auto") -> Engine:
         """Builds runners for a LoadedPair (engine.models.store); the fast path when CUDA allows it.
 
         fast_path: "auto" (CUDA graphs where possible, else eager), "eager", "static" (graphs or
         an error), "compiled" (graphs of inductor-compiled forwards for K = compile_k: minutes of
         warm-up, fewer kernels per forward).
+        head: "auto" (the shipped draft head trained for this target, if there is one), a head
+        folder (refused when it was trained for another target), or None.
         """
+        from engine.heads.shards import resolve_head
+
         target_runner = draft_runner = None
         name = "eager"
+        # Before packing: the head gathers its output rows from the target's own output head.
+        found = resolve_head(pair.target, head)
+        layers = found[0].config.feature_layers if found else ()
         if fast_path in ("auto", "static") and pair.target.device.type == "cpu":
             from engine.runners.cpu import try_pack
 
@@ -129,7 +146,7 @@ class Engine:
 
                 target_runner, draft_runner, name = build_runners(
                     pair.target, pair.draft, progress=progress,
-                    compile_k=compile_k if fast_path == "compiled" else None,
+                    compile_k=compile_k if fast_path == "compiled" else None, hidden_layers=layers,
                 )
             except Exception as exc:  # any model the fast path cannot take falls back, loudly
                 if fast_path in ("static", "compiled"):
@@ -147,6 +164,8 @@ class Engine:
             target_runner=target_runner,
             draft_runner=draft_runner,
         )
+        if found is not None:
+            engine.attach_head(found[0], found[1].name, progress)
         engine.measure_costs(progress)
         if progress is not None:
             from engine.models.store import LoadProgress
@@ -154,40 +173,59 @@ class Engine:
             progress(LoadProgress("warmup", 1.0, f"Ready ({name})"))
         return engine
 
-    def measure_costs(self, progress=None, k_max: int | None = None, rounds: int = 3) -> None:
-        """The cost model's inputs, measured once at load: ms per draft forward and per target width.
+    def attach_head(self, head: DraftHead, name: str, progress=None) -> None:
+        """Uses a draft head (bound to this target, or to a copy of it) from the next request on.
 
-        GPU: the mean of 20 back-to-back graph replays per width (stable, well under a second).
-        CPU: forwards take a few hundred ms and their speed drifts with the machine's memory
-        bandwidth (right after load and next to other work it can be 2x slower for seconds), so
-        after one discarded pass, `rounds` passes each time every width and the draft once, in
-        turn, and the median per width is kept: the draft/target ratio is measured side by side.
-        About 11 s for the default pair in float32. Never fails a load: without figures the app
-        and bench simply say nothing about costs.
+        The target runner starts keeping the head's layers (on CUDA: its graphs are recaptured),
+        the head gets its own cache and graphs, and its cost per draft token is measured.
         """
-        if self.draft_runner is None:
-            return
-        on_gpu = self.device.type == "cuda"
-        widths = range(1, (k_max or (8 if on_gpu else 5)) + 2)  # verify widths up to K_max + 1
+        if self.target is None:  # a runner with its own model (llama.cpp) keeps no hidden states
+            self.target_runner.keep_hidden(head.config.feature_layers)  # refuses in one line
+            raise GenerationError("This runtime cannot run a draft head; load the models with --runtime torch.")
         if progress is not None:
             from engine.models.store import LoadProgress
 
-            progress(LoadProgress("warmup", 0.95, "Measuring forward costs for the cost model"))
-        try:
-            if on_gpu:
-                target = self.target_runner.measure_costs(widths, 20)
-                draft = self.draft_runner.measure_costs((1,), 20)[1]
-            else:
-                passes = [
-                    (self.target_runner.measure_costs(widths, 1), self.draft_runner.measure_costs((1,), 1)[1])
-                    for _ in range(rounds + 1)
-                ][1:]  # the first pass only warms up (page faults, allocator, oneDNN primitives)
-                target = {w: statistics.median(t[w] for t, _ in passes) for w in passes[0][0]}
-                draft = statistics.median(d for _, d in passes)
-        except Exception as exc:  # measuring is advice, not a reason to refuse the models
-            log.warning("could not measure forward costs: %s", exc)
-            return
-        self.info = replace(self.info, draft_ms=draft, target_ms=tuple(sorted(target.items())))
+            progress(LoadProgress("warmup", 0.9, f"Preparing the draft head {name}"))
+        with self._lock:
+            head.bind_inputs(self.target)  # one copy of the embeddings: the engine's own
+            self.target_runner.keep_hidden(head.config.feature_layers)
+            runner = HeadRunner(head, max_length=self.target_runner.max_length, k_max=K_MAX)
+            runner.warmup()
+            try:
+                ms = runner.measure_ms(iters=20 if self.device.type == "cuda" else 3)
+            except Exception as exc:  # advice only, as the other costs
+                log.warning("could not measure the draft head's cost: %s", exc)
+                ms = 0.0
+            self.head_runner = runner
+            self.info = replace(self.info, head_name=name, head_ms=ms)
+
+    def measure_costs(self, progress=None, rounds: int = 2) -> None:
+        """The cost model's inputs, measured once at load (engine/decoding/costs.py): every verify width
+        1..K_MAX+1 timed as the loop's own round, and each proposer's own cost through its propose().
+
+        GPU: the median of 20 rounds per width and 5 timed proposals per proposer (about a second).
+        CPU: forwards take tens to hundreds of ms and their speed drifts with the machine's memory
+        bandwidth (right after load and next to other work it can be 2x slower for seconds), so
+        after one discarded pass, `rounds` passes each time every width and every proposer, in turn,
+        and the median is kept: costs are measured side by side. The default pair in bf16 on this
+        project's 2 shared cores: 17 s (39 verify rounds, 15 draft forwards, 6 short draft
+        prefills); ModelInfo.measure_s says what it took. Never fails a load: without figures the
+        app and bench say nothing about costs, and adaptive K measures on its first request.
+        """
+        from engine.decoding.costs import measure_costs
+
+        measure_costs(self, progress, rounds)
+
+    def step_costs(self) -> StepCosts:
+        """The measured costs as the adaptive controller reads them (measured now if they are missing)."""
+        measured = {c.source for c in self.info.proposer_costs}
+        if len(self.info.target_ms) < K_MAX + 1 or not set(self.proposer_sources()) <= measured:
+            self.measure_costs()
+        target = dict(self.info.target_ms)
+        if len(target) < K_MAX + 1:
+            raise GenerationError("Adaptive K needs the forward costs, which could not be measured; choose a fixed K.")
+        return StepCosts((0.0, *(target[w] for w in range(1, K_MAX + 2))),
+                         {c.source: c for c in self.info.proposer_costs})
 
     # -- prompts ---------------------------------------------------------------------------
     def encode(self, request: GenerationRequest) -> list[int]:
@@ -207,12 +245,20 @@ class Engine:
 
     def generate(self, request: GenerationRequest, cancel: threading.Event | None = None) -> Generation:
         """Validates the request now (so errors surface before any step) and returns the steps."""
-        if request.mode == "speculative":
-            if request.k < 1:
-                raise GenerationError(f"K must be at least 1 (got {request.k}).")
-            if request.k > K_MAX:
-                raise GenerationError(f"K must be at most {K_MAX} (got {request.k}).")
-            if request.proposer != "ngram" and self.draft_runner is None:
+        if request.mode == "speculative" and request.k != K_AUTO and not 1 <= request.k <= K_MAX:
+            raise GenerationError(f"K must be 1..{K_MAX}, or auto (got {request.k}).")
+        if request.mode != "standard":
+            if request.proposer == "head" and self.head_runner is None and self.target is None:
+                # The runner brings its own model (llama.cpp): no hidden states for a head to read.
+                raise GenerationError(f"The draft head cannot propose on the {self.target_runner.name} runtime: it "
+                                      "reads the target's hidden states, which that runtime does not give. Load the "
+                                      "models on the torch runtime (--runtime torch), or choose another proposer.")
+            if request.proposer == "head" and self.head_runner is None:
+                raise GenerationError(
+                    "No draft head is loaded for this target. Train one with `specdec-studio distill "
+                    "--target ... --out DIR` and load it with --head DIR, or choose another proposer."
+                )
+            if request.proposer in ("draft", "draft+ngram") and self.draft_runner is None:
                 raise GenerationError("Speculative decoding with a draft model needs a draft; load one first.")
         if request.max_new_tokens < 1:
             raise GenerationError("max_new_tokens must be at least 1.")
@@ -220,7 +266,7 @@ class Engine:
         if s.temperature < 0 or not (0.0 < s.top_p <= 1.0) or s.top_k < 0:
             raise GenerationError("temperature must be >= 0, top_p in (0, 1], top_k >= 0.")
         prompt = self.encode(request)
-        room = self.target_runner.max_length - len(prompt) - (request.k + 1)
+        room = self.target_runner.max_length - len(prompt) - (_widest_draft(request) + 1)
         if room < 1:
             raise GenerationError(
                 f"The prompt is {len(prompt)} tokens; the model's context holds "
@@ -228,19 +274,53 @@ class Engine:
             )
         return Generation(self, request, prompt, cancel)
 
+    def proposer_sources(self) -> tuple[DraftSource, ...]:
+        """Every proposer this engine can run; each one's cost is measured at load."""
+        return (("draft",) if self.draft_runner is not None else ()) + ("ngram",) + \
+            (("head",) if self.head_runner is not None else ())
+
+    def _part(self, source: str, sampling: Sampling, generator: torch.Generator | None) -> Proposer:
+        if source == "draft":
+            assert self.draft_runner is not None, "the draft proposer needs a draft model"
+            return DraftModelProposer(self.draft_runner, sampling, self.vocab, generator)
+        if source == "head":
+            assert self.head_runner is not None, "generate() checks that a head is loaded"
+            return HeadProposer(self.head_runner, self.target_runner, sampling, self.vocab, generator)
+        from engine.decoding.ngram import NgramProposer
+
+        assert source == "ngram", f"unknown proposer {source!r}"
+        return NgramProposer(device=self.device)
+
     def make_proposer(self, request: GenerationRequest, generator: torch.Generator | None) -> Proposer:
-        draft = (
-            DraftModelProposer(self.draft_runner, request.sampling, self.vocab, generator)
-            if self.draft_runner is not None and request.proposer != "ngram"
-            else None
-        )
-        if request.proposer == "draft":
-            assert draft is not None
-            return draft
+        if request.proposer != "draft+ngram":
+            return self._part(request.proposer, request.sampling, generator)
         from engine.decoding.ngram import CombinedProposer, NgramProposer
 
-        ngram = NgramProposer(device=self.device)
-        return ngram if request.proposer == "ngram" else CombinedProposer(ngram, draft)
+        return CombinedProposer(NgramProposer(device=self.device), self._part("draft", request.sampling, generator))
+
+    def make_proposers(self, request: GenerationRequest, generator: torch.Generator | None) -> ProposerSet:
+        """Standard: none. Speculative: the request's proposer (draft+ngram by CombinedProposer's rule).
+        Auto: each of the request's proposers on its own, the controller choosing one per step."""
+        if request.mode == "standard":
+            parts: tuple[Proposer, ...] = ()
+        elif request.mode == "auto":
+            parts = tuple(self._part(s, request.sampling, generator) for s in request.proposer.split("+"))
+        else:
+            parts = (self.make_proposer(request, generator),)
+        return ProposerSet(parts, self.device)
+
+    def make_controller(self, request: GenerationRequest) -> KController:
+        """FixedK for standard decoding (K = 0) and a fixed K; AdaptiveK for K_AUTO and auto mode."""
+        if request.mode == "standard":
+            return FixedK(0)
+        if request.mode == "speculative" and request.k != K_AUTO:
+            return FixedK(request.k)
+        return AdaptiveK(self.step_costs(), self.tuning, temperature=request.sampling.temperature)
+
+
+def _widest_draft(request: GenerationRequest) -> int:
+    """The most draft tokens one step of this request may verify."""
+    return widest_draft(request.mode, request.k)
 
 
 class Generation(Iterator[Step]):
@@ -264,12 +344,12 @@ class Generation(Iterator[Step]):
 
     def _loop(self) -> Iterator[Step]:
         eng, req = self.engine, self.request
-        speculative = req.mode == "speculative"
         generator = torch.Generator(device=eng.device).manual_seed(req.sampling.seed)
         detok = Detokenizer(eng.tokenizer, self.prompt)
         target = eng.target_runner
         lookahead = eng.device.type == "cuda" if eng.lookahead is None else eng.lookahead
-        max_new = min(req.max_new_tokens, target.max_length - len(self.prompt) - (req.k + 1))
+        max_new = min(req.max_new_tokens, target.max_length - len(self.prompt) - (_widest_draft(req) + 1))
+        controller = eng.make_controller(req)  # chooses each round's K (0: a standard round)
         steps: list[Step] = []
         text = ""
         stop_reason: StopReason = "max_new_tokens" if max_new == req.max_new_tokens else "context_full"
@@ -279,24 +359,31 @@ class Generation(Iterator[Step]):
         target.reset()
         if len(self.prompt) > 1:
             target.prefill(ids_tensor(self.prompt[:-1], eng.device))
-        proposer = eng.make_proposer(req, generator) if speculative else None
-        if proposer is not None:
-            proposer.start(self.prompt)
+        proposers = eng.make_proposers(req, generator)  # none for standard decoding
+        proposers.start(self.prompt)
         pending = self.prompt[-1]
         draft_forwards = 0
+        prefilled = last_collect = time.perf_counter()
         # 2. Launch a round: propose (speculative) and verify with one target forward of width n+1.
         #    With lookahead, rounds are queued before the host describes the previous one, so the
         #    device computes while the host describes and the consumer takes each step. A standard
         #    round's input is the previous round's token, already on the device: two are kept
         #    queued, so the device never waits for the host. A speculative round needs the host's
         #    decision (how much was accepted), so it is queued once the previous one is committed.
-        depth = 2 if lookahead and not speculative else 1  # rounds in flight
+        #    The controller picks each round's K first (K = 0: a standard round).
+        depth = 2 if lookahead and proposers.queue_standard else 1  # rounds in flight
         queue: deque[_Launched] = deque()
 
         def top_up() -> None:
             while len(queue) < depth and len(self.token_ids) + len(queue) < max_new:
+                if queue and queue[-1].proposal is not None:
+                    return  # what follows a speculative round depends on how much it accepted
+                room = max_new - len(self.token_ids) - len(queue)
+                decision = controller.choose(proposers.offers(min(room, K_MAX)), room)
+                if decision.k and queue:
+                    return  # a speculative round starts from the committed state
                 source = queue[-1].token if queue else pending
-                queue.append(self._launch(proposer, source, generator, max_new))
+                queue.append(self._launch(proposers, decision, source, generator))
 
         if self.cancel.is_set():
             stop_reason = "cancelled"
@@ -304,7 +391,12 @@ class Generation(Iterator[Step]):
             top_up()
 
         while queue:
-            result, proposal = self._collect(queue.popleft())
+            launched = queue.popleft()
+            result, proposal = self._collect(launched)
+            now = time.perf_counter()
+            wall_ms, last_collect = (now - last_collect) * 1e3, now
+            if not steps and eng.device.type == "cuda":  # the queued prefill ran inside it: unknown overhead
+                wall_ms = result.draft_ms + result.verify_ms
             if proposal is not None:
                 draft_forwards += proposal.forwards
             # 3. Commit: accepted prefix + the target's token, cut at EOS or max_new_tokens.
@@ -322,16 +414,19 @@ class Generation(Iterator[Step]):
             #    Standard rounds feed only committed tokens: nothing to roll back (and rounds
             #    queued behind this one have already moved the target's write position on).
             kept_draft = min(result.accepted, cut)
-            if speculative:
+            if proposal is not None:
                 target.rollback(len(self.prompt) + len(self.token_ids) + cut - 1)
-                proposer.commit(proposal, kept_draft, committed)
+            proposers.commit(proposal, kept_draft, committed)
+            controller.observe(launched.decision, len(result.proposed), result.accepted, result.draft_ms,
+                               result.verify_ms, wall_ms)
             self.token_ids += committed
             pending = committed[-1]
             done = stop_reason == "eos" or len(self.token_ids) >= max_new
             if lookahead and not done:
                 top_up()
             # 5. Describe the step: texts, statuses, probabilities.
-            step, piece = self._describe(len(steps), result, committed, kept_draft, proposal, detok, t0)
+            overhead_ms = max(wall_ms - result.draft_ms - result.verify_ms, 0.0)
+            step, piece = self._describe(len(steps), result, committed, kept_draft, launched, detok, t0, overhead_ms)
             text += piece
             hit = next((s for s in req.stop_strings if s and s in text), None)
             if hit is not None:
@@ -357,23 +452,26 @@ class Generation(Iterator[Step]):
             # the clock stops when the device is idle, so it counts here, not in the next request.
             torch.cuda.synchronize(eng.device)
         seconds = time.perf_counter() - t0
+        controller.finish()
         self.summary = summarize(
             steps,
             mode=req.mode,
-            k=req.k,
+            k=req.k if req.mode == "speculative" else 0,
             prompt_tokens=len(self.prompt),
             seconds=seconds,
             stop_reason=stop_reason,
             draft_forwards=draft_forwards,
+            prefill_s=prefilled - t0,
         )
         # summarize() rebuilds text from the steps; a stop string cut keeps them consistent.
         assert self.summary.text == text, "step texts and generation text disagree"
 
     # -- one round: launch (queue the device work) and collect (the one host sync) ----------------
     def _launch(
-        self, proposer: Proposer | None, pending: int | torch.Tensor, generator: torch.Generator, max_new: int
+        self, proposers: ProposerSet, decision: Decision, pending: int | torch.Tensor, generator: torch.Generator
     ) -> _Launched:
-        """Queues one round. No host syncs in here: on CUDA it returns before the device has run it.
+        """Queues one round of K = decision.k drafts. No host syncs in here: on CUDA it returns before the
+        device has run it.
 
         pending: the token this round feeds first; for a standard round it may be the previous
         round's token still on the device ([1] long), so the round can be queued behind it.
@@ -381,7 +479,7 @@ class Generation(Iterator[Step]):
         eng, sampling = self.engine, self.request.sampling
         cuda = eng.device.type == "cuda"
         marks = [_mark(cuda)]
-        if proposer is None:  # standard decoding: one target forward, one token
+        if decision.k == 0:  # a standard round: one target forward, one token
             ids = pending if isinstance(pending, torch.Tensor) else ids_tensor([pending], eng.device)
             logits = eng.target_runner.forward(ids)[0, : eng.vocab]  # [V]
             marks.append(marks[0])  # no draft phase
@@ -396,8 +494,8 @@ class Generation(Iterator[Step]):
             next_input = token.view(1)
         else:
             next_input = None
-            k = min(self.request.k, max_new - len(self.token_ids))
-            proposal = proposer.propose(k)
+            assert decision.source is not None, "a speculative round names its proposer"
+            proposal = proposers.propose(decision.source, decision.k)
             draft = proposal.tokens  # [n]
             n = draft.shape[0]
             marks.append(_mark(cuda))
@@ -426,7 +524,7 @@ class Generation(Iterator[Step]):
             done = torch.cuda.Event()
             done.record()
         marks.append(_mark(cuda))
-        return _Launched(outcome, n, proposal, done, tuple(marks), next_input)
+        return _Launched(outcome, n, proposal, decision, done, tuple(marks), next_input)
 
     def _collect(self, launched: _Launched) -> tuple[_StepResult, Proposal | None]:
         """Waits for a launched round (the step's one host sync) and reads its outcome."""
@@ -459,11 +557,13 @@ class Generation(Iterator[Step]):
         r: _StepResult,
         committed: list[int],
         kept_draft: int,
-        proposal: Proposal | None,
+        launched: _Launched,
         detok: Detokenizer,
         t0: float,
+        overhead_ms: float,
     ) -> tuple[Step, str]:
         """Builds the Step with one TokenView per shown token; returns it and its committed text."""
+        proposal = launched.proposal
         speculative = proposal is not None
         n_shown = kept_draft if len(committed) <= r.accepted else len(r.proposed)
         proposed = r.proposed[:n_shown]
@@ -515,6 +615,8 @@ class Generation(Iterator[Step]):
             draft_ms=r.draft_ms,
             verify_ms=r.verify_ms,
             elapsed_s=time.perf_counter() - t0,
+            decision=launched.decision,
+            overhead_ms=overhead_ms,
         )
         return step, text
 

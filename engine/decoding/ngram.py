@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.decoding.proposers import Proposal, Proposer
+from engine.decoding.proposers import Offer, Proposal, Proposer
 from engine.runners import ids_tensor
 
 
@@ -54,6 +54,11 @@ class NgramProposer:
                 return self.tokens[end : end + k], n
         return [], 0
 
+    def offer(self, k: int) -> Offer:
+        # Acceptance depends on how long a suffix matched: each length keeps its own statistics.
+        tokens, n = self.match(k)
+        return Offer("ngram", len(tokens), key=f"ngram:{n}")
+
     def propose(self, k: int) -> Proposal:
         tokens, _ = self.match(k)
         return self._proposal(tokens)
@@ -87,6 +92,12 @@ class CombinedProposer:
     def start(self, prompt: list[int]) -> None:
         self.ngram.start(prompt)
         self.draft.start(prompt)
+
+    def offer(self, k: int) -> Offer:
+        tokens, n = self.ngram.match(k)
+        if tokens and n >= self.min_match:
+            return Offer("ngram", len(tokens), key=f"ngram:{n}")
+        return self.draft.offer(k)
 
     def propose(self, k: int) -> Proposal:
         tokens, n = self.ngram.match(k)

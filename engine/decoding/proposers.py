@@ -1,6 +1,8 @@
 """Where drafts come from: a small interface (propose K tokens with their q; learn what was kept)."""
 from __future__ import annotations
 
+import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -8,7 +10,7 @@ import torch
 
 from engine.decoding.sampling import draw, process
 from engine.runners import Runner, ids_tensor
-from engine.types import DraftSource, Sampling
+from engine.types import DraftSource, ProposerCost, Sampling
 
 
 @dataclass
@@ -20,15 +22,41 @@ class Proposal:
     q_display: torch.Tensor | None = None  # [n] q(x) to show people (softmax at T=1 under greedy)
 
 
+@dataclass(frozen=True)
+class Offer:
+    """What a proposer can do this step, for the K controller (engine/decoding/control.py)."""
+
+    source: DraftSource  # who would draft: the key of its measured cost (ModelInfo.proposer_costs)
+    max_tokens: int  # most draft tokens it can propose now (n-gram: the match's continuation; 0: nothing)
+    key: str = ""  # key of its acceptance statistics when they depend on more than the source ("ngram:3")
+    catch_up: bool = False  # it must first feed tokens committed without it (a draft model after standard steps)
+
+    def __post_init__(self) -> None:
+        if not self.key:
+            object.__setattr__(self, "key", self.source)
+
+
 class Proposer(Protocol):
     def start(self, prompt: list[int]) -> None:
         """A new generation begins with these prompt ids."""
+
+    def offer(self, k: int) -> Offer:
+        """What it could draft now, at most k tokens (no device work: the controller asks every step)."""
 
     def propose(self, k: int) -> Proposal:
         """Up to k draft tokens continuing the committed text."""
 
     def commit(self, proposal: Proposal, accepted: int, new_tokens: list[int]) -> None:
-        """The step kept `accepted` proposed tokens; `new_tokens` is everything it committed."""
+        """The step kept `accepted` proposed tokens; `new_tokens` is everything it committed.
+
+        A step it did not draft (a standard step, or another proposer's) comes with an empty
+        proposal: its caches must then take `new_tokens` on its next proposal.
+        """
+
+
+def empty_proposal(device: torch.device) -> Proposal:
+    """A proposal of no tokens: tells a proposer that a step was committed without its draft."""
+    return Proposal(tokens=torch.zeros(0, dtype=torch.long, device=device), q=None, sources=(), forwards=0)
 
 
 class DraftModelProposer:
@@ -46,6 +74,10 @@ class DraftModelProposer:
         self.device = runner.device
         self.pending: list[int] = []
         self.cached = 0  # committed tokens in the draft cache (after rollback)
+
+    def offer(self, k: int) -> Offer:
+        # Two pending tokens are the normal case after a fully accepted draft (a captured width).
+        return Offer("draft", k, catch_up=len(self.pending) > 2)
 
     def start(self, prompt: list[int]) -> None:
         self.runner.reset()
@@ -87,3 +119,74 @@ class DraftModelProposer:
         self.cached += keep
         self.runner.rollback(self.cached)
         self.pending = (self.pending + new_tokens)[keep:]
+
+
+class ProposerSet:
+    """The proposers one generation may draft from; the controller picks one per step, or none.
+
+    Every proposer is told every step's committed tokens: the one that drafted gets its proposal,
+    the others (and all of them after a standard step) an empty one, so their caches stay in step.
+    Standard decoding is the empty set.
+    """
+
+    def __init__(self, parts: Sequence[Proposer], device: torch.device) -> None:
+        self.parts = tuple(parts)
+        self._empty = empty_proposal(device)  # made once: no allocation per standard step
+        # A proposer that reads the target's outputs of every round (a head reading hidden rows)
+        # declares `reads_target = True`: standard rounds are then not queued ahead of its commit.
+        self.queue_standard = not any(getattr(p, "reads_target", False) for p in self.parts)
+        self._offered: dict[str, Proposer] = {}  # source -> the part that offered it last
+        self._drafter: Proposer | None = None  # the part that drafted the round in flight
+
+    def start(self, prompt: list[int]) -> None:
+        for part in self.parts:
+            part.start(prompt)
+
+    def offers(self, k: int) -> tuple[Offer, ...]:
+        offers = tuple(part.offer(k) for part in self.parts)
+        self._offered = {offer.source: part for offer, part in zip(offers, self.parts)}
+        return offers
+
+    def propose(self, source: str, k: int) -> Proposal:
+        self._drafter = self._offered[source]
+        return self._drafter.propose(k)
+
+    def commit(self, proposal: Proposal | None, accepted: int, new_tokens: list[int]) -> None:
+        for part in self.parts:
+            if proposal is not None and part is self._drafter:
+                part.commit(proposal, accepted, new_tokens)
+            else:
+                part.commit(self._empty, 0, new_tokens)
+        if proposal is not None:
+            self._drafter = None
+
+
+def measure_proposer(proposer: Proposer, source: DraftSource, prompt: list[int], device: torch.device, *,
+                     k: int = 4, iters: int = 3, warm: bool = True) -> ProposerCost:
+    """A proposer's own cost, measured the way the loop calls it: propose(1) and propose(k), then commit.
+
+    per token = (t(k) - t(1)) / (k - 1); per proposal = t(1) - per token. Medians over `iters`
+    rounds, after one untimed round when `warm`; every round restarts from `prompt`.
+    """
+    assert k >= 2, "two draft lengths are needed to tell per-token from per-proposal cost"
+
+    def sync() -> None:  # CUDA work is asynchronous: the clock reads only after it has run
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    samples: dict[int, list[float]] = {1: [], k: []}
+    for i in range(iters + 1 if warm else iters):
+        for n in (1, k):
+            proposer.start(prompt)
+            sync()
+            t0 = time.perf_counter()
+            proposal = proposer.propose(n)
+            proposer.commit(proposal, 0, [prompt[-1]])
+            sync()
+            if i or not warm:  # a warm round pays for allocator growth, kernel choice, caches
+                samples[n].append((time.perf_counter() - t0) * 1000)
+    one, many = (sorted(v)[len(v) // 2] for v in (samples[1], samples[k]))
+    if many <= one:  # noise swamped the difference (a busy machine, a nearly free proposer): no split
+        return ProposerCost(source, many / k, 0.0)
+    per_token = (many - one) / (k - 1)
+    return ProposerCost(source, per_token, max(one - per_token, 0.0))

@@ -1,7 +1,8 @@
-"""Benchmarks on the engine: prompt records, timed runs per mode, totals, identical-output checks, the cost model's check.
+"""Benchmarks on the engine: timed runs per mode, totals, identical-output checks, the cost model's check.
 
 The CLI's `bench` command is a shell over this module: it reads options, loads the pair, and
-writes what `run_bench` returns.
+writes what `run_bench` returns. Prompts, run records, scheduling, the identical-output check and
+the speedup come from the one experiment core (experiment.py) that the race and the sweep share.
 """
 from __future__ import annotations
 
@@ -9,47 +10,36 @@ import json
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from engine.errors import EngineError, InputError
+from engine.measure.experiment import (
+    BenchPrompt,
+    RunRecord,
+    Task,
+    by_category,
+    first_difference,
+    position_acceptance,
+    predicted_speedup,
+    read_prompts,
+    record_run,
+    run_tasks,
+    schedule,
+    speedup,
+    spread,
+    totals,
+)
 from engine.types import GenerationRequest
 
 if TYPE_CHECKING:  # heavy imports (torch, transformers) wait until a bench really runs
     from engine.decoding import Engine
     from engine.models.store import LoadedPair
 
+__all__ = ["BenchPrompt", "RunRecord", "read_prompts"]  # re-exported: the CLI and tests import them from here
+
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class BenchPrompt:
-    id: str  # the prompt's id from the file (line number when absent)
-    category: str  # free-form group, e.g. "code", "chat"
-    prompt: str  # the user message
-
-
-@dataclass(frozen=True)
-class RunRecord:
-    """One timed generation of one prompt in one mode."""
-
-    prompt_id: str  # BenchPrompt.id
-    category: str  # BenchPrompt.category
-    mode: str  # key of MODE_RUNNERS
-    new_tokens: int  # tokens generated
-    seconds: float  # wall time, prefill included
-    tokens_per_s: float  # new_tokens / seconds
-    target_forwards: int  # target forwards after prefill
-    draft_forwards: int  # draft forwards after prefill (0 without a draft)
-    drafted: int  # draft tokens proposed
-    accepted: int  # draft tokens accepted
-    text: str  # generated text
-    token_ids: tuple[int, ...] = field(repr=False)  # generated ids, for exactness comparisons
-    # Engine modes: the rounds' own time (CUDA: device time between each round's events; CPU: the
-    # compute). seconds - round_seconds is what the loop spends outside its rounds (prefill,
-    # host work the device waits for); 0 for the hf-* modes, which are not split into rounds.
-    round_seconds: float = 0.0
+ENGINE_MODES = ("standard", "speculative", "auto")  # the modes our own loop runs (the rest are hf-* baselines)
 
 
 # (prompt text, mode, max_new_tokens) -> the request; the caller owns the settings → request conversion.
@@ -110,22 +100,13 @@ def register_mode(name: str, *, needs_draft: bool) -> Callable[[ModeRunner], Mod
     return wrap
 
 
-def engine_run(ctx: BenchContext, prompt: BenchPrompt, max_new_tokens: int, mode: str, *,
+def engine_run(ctx: BenchContext, prompt: BenchPrompt, max_new_tokens: int, mode: str, repeat: int = 0, *,
                engine: Engine | None = None, request: GenerationRequest | None = None) -> RunRecord:
     """One timed generation on `engine` (the bench's own by default) of `request` (made from the mode)."""
     engine = engine or ctx.engine
     generation = engine.generate(request or ctx.make_request(prompt.prompt, mode, max_new_tokens))
-    round_ms = 0.0
-    for step in generation:
-        round_ms += step.draft_ms + step.verify_ms
-    s = generation.summary
-    assert s is not None, "a finished generation has a summary"
-    return RunRecord(
-        prompt_id=prompt.id, category=prompt.category, mode=mode, new_tokens=s.new_tokens,
-        seconds=s.seconds, tokens_per_s=s.tokens_per_s, target_forwards=s.target_forwards,
-        draft_forwards=s.draft_forwards, drafted=s.drafted, accepted=s.accepted, text=s.text,
-        token_ids=tuple(generation.token_ids), round_seconds=round_ms / 1000,
-    )
+    steps = list(generation)
+    return record_run(generation, steps, prompt, mode, repeat)
 
 
 @register_mode("standard", needs_draft=False)
@@ -136,6 +117,11 @@ def run_standard(ctx: BenchContext, prompt: BenchPrompt, max_new_tokens: int) ->
 @register_mode("speculative", needs_draft=True)
 def run_speculative(ctx: BenchContext, prompt: BenchPrompt, max_new_tokens: int) -> RunRecord:
     return engine_run(ctx, prompt, max_new_tokens, "speculative")
+
+
+@register_mode("auto", needs_draft=True)
+def run_auto(ctx: BenchContext, prompt: BenchPrompt, max_new_tokens: int) -> RunRecord:
+    return engine_run(ctx, prompt, max_new_tokens, "auto")
 
 
 def _hf_run(ctx: BenchContext, prompt: BenchPrompt, max_new_tokens: int, variant: str) -> RunRecord:
@@ -172,29 +158,6 @@ def run_hf_assisted(ctx: BenchContext, prompt: BenchPrompt, max_new_tokens: int)
     return _hf_run(ctx, prompt, max_new_tokens, "hf-assisted")
 
 
-def read_prompts(path: Path) -> list[BenchPrompt]:
-    """Reads a JSONL prompts file; any problem is a CliError naming the file and line."""
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as e:
-        reason = getattr(e, "strerror", None) or str(e)
-        raise InputError(f"cannot read prompts file {path}: {reason}") from None
-    prompts = []
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except ValueError as e:
-            raise InputError(f"{path}:{n}: not valid JSON ({e.msg})") from None
-        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"].strip():
-            raise InputError(f'{path}:{n}: each line needs a non-empty "prompt" string')
-        prompts.append(BenchPrompt(str(row.get("id", f"line{n}")), str(row.get("category", "")), row["prompt"]))
-    if not prompts:
-        raise InputError(f"prompts file {path} has no prompts")
-    return prompts
-
-
 def parse_modes(text: str) -> list[str]:
     modes = [m.strip() for m in text.split(",") if m.strip()]
     unknown = [m for m in modes if m not in MODE_RUNNERS]
@@ -207,34 +170,25 @@ def parse_modes(text: str) -> list[str]:
 
 
 def summarize_runs(runs: Sequence[RunRecord], modes: Sequence[str], tokenizer) -> dict[str, Any]:
-    """Per-mode totals, the speedup, and every standard/speculative divergence (never hidden)."""
+    """Per-mode totals (with median and spread over repeats), per-category figures, speedups, and
+    every divergence from standard decoding (never hidden)."""
     out: dict[str, Any] = {}
     for mode in modes:
-        rs = [r for r in runs if r.mode == mode]
-        tokens, seconds = sum(r.new_tokens for r in rs), sum(r.seconds for r in rs)
-        drafted, accepted = sum(r.drafted for r in rs), sum(r.accepted for r in rs)
-        forwards = sum(r.target_forwards for r in rs)
-        rounds = sum(r.round_seconds for r in rs)
-        out[mode] = {
-            "tokens_per_s": tokens / seconds if seconds > 0 else 0.0,
-            "acceptance_rate": accepted / drafted if drafted else 0.0,
-            "tokens_per_target_forward": tokens / forwards if forwards else 0.0,
-            "new_tokens": tokens,
-            "seconds": seconds,
-            # Share of the wall time spent inside rounds (engine modes only; None for hf-*).
-            "in_rounds": rounds / seconds if rounds and seconds > 0 else None,
-        }
+        out[mode] = totals([r for r in runs if r.mode == mode])
+        repeated = spread(runs, mode)
+        if repeated is not None:
+            out[mode]["repeats"] = repeated
     if "standard" in out and "speculative" in out:
-        base = out["standard"]["tokens_per_s"]
-        out["speedup"] = out["speculative"]["tokens_per_s"] / base if base else None
+        out["speedup"] = speedup(out["standard"]["tokens_per_s"], out["speculative"]["tokens_per_s"])
     if "standard" in out:
         base = out["standard"]["tokens_per_s"]
-        out["vs_standard"] = {m: out[m]["tokens_per_s"] / base for m in modes if m != "standard" and base}
+        out["vs_standard"] = {m: speedup(base, out[m]["tokens_per_s"]) for m in modes if m != "standard" and base}
         # Greedy fidelity: every other mode's output against our own standard decoding.
         out["fidelity"] = {m: compare_outputs(runs, m, tokenizer) for m in modes if m != "standard"}
         if "speculative" in out["fidelity"]:
             spec = out["fidelity"]["speculative"]
             out.update(identical_outputs=spec["identical"], compared=spec["compared"], divergences=spec["divergences"])
+    out["categories"] = by_category(runs, modes)
     return out
 
 
@@ -242,24 +196,25 @@ def compare_outputs(runs: Sequence[RunRecord], mode: str, tokenizer) -> dict[str
     """How many of `mode`'s outputs equal standard decoding's, and where each other one diverges.
 
     The hf-* baselines are forced past EOS (equal token counts for fair tok/s), so outputs are
-    compared over the standard output's length, without the EOS that ended it.
+    compared over the standard output's length, without the EOS that ended it. With repeats,
+    each repeat is compared with the standard run of the same repeat.
     """
-    by_prompt = {(r.prompt_id, r.mode): r for r in runs}
+    by_key = {(r.prompt_id, r.mode, r.repeat): r for r in runs}
     identical, compared, divergences = 0, 0, []
     for r in runs:
-        if r.mode != "standard" or (r.prompt_id, mode) not in by_prompt:
+        other = by_key.get((r.prompt_id, mode, r.repeat))
+        if r.mode != "standard" or other is None:
             continue
-        a = r.token_ids
-        b = by_prompt[(r.prompt_id, mode)].token_ids
+        a, b = r.token_ids, other.token_ids
         if mode.startswith("hf"):
             if len(a) < len(b):
                 a = a[:-1]  # standard stopped on EOS, which the baselines are not allowed to emit
             b = b[: len(a)]
         compared += 1
-        if a == b:
+        pos = first_difference(a, b)
+        if pos is None:
             identical += 1
             continue
-        pos = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
         divergences.append({
             "prompt_id": r.prompt_id,
             "position": pos,
@@ -271,17 +226,35 @@ def compare_outputs(runs: Sequence[RunRecord], mode: str, tokenizer) -> dict[str
 
 
 def format_table(summary: dict[str, Any], modes: Sequence[str]) -> str:
-    rows = [f"{'mode':<14}{'tok/s':>9}{'tokens':>9}{'seconds':>10}{'accept':>9}{'tok/fwd':>9}{'in rounds':>11}"]
+    rows = [f"{'mode':<14}{'tok/s':>9}{'tokens':>9}{'seconds':>10}{'accept':>9}{'tok/fwd':>9}{'K mean':>8}"
+            f"{'draft':>7}{'verify':>8}{'other':>7}"]
     for mode in modes:
         s = summary[mode]
-        busy = f"{s['in_rounds']:>11.1%}" if s.get("in_rounds") is not None else f"{'-':>11}"
+        split = s["time_split"]
+        engine_mode = s.get("in_rounds") is not None
+        shares = (f"{split['draft']:>7.0%}{split['verify']:>8.0%}{split['prefill'] + split['overhead']:>7.0%}"
+                  if engine_mode else f"{'-':>7}{'-':>8}{'-':>7}")
         rows.append(f"{mode:<14}{s['tokens_per_s']:>9.2f}{s['new_tokens']:>9d}{s['seconds']:>10.2f}"
-                    f"{s['acceptance_rate']:>9.1%}{s['tokens_per_target_forward']:>9.2f}{busy}")
+                    f"{s['acceptance_rate']:>9.1%}{s['tokens_per_target_forward']:>9.2f}{s['k_mean']:>8.2f}{shares}")
+        if s.get("repeats"):
+            r = s["repeats"]
+            rows.append(f"{'':<14}median {r['median']:.2f} tok/s over {r['repeats']} repeats "
+                        f"(min {r['min']:.2f}, max {r['max']:.2f})")
+    for mode in modes:
+        rates = summary[mode].get("per_position_acceptance")
+        if rates and mode != "standard":
+            rows.append(f"{mode} acceptance by draft position: " + " ".join(f"{a:.2f}" for a in rates))
     if summary.get("speedup") is not None:
         rows.append(f"speedup (speculative / standard): {summary['speedup']:.2f}x")
     for mode, ratio in summary.get("vs_standard", {}).items():
         if mode != "speculative":
             rows.append(f"{mode} / standard: {ratio:.2f}x")
+    categories = summary.get("categories") or {}
+    others = [m for m in modes if m != "standard"]
+    if len(categories) > 1 and "standard" in modes and others:
+        rows.append("per category, over standard: " + "; ".join(
+            f"{cat} " + ", ".join(f"{m} {c['vs_standard'][m]:.2f}x" for m in others)
+            for cat, c in categories.items()))
     for mode, f in summary.get("fidelity", {}).items():
         label = "identical outputs" if mode == "speculative" else f"identical to standard ({mode})"
         rows.append(f"{label}: {f['identical']}/{f['compared']}")
@@ -292,10 +265,14 @@ def format_table(summary: dict[str, Any], modes: Sequence[str]) -> str:
     if cost:
         rows.append(f"cost model: draft {cost['draft_ms']:.2f} ms, target "
                     + ", ".join(f"w{w} {ms:.2f}" for w, ms in cost["target_ms"].items()) + " ms")
-        if cost.get("predicted_speedup") is not None:
-            rows.append(f"  predicted speculative/standard at alpha={cost['alpha']:.3f}, K={cost['k']}: "
-                        f"{cost['predicted_speedup']:.2f}x (measured {summary.get('speedup') or 0:.2f}x)")
+        for mode, predicted in cost.get("predicted", {}).items():
+            measured = summary.get("vs_standard", {}).get(mode)
+            if predicted is not None and measured is not None:
+                rows.append(f"  predicted {mode}/standard {predicted:.2f}x, measured {measured:.2f}x "
+                            f"(error {predicted / measured - 1:+.0%})")
         rows.append(f"  {cost['verdict']}")
+    for line in summary.get("diagnostics", []):
+        rows.append(f"diagnosis: {line}")
     if summary.get("peak_gpu_memory_mb") is not None:
         rows.append(f"peak GPU memory: {summary['peak_gpu_memory_mb']:.0f} MB "
                     f"(first prompt {summary['peak_gpu_memory_first_mb']:.0f} MB, last {summary['peak_gpu_memory_last_mb']:.0f} MB)")
@@ -304,25 +281,31 @@ def format_table(summary: dict[str, Any], modes: Sequence[str]) -> str:
     return "\n".join(rows)
 
 
-def cost_model_summary(engine: Engine, k: int, summary: dict[str, Any]) -> dict[str, Any]:
+def cost_model_summary(engine: Engine, runs: Sequence[RunRecord], summary: dict[str, Any],
+                       proposer: str = "draft") -> dict[str, Any]:
     """Measured forward costs and what they predict for the measured acceptance (the bench's check)."""
-    from engine.measure.costmodel import CostModel, alpha_from_mean_accepted
+    from engine.measure.costmodel import CostModel, alpha_from_per_position
 
-    if not engine.info.target_ms or max(w for w, _ in engine.info.target_ms) < k + 1:
-        engine.measure_costs(k_max=k)  # costs at load cover K up to 5 (CPU) / 8 (GPU)
-    model = CostModel.from_info(engine.info)
-    k_max = model.k_max
-    spec = summary["speculative"]
-    # Per-token acceptance from the mean tokens per step: E = (1 - a^(K+1)) / (1 - a).
-    alpha = alpha_from_mean_accepted(spec["tokens_per_target_forward"] - 1.0, k)
+    # The verdict weighs the proposer benched (its own measured cost: a draft head's, n-gram's).
+    model = CostModel.from_info(engine.info, "draft" if proposer == "draft+ngram" else proposer)
+    standard = [r for r in runs if r.mode == "standard"]
+    drafting = [m for m in ENGINE_MODES if m != "standard" and m in summary]
+    predicted = {m: predicted_speedup(engine.info, [r for r in runs if r.mode == m], standard) for m in drafting}
+    spec = [r for r in runs if r.mode in drafting]
+    alpha = alpha_from_per_position(position_acceptance(spec)) or 0.0
+    k = round(summary[drafting[0]]["k_mean"]) if drafting else 0
     return {
         "draft_ms": model.draft_ms,
         "target_ms": {str(w): ms for w, ms in sorted(model.target_ms.items())},
+        "proposers": {c.source: {"per_token_ms": c.per_token_ms, "per_proposal_ms": c.per_proposal_ms}
+                      for c in engine.info.proposer_costs},
+        "measure_s": engine.info.measure_s,
         "alpha": alpha,
         "k": k,
-        "predicted_speedup": model.predicted_speedup(alpha, k),
-        "best_k": model.best_k(alpha, k_max)[0],
-        "verdict": model.verdict(alpha, k_max),
+        "predicted_speedup": predicted.get("speculative", next(iter(predicted.values()), None)),
+        "predicted": predicted,
+        "best_k": model.best_k(alpha)[0],
+        "verdict": model.verdict(alpha),
     }
 
 
@@ -337,11 +320,15 @@ class BenchResult:
 
 
 def run_bench(ctx: BenchContext, prompts: Sequence[BenchPrompt], modes: Sequence[str], *, max_new_tokens: int,
-              warmup: int = 1, k: int, cost_model: bool = True, progress=None) -> BenchResult:
-    """Times every prompt in every mode (modes in the given order per prompt) after untimed warm-ups.
+              warmup: int = 1, repeat: int = 1, cost_model: bool = True, progress=None,
+              proposer: str = "draft") -> BenchResult:
+    """Times every prompt in every mode after untimed warm-ups, `repeat` times.
 
-    `progress(done, total, note)` is called after each run. A failing baseline (hf-*) is recorded
-    as an error and does not cost the other modes' figures; a failing engine mode raises.
+    Each prompt is warmed (a short untimed generation of it) before its first timed run, and the
+    mode order rotates per prompt and repeat (experiment.schedule), so no mode pays the first-run
+    cost of a prompt for another. `progress(done, total, note)` is called after each run. A
+    failing baseline (hf-*) is recorded as an error and does not cost the other modes' figures; a
+    failing engine mode raises.
     """
     import torch
 
@@ -350,39 +337,42 @@ def run_bench(ctx: BenchContext, prompts: Sequence[BenchPrompt], modes: Sequence
         for mode in modes:
             MODE_RUNNERS[mode].run(ctx, prompts[0], min(max_new_tokens, 32))
     cuda = ctx.engine.device.type == "cuda"
-    runs: list[RunRecord] = []
     errors: list[dict[str, str]] = []
-    peaks: list[float] = []  # peak GPU memory per prompt (MB), to show there is no growth
-    started = time.perf_counter()
-    total, done = len(prompts) * len(modes), 0
-    for prompt in prompts:
+    peaks: dict[tuple[str, int], float] = {}  # peak GPU memory per prompt and repeat (MB), to show there is no growth
+    # The warm-up run prefills both models with the prompt when a draft is loaded.
+    warm_mode = "speculative" if ctx.engine.draft_runner is not None else "standard"
+
+    def warm(prompt: BenchPrompt) -> None:
+        MODE_RUNNERS[warm_mode].run(ctx, prompt, min(max_new_tokens, 4))
         if cuda:
             torch.cuda.reset_peak_memory_stats(ctx.engine.device)
-        for mode in modes:
-            try:
-                runs.append(MODE_RUNNERS[mode].run(ctx, prompt, max_new_tokens))
-            except EngineError:
-                raise
-            except Exception as e:  # a failing baseline must not cost the other modes' figures
-                if mode in ("standard", "speculative"):
-                    raise
-                log.warning("%s failed on %s: %s", mode, prompt.id, e)
-                errors.append({"mode": mode, "prompt_id": prompt.id, "message": f"{type(e).__name__}: {e}"[:300]})
-            done += 1
-            if progress is not None:
-                progress(done, total, f"{prompt.id} {mode}")
+
+    def run(task: Task) -> RunRecord:
+        record = MODE_RUNNERS[task.label].run(ctx, task.prompt, max_new_tokens)
         if cuda:
-            peaks.append(torch.cuda.max_memory_allocated(ctx.engine.device) / 2**20)
+            peaks[(task.prompt.id, task.repeat)] = torch.cuda.max_memory_allocated(ctx.engine.device) / 2**20
+        return replace(record, repeat=task.repeat)
+
+    def failed(task: Task, exc: Exception) -> bool:
+        if isinstance(exc, EngineError) or task.label in ENGINE_MODES:
+            return False
+        log.warning("%s failed on %s: %s", task.label, task.prompt.id, exc)
+        errors.append({"mode": task.label, "prompt_id": task.prompt.id, "message": f"{type(exc).__name__}: {exc}"[:300]})
+        return True
+
+    started = time.perf_counter()
+    runs = run_tasks(schedule(prompts, modes, repeat), run, warm=warm, progress=progress, on_error=failed)
     wall = time.perf_counter() - started
     modes_run = tuple(m for m in modes if any(r.mode == m for r in runs))
     summary = summarize_runs(runs, modes_run, ctx.engine.tokenizer)
     if errors:
         summary["errors"] = errors
     if peaks:
-        summary.update(peak_gpu_memory_mb=max(peaks), peak_gpu_memory_first_mb=peaks[0],
-                       peak_gpu_memory_last_mb=peaks[-1])
-    if "speculative" in modes_run and cost_model:
-        summary["cost_model"] = cost_model_summary(ctx.engine, k, summary)
+        per_prompt = list(peaks.values())
+        summary.update(peak_gpu_memory_mb=max(per_prompt), peak_gpu_memory_first_mb=per_prompt[0],
+                       peak_gpu_memory_last_mb=per_prompt[-1])
+    if cost_model and any(m in modes_run for m in ENGINE_MODES[1:]) and "standard" in modes_run:
+        summary["cost_model"] = cost_model_summary(ctx.engine, runs, summary, proposer)
     return BenchResult(tuple(runs), summary, modes_run, wall)
 
 

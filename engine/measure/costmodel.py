@@ -3,7 +3,8 @@
 The model (Leviathan et al. 2023, section 3.3): with per-token acceptance alpha, one step with K
 draft tokens commits (1 - alpha^(K+1)) / (1 - alpha) tokens on average and costs K draft
 forwards plus one (K+1)-token target forward; standard decoding commits one token per 1-token
-target forward.
+target forward. Measured per-step overheads (host work, syncs) are added to both, and with
+acceptance measured per draft position a_i a step commits 1 + sum_j prod_{i<=j} a_i tokens.
 """
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from engine.types import ModelInfo, Summary
+from engine.types import ModelInfo, ProposerCost, Summary
 
 # A verify costing this many 1-token forwards or more is named in the verdict as the reason.
 VERIFY_NOT_FREE = 1.5
@@ -25,11 +26,26 @@ def expected_tokens_per_step(alpha: float, k: int) -> float:
     return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
 
 
+def expected_tokens(per_position: Sequence[float], k: int) -> float:
+    """Mean tokens one step of K drafts commits when draft position i is accepted with probability
+    per_position[i] once reached (positions beyond the list repeat its last value)."""
+    if k <= 0:
+        return 1.0
+    assert per_position, "per-position acceptance needs at least one position"
+    expected, reach = 1.0, 1.0
+    for i in range(k):
+        reach *= per_position[min(i, len(per_position) - 1)]
+        expected += reach
+    return expected
+
+
 @dataclass(frozen=True)
 class CostModel:
-    draft_ms: float  # one 1-token draft forward (0 for nearly free drafts such as n-gram lookup)
+    draft_ms: float  # one drafted token (a 1-token draft forward; ~0 for n-gram lookup)
     target_ms: Mapping[int, float]  # width W -> one W-token target forward; needs at least W=1
-    overhead_ms: float = 0.0  # per-step cost outside the forwards (acceptance, sync, bookkeeping)
+    overhead_ms: float = 0.0  # per speculative step outside the forwards (acceptance, sync, bookkeeping)
+    standard_overhead_ms: float = 0.0  # per standard step outside its forward
+    draft_fixed_ms: float = 0.0  # per step that drafts, whatever K (the proposer's set-up)
     _widths: tuple[int, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -37,9 +53,16 @@ class CostModel:
         object.__setattr__(self, "_widths", tuple(sorted(self.target_ms)))
 
     @classmethod
-    def from_info(cls, info: ModelInfo) -> CostModel:
-        """The costs an engine measured at load (ModelInfo.draft_ms / target_ms)."""
-        return cls(draft_ms=info.draft_ms, target_ms=dict(info.target_ms))
+    def from_info(cls, info: ModelInfo, source: str = "draft", *, overhead_ms: float = 0.0,
+                  standard_overhead_ms: float = 0.0) -> CostModel:
+        """The costs an engine measured at load (ModelInfo.target_ms, and the proposer's own cost
+        from ModelInfo.proposer_costs, else the draft forward ModelInfo.draft_ms)."""
+        cost = proposer_cost(info, source)
+        if cost is None:
+            return cls(draft_ms=info.draft_ms, target_ms=dict(info.target_ms), overhead_ms=overhead_ms,
+                       standard_overhead_ms=standard_overhead_ms)
+        return cls(draft_ms=cost.per_token_ms, target_ms=dict(info.target_ms), overhead_ms=overhead_ms,
+                   standard_overhead_ms=standard_overhead_ms, draft_fixed_ms=cost.per_proposal_ms)
 
     @property
     def k_max(self) -> int:
@@ -65,13 +88,24 @@ class CostModel:
         return max(ca + (cb - ca) * (width - a) / (b - a), 0.0)
 
     def step_ms(self, k: int) -> float:
-        return k * self.draft_ms + self.target_cost(k + 1) + self.overhead_ms
+        if k <= 0:
+            return self.standard_ms()
+        return self.draft_fixed_ms + k * self.draft_ms + self.target_cost(k + 1) + self.overhead_ms
+
+    def standard_ms(self) -> float:
+        return self.target_ms[1] + self.standard_overhead_ms
 
     def predicted_speedup(self, alpha: float, k: int) -> float:
         """Tokens/s of speculative decoding with K drafts over standard decoding (1.0 for K=0)."""
         if k <= 0:
             return 1.0
-        return expected_tokens_per_step(alpha, k) * self.target_ms[1] / self.step_ms(k)
+        return expected_tokens_per_step(alpha, k) * self.standard_ms() / self.step_ms(k)
+
+    def speedup_from_positions(self, per_position: Sequence[float], k: int) -> float:
+        """The same from acceptance measured per draft position (Summary.per_position_acceptance)."""
+        if k <= 0 or not per_position:
+            return 1.0
+        return expected_tokens(per_position, k) * self.standard_ms() / self.step_ms(k)
 
     def predicted_from_counts(self, tokens: int, target_forwards: int, drafted: int, draft_forwards: int) -> float:
         """Speculative/standard speedup these costs predict for what a run did: its tokens per step,
@@ -81,10 +115,12 @@ class CostModel:
             return 1.0
         step = (self.target_cost(1 + drafted / target_forwards) + self.draft_ms * draft_forwards / target_forwards
                 + self.overhead_ms)
-        return tokens / target_forwards * self.target_ms[1] / step
+        return tokens / target_forwards * self.standard_ms() / step
 
-    def best_k(self, alpha: float, k_max: int = 12) -> tuple[int, float]:
-        """(K, predicted speedup) maximising the speedup over K = 1..k_max; (0, 1.0) if none pays."""
+    def best_k(self, alpha: float, k_max: int | None = None) -> tuple[int, float]:
+        """(K, predicted speedup) maximising the speedup over K = 1..k_max (default: the measured
+        widths); (0, 1.0) if none pays."""
+        k_max = self.k_max if k_max is None else k_max
         best = (0, 1.0)
         for k in range(1, k_max + 1):
             speedup = self.predicted_speedup(alpha, k)
@@ -92,8 +128,9 @@ class CostModel:
                 best = (k, speedup)
         return best
 
-    def verdict(self, alpha: float, k_max: int = 12) -> str:
+    def verdict(self, alpha: float, k_max: int | None = None) -> str:
         """One plain sentence a person can act on."""
+        k_max = self.k_max if k_max is None else k_max
         ratio = self.draft_ms / self.target_ms[1] if self.target_ms[1] > 0 else 0.0
         k, speedup = self.best_k(alpha, k_max)
         if k == 0:
@@ -113,6 +150,11 @@ class CostModel:
             f"Speculative decoding pays here: the draft costs {ratio:.0%} of a target forward; "
             f"at {alpha:.0%} acceptance K={k} should give {speedup:.2f}×."
         )
+
+
+def proposer_cost(info: ModelInfo, source: str) -> ProposerCost | None:
+    """The cost a proposer measured for itself at load; None when it was not measured."""
+    return next((c for c in info.proposer_costs if c.source == source), None)
 
 
 class _Measurable(Protocol):
@@ -139,6 +181,9 @@ def estimate_alpha(summary: Summary) -> float | None:
     """
     if summary.drafted == 0:
         return None
+    if summary.k == 0 and summary.per_position_acceptance:
+        # K chosen per step: the histogram mixes drafts of different lengths, positions do not.
+        return alpha_from_per_position(summary.per_position_acceptance)
     histogram = summary.accepted_length_histogram
     if histogram:
         rejections = sum(histogram[:-1])

@@ -15,16 +15,19 @@ def summarize(
     seconds: float,
     stop_reason: StopReason,
     draft_forwards: int | None = None,
+    prefill_s: float = 0.0,
 ) -> Summary:
     """Every Summary figure is derived from the Steps, so views and exports cannot disagree.
 
     `draft_forwards` is passed by the engine (it knows about catch-up forwards); when absent it is
-    estimated as one forward per proposed token.
+    estimated as one forward per proposed token. `prefill_s` (the prompt's share of `seconds`) is
+    the engine's too; the rest of the time split (drafting, verifying, overhead) comes from the Steps.
     """
     new_tokens = sum(s.new_tokens for s in steps)
     drafted = sum(len(s.proposed) for s in steps)
     accepted = sum(s.accepted for s in steps)
-    k_max = max([k] + [len(s.proposed) for s in steps]) if mode == "speculative" else 0
+    drafting = mode != "standard"
+    k_max = max([k] + [len(s.proposed) for s in steps]) if drafting else 0
     reached = [0] * k_max
     hits = [0] * k_max
     histogram = [0] * (k_max + 1)
@@ -38,9 +41,12 @@ def summarize(
             hits[i] += i < s.accepted
     per_position = tuple(h / r if r else 0.0 for h, r in zip(hits, reached))
     target_forwards = len(steps)
+    chosen = [s.decision.k if s.decision is not None else len(s.proposed) for s in steps]
+    draft_s = sum(s.draft_ms for s in steps) / 1000
+    verify_s = sum(s.verify_ms for s in steps) / 1000
     return Summary(
         mode=mode,
-        k=k if mode == "speculative" else 0,
+        k=k if drafting else 0,
         prompt_tokens=prompt_tokens,
         new_tokens=new_tokens,
         seconds=seconds,
@@ -50,9 +56,16 @@ def summarize(
         acceptance_rate=accepted / drafted if drafted else 0.0,
         tokens_per_target_forward=new_tokens / target_forwards if target_forwards else 0.0,
         per_position_acceptance=per_position,
-        accepted_length_histogram=tuple(histogram) if mode == "speculative" else (),
+        accepted_length_histogram=tuple(histogram) if drafting else (),
         target_forwards=target_forwards,
         draft_forwards=drafted if draft_forwards is None else draft_forwards,
         stop_reason=stop_reason,
         text="".join(s.text for s in steps),
+        k_mean=sum(chosen) / len(chosen) if chosen else 0.0,
+        standard_steps=sum(1 for s in steps if s.decision is not None and s.decision.k == 0) if drafting else 0,
+        prefill_s=prefill_s,
+        draft_s=draft_s,
+        verify_s=verify_s,
+        overhead_s=max(seconds - prefill_s - draft_s - verify_s, 0.0),
+        decision=steps[-1].decision if steps else None,
     )

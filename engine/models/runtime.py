@@ -50,13 +50,15 @@ def _on_cpu(device: str) -> bool:
 
 
 def choose_runtime(requested: str, device: str, sources: list[ModelSource], *, dtype: str = "auto",
-                   fast_path: str = "auto") -> RuntimeChoice:
+                   fast_path: str = "auto", needs_head: bool = False) -> RuntimeChoice:
     """auto → llama.cpp for GGUF sources on the CPU when it imports, else torch (saying why).
 
     An explicit torch dtype or fast path (--dtype float32, --fast-path eager) asks for torch under
-    auto. An explicit "llamacpp" that cannot run is a ModelLoadError naming the reason.
+    auto; so does a draft head (needs_head: a head folder given, or the head proposer asked for),
+    which reads the target's hidden states. An explicit "llamacpp" that cannot run is a
+    ModelLoadError naming the reason.
     """
-    from engine.runners.llamacpp import INSTALL_HINT, RuntimeUnavailable, unavailable_reason
+    from engine.runners.llamacpp import HEAD_REFUSED, INSTALL_HINT, RuntimeUnavailable, unavailable_reason
 
     if requested not in RUNTIMES:
         raise ModelLoadError(f"Unknown runtime {requested!r}: use auto, torch or llamacpp.")
@@ -75,11 +77,15 @@ def choose_runtime(requested: str, device: str, sources: list[ModelSource], *, d
                                  f"use --device cpu, or the torch runtime for the GPU.")
         if missing is not None:
             raise RuntimeUnavailable(f"llama.cpp is not available ({missing}); install it with: {INSTALL_HINT}")
+        if needs_head:
+            raise ModelLoadError(HEAD_REFUSED)
         return RuntimeChoice("llamacpp")
     if not cpu or not_gguf is not None or dtype != "auto" or fast_path != "auto":
         return RuntimeChoice("torch")
     if missing is not None:
         return RuntimeChoice("torch", f"llama.cpp unavailable ({missing})")
+    if needs_head:
+        return RuntimeChoice("torch", "a draft head needs hidden states, which llama.cpp does not give")
     return RuntimeChoice("llamacpp")
 
 
@@ -95,21 +101,27 @@ def load_engine(
     threads: int | None = None,
     progress: ProgressFn | None = None,
     compile_k: int = 5,
+    head: str | None = "auto",
+    needs_head: bool = False,
 ):
     """The Engine for a pair on the chosen runtime (the CLI and the app both load through here).
 
-    dtype and fast_path apply to torch; threads to llama.cpp (None: the physical cores).
+    dtype, fast_path and head (Engine.from_pair: "auto", a head folder or None) apply to torch;
+    threads to llama.cpp (None: the physical cores). needs_head: the head proposer will be asked
+    for, so auto picks torch; a head folder given counts as that too. On llama.cpp, head "auto"
+    finds nothing to attach (no hidden states there) and the head proposer is refused in one line.
     """
     from engine.decoding import Engine
 
     sources = [resolve_source(target, "target")] + ([resolve_source(draft, "draft")] if with_draft else [])
-    choice = choose_runtime(runtime, device, sources, dtype=dtype, fast_path=fast_path)
+    wants_head = needs_head or (head is not None and str(head) not in ("auto", "none"))
+    choice = choose_runtime(runtime, device, sources, dtype=dtype, fast_path=fast_path, needs_head=wants_head)
     if choice.runtime == "llamacpp":
         return load_llamacpp(sources, threads=threads, progress=progress)
     from engine.models.store import load_pair
 
     pair = load_pair(target, draft, device=device, dtype=dtype, progress=progress, with_draft=with_draft)
-    engine = Engine.from_pair(pair, fast_path=fast_path, progress=progress, compile_k=compile_k)
+    engine = Engine.from_pair(pair, fast_path=fast_path, progress=progress, compile_k=compile_k, head=head)
     if choice.note:
         log.warning("%s", choice.note)
         engine.info = replace(engine.info, runtime_note=choice.note)

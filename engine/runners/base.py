@@ -22,6 +22,10 @@ class Runner(Protocol):
     vocab_size: int  # rows of the output head (may exceed the shared vocabulary)
     max_length: int  # most tokens the cache can hold
     length: int  # tokens currently in the cache
+    # Rows a draft head reads, [W, len(hidden_layers) * hidden]: the chosen layers' outputs for the
+    # last forward or prefill (no extra target forward), or None. On the fast path they are a graph's
+    # static buffer, valid until the next forward of the same width.
+    hidden: torch.Tensor | None
 
     def reset(self) -> None:
         """Empties the cache for a new generation."""
@@ -34,6 +38,9 @@ class Runner(Protocol):
 
     def rollback(self, length: int) -> None:
         """Keeps the first `length` cached tokens and forgets the rest."""
+
+    def keep_hidden(self, layers: tuple[int, ...]) -> None:
+        """From now on forward and prefill leave these layers' outputs in `hidden` (() stops it)."""
 
     def measure_costs(self, widths: Iterable[int], iters: int = ...) -> dict[int, float]:
         """Milliseconds per forward of each width, leaving the cache as it was."""

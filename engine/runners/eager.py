@@ -25,6 +25,18 @@ class EagerRunner:
         self.max_length = max_length or int(getattr(model.config, "max_position_embeddings", 32768))
         self.cache = DynamicCache(config=model.config)
         self.length = 0
+        self.hidden_layers: tuple[int, ...] = ()  # layers whose outputs a draft head reads
+        self.hidden: torch.Tensor | None = None  # [W, n * hidden] rows of the last forward or prefill
+
+    def keep_hidden(self, layers: tuple[int, ...]) -> None:
+        """From now on forwards also leave these layers' outputs in `hidden`."""
+        self.hidden_layers = tuple(layers)
+        self.hidden = None
+
+    def _keep(self, out) -> None:
+        if self.hidden_layers:
+            # hidden_states[0] is the embedding output: layer i's output is entry i + 1.
+            self.hidden = torch.cat([out.hidden_states[i + 1][0] for i in self.hidden_layers], dim=-1)
 
     def reset(self) -> None:
         self.cache = DynamicCache(config=self.model.config)
@@ -39,7 +51,9 @@ class EagerRunner:
             past_key_values=self.cache,
             cache_position=positions,
             use_cache=True,
+            output_hidden_states=bool(self.hidden_layers),
         )
+        self._keep(out)
         self.length += width
         assert self.cache.get_seq_length() == self.length, "cache and runner disagree on length"
         return out.logits[0].float()  # [W, V]
@@ -49,8 +63,9 @@ class EagerRunner:
         width = ids.shape[-1]
         positions = torch.arange(self.length, self.length + width, device=self.device)
         # logits_to_keep=1: a long prompt's [W, V] float logits would otherwise be allocated for nothing.
-        self.model(input_ids=ids.view(1, width), past_key_values=self.cache, cache_position=positions,
-                   use_cache=True, logits_to_keep=1)
+        out = self.model(input_ids=ids.view(1, width), past_key_values=self.cache, cache_position=positions,
+                         use_cache=True, logits_to_keep=1, output_hidden_states=bool(self.hidden_layers))
+        self._keep(out)
         self.length += width
 
     def measure_costs(self, widths: Iterable[int], iters: int = 3) -> dict[int, float]:

@@ -61,6 +61,7 @@ class StaticGraphRunner:
         min_bucket: int = MIN_BUCKET,
         compile_widths: Iterable[int] = (),
         compile_spans: int = 2,
+        hidden_layers: tuple[int, ...] = (),
     ) -> None:
         self.decoder = LeanDecoder(model, max_length, share_weights=share_weights, attention=attention)
         self._forward = self.decoder.forward
@@ -85,6 +86,10 @@ class StaticGraphRunner:
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # (width, bucket) -> graph
         self.static_ids: dict[int, torch.Tensor] = {}  # width -> [W] long input buffer
         self.static_out: dict[int, torch.Tensor] = {}  # width -> [W, V] float32 output
+        # Hidden rows for a draft head (Runner.keep_hidden): captured inside the graphs too.
+        self.hidden_layers: tuple[int, ...] = tuple(hidden_layers)
+        self.static_hidden: dict[int, torch.Tensor] = {}  # width -> [W, n * hidden]
+        self.hidden: torch.Tensor | None = None  # rows of the last forward or prefill
         self.fallback_reason: str | None = None  # why graphs are off although CUDA is there
         with torch.inference_mode(False):
             # Graphs read the write position from here; the host `length` is the truth.
@@ -100,6 +105,20 @@ class StaticGraphRunner:
         assert 0 <= length <= self.length, f"cannot roll back to {length} from {self.length}"
         self.length = length  # the device scalar is set from it by the next forward
 
+    def keep_hidden(self, layers: tuple[int, ...]) -> None:
+        """From now on forwards also leave these layers' outputs in `hidden` (recaptures the graphs)."""
+        layers = tuple(layers)
+        if layers == self.hidden_layers:
+            return
+        self.hidden_layers = layers
+        self.hidden = None
+        if self.graphs:
+            self.graphs.clear()
+            self.static_ids.clear()
+            self.static_out.clear()
+            self.static_hidden.clear()
+            self.warmup()
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """Appends ids [W] to the cache; returns float32 logits [W, V] (see the class note on reuse)."""
         width = ids.shape[-1]
@@ -110,12 +129,13 @@ class StaticGraphRunner:
             )
         graph = self.graphs.get((width, self._bucket(self.length + width)))
         if graph is None:  # eagerly, in chunks; _eager advances the length per chunk
-            outs = [self._eager(chunk) for chunk in ids.view(width).split(PREFILL_CHUNK)]
+            outs = self._chunks(ids.view(width), logits=True)
             return outs[0] if len(outs) == 1 else torch.cat(outs)
         self.static_ids[width].copy_(ids.view(width), non_blocking=True)
         self.start.fill_(self.length)
         graph.replay()
         self.length += width
+        self.hidden = self.static_hidden.get(width)
         return self.static_out[width]
 
     def prefill(self, ids: torch.Tensor) -> None:
@@ -125,8 +145,7 @@ class StaticGraphRunner:
             raise GenerationError(
                 f"The prompt needs {self.length + width} cache positions; this runner holds {self.max_length}."
             )
-        for chunk in ids.view(width).split(PREFILL_CHUNK):
-            self._eager(chunk, logits=False)
+        self._chunks(ids.view(width), logits=False)
 
     # -- fast path ----------------------------------------------------------------------------
 
@@ -134,9 +153,26 @@ class StaticGraphRunner:
         """The smallest attention span holding `end` positions."""
         return next(b for b in self.buckets if b >= end)
 
+    def _chunks(self, ids: torch.Tensor, logits: bool) -> list[torch.Tensor | None]:
+        """The eager forward over ids [W] in PREFILL_CHUNK pieces; `hidden` gets all W rows."""
+        outs, rows = [], []
+        for chunk in ids.split(PREFILL_CHUNK):
+            outs.append(self._eager(chunk, logits))
+            if self.hidden_layers:
+                rows.append(self.hidden)
+        if rows:
+            self.hidden = rows[0] if len(rows) == 1 else torch.cat(rows)
+        return outs
+
     def _eager(self, ids: torch.Tensor, logits: bool = True) -> torch.Tensor | None:
         self.start.fill_(self.length)
-        out = self._forward(ids, self.start, self._bucket(self.length + ids.shape[0]), logits)
+        hidden = None
+        if self.hidden_layers:
+            buf = torch.empty(ids.shape[0], len(self.hidden_layers) * self.decoder.config.hidden,
+                              dtype=self.decoder.dtype, device=self.device)
+            hidden = (buf, self.hidden_layers)
+            self.hidden = buf
+        out = self._forward(ids, self.start, self._bucket(self.length + ids.shape[0]), logits, hidden)
         self.length += ids.shape[0]
         return out
 
@@ -171,6 +207,7 @@ class StaticGraphRunner:
             self.graphs.clear()
             self.static_ids.clear()
             self.static_out.clear()
+            self.static_hidden.clear()
             self.fallback_reason = f"CUDA graph capture failed: {exc}"
             self.name = "static-eager"
             torch.cuda.synchronize(self.device)
@@ -182,7 +219,11 @@ class StaticGraphRunner:
         if width not in self.static_ids:
             self.static_ids[width] = torch.zeros(width, dtype=torch.long, device=self.device)
             self.static_out[width] = torch.zeros(width, self.vocab_size, dtype=torch.float32, device=self.device)
+            if self.hidden_layers:
+                self.static_hidden[width] = torch.zeros(width, len(self.hidden_layers) * self.decoder.config.hidden,
+                                                        dtype=self.decoder.dtype, device=self.device)
         ids, out = self.static_ids[width], self.static_out[width]
+        hidden = (self.static_hidden[width], self.hidden_layers) if self.hidden_layers else None
         forward = self._forward
         if self._compiled is not None and width in self.compile_widths and bucket in self.buckets[: self.compile_spans]:
             forward = self._compiled
@@ -191,11 +232,11 @@ class StaticGraphRunner:
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             for _ in range(WARMUP_ITERS):
-                out.copy_(forward(ids, self.start, bucket))
+                out.copy_(forward(ids, self.start, bucket, True, hidden))
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool):
-            out.copy_(forward(ids, self.start, bucket))  # [W, V]
+            out.copy_(forward(ids, self.start, bucket, True, hidden))  # [W, V]
         graph.replay()  # one replay so a broken capture fails here, not in the first generation
         torch.cuda.synchronize(self.device)
         self.graphs[(width, bucket)] = graph
@@ -213,11 +254,13 @@ def build_runners(
     attention: str = "sdpa",
     progress: Callable[[Any], None] | None = None,
     compile_k: int | None = None,
+    hidden_layers: tuple[int, ...] = (),
 ) -> tuple[StaticGraphRunner, StaticGraphRunner | None, str]:
     """Fast runners for a pair, warmed up (graphs captured on CUDA); (target, draft, fast-path name).
 
     Raises UnsupportedModelError (or anything else) when the fast path cannot take a model; the
     caller then falls back to eager runners. `progress` receives engine.models.store.LoadProgress.
+    hidden_layers: the target's layers a draft head reads (its graphs then keep those rows too).
     """
     limit = int(getattr(target.config, "max_position_embeddings", DEFAULT_MAX_LENGTH))
     length = min(max_length or DEFAULT_MAX_LENGTH, limit)
@@ -226,7 +269,7 @@ def build_runners(
     # compile_k: also compile (inductor) the widths a K = compile_k loop uses every step.
     compiled_target = (1, compile_k + 1) if compile_k else ()
     target_runner = StaticGraphRunner(target, max_length=length, graph_widths=target_widths, attention=attention,
-                                      compile_widths=compiled_target)
+                                      compile_widths=compiled_target, hidden_layers=hidden_layers)
     # Width 1: a draft step; 2: the catch-up after a fully accepted draft (pending + bonus).
     draft_runner = (
         StaticGraphRunner(draft, max_length=length, graph_widths=(1, 2), attention=attention,
@@ -253,7 +296,7 @@ def build_runners(
         # The fused attention kernel is the likeliest part to refuse capture; plain matmuls rarely do.
         log.warning("retrying graph capture with matmul attention: %s", target_runner.fallback_reason)
         return build_runners(target, draft, max_length=max_length, k_max=k_max, attention="math", progress=progress,
-                             compile_k=compile_k)
+                             compile_k=compile_k, hidden_layers=hidden_layers)
     if draft_runner is not None:
         draft_runner.warmup(stage(share, 1.0))
     name = target_runner.name

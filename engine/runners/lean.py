@@ -239,11 +239,14 @@ class LeanDecoder:
 
     @torch.no_grad()
     def forward(
-        self, ids: torch.Tensor, start: torch.Tensor, kv_len: int | None = None, logits: bool = True
+        self, ids: torch.Tensor, start: torch.Tensor, kv_len: int | None = None, logits: bool = True,
+        hidden: tuple[torch.Tensor, tuple[int, ...]] | None = None,
     ) -> torch.Tensor | None:
         """ids [W] long, start: long scalar tensor on the device -> float32 logits [W, V].
 
         logits=False only fills the cache (the prompt): no output head, no [W, V] allocation.
+        hidden=(out [W, n * hidden], layers): the outputs of those n layers are copied into `out`
+        side by side (a draft head reads them; inside a graph, `out` is a static buffer).
 
         Attention reads the first `kv_len` cache slots (default: all); the caller guarantees
         start + W <= kv_len, and picks kv_len from a few buckets so short contexts read little.
@@ -266,7 +269,8 @@ class LeanDecoder:
         x = F.embedding(ids, self.embed)  # [W, hidden]
         q_size, kv_size = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
         n_qk = c.n_heads + c.n_kv_heads
-        for layer in self.layers:
+        keep = {} if hidden is None else {layer: slot for slot, layer in enumerate(hidden[1])}
+        for index, layer in enumerate(self.layers):
             h = _rms_norm(x, layer.ln1, c.eps)
             qkv = F.linear(h, layer.wqkv, layer.bqkv)  # [W, (Hq + 2 Hkv) * D]
             # RoPE on the query and key heads at once: rotate_half(x) = roll(x, D/2) * (-1 | +1).
@@ -285,6 +289,9 @@ class LeanDecoder:
             h = _rms_norm(x, layer.ln2, c.eps)
             gate, up = F.linear(h, layer.w13, layer.b13).chunk(2, dim=-1)  # [W, inter] each
             x = _linear_residual(x, F.silu(gate) * up, layer.w2, layer.b2)
+            if index in keep:
+                slot = keep[index]
+                hidden[0][:, slot * c.hidden : (slot + 1) * c.hidden].copy_(x)
         if not logits:
             return None
         x = _rms_norm(x, self.norm, c.eps)

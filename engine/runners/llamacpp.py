@@ -57,6 +57,10 @@ class RuntimeUnavailable(ModelLoadError):
     """llama-cpp-python cannot be imported here; the message says why and how to install it."""
 
 
+# One line for a draft head asked of this runtime (its proposer reads the target's hidden states).
+HEAD_REFUSED = ("A draft head reads the target's hidden states, which the llama.cpp runtime does not give: "
+                "load the models on the torch runtime (--runtime torch) to use one.")
+
 INSTALL_HINT = ".venv/bin/pip install llama-cpp-python==0.3.36 (it builds from source: cmake and a C++ compiler)"
 
 
@@ -159,6 +163,7 @@ class LlamaCppRunner:
 
     name = NAME
     device = torch.device("cpu")
+    hidden: torch.Tensor | None = None  # llama.cpp hands out logits and embeddings, not a layer's outputs
 
     def __init__(self, path: Path, *, n_ctx: int = DEFAULT_N_CTX, threads: int | None = None,
                  n_batch: int = DEFAULT_N_BATCH, n_ubatch: int = DEFAULT_N_UBATCH, kv_type: str = KV_TYPE,
@@ -237,6 +242,11 @@ class LlamaCppRunner:
             assert removed, "llama.cpp refused to remove the cells past the committed length"
             self.length = length
             del self._tokens[length:]
+
+    def keep_hidden(self, layers: tuple[int, ...]) -> None:
+        """A draft head needs chosen layers' outputs, which llama.cpp's API does not give: refused."""
+        if layers:
+            raise GenerationError(HEAD_REFUSED)
 
     def measure_costs(self, widths: Iterable[int], iters: int = 3) -> dict[int, float]:
         from engine.runners import measure_forward_costs

@@ -1,0 +1,281 @@
+"""The K controller: before each step it picks K (0 = a standard step) and who drafts; after it, it learns.
+
+The loop (loop.py) asks `choose(offers, room)` at the top of every round and reports the round with
+`observe(...)` after its commit. Two controllers sit behind that seam:
+
+- FixedK: the K a person asked for (standard decoding is FixedK(0)).
+- AdaptiveK: the K in 0..K_MAX that maximises predicted tokens per second,
+
+      rate(0) = 1 / t_std,   rate(K) = E_K / t_K,   E_K = 1 + sum_{j<=K} prod_{i<=j} a_i,
+
+  from the forward costs measured at load (every verify width 1..K_MAX+1, each proposer's own
+  cost), ratios and per-step overheads measured online from this process's real steps, and a
+  decayed Beta posterior of the acceptance a_i at each draft position i, so K moves within one
+  answer (a code block drafts long, prose short). When no K beats a standard step it decodes
+  standard steps and probes now and then (a short draft) to see whether that is still true; the
+  probe interval doubles while probes keep confirming it. What it learns is kept per engine
+  (TuningMemory), so the next answer starts from it.
+
+Decisions cost microseconds: plain Python floats, no torch.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from engine.decoding.proposers import Offer
+from engine.limits import K_MAX
+from engine.types import Decision, ProposerCost
+
+DECAY = 0.92  # per step the proposer drafts: evidence older than ~12 such steps fades, so K follows the text
+IDLE_DECAY = 0.99  # per step it does not draft: an old verdict weighs less when a probe brings news
+PRIOR_MEAN = 0.6  # acceptance assumed before any evidence
+PRIOR_WEIGHT = 2.0  # pseudo-observations behind PRIOR_MEAN, and behind the pooled mean for each position
+RATE = 0.15  # weight of the newest step in the online timing averages
+PROBE_MIN = 16  # standard steps before the first probe after speculation stopped paying
+PROBE_MAX = 128  # longest interval between probes
+PROBE_K = (2, 3)  # shortest and longest probe: short (they are not expected to pay), but informative
+EXPLORE = 6.0  # draft positions a proposer must have been tried on before a verdict against it counts
+SURPRISE = 0.35  # a probe accepted in full although the estimate gave that less than this chance is news
+_STANDARD = Decision(0, None, "standard")
+
+
+class KController(Protocol):
+    def choose(self, offers: Sequence[Offer], room: int) -> Decision:
+        """K for the next round (at most `room` tokens are still wanted), given what each proposer offers."""
+
+    def observe(self, decision: Decision, drafted: int, accepted: int, draft_ms: float, verify_ms: float,
+                wall_ms: float) -> None:
+        """What the round decided: tokens drafted and accepted, its draft/verify times and its wall time."""
+
+    def finish(self) -> None:
+        """The generation ended: keep what was learned for the next one."""
+
+
+class FixedK:
+    """The K a person asked for, every step; K = 0 is standard decoding."""
+
+    def __init__(self, k: int) -> None:
+        assert 0 <= k <= K_MAX, f"K={k} outside 0..{K_MAX}"
+        self.k = k
+        self._decisions: dict[tuple[int, str], Decision] = {}  # frozen, so one object per (K, source)
+
+    def choose(self, offers: Sequence[Offer], room: int) -> Decision:
+        if self.k == 0 or not offers:
+            return _STANDARD
+        k, source = min(self.k, room), offers[0].source
+        decision = self._decisions.get((k, source))
+        if decision is None:
+            decision = self._decisions[(k, source)] = Decision(k, source, "fixed")  # type: ignore[arg-type]
+        return decision
+
+    def observe(self, decision: Decision, drafted: int, accepted: int, draft_ms: float, verify_ms: float,
+                wall_ms: float) -> None:
+        pass
+
+    def finish(self) -> None:
+        pass
+
+
+@dataclass(frozen=True)
+class StepCosts:
+    """The costs measured at load, as the controller reads them."""
+
+    target_ms: tuple[float, ...]  # index w: ms of a w-token target forward, w = 1..K_MAX+1 (index 0 unused)
+    proposers: dict[str, ProposerCost]  # source -> its measured drafting cost
+
+    def __post_init__(self) -> None:
+        assert len(self.target_ms) >= K_MAX + 2, "every verify width up to K_MAX + 1 must be measured"
+
+
+@dataclass
+class Acceptance:
+    """Decayed Beta posteriors of P(accepted | reached) per draft position, pooled over positions too.
+
+    Each position's estimate is shrunk towards the pooled one by PRIOR_WEIGHT pseudo-observations,
+    so positions rarely reached (long drafts) borrow from the others instead of from nothing.
+    """
+
+    hits: list[float] = field(default_factory=lambda: [0.0] * K_MAX)  # decayed accepted counts per position
+    trials: list[float] = field(default_factory=lambda: [0.0] * K_MAX)  # decayed reached counts per position
+    pooled_hits: float = 0.0
+    pooled_trials: float = 0.0
+    tried: float = 0.0  # draft positions ever reached (not decayed): how much was ever seen
+    idle: int = 0  # steps since this proposer last drafted: its evidence is worth IDLE_DECAY ** idle
+
+    def update(self, drafted: int, accepted: int) -> None:
+        decay = DECAY * IDLE_DECAY**self.idle
+        hits, trials = self.hits, self.trials
+        for i in range(K_MAX):
+            hits[i] *= decay
+            trials[i] *= decay
+        reached = min(drafted, accepted + 1)  # position i is reached when every earlier one was accepted
+        for i in range(reached):
+            trials[i] += 1.0
+            hits[i] += i < accepted
+        self.pooled_hits = self.pooled_hits * decay + min(accepted, drafted)
+        self.pooled_trials = self.pooled_trials * decay + reached
+        self.tried += reached
+        self.idle = 0
+
+    def pooled(self) -> float:
+        fade = IDLE_DECAY**self.idle
+        return (self.pooled_hits * fade + PRIOR_WEIGHT * PRIOR_MEAN) / (self.pooled_trials * fade + PRIOR_WEIGHT)
+
+    def means(self) -> list[float]:
+        m, fade = self.pooled(), IDLE_DECAY**self.idle
+        return [(h * fade + PRIOR_WEIGHT * m) / (t * fade + PRIOR_WEIGHT) for h, t in zip(self.hits, self.trials)]
+
+    def copy(self) -> Acceptance:
+        return Acceptance(list(self.hits), list(self.trials), self.pooled_hits, self.pooled_trials, self.tried)
+
+
+@dataclass
+class Timing:
+    """Online corrections to the load-time costs, from the real steps of this process."""
+
+    standard_overhead_ms: float | None = None  # wall - draft - verify of a standard step
+    overhead_ms: float | None = None  # the same for a speculative step
+    standard_ratio: float | None = None  # measured verify time / load-time cost of a standard step
+    verify_ratio: float | None = None  # the same for a speculative step's verify
+    draft_ratio: dict[str, float] = field(default_factory=dict)  # source -> measured / load-time drafting
+    catch_up_ms: dict[str, float] = field(default_factory=dict)  # source -> extra drafting after standard steps
+
+    def copy(self) -> Timing:
+        return Timing(self.standard_overhead_ms, self.overhead_ms, self.standard_ratio, self.verify_ratio,
+                      dict(self.draft_ratio), dict(self.catch_up_ms))
+
+
+def _ema(old: float | None, new: float, low: float = 0.0, high: float = float("inf")) -> float:
+    new = min(max(new, low), high)
+    return new if old is None else old + RATE * (new - old)
+
+
+@dataclass
+class TuningMemory:
+    """What adaptive controllers learned, per engine: the next generation starts from it.
+
+    Acceptance is kept per (statistics key, temperature): sampling hotter accepts less.
+    """
+
+    acceptance: dict[tuple[str, float], Acceptance] = field(default_factory=dict)
+    timing: Timing = field(default_factory=Timing)
+    probe_every: dict[float, int] = field(default_factory=dict)  # temperature -> current probe interval
+
+
+class AdaptiveK:
+    """Picks (proposer, K) per step to maximise predicted tokens/s; K = 0 is a standard step."""
+
+    def __init__(self, costs: StepCosts, memory: TuningMemory | None = None, *, temperature: float = 0.0,
+                 k_max: int = K_MAX) -> None:
+        self.costs = costs
+        self.memory = memory if memory is not None else TuningMemory()
+        self.temperature = round(temperature, 2)
+        self.k_max = min(k_max, K_MAX)
+        self.timing = self.memory.timing.copy()
+        self.acceptance: dict[str, Acceptance] = {}  # statistics key -> this generation's posterior
+        self.probe_every = self.memory.probe_every.get(self.temperature, PROBE_MIN)
+        self.idle = 0  # standard steps since the last speculative one
+        self._offers: Sequence[Offer] = ()
+
+    # -- the decision ------------------------------------------------------------------------------
+
+    def _stats(self, key: str) -> Acceptance:
+        stats = self.acceptance.get(key)
+        if stats is None:
+            remembered = self.memory.acceptance.get((key, self.temperature))
+            stats = self.acceptance[key] = remembered.copy() if remembered is not None else Acceptance()
+        return stats
+
+    def standard_ms(self) -> float:
+        t = self.timing
+        return self.costs.target_ms[1] * (t.standard_ratio or 1.0) + (t.standard_overhead_ms or 0.0)
+
+    def _best(self, offer: Offer, room: int) -> tuple[int, float, float]:
+        """(K, predicted tokens/ms, pooled acceptance) of the best K >= 1 for one offer."""
+        t = self.timing
+        cost = self.costs.proposers[offer.source]
+        ratio = t.draft_ratio.get(offer.source, 1.0)
+        fixed = cost.per_proposal_ms * ratio + (t.catch_up_ms.get(offer.source, 0.0) if offer.catch_up else 0.0)
+        per_token = cost.per_token_ms * ratio
+        verify_ratio, overhead = t.verify_ratio or 1.0, t.overhead_ms or 0.0
+        target = self.costs.target_ms
+        stats = self._stats(offer.key)
+        means = stats.means()
+        best_k, best_rate = 0, 0.0
+        reach, expected = 1.0, 1.0
+        for k in range(1, min(offer.max_tokens, room, self.k_max) + 1):
+            reach *= means[k - 1]
+            expected += reach
+            rate = expected / (fixed + k * per_token + target[k + 1] * verify_ratio + overhead)
+            if rate > best_rate:
+                best_k, best_rate = k, rate
+        return best_k, best_rate, stats.pooled()
+
+    def choose(self, offers: Sequence[Offer], room: int) -> Decision:
+        self._offers = offers
+        if not offers:
+            return _STANDARD
+        standard_rate = 1.0 / self.standard_ms()
+        best: tuple[int, float, float, Offer] | None = None
+        for offer in offers:
+            if offer.max_tokens <= 0:
+                continue
+            k, rate, acceptance = self._best(offer, room)
+            if k and (best is None or rate > best[1]):
+                best = (k, rate, acceptance, offer)
+        if best is None:
+            return Decision(0, None, "no_match")
+        k, rate, acceptance, offer = best
+        speedup = rate / standard_rate
+        if speedup > 1.0:
+            return Decision(k, offer.source, "best", acceptance, speedup, k, speedup)
+        if self.idle >= self.probe_every or self._stats(offer.key).tried < EXPLORE:
+            probe_k = min(max(k, PROBE_K[0]), PROBE_K[1], room, offer.max_tokens)
+            return Decision(probe_k, offer.source, "probe", acceptance, speedup, k, speedup)
+        return Decision(0, None, "no_gain", acceptance, 1.0, k, speedup)
+
+    # -- learning ----------------------------------------------------------------------------------
+
+    def observe(self, decision: Decision, drafted: int, accepted: int, draft_ms: float, verify_ms: float,
+                wall_ms: float) -> None:
+        t, target = self.timing, self.costs.target_ms
+        overhead = wall_ms - draft_ms - verify_ms
+        for stats in self.acceptance.values():
+            stats.idle += 1  # the one that drafted resets it in update()
+        if decision.k == 0 or decision.source is None:
+            t.standard_overhead_ms = _ema(t.standard_overhead_ms, overhead)
+            t.standard_ratio = _ema(t.standard_ratio, verify_ms / target[1], 0.25, 4.0)
+            self.idle += 1
+            return
+        source = decision.source
+        t.overhead_ms = _ema(t.overhead_ms, overhead)
+        t.verify_ratio = _ema(t.verify_ratio, verify_ms / target[min(drafted, K_MAX) + 1], 0.25, 4.0)
+        cost = self.costs.proposers[source]
+        predicted = cost.per_proposal_ms + decision.k * cost.per_token_ms
+        ratio = t.draft_ratio.get(source)
+        offer = next((o for o in self._offers if o.source == source), None)
+        if offer is not None and offer.catch_up:
+            # It first fed the tokens committed without it: that extra is what switching back costs.
+            t.catch_up_ms[source] = _ema(t.catch_up_ms.get(source), draft_ms - predicted * (ratio or 1.0))
+        elif predicted > 0:
+            t.draft_ratio[source] = _ema(ratio, draft_ms / predicted, 0.25, 4.0)
+        stats = self._stats(offer.key if offer is not None else source)
+        expected_full = stats.pooled() ** drafted  # the estimate's chance of this probe being accepted in full
+        exploring = stats.tried < EXPLORE  # first tries of a proposer: no verdict to confirm yet
+        stats.update(drafted, accepted)
+        if decision.reason == "probe" and not exploring:
+            # Speculation pays now, or the probe was news (accepted in full against the odds): probe
+            # again soon. Otherwise the verdict stands: probe half as often.
+            standard_rate = 1.0 / self.standard_ms()
+            pays = any(o.max_tokens > 0 and self._best(o, K_MAX)[1] > standard_rate for o in self._offers)
+            news = drafted > 0 and accepted == drafted and expected_full < SURPRISE
+            self.probe_every = PROBE_MIN if pays or news else min(2 * self.probe_every, PROBE_MAX)
+        self.idle = 0
+
+    def finish(self) -> None:
+        for key, stats in self.acceptance.items():
+            self.memory.acceptance[(key, self.temperature)] = stats.copy()
+        self.memory.timing = self.timing.copy()
+        self.memory.probe_every[self.temperature] = self.probe_every

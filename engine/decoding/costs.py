@@ -1,0 +1,111 @@
+"""What decoding costs on this machine, measured at load: every verify width as the loop runs it, each proposer's own cost.
+
+The target side is timed through the loop's own round (Generation._launch / _collect) with drafts
+that cost nothing, so a width's figure is what a step of the loop spends verifying: the forward,
+the acceptance math and the outcome's copy to the host, timed like Step.verify_ms (CUDA events on
+a GPU, the host clock on a CPU). Proposers are timed through their own propose() (proposers.py);
+a draft head's runner times itself when it is attached (ModelInfo.head_ms).
+"""
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from collections.abc import Iterable
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.decoding.proposers import Offer, Proposal, ProposerSet, measure_proposer
+from engine.limits import K_MAX
+from engine.types import Decision, GenerationRequest, ProposerCost
+
+if TYPE_CHECKING:
+    from engine.decoding.loop import Engine
+
+log = logging.getLogger(__name__)
+
+
+class _CannedDrafts:
+    """A proposer whose drafts cost nothing (fixed random tokens): the round then times the verify alone."""
+
+    def __init__(self, vocab: int, device: torch.device) -> None:
+        self.tokens = torch.randint(1, max(vocab, 2), (K_MAX,), device=device)  # [K_MAX]
+
+    def start(self, prompt: list[int]) -> None:
+        pass
+
+    def offer(self, k: int) -> Offer:
+        return Offer("canned", k)  # type: ignore[arg-type]  # never reaches a controller
+
+    def propose(self, k: int) -> Proposal:
+        return Proposal(tokens=self.tokens[:k], q=None, sources=("canned",) * k, forwards=0)  # type: ignore[arg-type]
+
+    def commit(self, proposal: Proposal, accepted: int, new_tokens: list[int]) -> None:
+        pass
+
+
+def measure_rounds(engine: Engine, widths: Iterable[int], iters: int, warm: bool = True) -> dict[int, list[float]]:
+    """Verify ms of `iters` rounds per width (K = width - 1 canned drafts; width 1 is a standard round)."""
+    from engine.decoding.loop import Generation
+
+    generation = Generation(engine, GenerationRequest(prompt="x", max_new_tokens=1), [1], None)
+    proposers = ProposerSet((_CannedDrafts(engine.vocab, engine.device),), engine.device)
+    proposers.offers(K_MAX)
+    generator = torch.Generator(device=engine.device).manual_seed(0)
+    target = engine.target_runner
+    saved = target.length
+    times: dict[int, list[float]] = {}
+    for width in widths:
+        decision = Decision(width - 1, "canned" if width > 1 else None, "fixed")  # type: ignore[arg-type]
+        times[width] = []
+        for i in range(iters + 1 if warm else iters):
+            result, _ = generation._collect(generation._launch(proposers, decision, 1, generator))
+            target.rollback(saved)
+            if i or not warm:
+                times[width].append(result.draft_ms + result.verify_ms)
+    return times
+
+
+def measure_costs(engine: Engine, progress=None, rounds: int = 2) -> None:
+    """Engine.measure_costs: fills ModelInfo.target_ms (every verify width 1..K_MAX+1), proposer_costs,
+    draft_ms (the draft model's per-token cost) and measure_s."""
+    if progress is not None:
+        from engine.models.store import LoadProgress
+
+        progress(LoadProgress("warmup", 0.95, "Measuring forward costs for the cost model"))
+    started = time.perf_counter()
+    widths = range(1, K_MAX + 2)  # every verify width the loop may use
+    # A repeating pattern, so that n-gram lookup finds matches as it does on real text.
+    prompt = [(7 * i) % max(engine.vocab - 1, 1) + 1 for i in range(12)] * 2
+    # A draft head reads the target's rows, so its runner measured its own cost when it was attached.
+    sources = [s for s in engine.proposer_sources() if s != "head"]
+    greedy = GenerationRequest().sampling
+
+    def proposers(iters: int, warm: bool) -> dict[str, ProposerCost]:
+        return {s: measure_proposer(engine._part(s, greedy, None), s, prompt, engine.device, iters=iters, warm=warm)
+                for s in sources}
+
+    try:
+        if engine.device.type == "cuda":
+            target = {w: statistics.median(ms) for w, ms in measure_rounds(engine, widths, 20).items()}
+            costs = proposers(5, True)
+        else:
+            # Interleaved single passes (the first only warms up: page faults, oneDNN primitives), so
+            # slow drift of the machine's speed hits every width and proposer alike.
+            passes = [(measure_rounds(engine, widths, 1, warm=False), proposers(1, False)) for _ in range(rounds + 1)][1:]
+            target = {w: statistics.median(t[w][0] for t, _ in passes) for w in widths}
+            costs = {s: ProposerCost(s, statistics.median(p[s].per_token_ms for _, p in passes),
+                                     statistics.median(p[s].per_proposal_ms for _, p in passes))
+                     for s in sources}
+    except Exception as exc:  # measuring is advice, not a reason to refuse the models
+        log.warning("could not measure forward costs: %s", exc)
+        return
+    if engine.head_runner is not None:
+        costs["head"] = ProposerCost("head", engine.info.head_ms, 0.0)
+    draft = costs["draft"].per_token_ms if "draft" in costs else 0.0
+    engine.info = replace(engine.info, draft_ms=draft, target_ms=tuple(sorted(target.items())),
+                          proposer_costs=tuple(costs.values()), measure_s=time.perf_counter() - started)
+    log.info("measured costs in %.1f s: target %s ms, proposers %s", engine.info.measure_s,
+             {w: round(ms, 2) for w, ms in target.items()}, costs)

@@ -1,0 +1,94 @@
+"""The draft-head proposer: drafts from the target's own hidden states, one cheap layer per token.
+
+Every round first catches the head up on the rows the target verified since it last drafted (their
+hidden states, which each verify pass leaves in the target runner's `hidden`, copied at commit, and
+the tokens committed after them): no extra target forward. Rounds it did not draft (a standard
+round, another proposer's) add their rows to the catch-up, so K = 0 rounds cost the head nothing. The last of those rows drafts token 1; K-1 chain steps
+draft the rest. Greedy drafts never leave the device (argmax, shown probability and the next
+input are written by the step itself, inside its CUDA graph); sampled drafts draw from the
+head's processed distribution over its reduced vocabulary, mapped back to target ids, which
+keeps the acceptance rule exact (q is zero outside the draft vocabulary).
+"""
+from __future__ import annotations
+
+import torch
+
+from engine.decoding.proposers import Offer, Proposal
+from engine.decoding.sampling import draw, process
+from engine.heads.runner import HeadRunner
+from engine.runners import Runner, ids_tensor
+from engine.types import Sampling
+
+
+class HeadProposer:
+    """Proposer over a HeadRunner; reads the target runner's hidden rows after each verify."""
+
+    # It reads the target's rows of every round at commit: the loop must not queue the next round
+    # (which overwrites them) before this one is committed (ProposerSet.queue_standard).
+    reads_target = True
+
+    def __init__(self, head: HeadRunner, target: Runner, sampling: Sampling, vocab: int,
+                 generator: torch.Generator | None) -> None:
+        assert target.hidden_layers == head.config.feature_layers, "the target runner must keep the head's layers"
+        self.head = head
+        self.target = target
+        self.sampling = sampling
+        self.vocab = vocab  # the loop's vocabulary: q rows are this wide
+        self.generator = generator
+        self.device = head.device
+        self.rows: torch.Tensor | None = None  # [>= n, F] target rows the head has not read yet
+        self.next_ids: list[int] = []  # [n] the committed token after each of those rows
+
+    def start(self, prompt: list[int]) -> None:
+        self.head.reset()
+        # The loop prefilled prompt[:-1]: rows for those positions, each followed by the next prompt token.
+        # A copy: the first round (a standard one, say) writes the runner's rows before the head reads them.
+        self.rows = self.target.hidden[: len(prompt) - 1].clone() if len(prompt) > 1 else None
+        self.next_ids = prompt[1:]
+
+    def offer(self, k: int) -> Offer:
+        # Nothing to read yet (a one-token prompt): it cannot draft until a round has left rows.
+        return Offer("head", k if self.rows is not None else 0)
+
+    def propose(self, k: int) -> Proposal:
+        head = self.head
+        if self.rows is None:  # a one-token prompt: nothing to read yet, the target decodes alone
+            return self._proposal(torch.zeros(0, dtype=torch.long, device=self.device), None, None)
+        n = len(self.next_ids)
+        span = head.span(head.length + n + k)
+        head.catch_up(self.rows[:n], ids_tensor(self.next_ids, self.device), span)  # drafts token 1
+        self.rows = None
+        if k == 0:  # a standard step: the catch-up above keeps the head's cache in step
+            return self._proposal(torch.zeros(0, dtype=torch.long, device=self.device), None, None)
+        if self.sampling.greedy:
+            for _ in range(k - 1):
+                head.step(span)
+            return self._proposal(head.drafts[:k].clone(), None, head.shown[:k].clone())
+        q_rows, shown = [], []
+        for i in range(k):
+            if i:
+                head.step(span)
+            q_draft = process(head.last_logits, self.sampling)  # [Vd]
+            x = draw(q_draft.unsqueeze(0), self.generator)  # [1] draft row
+            token = head.head.d2t.index_select(0, x)  # [1] target id
+            head.token.copy_(token)  # the next chain step reads the sampled token, not the argmax
+            head.drafts[i : i + 1].copy_(token)
+            q_rows.append(torch.zeros(self.vocab, device=self.device).index_copy_(0, head.head.d2t, q_draft))
+            shown.append(q_draft.gather(0, x))
+        return self._proposal(head.drafts[:k].clone(), torch.stack(q_rows), torch.cat(shown))
+
+    def _proposal(self, tokens: torch.Tensor, q: torch.Tensor | None, shown: torch.Tensor | None) -> Proposal:
+        n = tokens.shape[0]
+        return Proposal(tokens=tokens, q=q, sources=("head",) * n, forwards=n, q_display=shown)
+
+    def commit(self, proposal: Proposal, accepted: int, new_tokens: list[int]) -> None:
+        # The verify fed [pending, drafts...]; its first len(new_tokens) rows are committed positions,
+        # each followed by the committed token at the same index. The next proposal reads them, after
+        # any rows of rounds it did not draft (copied: the next round overwrites the runner's rows).
+        rows = self.target.hidden[: len(new_tokens)]  # [n, F]
+        if self.rows is not None and self.next_ids:
+            self.rows = torch.cat([self.rows[: len(self.next_ids)], rows])
+            self.next_ids += new_tokens
+        else:
+            self.rows = rows.clone()
+            self.next_ids = list(new_tokens)

@@ -1,0 +1,7 @@
+"""Draft heads: one decoder layer fed the target's own hidden states (EAGLE-style), and their training.
+
+config.py: what a head is (shapes, fused target layers, the target it belongs to);
+model.py: its weights and maths; runner.py: its static KV cache and CUDA graphs for decoding;
+shards.py: safetensors shards with SHA-256, the manifest, finding the shipped head;
+data.py / train.py / distill.py: self-distillation from the target (`specdec-studio distill`).
+"""

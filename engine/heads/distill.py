@@ -1,0 +1,302 @@
+"""`specdec-studio distill`: data, training and export of a draft head within a time budget, resumable.
+
+The budget (minutes of the device, all calls together) is split: about a third writes data
+(rounds of Magpie questions and the target's answers), the rest trains, and a reserve at the end
+evaluates and exports. Everything lands in a work folder as it is made (data rounds, the draft
+vocabulary, checkpoints, the JSON-lines log), so a run that is interrupted, or cut by a per-call
+limit (`call_minutes`, for machines lent in slices), continues where it stopped when started
+again with the same work folder. Every call ends by exporting the head it has so far.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import torch
+
+from engine.heads import data as D
+from engine.heads.config import fingerprint
+from engine.heads.fitting import DistillError, TrainingPhase
+from engine.heads.model import DraftHead
+from engine.heads.train import TrainConfig
+from engine.types import TrainingProgress
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DistillPlan:
+    minutes: float = 17.0  # the whole budget, all calls together: data, training, evaluation, export
+    data_share: float = 0.45  # of the budget spent writing data (more answers beat more epochs)
+    reserve_s: float = 30.0  # kept at the end of each call for the last evaluation and the export
+    seed: int = 0  # every random choice (seeds, sampling, batch order, initial weights)
+    question_batch: int = 1024  # questions sampled per data round (one batched generate; answers likewise)
+    question_tokens: int = 160  # longest question
+    question_temperature: float = 1.0  # Magpie samples the user turn at T = 1
+    question_top_p: float = 0.98
+    answer_tokens: int = 320  # longest answer (the benchmarks ask for 256)
+    answer_temperature: float = 0.8  # for the sampled rounds
+    sampled_share: float = 0.4  # share of data rounds whose answers are sampled rather than greedy
+    intermediate: int = 1536  # the head's MLP width (keeps the shipped shards near 45 MB)
+    draft_vocab: int = 32768  # most frequent target ids the head can propose
+    train: TrainConfig = field(default_factory=TrainConfig)  # optimisation
+    eval_sequences: int = 48  # greedy answers held out to measure acceptance
+    eval_every_s: float = 75.0  # seconds between evaluations
+    checkpoint_every_s: float = 60.0  # seconds between checkpoints
+    log_every: int = 10  # training steps between log lines
+    max_rounds: int | None = None  # stop writing data after this many rounds (tests; None: by time)
+    max_steps: int | None = None  # stop training after this many steps, the schedule following steps (tests)
+    questions_must_end: bool = True  # keep only questions the target finished (tiny random models never do)
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+DistillProgress = TrainingProgress  # the engine-wide plain type (engine.types), so views can show it
+
+
+ProgressFn = Callable[[DistillProgress], None]
+
+
+# On a CPU a 1,024-question round or a 16k-token batch takes a very long time: everything smaller.
+CPU_PLAN = DistillPlan(question_batch=64, question_tokens=96, answer_tokens=192, eval_sequences=16,
+                       eval_every_s=600.0, checkpoint_every_s=300.0, log_every=2,
+                       train=TrainConfig(depth=4, batch_tokens=2048, max_len=320))
+
+
+class _Clock:
+    """Seconds of the budget used, all calls together (what the state file carried in, plus this call)."""
+
+    def __init__(self, spent: float, call_minutes: float | None, started: float | None = None) -> None:
+        self.started = time.perf_counter() if started is None else started
+        self.spent = spent
+        self.call_end = None if call_minutes is None else self.started + call_minutes * 60
+
+    def used(self) -> float:
+        return self.spent + time.perf_counter() - self.started
+
+    def call_left(self) -> float:
+        return float("inf") if self.call_end is None else self.call_end - time.perf_counter()
+
+
+class Distiller(TrainingPhase):
+    """One call of a distillation: resumes from `work`, runs until the budget or the call ends, exports to `out`."""
+
+    def __init__(self, target, tokenizer, *, work: Path, out: Path, plan: DistillPlan, name: str,
+                 call_minutes: float | None = None, extra_questions: list[str] = (),
+                 progress: ProgressFn | None = None, cancel: threading.Event | None = None,
+                 started: float | None = None) -> None:
+        """started: time.perf_counter() when this call began (loading the target counts against the budget)."""
+        self.target = target
+        self.tokenizer = tokenizer
+        self.work = work
+        self.out = out
+        self.plan = plan
+        self.name = name
+        self.progress = progress or (lambda p: None)
+        self.cancel = cancel or threading.Event()
+        self.device = next(target.parameters()).device
+        self.fingerprint = fingerprint(target)
+        self.refusals = D.Refusals(D.packaged_refusals())
+        for q in extra_questions:
+            hit = self.refusals.match(q)
+            if hit is not None:
+                raise DistillError(f"Refusing to train on a benchmark or test prompt: {q[:80]!r} matches {hit[:80]!r}.")
+        self.extra_questions = list(extra_questions)
+        work.mkdir(parents=True, exist_ok=True)
+        (work / "data").mkdir(exist_ok=True)
+        self.state = self._load_state()
+        self.clock = _Clock(self.state["spent_s"], call_minutes, started)
+        self.log_path = work / "train_log.jsonl"
+        self.head: DraftHead | None = None
+
+    # -- state ------------------------------------------------------------------------------------
+
+    def _load_state(self) -> dict:
+        path = self.work / "state.json"
+        fresh = {"fingerprint": self.fingerprint.to_json(), "plan": self.plan.to_json(), "spent_s": 0.0,
+                 "phase": "data", "rounds": 0, "train_started_s": None, "step": 0, "calls": 0}
+        if not path.exists():
+            return fresh
+        state = json.loads(path.read_text(encoding="utf-8"))
+        if state.get("fingerprint") != fresh["fingerprint"]:
+            raise DistillError(f"The work folder {self.work} belongs to another target; use an empty folder.")
+        if state.get("plan") != fresh["plan"]:
+            raise DistillError(f"The work folder {self.work} was started with other settings (minutes, seed, "
+                               "sizes); continue with the same ones or use an empty folder.")
+        return state
+
+    def _save_state(self) -> None:
+        self.state["spent_s"] = self.clock.used()
+        tmp = self.work / "state.json.tmp"
+        tmp.write_text(json.dumps(self.state, indent=2), encoding="utf-8")
+        os.replace(tmp, self.work / "state.json")
+
+    def _log(self, record: dict, phase: str, message: str) -> None:
+        record = {"time_s": round(self.clock.used(), 1), **record}
+        with open(self.log_path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(record, ensure_ascii=False) + "\n")
+        self._report(phase, message, record)
+
+    def _report(self, phase: str, message: str, record: dict | None = None) -> None:
+        budget = self.plan.minutes * 60
+        eta = min(budget - self.clock.used(), self.clock.call_left())
+        self.progress(DistillProgress(phase, min(self.clock.used() / budget, 1.0), max(eta, 0.0), message, record))
+
+    def _stop_at(self, budget_point: float) -> bool:
+        """True once the budget reaches `budget_point` seconds, the call is about to end, or cancel is set."""
+        return (self.cancel.is_set() or self.clock.used() >= budget_point
+                or self.clock.call_left() <= self.plan.reserve_s)
+
+    # -- the run ----------------------------------------------------------------------------------
+
+    def run(self) -> dict:
+        """Continues the distillation; returns a summary of this call (the head is exported to `out`)."""
+        self.state["calls"] += 1
+        self._log({"kind": "call", "call": self.state["calls"], "phase": self.state["phase"]}, "load",
+                   f"call {self.state['calls']}: resuming at {self.state['phase']}")
+        budget = self.plan.minutes * 60
+        if self.state["phase"] == "data":
+            self._data(budget * self.plan.data_share)
+            if not self.cancel.is_set() and self.clock.call_left() > self.plan.reserve_s:
+                self.state["phase"] = "train"
+            self._save_state()
+        summary: dict = {"phase": self.state["phase"]}
+        if self.state["phase"] in ("train", "done"):
+            summary = self._train(budget - self.plan.reserve_s)
+        self._save_state()
+        self._report("done", f"stopped at {self.state['phase']} after {self.clock.used() / 60:.1f} min of the budget")
+        return summary
+
+    # -- data -------------------------------------------------------------------------------------
+
+    def _generate_time(self, share: float = 1.0) -> float:
+        """Seconds one generate call may take: `share` of what is left of the data phase and of this call.
+
+        A slow machine then cuts a round short (shorter answers, fewer finished questions) instead
+        of eating the training's time.
+        """
+        left = min(self._data_until - self.clock.used(), self.clock.call_left() - self.plan.reserve_s - 5.0)
+        return max(share * left, 5.0)
+
+    def _rounds(self) -> list[Path]:
+        return sorted((self.work / "data").glob("round-*.pt"))
+
+    def _data(self, until: float) -> None:
+        plan = self.plan
+        self._data_until = until
+        seen = set()
+        for path in self._rounds():
+            seen.update(D.dedupe_key(r["question"]) for r in torch.load(path, weights_only=False))
+        last = 0.0  # seconds the last round took: a round is not started if it would overrun
+        while True:
+            r = self.state["rounds"]
+            if plan.max_rounds is not None and r >= plan.max_rounds:
+                break
+            if r > 0 and (self._stop_at(until - last) or self.clock.call_left() - last <= plan.reserve_s):
+                break
+            self._report("data", f"data round {r + 1}: sampling questions")
+            started = time.perf_counter()
+            rng = torch.Generator().manual_seed(plan.seed * 1000003 + r)
+            questions, stats = self._questions(r, rng, seen)
+            # Round 0 is greedy (held-out acceptance is measured on greedy answers), then by share.
+            greedy = int((r + 1) * plan.sampled_share) == int(r * plan.sampled_share)
+            self._report("data", f"data round {r + 1}: answering {len(questions)} questions "
+                                 f"({'greedy' if greedy else 'sampled'})")
+            records = self._answers(questions, greedy, rng, seed=plan.seed * 1000003 + r)
+            tmp = self.work / "data" / f".round-{r:05d}.pt.tmp"
+            torch.save(records, tmp)
+            os.replace(tmp, self.work / "data" / f"round-{r:05d}.pt")
+            self.state["rounds"] = r + 1
+            self._save_state()
+            tokens = sum(len(x["ids"]) - x["prompt_len"] for x in records)
+            last = time.perf_counter() - started
+            self._log({"kind": "data", "round": r + 1, **stats, "answers": len(records), "answer_tokens": tokens,
+                       "greedy": greedy, "seconds": round(time.perf_counter() - started, 1)},
+                      "data", f"data round {r + 1}: {len(records)} answers, {tokens} tokens")
+
+    def _questions(self, r: int, rng: torch.Generator, seen: set[str]) -> tuple[list[tuple[str, str]], dict]:
+        """(category, question) pairs for round r: sampled user turns, filtered, deduplicated, not refused."""
+        plan, tok = self.plan, self.tokenizer
+        seeds = list(D.pick_seeds(plan.question_batch, rng))
+        prompts = [tok(D.user_turn_prefix(tok, s.system), add_special_tokens=False)["input_ids"] for s in seeds]
+        order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # similar lengths batch well
+        outs = D.sample_batches(self.target, tok, [prompts[i] for i in order], max_new=plan.question_tokens,
+                              temperature=plan.question_temperature, top_p=plan.question_top_p,
+                              seed=plan.seed * 7919 + r, max_time=self._generate_time(0.3))
+        kept: list[tuple[str, str]] = []
+        counts = Counter()
+        if r == 0:
+            for q in self.extra_questions:
+                seen.add(D.dedupe_key(q))
+                kept.append(("given", q))
+        for i, (ids, ended) in zip(order, outs):
+            if not ended and plan.questions_must_end:
+                counts["unfinished"] += 1
+                continue
+            text = D.clean_question(tok.decode(ids, skip_special_tokens=True))
+            if text is None:
+                counts["rejected"] += 1
+                continue
+            if self.refusals.match(text) is not None:
+                counts["refused"] += 1
+                continue
+            key = D.dedupe_key(text)
+            if key in seen:
+                counts["duplicates"] += 1
+                continue
+            seen.add(key)
+            kept.append((seeds[i].category, text))
+        return kept, {"sampled": len(seeds), "kept": len(kept), **counts}
+
+    def _answers(self, questions: list[tuple[str, str]], greedy: bool, rng: torch.Generator, seed: int) -> list[dict]:
+        plan, tok = self.plan, self.tokenizer
+        if not questions:
+            return []
+        prompts = [D.answer_prompt(tok, q, D.pick_answer_system(rng)) for _, q in questions]
+        order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+        outs = D.sample_batches(self.target, tok, [prompts[i] for i in order], max_new=plan.answer_tokens,
+                              temperature=0.0 if greedy else plan.answer_temperature, top_p=1.0, seed=seed,
+                              max_time=self._generate_time())
+        records = []
+        for i, (ids, _) in zip(order, outs):
+            if len(ids) < 2:
+                continue
+            records.append({"question": questions[i][1], "category": questions[i][0], "greedy": greedy,
+                            "ids": torch.tensor(prompts[i] + ids, dtype=torch.int32), "prompt_len": len(prompts[i])})
+        return records
+
+def prepare(target: str | None, out: Path, *, minutes: float, work: Path | None = None,
+            call_minutes: float | None = None, device: str = "auto", dtype: str = "auto", seed: int = 0,
+            questions: list[str] = (), plan: DistillPlan | None = None, progress: ProgressFn | None = None,
+            cancel: threading.Event | None = None) -> Distiller:
+    """Loads the target (as the store loads any model) and prepares one call of its distillation.
+
+    The work folder defaults to OUT/work; preparing and running again with it continues the run.
+    Loading counts against the budget.
+    """
+    started = time.perf_counter()
+    from engine.models.store import load_pair
+
+    report = progress or (lambda p: None)
+    report(DistillProgress("load", 0.0, minutes * 60, "loading the target"))
+    pair = load_pair(target, None, device=device, dtype=dtype, with_draft=False)
+    if plan is None and pair.target.device.type == "cpu":
+        log.warning("distilling on the CPU: data and training are slow; expect a weak head in a short budget")
+        plan = CPU_PLAN  # small rounds and batches, so progress shows every few minutes at least
+    plan = replace(plan or DistillPlan(), minutes=minutes, seed=seed)
+    return Distiller(pair.target, pair.tokenizer, work=work or out / "work", out=out, plan=plan,
+                     name=f"{pair.info.target_name} head", call_minutes=call_minutes,
+                     extra_questions=list(questions), progress=progress, cancel=cancel, started=started)
+
+
+def distill(target: str | None, out: Path, **options) -> dict:
+    """`specdec-studio distill`: prepare (see there for the options) and run one call; its summary."""
+    return prepare(target, out, **options).run()

@@ -1,0 +1,326 @@
+"""The K controller: greedy output is the target's whatever K sequence is chosen; adaptive K decides from costs."""
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+
+import pytest
+
+from engine.decoding.control import PROBE_MIN, AdaptiveK, FixedK, StepCosts, TuningMemory
+from engine.decoding.proposers import Offer
+from engine.limits import K_AUTO, K_MAX
+from engine.types import Decision, GenerationRequest, ProposerCost, Sampling
+from tests.engine_fixtures import tiny_engine
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_pair):
+    return tiny_engine(*tiny_pair)
+
+
+class ScriptedK:
+    """Chooses a random K in 0..K_MAX (and a random proposer among those offering) every step."""
+
+    def __init__(self, seed: int) -> None:
+        self.rng = random.Random(seed)
+        self.chosen: list[int] = []  # every K chosen (queued rounds may ask and then wait)
+        self.ran: list[int] = []  # the K of every round that ran
+
+    def choose(self, offers: Sequence[Offer], room: int) -> Decision:
+        usable = [o for o in offers if o.max_tokens > 0]
+        k = self.rng.choice([0, 0, 1, 2, 3, 5, 8, K_MAX])
+        if not usable or k == 0:
+            self.chosen.append(0)
+            return Decision(0, None, "no_gain")
+        offer = self.rng.choice(usable)
+        k = min(k, room, offer.max_tokens)
+        self.chosen.append(k)
+        return Decision(k, offer.source, "best")
+
+    def observe(self, decision: Decision, *args) -> None:
+        self.ran.append(decision.k)
+
+    def finish(self) -> None:
+        pass
+
+
+def _generate(engine, controller=None, lookahead: bool | None = False, **kw):
+    saved = engine.make_controller, engine.lookahead
+    if controller is not None:
+        engine.make_controller = lambda request: controller
+    engine.lookahead = lookahead
+    try:
+        gen = engine.generate(GenerationRequest(**kw))
+        steps = list(gen)
+    finally:
+        engine.make_controller, engine.lookahead = saved
+    return gen, steps
+
+
+PROMPTS = ["def add(a, b):\n    return a + b\ndef add(a, b):", "hello world quick fox", "快速 排序 🙂 quick"]
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(mode="speculative", proposer="draft"),
+        dict(mode="speculative", proposer="ngram"),
+        dict(mode="speculative", proposer="draft+ngram"),
+        dict(mode="auto", proposer="draft+ngram"),
+        dict(mode="auto", proposer="draft"),
+    ],
+    ids=["draft", "ngram", "combined", "auto-routed", "auto-draft"],
+)
+@pytest.mark.parametrize("lookahead", [False, True], ids=["in-order", "queued"])
+def test_greedy_output_is_standard_whatever_k_sequence(engine, kw, lookahead):
+    """float32 greedy: random K per step, 0 included (a standard round inside the speculative loop)."""
+    ran: list[int] = []
+    for seed, prompt in enumerate(PROMPTS):
+        max_new = 20 + 7 * seed
+        std, _ = _generate(engine, prompt=prompt, mode="standard", max_new_tokens=max_new)
+        scripted = ScriptedK(seed)
+        spec, steps = _generate(engine, scripted, lookahead, prompt=prompt, max_new_tokens=max_new, **kw)
+        assert spec.token_ids == std.token_ids, f"K sequence {scripted.chosen}"
+        ran += scripted.ran
+        # The steps say what was chosen; a standard round is a standard step with one target token.
+        assert [s.decision.k for s in steps] == scripted.ran
+        for s in steps:
+            if s.decision.k == 0:
+                assert s.mode == "standard" and not s.proposed and s.tokens[-1].status == "target"
+        assert spec.summary.standard_steps == sum(1 for s in steps if s.decision.k == 0)
+    assert ran.count(0) >= 3 and sum(k > 0 for k in ran) >= 3, ran
+
+
+def test_draft_cache_catches_up_after_standard_rounds(engine):
+    """After K = 0 rounds the draft model feeds what it missed: its next proposal equals a fresh one."""
+    prompt = "hello world quick fox"
+    ks = iter([0, 0, 0, 4, 0, 3] + [2] * 50)
+
+    class Sequence_:
+        def choose(self, offers, room):
+            k = min(next(ks), room)
+            return Decision(k, "draft", "best") if k else Decision(0, None, "no_gain")
+
+        def observe(self, *args):
+            pass
+
+        def finish(self):
+            pass
+
+    gen, steps = _generate(engine, Sequence_(), prompt=prompt, mode="speculative", proposer="draft",
+                           max_new_tokens=20)
+    std, _ = _generate(engine, prompt=prompt, mode="standard", max_new_tokens=20)
+    assert gen.token_ids == std.token_ids
+    committed = len(gen.prompt) + len(gen.token_ids)
+    assert committed - 2 <= engine.draft_runner.length <= committed - 1
+    # The first drafting step after three standard ones drafted like a draft that had seen them all.
+    fourth = steps[3]
+    assert fourth.decision.k == 4 and fourth.accepted >= 1  # noise 0.02: the draft agrees when in sync
+
+
+@pytest.mark.parametrize("mode, k", [("speculative", K_AUTO), ("auto", 5)])
+def test_adaptive_k_is_lossless_and_reports_its_decisions(engine, mode, k):
+    for seed, prompt in enumerate(PROMPTS):
+        std, _ = _generate(engine, prompt=prompt, mode="standard", max_new_tokens=30)
+        gen, steps = _generate(engine, prompt=prompt, mode=mode, k=k, proposer="draft+ngram", max_new_tokens=30)
+        assert gen.token_ids == std.token_ids
+        assert all(s.decision is not None and s.decision.reason in ("best", "no_gain", "probe", "no_match")
+                   for s in steps)
+        assert all(0 <= s.decision.k <= K_MAX for s in steps)
+        s = gen.summary
+        assert s.mode == mode and s.decision == steps[-1].decision
+        assert abs(s.k_mean - sum(x.decision.k for x in steps) / len(steps)) < 1e-9
+
+
+def test_adaptive_k_samples_and_keeps_what_it_learned(engine):
+    engine.tuning = TuningMemory()
+    gen, steps = _generate(engine, prompt="def add(a, b):", mode="auto", proposer="draft",
+                           sampling=Sampling(temperature=0.8, seed=2), max_new_tokens=40)
+    assert gen.summary.new_tokens == 40 or gen.summary.stop_reason == "eos"
+    assert ("draft", 0.8) in engine.tuning.acceptance  # the next answer at T=0.8 starts from it
+    assert engine.tuning.timing.standard_overhead_ms is not None or engine.tuning.timing.overhead_ms is not None
+
+
+def test_time_split_adds_up(engine):
+    gen, steps = _generate(engine, prompt="hello world", mode="speculative", k=3, max_new_tokens=24)
+    s = gen.summary
+    assert s.prefill_s > 0 and s.draft_s > 0 and s.verify_s > 0 and s.overhead_s >= 0
+    assert abs(s.prefill_s + s.draft_s + s.verify_s + s.overhead_s - s.seconds) < 1e-6 or s.overhead_s == 0
+    assert all(x.overhead_ms >= 0 for x in steps)
+    assert abs(s.draft_s - sum(x.draft_ms for x in steps) / 1000) < 1e-9
+
+
+# --------------------------------------------------------------------------- the decision, on synthetic costs
+
+def _costs(draft_ms: float, target_1: float = 10.0, slope: float = 0.5, ngram_ms: float = 0.01) -> StepCosts:
+    target = (0.0, *(target_1 + slope * (w - 1) for w in range(1, K_MAX + 2)))
+    return StepCosts(target, {"draft": ProposerCost("draft", draft_ms, 0.0),
+                              "ngram": ProposerCost("ngram", 0.0, ngram_ms)})
+
+
+def _feed(controller: AdaptiveK, offers, rate: float, steps: int, rng: random.Random, wall_extra: float = 0.0):
+    """Runs the controller against a simulated draft accepting each token with probability `rate`."""
+    chosen = []
+    for _ in range(steps):
+        d = controller.choose(offers, 1000)
+        chosen.append(d)
+        if d.k == 0:
+            controller.observe(d, 0, 0, 0.0, controller.costs.target_ms[1], controller.costs.target_ms[1] + wall_extra)
+            continue
+        accepted = 0
+        while accepted < d.k and rng.random() < rate:
+            accepted += 1
+        cost = controller.costs.proposers[d.source]
+        draft_ms = cost.per_proposal_ms + d.k * cost.per_token_ms
+        verify_ms = controller.costs.target_ms[d.k + 1]
+        controller.observe(d, d.k, accepted, draft_ms, verify_ms, draft_ms + verify_ms + wall_extra)
+    return chosen
+
+
+DRAFT = (Offer("draft", K_MAX),)
+
+
+def test_cheap_draft_and_high_acceptance_draft_long():
+    c = AdaptiveK(_costs(draft_ms=1.0))
+    chosen = _feed(c, DRAFT, 0.9, 60, random.Random(0))
+    late = [d.k for d in chosen[-20:]]
+    assert min(late) >= 4 and all(d.reason == "best" for d in chosen[-20:])
+    assert chosen[-1].predicted_speedup > 1.5
+
+
+def test_expensive_draft_at_low_acceptance_goes_standard_and_probes_less_and_less():
+    c = AdaptiveK(_costs(draft_ms=7.0))
+    chosen = _feed(c, DRAFT, 0.4, 400, random.Random(1))
+    late = chosen[50:]
+    standard = [d for d in late if d.k == 0]
+    assert len(standard) > 0.95 * len(late)
+    assert all(d.reason == "no_gain" and d.best_speedup < 1.0 for d in standard)
+    # The first probes explore (one after the other); then probes come after standard stretches.
+    probes = [i for i, d in enumerate(chosen) if d.reason == "probe" and chosen[i - 1].k == 0]
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert chosen[0].reason == "probe" and len(probes) >= 3
+    assert gaps[-1] > gaps[0] >= PROBE_MIN
+
+
+def test_k_follows_the_text_within_one_answer():
+    """A code block (acceptance 0.95) then prose (0.3): K drops within ~20 steps."""
+    c = AdaptiveK(_costs(draft_ms=2.0))
+    rng = random.Random(2)
+    code = _feed(c, DRAFT, 0.95, 40, rng)
+    prose = _feed(c, DRAFT, 0.3, 40, rng)
+    assert code[-1].k >= 5
+    assert max(d.k for d in prose[-10:]) <= 2
+
+
+def test_standard_then_a_pay_off_returns_to_drafting():
+    """Acceptance rises after a standard stretch: a probe finds it and drafting resumes."""
+    c = AdaptiveK(_costs(draft_ms=5.0))
+    rng = random.Random(3)
+    _feed(c, DRAFT, 0.2, 100, rng)
+    later = _feed(c, DRAFT, 0.98, 300, rng)
+    assert sum(d.k > 0 for d in later[-50:]) > 45
+
+
+def test_nearly_free_ngram_is_preferred_when_it_matches_and_skipped_when_it_does_not():
+    c = AdaptiveK(_costs(draft_ms=6.0))
+    both = (Offer("ngram", 6, key="ngram:3"), Offer("draft", K_MAX))
+    chosen = _feed(c, both, 0.8, 60, random.Random(4))
+    assert chosen[-1].source == "ngram" and chosen[-1].k >= 4
+    nothing = (Offer("ngram", 0, key="ngram:0"),)
+    assert c.choose(nothing, 100).reason == "no_match"
+
+
+def test_measured_overhead_enters_the_decision():
+    """A per-step overhead (here 3 ms) makes long drafts relatively cheaper, so K grows."""
+    rng = random.Random(5)
+    plain, slow = AdaptiveK(_costs(draft_ms=3.0)), AdaptiveK(_costs(draft_ms=3.0))
+    k_plain = [d.k for d in _feed(plain, DRAFT, 0.7, 80, rng)][-30:]
+    k_slow = [d.k for d in _feed(slow, DRAFT, 0.7, 80, rng, wall_extra=8.0)][-30:]
+    assert slow.timing.overhead_ms == pytest.approx(8.0, rel=0.05)
+    assert sum(k_slow) > sum(k_plain)
+
+
+def test_memory_carries_to_the_next_generation():
+    memory = TuningMemory()
+    first = AdaptiveK(_costs(draft_ms=7.0), memory)
+    _feed(first, DRAFT, 0.3, 100, random.Random(6))
+    first.finish()
+    second = AdaptiveK(_costs(draft_ms=7.0), memory)
+    # It already knows the draft does not pay: no probe on its first step.
+    assert second.choose(DRAFT, 100).reason == "no_gain"
+    fresh = AdaptiveK(_costs(draft_ms=7.0), TuningMemory())
+    assert fresh.choose(DRAFT, 100).reason in ("probe", "best")
+
+
+def test_fixed_k_and_standard():
+    assert FixedK(0).choose(DRAFT, 10).k == 0
+    d = FixedK(5).choose(DRAFT, 3)
+    assert (d.k, d.source, d.reason) == (3, "draft", "fixed")
+
+
+# --------------------------------------------------------------------------- CUDA only
+
+@pytest.mark.gpu
+def test_cuda_graphs_any_k_sequence_is_lossless_and_launches_never_sync(tiny_pair, monkeypatch):
+    """On CUDA graphs, rounds queued ahead: random K per round (0 included), K auto and auto mode all
+    give float32 greedy standard output, and no launch waits for the device."""
+    import torch
+
+    from engine.decoding import Engine, Generation
+    from engine.runners.graphs import build_runners
+
+    eager = tiny_engine(*tiny_pair)
+    target, draft = eager.target.to("cuda"), eager.draft.to("cuda")
+    t, d, name = build_runners(target, draft, max_length=512)
+    assert name == "cuda-graphs", t.fallback_reason
+    fast = Engine(target, eager.tokenizer, eager.info, draft=draft, target_runner=t, draft_runner=d)
+    launch = Generation._launch
+
+    def strict_launch(self, *args):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return launch(self, *args)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    prompt = "def add(a, b):\n    return a + b\ndef add(a, b):"
+    ref_text = "".join(s.text for s in fast.generate(GenerationRequest(prompt=prompt, mode="standard",
+                                                                        max_new_tokens=48)))
+    fast.measure_costs()
+    with monkeypatch.context() as m:
+        m.setattr(Generation, "_launch", strict_launch)
+        for seed, kw in enumerate((dict(mode="speculative", proposer="draft"), dict(mode="auto", proposer="draft+ngram"))):
+            gen, steps = _generate(fast, ScriptedK(seed), lookahead=None, prompt=prompt, max_new_tokens=48, **kw)
+            assert "".join(s.text for s in steps) == ref_text, kw
+        for kw in (dict(mode="speculative", k=K_AUTO), dict(mode="auto", proposer="draft+ngram")):
+            gen, steps = _generate(fast, None, lookahead=None, prompt=prompt, max_new_tokens=48, **kw)
+            assert "".join(s.text for s in steps) == ref_text, kw
+
+
+def test_sampling_with_random_k_per_round_keeps_the_targets_law(engine):
+    """K chosen before each round (0 included) from the past only: the first two tokens still follow
+    the target's processed law (chi-square against the exact law from the target's logits)."""
+    import torch
+    from scipy import stats as scipy_stats
+
+    from engine.decoding.sampling import process
+
+    sampling = dict(temperature=1.2, top_k=4)
+    prompt = "hello world"
+    ids = engine.encode(GenerationRequest(prompt=prompt))
+    exact: dict[tuple[int, int], float] = {}
+    with torch.inference_mode():
+        p1 = process(engine.target(torch.tensor([ids])).logits[0, -1].float(), Sampling(**sampling))
+        for t1 in torch.nonzero(p1).flatten().tolist():
+            p2 = process(engine.target(torch.tensor([ids + [t1]])).logits[0, -1].float(), Sampling(**sampling))
+            for t2 in torch.nonzero(p2).flatten().tolist():
+                exact[(t1, t2)] = p1[t1].item() * p2[t2].item()
+    trials, counts = 1500, dict.fromkeys(exact, 0)
+    for seed in range(trials):
+        gen, _ = _generate(engine, ScriptedK(seed), prompt=prompt, mode="speculative", proposer="draft",
+                           max_new_tokens=2, sampling=Sampling(seed=seed, **sampling))
+        counts[tuple(gen.token_ids)] += 1
+    keys = [k for k in exact if exact[k] * trials >= 5]
+    observed = [counts[k] for k in keys] + [trials - sum(counts[k] for k in keys)]
+    expected = [exact[k] * trials for k in keys] + [trials * (1 - sum(exact[k] for k in keys))]
+    assert scipy_stats.chisquare(observed, expected).pvalue > 1e-3

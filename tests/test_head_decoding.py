@@ -1,0 +1,236 @@
+"""Decoding with a draft head as the proposer: lossless greedy output, the sampling law, cache lengths."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from engine.errors import GenerationError
+from engine.types import GenerationRequest, Message, Sampling
+from tests.head_fixtures import head_engine
+from tests.test_decoding import check_sampling_law
+
+WORDS = ["def", "add", "quick", "fox", "快速", "排序", "🙂", "hello", "world", "(a, b)", "return", "\n"]
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_head):
+    return head_engine(tiny_head.target, tiny_head.head)
+
+
+def _messages(seed: int) -> tuple[Message, ...]:
+    rng = random.Random(seed)
+    return (Message("user", " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 10)))),)
+
+
+def _run(engine, **kw):
+    gen = engine.generate(GenerationRequest(**kw))
+    steps = list(gen)
+    return gen, steps
+
+
+@pytest.mark.parametrize("k", range(1, 13))
+def test_greedy_with_the_head_equals_standard(engine, k):
+    accepted = 0
+    for seed in range(5):
+        messages = _messages(seed * 13 + k)
+        max_new = 5 + (seed * 7 + k) % 29  # cuts land mid-draft for most K
+        std, _ = _run(engine, messages=messages, mode="standard", max_new_tokens=max_new)
+        spec, steps = _run(engine, messages=messages, mode="speculative", proposer="head", k=k, max_new_tokens=max_new)
+        assert spec.token_ids == std.token_ids, f"K={k} messages={messages!r}"
+        assert spec.summary.text == std.summary.text
+        assert all(t.source == "head" for s in steps for t in s.tokens if t.draft_pos is not None)
+        accepted += spec.summary.accepted
+    assert accepted > 0, "the trained head never had a draft accepted: the test would not exercise acceptance"
+
+
+def test_max_new_tokens_inside_an_accepted_draft(engine):
+    cut = 0
+    saved = engine.eos_ids
+    engine.eos_ids = set()  # only max_new_tokens ends these generations
+    try:
+        for seed in range(12):
+            messages = _messages(200 + seed)
+            for max_new in (3, 7, 11):
+                std, _ = _run(engine, messages=messages, mode="standard", max_new_tokens=max_new)
+                spec, steps = _run(engine, messages=messages, mode="speculative", proposer="head", k=6,
+                                   max_new_tokens=max_new)
+                assert spec.token_ids == std.token_ids and len(spec.token_ids) == max_new
+                cut += steps[-1].added is None  # the draft ran past max_new_tokens: tail and target's token dropped
+    finally:
+        engine.eos_ids = saved
+    assert cut > 0, "no case cut the generation inside an accepted draft"
+
+
+def test_eos_inside_a_draft_stops_both_modes_at_the_same_token(engine):
+    """EOS set to a token the head drafted and the target accepted mid-draft: both modes stop there."""
+    hits = 0
+    saved = engine.eos_ids
+    try:
+        for seed in range(10):
+            messages = _messages(100 + seed)
+            engine.eos_ids = set()
+            for k in (3, 8, 12):
+                free, steps = _run(engine, messages=messages, mode="speculative", proposer="head", k=k,
+                                   max_new_tokens=24)
+                # An accepted draft token that is not its step's last committed token, first of its id.
+                done, candidate = 0, None
+                for step in steps:
+                    for i in range(step.accepted if step.added is not None else 0):
+                        token = free.token_ids[done + i]
+                        if candidate is None and token not in free.token_ids[: done + i]:
+                            candidate = token
+                    done += step.new_tokens
+                if candidate is None:
+                    continue
+                engine.eos_ids = {candidate}
+                std, _ = _run(engine, messages=messages, mode="standard", max_new_tokens=24)
+                spec, spec_steps = _run(engine, messages=messages, mode="speculative", proposer="head", k=k,
+                                        max_new_tokens=24)
+                engine.eos_ids = set()
+                assert spec.token_ids == std.token_ids
+                assert spec.summary.stop_reason == std.summary.stop_reason == "eos"
+                hits += spec_steps[-1].added is None  # EOS accepted inside a draft: the rest is dropped
+    finally:
+        engine.eos_ids = saved
+    assert hits > 0, "no case exercised EOS inside an accepted draft"
+
+
+def test_head_cache_holds_exactly_the_committed_prefix_after_every_step(engine):
+    head = engine.head_runner
+    for k in (1, 4, 9):
+        gen = engine.generate(GenerationRequest(messages=_messages(k), mode="speculative", proposer="head", k=k,
+                                                max_new_tokens=40))
+        for step in gen:
+            committed = len(gen.prompt) + step.total_tokens
+            assert engine.target_runner.length == committed - 1
+            # The head reads the last verify's committed rows at the start of the next round.
+            assert head.length + step.new_tokens == engine.target_runner.length
+        # Rolled back and caught up, the head's cache is as good as a fresh one over the same rows.
+        ids = gen.prompt + gen.token_ids
+        rows = step.new_tokens  # the last verify's committed rows, not yet read by the head
+        target = engine.target_runner
+        with torch.inference_mode():
+            target.rollback(len(ids) - 1 - rows)
+            target.forward(torch.tensor(ids[len(ids) - 1 - rows : -1]))
+            head.catch_up(target.hidden, torch.tensor(ids[-rows:]), head.span(len(ids)))
+            assert head.length == len(ids) - 1
+            cached = head.last_logits.clone()
+            target.reset()
+            target.prefill(torch.tensor(ids[:-1]))
+            head.reset()
+            head.catch_up(target.hidden, torch.tensor(ids[1:]), head.span(len(ids)))
+        torch.testing.assert_close(cached, head.last_logits, atol=1e-4, rtol=1e-4)
+
+
+def test_sampling_with_the_head_matches_the_targets_processed_distribution(engine):
+    """Chi-square of the first two sampled tokens against the target's exact processed law."""
+    check_sampling_law(engine, "", proposer="head", messages=(Message("user", "hello world"),), trials=1500)
+
+
+def test_sampled_drafts_come_from_the_draft_vocabulary(engine):
+    gen, steps = _run(engine, messages=_messages(3), mode="speculative", proposer="head", k=4, max_new_tokens=30,
+                      sampling=Sampling(temperature=0.8, seed=2))
+    vocab = set(engine.head_runner.head.d2t.tolist())
+    proposed = [t for s in steps for t in s.proposed]
+    assert proposed and set(proposed) <= vocab
+    assert all(0 < q <= 1 for s in steps for q in s.proposed_q)
+
+
+def test_proposer_head_without_a_head_is_a_clear_error(tiny_pair):
+    from tests.engine_fixtures import tiny_engine
+
+    engine = tiny_engine(*tiny_pair)
+    with pytest.raises(GenerationError, match="No draft head"):
+        engine.generate(GenerationRequest(prompt="hello", mode="speculative", proposer="head"))
+
+
+def test_standard_steps_inside_a_head_generation_keep_it_in_step(engine):
+    """K = 0 rounds (a controller routing to standard decoding) still feed the head the target's rows."""
+    from engine.decoding.head import HeadProposer
+
+    messages = _messages(7)
+    std, _ = _run(engine, messages=messages, mode="standard", max_new_tokens=20)
+    gen = engine.generate(GenerationRequest(messages=messages, mode="speculative", proposer="head", k=3,
+                                            max_new_tokens=20))
+    ks = iter([3, 0, 2, 0, 0, 4] * 10)
+    original = HeadProposer.propose
+    try:
+        HeadProposer.propose = lambda self, k: original(self, min(k, next(ks)))
+        list(gen)
+    finally:
+        HeadProposer.propose = original
+    assert gen.token_ids == std.token_ids
+
+
+def test_cli_generates_with_a_head_and_refuses_one_for_another_target(tiny_head, tiny_pair, capsys):
+    import json
+
+    from app.cli import main
+
+    code = main(["generate", "--prompt", "hello world", "--target", str(tiny_head.target), "--head",
+                 str(tiny_head.head), "--proposer", "head", "--k", "4", "--max-new-tokens", "24", "--device", "cpu",
+                 "--json"])
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    result = json.loads(out.out)
+    assert result["summary"]["accepted"] > 0 and result["config"]["proposer"] == "head"
+    code = main(["generate", "--prompt", "x", "--target", str(tiny_pair[0]), "--head", str(tiny_head.head),
+                 "--proposer", "head", "--device", "cpu"])
+    err = capsys.readouterr().err
+    assert code == 2 and "was trained for a target with layer count" in err and len(err.strip().splitlines()) == 1
+
+
+def test_cli_distill_writes_a_head_and_a_log(tiny_head, tmp_path, monkeypatch, capsys):
+    import json
+
+    import engine.heads.distill as distill_module
+    from app.cli import main
+    from tests.head_fixtures import quick_plan
+
+    monkeypatch.setattr(distill_module, "CPU_PLAN", quick_plan(max_rounds=1, max_steps=12))
+    code = main(["distill", "--target", str(tiny_head.target), "--out", str(tmp_path / "head"), "--minutes", "30",
+                 "--device", "cpu", "--dtype", "float32"])
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    summary = json.loads(out.out)
+    assert summary["finished"] and summary["steps"] == 12
+    assert (tmp_path / "head" / "manifest.json").exists() and (tmp_path / "head" / "train_log.jsonl").exists()
+    assert (tmp_path / "head" / "work" / "state.json").exists()
+
+
+@pytest.mark.parametrize("lookahead", [False, True], ids=["in-order", "queued"])
+def test_any_k_sequence_and_auto_mode_with_the_head_are_lossless(engine, lookahead):
+    """The K controller's rounds, 0 included, with the head: rows of rounds it did not draft are
+    caught up later (no standard round is queued ahead of the head's commit); auto mode too."""
+    from tests.test_control import ScriptedK
+
+    drafted = 0
+    for seed in range(4):
+        messages = _messages(40 + seed)
+        std, _ = _run(engine, messages=messages, mode="standard", max_new_tokens=30)
+        scripted = ScriptedK(seed)
+        sets = []
+        make = engine.make_proposers
+        engine.make_proposers = lambda request, generator: sets.append(make(request, generator)) or sets[-1]
+        try:
+            gen = engine.generate(GenerationRequest(messages=messages, mode="speculative", proposer="head",
+                                                    max_new_tokens=30))
+            saved, engine.make_controller, engine.lookahead = engine.make_controller, lambda r: scripted, lookahead
+            steps = []
+            for step in gen:
+                steps.append(step)
+                # Every committed position is in the head's cache or waiting in its catch-up (with
+                # lookahead the next round has already run by now, so only in order).
+                head = sets[-1].parts[0]
+                if not lookahead:
+                    assert engine.head_runner.length + len(head.next_ids) == engine.target_runner.length
+        finally:
+            engine.make_proposers, engine.make_controller, engine.lookahead = make, saved, None
+        assert gen.token_ids == std.token_ids, scripted.ran
+        assert 0 in scripted.ran
+        drafted += sum(s.accepted for s in steps)
+        auto, _ = _run(engine, messages=messages, mode="auto", proposer="head", max_new_tokens=30)
+        assert auto.token_ids == std.token_ids
+    assert drafted > 0, "no head draft was accepted: the test would not exercise the catch-up"

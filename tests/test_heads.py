@@ -1,0 +1,189 @@
+"""Draft heads: training improves them, what is trained is what runs, shards are checked, heads fit one target."""
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+
+import pytest
+import torch
+
+from engine.errors import IncompatibleModelsError, ModelLoadError
+from engine.heads import data as D
+from engine.heads.config import feature_layers, fingerprint
+from engine.heads.distill import DistillError
+from engine.heads.runner import HeadRunner
+from engine.heads.shards import SHARD_BYTES, head_for, load_head, open_head, read_manifest
+from engine.heads.train import Teacher, unrolled_states
+from tests.head_fixtures import distiller, load_target, quick_plan
+
+
+def _log(folder) -> list[dict]:
+    return [json.loads(line) for line in (folder / "train_log.jsonl").read_text(encoding="utf-8").splitlines()]
+
+
+def test_training_lowers_the_loss_and_raises_acceptance(tiny_head):
+    log = _log(tiny_head.head)
+    train = [r for r in log if r["kind"] == "train"]
+    evals = [r for r in log if r["kind"] == "eval"]
+    assert train[-1]["loss"] < 0.8 * train[0]["loss"], (train[0]["loss"], train[-1]["loss"])
+    assert train[-1]["acc"][0] > train[0]["acc"][0] + 0.2
+    before, after = evals[0]["acceptance"], evals[-1]["acceptance"]
+    assert evals[0]["step"] == 0 and evals[-1]["step"] == 150
+    assert after[0] > before[0] + 0.25, (before, after)  # the first draft token: chance level -> about half
+    assert tiny_head.summary["finished"] and tiny_head.summary["held_out_acceptance"] == after
+
+
+def test_the_trained_maths_is_the_decoding_maths(tiny_head):
+    """Unrolled training states (teacher-forced tokens) == the runner's catch-up and chain steps."""
+    target, _ = load_target(tiny_head.target)
+    head = load_head(read_manifest(tiny_head.head), torch.device("cpu"), torch.float32).bind(target)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 300, (1, 40), generator=g)
+    teacher = Teacher(target, head.config.feature_layers)
+    features, _ = teacher(ids, torch.tensor([40]))
+    teacher.close()
+    cos, sin = head.rope_tables(64, torch.device("cpu"), torch.float32)
+    states = list(unrolled_states(head, features, ids, 4, cos, sin))
+    runner = HeadRunner(head, max_length=128, k_max=8)
+    m = 25
+    runner.catch_up(features[0, :m], ids[0, 1 : m + 1], 128)
+    for s in range(4):
+        if s:
+            runner.token.copy_(ids[0, m + s : m + s + 1])  # teacher forcing, as in training
+            runner.step(128)
+        torch.testing.assert_close(runner.last_logits, head.logits(states[s][0, m - 1]).float(), atol=1e-4, rtol=1e-4)
+
+
+def test_the_verify_pass_leaves_the_features_training_reads(tiny_head):
+    from engine.runners import EagerRunner
+
+    target, _ = load_target(tiny_head.target)
+    layers = feature_layers(target.config.num_hidden_layers)
+    ids = torch.arange(5, 25)
+    runner = EagerRunner(target)
+    runner.keep_hidden(layers)
+    runner.prefill(ids[:12])
+    prefilled = runner.hidden
+    runner.forward(ids[12:])
+    teacher = Teacher(target, layers)
+    features, _ = teacher(ids[None], torch.tensor([20]))
+    teacher.close()
+    torch.testing.assert_close(torch.cat([prefilled, runner.hidden]), features[0])
+
+
+def test_shards_are_small_and_checked_by_sha256(tiny_head, tmp_path):
+    files = read_manifest(tiny_head.head)
+    assert all(s["bytes"] <= SHARD_BYTES for s in files.manifest["shards"])
+    copy = tmp_path / "head"
+    shutil.copytree(tiny_head.head, copy)
+    shard = copy / files.manifest["shards"][0]["file"]
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    with pytest.raises(ModelLoadError, match="damaged"):
+        load_head(read_manifest(copy), torch.device("cpu"), torch.float32)
+
+
+def test_a_head_for_another_target_is_refused(tiny_head, tiny_pair):
+    other, _ = load_target(tiny_pair[0])
+    with pytest.raises(IncompatibleModelsError, match="layer count"):
+        open_head(tiny_head.head, other)
+    assert head_for(other, [tiny_head.head]) is None
+    same, _ = load_target(tiny_head.target)
+    assert head_for(same, [tiny_head.head]) is not None
+
+
+def test_a_fine_tune_of_the_same_shape_is_refused(tiny_head):
+    target, _ = load_target(tiny_head.target)
+    with torch.no_grad():
+        target.model.norm.weight.mul_(1.5)  # another fine-tune: same config, other weights
+    with pytest.raises(IncompatibleModelsError, match="another model of the same shape"):
+        open_head(tiny_head.head, target)
+
+
+def test_fingerprint_ignores_dtype_and_version_fields(tiny_head):
+    a, _ = load_target(tiny_head.target, torch.float32)
+    b, _ = load_target(tiny_head.target, torch.bfloat16)
+    b.config.transformers_version = "0.0.0"
+    fa, fb = fingerprint(a), fingerprint(b)
+    assert fa.config_sha256 == fb.config_sha256
+    open_head(tiny_head.head, b)  # bf16 rounding of the probe is tolerated
+
+
+def test_benchmark_and_test_prompts_are_refused():
+    refusals = D.Refusals(D.packaged_refusals())
+    bench = [json.loads(line)["prompt"] for line in open("assets/bench_prompts.jsonl", encoding="utf-8")]
+    edit = [json.loads(line)["prompt"] for line in open("assets/edit_prompts.jsonl", encoding="utf-8")]
+    for prompt in bench + edit:
+        assert refusals.match(prompt) is not None
+        assert refusals.match("  " + prompt.upper() + " Please answer briefly.") is not None
+    assert refusals.match("用一句话解释什么是快速排序") is not None  # the real-pair test's prompt, punctuation aside
+    assert refusals.match("Write a haiku about autumn leaves falling in Kyoto.") is None
+    assert refusals.match("How do I reverse a linked list in C?") is None
+
+
+def test_distill_refuses_given_benchmark_prompts(tiny_head, tmp_path):
+    with pytest.raises(DistillError, match="Refusing"):
+        distiller(tiny_head.target, tmp_path / "out", tmp_path / "work",
+                  extra_questions=["What is the capital of Australia?"])
+
+
+def test_magpie_prefix_ends_where_the_user_writes(tiny_head):
+    _, tok = load_target(tiny_head.target)
+    prefix = D.user_turn_prefix(tok, "Users ask about code.")
+    assert prefix.endswith("<|im_start|>user\n") and "Users ask about code." in prefix
+
+
+def test_distillation_resumes_where_it_stopped(tiny_head, tmp_path):
+    """Cancelled mid-training, run again: data rounds are not redone and training continues to its end."""
+    plan = quick_plan(max_rounds=2, max_steps=30, checkpoint_every_s=0.0)
+    cancel = threading.Event()
+    seen = []
+
+    def progress(p):
+        if p.record and p.record.get("kind") == "train":
+            seen.append(p.record["step"])
+            if p.record["step"] >= 10:
+                cancel.set()
+
+    first = distiller(tiny_head.target, tmp_path / "out", tmp_path / "work", plan, progress=progress,
+                      cancel=cancel).run()
+    assert not first["finished"] and 10 <= first["steps"] < 30
+    assert (tmp_path / "out" / "manifest.json").exists()  # every call leaves a usable head
+    second = distiller(tiny_head.target, tmp_path / "out", tmp_path / "work", plan).run()
+    assert second["finished"] and second["steps"] == 30 and second["data_rounds"] == 2 and second["calls"] == 2
+    log = _log(tmp_path / "work")
+    assert [r["round"] for r in log if r["kind"] == "data"] == [1, 2]
+    steps = [r["step"] for r in log if r["kind"] == "train"]
+    assert steps == sorted(steps) and steps[-1] == 30
+    with pytest.raises(DistillError, match="other settings"):
+        distiller(tiny_head.target, tmp_path / "out", tmp_path / "work", quick_plan(max_rounds=3)).run()
+
+
+@pytest.mark.gpu
+def test_head_graphs_draft_what_the_eager_head_drafts(tiny_head):
+    """On CUDA: the captured catch-up and chain steps reproduce the eager ones (same buffers, positions)."""
+    target, _ = load_target(tiny_head.target)
+    target = target.to("cuda")
+    head = load_head(read_manifest(tiny_head.head), torch.device("cuda"), torch.float32).bind(target)
+    graphs = HeadRunner(head, max_length=1024, k_max=6)
+    graphs.warmup()
+    assert graphs.graphs, "no graph was captured"
+    eager = HeadRunner(head, max_length=1024, k_max=6, use_graphs=False)
+    g = torch.Generator().manual_seed(1)
+    features = torch.randn(40, head.config.features, generator=g).cuda()
+    ids = torch.randint(0, 300, (40,), generator=g).cuda()
+    for runner in (graphs, eager):
+        runner.reset()
+        runner.catch_up(features[:30], ids[:30], runner.span(40))
+        for width in (3, 1, 5):  # verify widths after a round: graphs for each
+            start = runner.length
+            runner.catch_up(features[start : start + width], ids[start : start + width], runner.span(60))
+            for _ in range(4):
+                runner.step(runner.span(60))
+    torch.cuda.synchronize()
+    assert graphs.length == eager.length == 39
+    assert torch.equal(graphs.drafts[:5], eager.drafts[:5])
+    torch.testing.assert_close(graphs.last_logits, eager.last_logits)
+    torch.testing.assert_close(graphs.k_cache[:, :, :43], eager.k_cache[:, :, :43])

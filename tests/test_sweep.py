@@ -1,0 +1,253 @@
+"""The experiment core, the sweep (rows, prediction, CSV, CLI) and the Tune tab through the real worker."""
+from __future__ import annotations
+
+import csv
+import json
+import math
+
+import pytest
+
+from engine.errors import InputError
+from engine.limits import K_AUTO
+from engine.measure import experiment as ex
+from engine.measure import sweep as sw
+from engine.types import ModelInfo, ProposerCost, Step
+
+# --------------------------------------------------------------------------- the experiment core
+
+
+def test_schedule_warms_nothing_itself_and_rotates_the_order():
+    prompts = [ex.BenchPrompt(f"p{i}", "c", "x") for i in range(3)]
+    tasks = ex.schedule(prompts, ["a", "b", "c"], repeats=2)
+    assert [(t.prompt.id, t.label) for t in tasks[:6]] == [
+        ("p0", "a"), ("p0", "b"), ("p0", "c"), ("p1", "b"), ("p1", "c"), ("p1", "a")]
+    assert [t.repeat for t in tasks] == [0] * 9 + [1] * 9
+    firsts = [tasks[i].label for i in range(0, 18, 3)]
+    assert set(firsts) == {"a", "b", "c"}  # every configuration runs first on some prompt
+
+
+def test_run_tasks_warms_each_prompt_once_per_repeat():
+    prompts = [ex.BenchPrompt("p0", "c", "x"), ex.BenchPrompt("p1", "c", "y")]
+    warmed: list[str] = []
+
+    def run(task: ex.Task) -> ex.RunRecord:
+        return ex.RunRecord(task.prompt.id, "c", task.label, 1, 1.0, 1.0, 1, 0, 0, 0, "", (1,), repeat=task.repeat)
+
+    records = ex.run_tasks(ex.schedule(prompts, ["a", "b"], 2), run, warm=lambda p: warmed.append(p.id))
+    assert warmed == ["p0", "p1", "p0", "p1"] and len(records) == 8
+
+
+def test_first_difference_and_prompts():
+    assert ex.first_difference([1, 2, 3], [1, 2, 3]) is None
+    assert ex.first_difference([1, 2, 3], [1, 5, 3]) == 1
+    assert ex.first_difference([1, 2], [1, 2, 3]) == 2
+    assert math.isnan(ex.speedup(0.0, 5.0)) and ex.speedup(2.0, 5.0) == 2.5
+    assert len(ex.packaged_prompts()) == 20
+    with pytest.raises(InputError, match="src:2"):
+        ex.parse_prompts(['{"prompt": "a"}', "not json"], "src")
+    with pytest.raises(InputError, match="no prompts"):
+        ex.parse_prompts(["", " "], "src")
+
+
+def _step(i: int, drafted: int, accepted: int) -> Step:
+    added = 100 + i
+    return Step(i, "speculative" if drafted else "standard", tuple(range(drafted)), (0.5,) * drafted,
+                (0.5,) * drafted, ("draft",) * drafted, accepted, added, "corrected", (), "", accepted + 1, 0,
+                0.0, 0.0, 0.0)
+
+
+def test_committed_ids_are_kept_drafts_then_the_targets_token():
+    steps = [_step(0, 3, 2), _step(1, 0, 0)]
+    assert ex.committed_ids(steps) == [0, 1, 100, 101]
+
+
+def test_record_counts_the_draft_models_catch_ups():
+    """After two standard steps the draft feeds 1 + 2 tokens first: one catch-up of width 3."""
+    from engine.measure.stats import summarize
+
+    class Done:
+        summary = summarize([], mode="auto", k=0, prompt_tokens=1, seconds=1.0, stop_reason="eos")
+
+    steps = [_step(0, 3, 3), _step(1, 2, 1), _step(2, 0, 0), _step(3, 0, 0), _step(4, 2, 0)]
+    record = ex.record_run(Done(), steps, ex.BenchPrompt("a", "c", "x"), "auto")
+    widths = record.catch_up_widths
+    assert widths[3] == 1 and sum(widths) == 1
+    assert record.drafted_steps[:4] == (2, 0, 2, 1) and record.drafted_by == (("draft", 3, 7),)
+
+
+# --------------------------------------------------------------------------- the sweep's arithmetic
+
+COSTS = ModelInfo("t", "d", "cpu", "float32", "eager", 100, draft_ms=2.0,
+                  target_ms=tuple((w, 10.0 + (w - 1)) for w in range(1, 14)),
+                  proposer_costs=(ProposerCost("draft", 2.0, 0.0), ProposerCost("ngram", 0.0, 0.1)))
+
+
+def run(label: str, prompt: str, tokens: int, seconds: float, *, drafted: int = 0, accepted: int = 0,
+        steps: int | None = None, ids: tuple[int, ...] | None = None, overhead_s: float = 0.0) -> ex.RunRecord:
+    steps = steps if steps is not None else tokens
+    lengths = [0] * 13
+    lengths[drafted] = steps
+    reached = [steps if i < drafted else 0 for i in range(12)]
+    hits = [steps if i < accepted else 0 for i in range(12)]
+    return ex.RunRecord(prompt, "code", label, tokens, seconds, tokens / seconds, steps, drafted * steps,
+                        drafted * steps, accepted * steps, "", ids or tuple(range(tokens)), overhead_s=overhead_s,
+                        position_reached=tuple(reached), position_accepted=tuple(hits), drafted_steps=tuple(lengths),
+                        drafted_by=(("draft", steps, drafted * steps),) if drafted else ())
+
+
+def test_rows_speedup_identity_and_a_prediction_that_matches_exact_costs():
+    configs = sw.plan(["draft"], [2], [0.0])
+    std, k2 = (c.label for c in configs)
+    # Standard: 30 steps of 10 ms. K=2, both drafts always accepted: 10 steps of 2*2 + 12 ms for 30 tokens.
+    records = [run(std, "a", 30, 0.30), run(k2, "a", 30, 0.16, drafted=2, accepted=2, steps=10),
+               run(std, "b", 30, 0.30), run(k2, "b", 30, 0.16, drafted=2, accepted=2, steps=10, ids=(9,) * 30)]
+    rows = sw.rows(records, configs, COSTS)
+    assert [r.label for r in rows] == ["standard", "draft K=2"]
+    r = rows[1]
+    assert r.speedup == pytest.approx(0.30 / 0.16)
+    assert r.predicted_speedup == pytest.approx(r.speedup)  # the costs are exactly the measured ones
+    assert (r.identical, r.compared) == (1, 2) and r.acceptance == 1.0 and r.tokens_per_target_forward == 3.0
+    assert sw.best(rows) is r
+    # A measured overhead per step enters both sides of the prediction.
+    slow = [run(std, "a", 30, 0.33, overhead_s=0.03), run(k2, "a", 30, 0.17, drafted=2, accepted=2, steps=10,
+                                                           overhead_s=0.01)]
+    assert sw.rows(slow, configs, COSTS)[1].predicted_speedup == pytest.approx(0.33 / 0.17)
+
+
+def test_sampled_rows_claim_no_identity_and_partial_sweeps_give_partial_rows():
+    configs = sw.plan(["draft", "ngram"], [1, 3], [0.7], auto=True)
+    assert [c.label for c in configs] == ["standard T=0.7", "draft K=1 T=0.7", "draft K=3 T=0.7", "auto draft T=0.7",
+                                          "ngram K=1 T=0.7", "ngram K=3 T=0.7", "auto ngram T=0.7"]
+    records = [run(configs[0].label, "a", 10, 1.0), run(configs[1].label, "a", 10, 0.8, drafted=1, accepted=1,
+                                                        steps=5)]
+    rows = sw.rows(records, configs, COSTS)
+    assert len(rows) == 2 and rows[1].identical is None and rows[1].compared == 0
+
+
+def test_csv_and_parsing(tmp_path):
+    configs = sw.plan(["draft"], [2, K_AUTO], [0.0])
+    records = [run(c.label, "a", 10, 1.0 if c.mode == "standard" else 0.5, drafted=0 if c.mode == "standard" else 2,
+                   accepted=1, steps=10 if c.mode == "standard" else 5) for c in configs]
+    path = tmp_path / "sweep.csv"
+    sw.write_csv(path, sw.rows(records, configs, COSTS))
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert tuple(rows[0]) == sw.CSV_COLUMNS
+    assert [(r["proposer"], r["k"]) for r in rows] == [("standard", "0"), ("draft", "2"), ("draft", "auto")]
+    assert float(rows[1]["speedup"]) == pytest.approx(2.0) and rows[1]["prediction_error"] != ""
+    assert sw.parse_list("1, 2,auto", sw.parse_k, "k") == [1, 2, K_AUTO]
+    for bad in ("1,1", "0", "13", "x", ""):
+        with pytest.raises(InputError):
+            sw.parse_list(bad, sw.parse_k, "k")
+    with pytest.raises(InputError, match="unknown proposer"):
+        sw.plan(["medusa"], [1], [0.0])
+
+
+# --------------------------------------------------------------------------- the CLI on tiny models
+
+def test_sweep_command_writes_csv_json_and_png(tiny_pair, tmp_path, capsys, monkeypatch):
+    from app.cli import main
+
+    monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path / "cache"))
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"id": "a", "category": "code", "prompt": "def add(a, b):"}\n'
+                       '{"id": "b", "category": "chat", "prompt": "Hello world!"}\n')
+    out = tmp_path / "sweep"
+    code = main(["sweep", "--prompts", str(prompts), "--k", "1,3", "--temperature", "0,0.8", "--proposer",
+                 "draft,ngram", "--auto", "--max-new-tokens", "10", "--out", str(out), "--target", str(tiny_pair[0]),
+                 "--draft", str(tiny_pair[1]), "--device", "cpu", "--dtype", "float32"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    with open(out / "sweep.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 2 * (1 + 2 * 3)  # per temperature: standard, and per proposer K=1, K=3, auto
+    for r in rows:
+        assert float(r["tokens_per_s"]) > 0 and r["runs"] == "2"
+        if r["temperature"] == "0.0":  # float32 greedy: every configuration gives the target's own output
+            assert r["identical"] == "2" and r["compared"] == "2", r
+        else:
+            assert r["identical"] == ""
+        if r["mode"] != "standard":
+            assert r["predicted_speedup"] != ""
+    assert (out / "sweep.png").stat().st_size > 10_000
+    saved = json.loads((out / "sweep.json").read_text())
+    assert len(saved["runs"]) == len(rows) * 2 and saved["config"]["target_ms"]
+    assert "<- best" in captured.out and "wrote" in captured.out
+
+
+# --------------------------------------------------------------------------- the Tune tab through the real worker
+
+@pytest.fixture
+def tuned_window(qtbot, tmp_path, tiny_pair):
+    from app.settings import AppSettings
+    from app.window import MainWindow
+    from app.worker import running_threads
+    from tests.engine_fixtures import tiny_engine
+
+    engine = tiny_engine(*tiny_pair)
+    w = MainWindow(engine_factory=lambda _req, _progress: engine, settings=AppSettings(tmp_path / "s.ini"))
+    qtbot.addWidget(w)
+    with qtbot.waitSignal(w.models_loaded, timeout=30000):
+        from engine.settings import ModelSelection
+
+        w.load_models(ModelSelection())
+    yield w
+    w.close()
+    assert not running_threads()
+
+
+def test_tune_tab_sweeps_live_highlights_the_best_and_applies_it(qtbot, tuned_window):
+    from widgets.tune_view import TunePlan
+
+    w = tuned_window
+    view, tune = w.tune_view, w.tune
+    plan = TunePlan(ks=(1, 2), temperatures=(0.0,), proposers=("draft",), auto=True, prompts=2, max_new_tokens=8,
+                    repeat=1)
+    progress: list[int] = []
+    w.worker.sweep_progress.connect(lambda done, _total, _record: progress.append(done))
+    with qtbot.waitSignal(tune.sweep_done, timeout=60000) as done:
+        assert tune.start(plan)
+        assert not w.prompt.button.isEnabled() or not w._can_chat()  # the chat waits for the sweep
+    rows = done.args[0]
+    assert [r.label for r in rows] == ["standard", "draft K=1", "draft K=2", "auto draft"]
+    assert view.table.rowCount() == 4 and view.progress.value() == view.progress.maximum() == 8
+    assert all(r.identical == r.compared == 2 for r in rows)  # float32 greedy
+    best = view.best_row_index()
+    assert best is not None and view.table.item(best, 0).font().bold()
+    assert set(view.plots.series()) == {"draft T=0"}
+    # Apply: the best configuration goes into the chat settings.
+    view.apply_button.click()
+    chosen, top = w.panel.values(), rows[best]
+    assert (chosen.mode, chosen.temperature) == (top.mode, top.temperature)
+    assert w._can_chat()
+
+
+def test_tune_tab_stops_between_runs_and_keeps_what_ran(qtbot, tuned_window):
+    from widgets.tune_view import TunePlan
+
+    w = tuned_window
+    tune = w.tune
+    plan = TunePlan(ks=(1, 2, 3, 5), temperatures=(0.0, 0.7), proposers=("draft", "ngram"), auto=True, prompts=4,
+                    max_new_tokens=16, repeat=2)
+    w.worker.sweep_progress.connect(lambda done, _total, _record: tune.stop() if done == 2 else None)
+    with qtbot.waitSignal(tune.sweep_done, timeout=60000):
+        tune.start(plan)
+    assert 2 <= len(tune.records) < 10 and "Stopped" in w.tune_view.status.text()
+    assert not tune.running and w._can_chat()
+
+
+def test_diagnoses_show_in_the_tune_tab_and_apply(qtbot, tuned_window):
+    from engine.types import SweepRow
+
+    w = tuned_window
+    rows = tuple(SweepRow("speculative", "draft", k, 0.0, 10, s, 0.7, 2.0, (0.8, 0.8), 0.3, None, None, 0, 4, k)
+                 for k, s in ((1, 1.05), (3, 1.3), (5, 1.1)))
+    from engine.settings import GenerationSettings
+
+    w.panel.set_values(GenerationSettings(mode="speculative", proposer="draft", k=5))
+    w.tune.update_evidence(sweep=rows)
+    texts = w.tune_view.diagnosis_texts()
+    assert any("K=3 measured 1.30x" in t for t in texts), texts
+    index = next(i for i, d in enumerate(w.tune.diagnoses) if d.kind == "best_k")
+    w.tune_view.action_requested.emit(index)
+    assert w.panel.values().k == 3

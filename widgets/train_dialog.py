@@ -1,0 +1,226 @@
+"""The "Train a draft head" dialog: a budget, a folder, Start/Cancel, progress with ETA, live loss and acceptance curves."""
+from __future__ import annotations
+
+import numpy as np
+import pyqtgraph as pg
+from PySide6.QtCore import Qt, QTimer, Signal
+from PySide6.QtWidgets import (
+    QDialog,
+    QDoubleSpinBox,
+    QFileDialog,
+    QFormLayout,
+    QHBoxLayout,
+    QLabel,
+    QLineEdit,
+    QProgressBar,
+    QPushButton,
+    QVBoxLayout,
+    QWidget,
+)
+
+from engine.types import TrainingProgress
+from widgets.palette import current_palette
+
+CAPACITY = 8192  # log lines kept per curve (a 20-minute GPU run writes a few hundred)
+REFRESH_MS = 100  # redraws at most 10 times a second, whatever the log rate
+
+
+class _Series:
+    """A preallocated (x, y) buffer that keeps its newest half when it fills."""
+
+    def __init__(self, capacity: int = CAPACITY) -> None:
+        self.data = np.full((capacity, 2), np.nan)
+        self.rows = 0
+
+    def append(self, x: float, y: float) -> None:
+        if self.rows == len(self.data):
+            half = len(self.data) // 2
+            self.data[:half] = self.data[half:]
+            self.rows = half
+        self.data[self.rows] = (x, y)
+        self.rows += 1
+
+    def view(self) -> tuple[np.ndarray, np.ndarray]:
+        rows = self.data[: self.rows]
+        return rows[:, 0], rows[:, 1]
+
+    def clear(self) -> None:
+        self.rows = 0
+
+
+class TrainHeadDialog(QDialog):
+    """Non-modal; emits `start_requested(minutes, folder)` and `cancel_requested()`; the app feeds it progress."""
+
+    start_requested = Signal(float, str)  # minutes of budget, output folder
+    cancel_requested = Signal()
+
+    def __init__(self, target_name: str, default_folder: str, *, on_gpu: bool, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.setWindowTitle("Train a draft head")
+        self.setObjectName("trainHeadDialog")
+        self.resize(720, 640)
+        self._running = False
+        layout = QVBoxLayout(self)
+        intro = QLabel(
+            f"A draft head is one small layer that reads {target_name}'s own hidden states and drafts "
+            "its next tokens. It is trained on questions and answers the target writes itself "
+            "(no download); benchmark prompts are never used. "
+            + ("About 15–20 minutes on this GPU." if on_gpu else
+               "On a CPU this is slow: expect a weak head unless you give it hours."), self)
+        intro.setWordWrap(True)
+        layout.addWidget(intro)
+        form = QFormLayout()
+        self.minutes = QDoubleSpinBox(self)
+        self.minutes.setRange(1.0, 24 * 60.0)
+        self.minutes.setDecimals(0)
+        self.minutes.setSuffix(" min")
+        self.minutes.setValue(18.0 if on_gpu else 60.0)
+        form.addRow("Time budget", self.minutes)
+        row = QHBoxLayout()
+        self.folder = QLineEdit(default_folder, self)
+        browse = QPushButton("Browse…", self)
+        browse.clicked.connect(self._browse)
+        row.addWidget(self.folder, 1)
+        row.addWidget(browse)
+        form.addRow("Save the head in", row)
+        layout.addLayout(form)
+
+        self.progress = QProgressBar(self)
+        self.progress.setRange(0, 1000)
+        self.progress.setTextVisible(True)
+        self.progress.setFormat("")
+        layout.addWidget(self.progress)
+        self.status = QLabel("Not started.", self)
+        self.status.setWordWrap(True)
+        self.status.setTextFormat(Qt.TextFormat.PlainText)
+        layout.addWidget(self.status)
+
+        self._build_plots(layout)
+
+        buttons = QHBoxLayout()
+        buttons.addStretch(1)
+        self.start_button = QPushButton("Start", self)
+        self.start_button.setDefault(True)
+        self.start_button.clicked.connect(self._on_start_clicked)
+        self.close_button = QPushButton("Close", self)
+        self.close_button.clicked.connect(self.close)
+        buttons.addWidget(self.start_button)
+        buttons.addWidget(self.close_button)
+        layout.addLayout(buttons)
+
+        self._timer = QTimer(self)
+        self._timer.setInterval(REFRESH_MS)
+        self._timer.timeout.connect(self.refresh)
+        self._timer.start()
+
+    # --- fed by the app ---------------------------------------------------------------------------
+
+    @property
+    def running(self) -> bool:
+        return self._running
+
+    def set_running(self, running: bool) -> None:
+        self._running = running
+        self.start_button.setText("Cancel" if running else "Start")
+        self.minutes.setEnabled(not running)
+        self.folder.setEnabled(not running)
+
+    def show_progress(self, p: TrainingProgress) -> None:
+        self.progress.setValue(round(1000 * p.fraction))
+        self.progress.setFormat(f"{p.phase} · {p.fraction:.0%} · about {p.eta_s / 60:.0f} min left")
+        self.status.setText(p.message)
+        record = p.record or {}
+        if record.get("kind") == "train":
+            self._loss.append(record["step"], record["loss"])
+            self._agreement.append(record["step"], 100.0 * record["acc"][0])
+            self._dirty = True
+        elif record.get("kind") == "eval":
+            acceptance = record["acceptance"]
+            self._held_out.append(record["step"], 100.0 * acceptance[0])
+            if len(acceptance) > 1:
+                self._held_out_later.append(record["step"], 100.0 * float(np.mean(acceptance[1:])))
+            self._dirty = True
+
+    def show_finished(self, summary: dict) -> None:
+        self.set_running(False)
+        acceptance = summary.get("held_out_acceptance") or []
+        by_position = " ".join(f"{a:.0%}" for a in acceptance)
+        if not summary.get("steps"):
+            self.status.setText("Stopped before training began: nothing was saved (the data written so far is "
+                                "kept, and starting again with the same folder and budget continues).")
+            return
+        done = "Trained" if summary.get("finished") else "Stopped early; saved what was trained"
+        self.status.setText(f"{done}: {summary.get('steps', 0)} steps on {summary.get('sequences', 0)} answers. "
+                            f"Held-out acceptance by draft position: {by_position or 'not measured'}. "
+                            f"Saved in {summary.get('out', '?')}; choose the proposer \u201cDraft head\u201d to use it.")
+        self.progress.setValue(self.progress.maximum() if summary.get("finished") else self.progress.value())
+
+    def show_failed(self, message: str) -> None:
+        self.set_running(False)
+        self.status.setText(f"Training failed: {message}")
+
+    def series(self) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+        """Copies of what the curves show (for tests)."""
+        return {name: tuple(a.copy() for a in s.view()) for name, s in self._series.items()}
+
+    def refresh(self) -> None:
+        if not self._dirty:
+            return
+        self._dirty = False
+        for name, curve in self._curves.items():
+            curve.setData(*self._series[name].view(), connect="finite")
+
+    # --- internals --------------------------------------------------------------------------------
+
+    def _build_plots(self, layout: QVBoxLayout) -> None:
+        palette = current_palette()
+        accepted = palette.colours("accepted").chart
+        bonus = palette.colours("bonus").chart
+        neutral = palette.muted
+        rgb = lambda c: (c.red(), c.green(), c.blue())  # noqa: E731
+        graphics = pg.GraphicsLayoutWidget(self)
+        graphics.setMinimumHeight(300)
+        layout.addWidget(graphics, 1)
+        loss_plot = graphics.addPlot(row=0, col=0, title="Training loss")
+        loss_plot.setLabel("bottom", "step")
+        loss_plot.showGrid(y=True, alpha=0.15)
+        acc_plot = graphics.addPlot(row=1, col=0, title="Acceptance (greedy)")
+        acc_plot.setLabel("bottom", "step")
+        acc_plot.setLabel("left", "%")
+        acc_plot.setYRange(0, 100, padding=0.04)
+        acc_plot.showGrid(y=True, alpha=0.15)
+        acc_plot.addLegend(offset=(-6, 4), labelTextSize="8pt", brush=(255, 255, 255, 200))
+        acc_plot.setXLink(loss_plot)
+        self._loss, self._agreement, self._held_out, self._held_out_later = _Series(), _Series(), _Series(), _Series()
+        self._series = {"loss": self._loss, "agreement": self._agreement, "held_out": self._held_out,
+                        "held_out_later": self._held_out_later}
+        self._curves = {
+            "loss": loss_plot.plot(pen=pg.mkPen(rgb(neutral), width=1)),
+            "agreement": acc_plot.plot(pen=pg.mkPen(rgb(neutral), width=1), name="first draft, training batches"),
+            "held_out": acc_plot.plot(pen=pg.mkPen(rgb(accepted), width=2), symbol="o", symbolSize=6,
+                                      symbolBrush=rgb(accepted), name="first draft, held-out answers"),
+            "held_out_later": acc_plot.plot(pen=pg.mkPen(rgb(bonus), width=1), symbol="t", symbolSize=6,
+                                            symbolBrush=rgb(bonus), name="later drafts (mean), held-out"),
+        }
+        self._dirty = False
+
+    def _browse(self) -> None:
+        folder = QFileDialog.getExistingDirectory(self, "Save the draft head in", self.folder.text())
+        if folder:
+            self.folder.setText(folder)
+
+    def _on_start_clicked(self) -> None:
+        if self._running:
+            self.status.setText("Cancelling: the head trained so far is saved at the next step…")
+            self.cancel_requested.emit()
+            return
+        folder = self.folder.text().strip()
+        if not folder:
+            self.status.setText("Choose a folder for the head first.")
+            return
+        for s in self._series.values():
+            s.clear()
+        self._dirty = True
+        self.set_running(True)
+        self.status.setText("Starting…")
+        self.start_requested.emit(float(self.minutes.value()), folder)
