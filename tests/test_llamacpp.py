@@ -76,6 +76,21 @@ def test_logits_match_the_same_weights_in_torch(ggufs):
     assert torch.equal(ours.argmax(-1), reference.argmax(-1))
 
 
+def test_a_forward_wider_than_the_logits_buffer_gives_its_last_rows(ggufs):
+    """A draft catching up after many standard steps feeds more tokens than a verify: the last rows come back."""
+    from engine.runners.llamacpp import RESERVED_OUTPUTS
+
+    runner = LlamaCppRunner(ggufs[0], n_ctx=256, threads=1)
+    ids = _ids(RESERVED_OUTPUTS + 7, runner.vocab_size, seed=3)
+    wide = runner.forward(ids).clone()
+    assert wide.shape == (RESERVED_OUTPUTS, runner.vocab_size) and runner.length == len(ids) == runner.kv_length()
+    runner.reset()
+    runner.prefill(ids[:-1])
+    last = runner.forward(ids[-1:])[0]
+    assert torch.equal(wide[-1].argmax(), last.argmax())
+    assert (wide[-1] - last).abs().max() < 1e-2 * last.abs().max()
+
+
 def test_rollback_reset_and_lengths(ggufs):
     runner = LlamaCppRunner(ggufs[0], n_ctx=64, threads=1)
     ids = _ids(20, runner.vocab_size, seed=2)

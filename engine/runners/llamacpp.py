@@ -219,10 +219,18 @@ class LlamaCppRunner:
         self._tokens.clear()
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        """Appends ids [W] and returns float32 logits [W, V], one row per fed position."""
+        """Appends ids [W] and returns float32 logits [W, V], one row per fed position.
+
+        Wider than RESERVED_OUTPUTS (a draft model catching up on the tokens of several standard
+        steps in auto mode, which reads only the last row): the leading tokens are fed as a prefill
+        and the rows of the last RESERVED_OUTPUTS positions come back, so the buffer never moves.
+        """
         tokens = ids.tolist()
         width = len(tokens)
-        assert 0 < width <= RESERVED_OUTPUTS, f"a forward takes 1..{RESERVED_OUTPUTS} tokens, got {width}"
+        assert width > 0, "a forward takes at least one token"
+        if width > RESERVED_OUTPUTS:
+            self.prefill(ids[:width - RESERVED_OUTPUTS])
+            tokens, width = tokens[width - RESERVED_OUTPUTS:], RESERVED_OUTPUTS
         self._decode(tokens, outputs=True)
         rows = self._lib.llama_get_logits(self._ctx)  # [W * V] floats, in batch order
         return torch.from_numpy(np.ctypeslib.as_array(rows, shape=(width, self.vocab_size)))
