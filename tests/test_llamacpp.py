@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.errors import ModelLoadError
-from engine.limits import K_MAX
+from engine.errors import GenerationError, ModelLoadError
+from engine.limits import K_AUTO, K_MAX
 from engine.models import runtime as runtime_mod
 from engine.models.store import resolve_source
 from engine.runners import llamacpp as llamacpp_mod
@@ -214,6 +214,49 @@ def test_greedy_speculative_equals_standard_on_llamacpp(engine):
     # llama.cpp's batched and single-token kernels agree to ~1e-3 of the logits' scale (see above),
     # far below the gaps between a tiny random model's top logits, so every output must be identical.
     assert identical == compared, f"{identical}/{compared} identical"
+
+
+@pytest.mark.parametrize("costs", ["measured", "flat"])
+def test_auto_mode_and_k_auto_equal_standard_on_llamacpp(engine, costs, monkeypatch):
+    """The K controller on this runtime: K per step (0 = a standard step) and, in auto mode, the
+    proposer per step; greedy output must stay the standard answer. "measured": the costs measured
+    at load (a linear verify on two cores: mostly standard steps); "flat": a verify as cheap as one
+    token, so the controller drafts and the speculative path is what is compared."""
+    from dataclasses import replace
+
+    from engine.decoding.control import TuningMemory
+
+    if costs == "flat":
+        flat = tuple((w, 1.0) for w in range(1, K_MAX + 2))
+        monkeypatch.setattr(engine, "info", replace(engine.info, target_ms=flat))
+    monkeypatch.setattr(engine, "tuning", TuningMemory())
+    drafted = 0
+    for prompt in ["def add(a, b):", "The quick brown fox", "快速排序是一种"]:
+        standard = engine.generate(_request("standard", prompt=prompt))
+        list(standard)
+        for run in (engine.generate(_request("auto", "draft+ngram", k=K_AUTO, prompt=prompt)),
+                    engine.generate(_request("speculative", "draft", k=K_AUTO, prompt=prompt))):
+            steps = list(run)
+            assert run.token_ids == standard.token_ids, (costs, prompt, run.request.mode)
+            assert all(s.decision is not None and 0 <= s.decision.k <= K_MAX for s in steps)
+            drafted += run.summary.drafted
+    if costs == "flat":
+        assert drafted > 0
+
+
+def test_draft_head_is_refused_in_one_line_on_llamacpp(engine, ggufs):
+    with pytest.raises(GenerationError, match="torch runtime") as err:
+        engine.generate(_request("speculative", "head"))
+    assert "\n" not in str(err.value)
+    with pytest.raises(GenerationError, match="hidden states"):
+        engine.target_runner.keep_hidden((1,))
+    engine.target_runner.keep_hidden(())  # nothing asked: nothing refused
+    # Asked for explicitly: refused before loading; under auto a head means torch, saying why.
+    gguf = [resolve_source(str(ggufs[0]), "target")]
+    with pytest.raises(ModelLoadError, match="hidden states"):
+        runtime_mod.choose_runtime("llamacpp", "cpu", gguf, needs_head=True)
+    choice = runtime_mod.choose_runtime("auto", "cpu", gguf, needs_head=True)
+    assert choice.runtime == "torch" and "hidden states" in choice.note
 
 
 def test_sampled_speculative_runs_and_is_seeded(engine):
