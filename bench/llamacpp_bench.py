@@ -6,8 +6,10 @@
 2. In this process, every prompt in turn, greedy, K fixed: the engine's standard decoding on
    llama.cpp; a plain llama-cpp-python greedy loop on the same GGUF (Llama.generate); speculative
    decoding with the draft model and with n-gram lookup; the engine's standard decoding on torch
-   (the same pair, converted, loaded beside). Then tok/s, the ratios against their targets,
-   identical counts with every first divergence, and the cost model's predictions.
+   (the same pair, converted, loaded beside); auto mode (K and draft/n-gram chosen per step from
+   the costs measured at load: where a verify costs as much as its tokens decoded one by one, it
+   decodes standard steps). Then tok/s, the ratios against their targets, identical counts with
+   every first divergence, the cost model's predictions and its verdict.
 
     .venv/bin/python bench/llamacpp_bench.py                       # the full run (20 prompts x 64)
     .venv/bin/python bench/llamacpp_bench.py --limit 2 --max-new-tokens 16 --skip-torch   # a probe
@@ -22,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -127,15 +130,20 @@ def main() -> int:
     t0 = time.perf_counter()
     engine = load_engine(args.target, args.draft, runtime="llamacpp", threads=args.threads)
     print(f"llama.cpp engine ready in {time.perf_counter() - t0:.1f} s: {engine.info}", flush=True)
+    def make_request(prompt: str, mode: str, max_new: int):
+        request = _request(cli_args, prompt, mode, max_new)
+        # Auto mode: the controller picks K (0 = a standard step) and draft or n-gram per step.
+        return replace(request, proposer="draft+ngram") if mode == "auto" else request
+
     ctx = BenchContext(
         None, engine,
-        make_request=lambda prompt, mode, max_new: _request(cli_args, prompt, mode, max_new),
+        make_request=make_request,
         reload_pair=lambda: load_pair(args.target, args.draft),
         load_runtime=lambda runtime: load_engine(args.target, None, runtime=runtime, with_draft=False),
     )
-    modes = ["standard", "llamacpp-plain", "speculative", "speculative-ngram"] + ([] if args.skip_torch else
-                                                                                ["torch-standard"])
-    bench = run_bench(ctx, prompts, modes, max_new_tokens=args.max_new_tokens, warmup=1, k=args.k,
+    modes = ["standard", "llamacpp-plain", "speculative", "speculative-ngram", "auto"] + (
+        [] if args.skip_torch else ["torch-standard"])
+    bench = run_bench(ctx, prompts, modes, max_new_tokens=args.max_new_tokens, warmup=1,
                       progress=lambda done, total, note: print(f"  {done}/{total} {note}", flush=True))
     summary = bench.summary
     s = summary
@@ -176,6 +184,12 @@ def main() -> int:
     for mode, p in predictions.items():
         print(f"  {mode}: {p['mean_draft']:.2f} drafts per step, alpha {p['alpha']:.2f}; predicted "
               f"{p['predicted']:.2f}x from the run's counts, measured {p['measured']:.2f}x. {p['verdict']}")
+    auto_runs = [r for r in bench.runs if r.mode == "auto"]
+    if auto_runs:
+        steps = sum(sum(r.drafted_steps) for r in auto_runs)
+        standard_steps = sum(r.drafted_steps[0] for r in auto_runs if r.drafted_steps)
+        print(f"  auto: {s['auto']['tokens_per_s'] / s['standard']['tokens_per_s']:.2f}x standard; "
+              f"{standard_steps} of {steps} steps standard, {sum(r.drafted for r in auto_runs)} tokens drafted")
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=2, ensure_ascii=False, default=str), encoding="utf-8")
     print(f"\nJSON: {args.json}")
