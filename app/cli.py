@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, NoReturn, TextIO
 
 from app import cli_options as opt
 from app.export import cell
-from app.session import build_request
+from app.session import build_request, runtime_label
 from engine.errors import EngineError, ModelWontFitError
 from engine.limits import DEFAULT_K, K_AUTO, K_MAX, MAX_NEW_TOKENS
 from engine.measure.bench import MODE_RUNNERS
@@ -92,6 +92,11 @@ def _add_model_args(p: argparse.ArgumentParser, decoding: bool = True) -> None:
     g.add_argument("--fast-path", default="auto", choices=["auto", "eager", "static", "compiled"],
                    help="auto: static cache + CUDA graphs where possible, else eager; compiled: also "
                         "torch.compile the per-step forwards for --k (CUDA; minutes of warm-up)")
+    g.add_argument("--runtime", default="auto", choices=["auto", "torch", "llamacpp"],
+                   help="auto: llama.cpp on the CPU for .gguf files and the packaged pair (when installed), "
+                        "torch otherwise; --dtype and --fast-path apply to torch")
+    g.add_argument("--threads", type=_positive_int, default=None,
+                   help="CPU threads per llama.cpp decode (default: the physical cores)")
     d = p.add_argument_group("decoding")
     d.add_argument("-v", "--verbose", action="store_true", help="log what the engine does (stderr)")
     if not decoding:
@@ -226,14 +231,23 @@ def _pair_specs(args: argparse.Namespace) -> tuple[str | None, str | None]:
     return p.target.spec, p.draft.spec
 
 
-def _load(args: argparse.Namespace, needs_draft: bool) -> tuple[LoadedPair, Engine]:
-    from engine.decoding import Engine
+def _load(args: argparse.Namespace, needs_draft: bool, runtime: str | None = None,
+          needs_head: bool | None = None) -> Engine:
+    """needs_head: a draft head will propose (default: --proposer head outside standard mode); the
+    head reads the target's hidden states, which llama.cpp does not give, so auto then picks torch."""
+    from engine.models.runtime import load_engine
 
     reporter = _LoadReporter(sys.stderr, args.verbose)
     compile_k = getattr(args, "k", DEFAULT_K) or DEFAULT_K  # K auto: compile the default K's widths
     head = None if args.head == "none" else args.head
-    pair = _load_pair(args, needs_draft, reporter, pack_cpu=args.fast_path in ("auto", "static"), head=head)
-    return pair, Engine.from_pair(pair, fast_path=args.fast_path, progress=reporter, compile_k=compile_k, head=head)
+    if needs_head is None:
+        needs_head = getattr(args, "mode", "standard") != "standard" and getattr(args, "proposer", None) == "head"
+    target, draft = _pair_specs(args)
+    return load_engine(target, draft, runtime=runtime or args.runtime, device=args.device, dtype=args.dtype,
+                       with_draft=needs_draft, fast_path=args.fast_path, threads=args.threads, progress=reporter,
+                       compile_k=compile_k, head=head, needs_head=needs_head, target_dtype=args.target_dtype,
+                       draft_dtype=args.draft_dtype, context=args.context, gpus=args.gpus, memory=args.memory,
+                       force=args.force)
 
 
 def _load_pair(args: argparse.Namespace, needs_draft: bool, progress=None, *, pack_cpu: bool = False,
@@ -273,7 +287,9 @@ def _environment(engine: Engine) -> dict[str, Any]:
     except OSError:
         pass
     gpu = torch.cuda.get_device_name(engine.device) if engine.device.type == "cuda" else None
-    return {"torch": torch.__version__, "transformers": transformers.__version__, "cpu": cpu, "gpu": gpu,
+    llama = sys.modules.get("llama_cpp")  # imported only when the llama.cpp runtime ran
+    return {"torch": torch.__version__, "transformers": transformers.__version__,
+            "llama_cpp_python": getattr(llama, "__version__", None), "cpu": cpu, "gpu": gpu,
             "python": platform.python_version()}
 
 
@@ -282,8 +298,8 @@ def _model_config(engine: Engine, args: argparse.Namespace) -> dict[str, Any]:
     return {"target": info.target_name, "draft": info.draft_name, "device": info.device, "dtype": info.dtype,
             "target_precision": info.target_precision or info.dtype, "draft_precision": info.draft_precision or None,
             "devices": list(info.devices), "context": args.context, "fast_path": info.fast_path,
-            "fast_path_note": info.fast_path_note, "vocab_size": info.vocab_size,
-            "k": "auto" if args.k == K_AUTO else args.k,
+            "fast_path_note": info.fast_path_note, "runtime": info.runtime, "threads": info.threads,
+            "vocab_size": info.vocab_size, "k": "auto" if args.k == K_AUTO else args.k,
             "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed,
             "max_new_tokens": args.max_new_tokens, "proposer": args.proposer, "raw": args.raw}
 
@@ -292,7 +308,7 @@ def _model_config(engine: Engine, args: argparse.Namespace) -> dict[str, Any]:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     needs_draft = args.mode != "standard" and args.proposer in ("draft", "draft+ngram")
-    _, engine = _load(args, needs_draft)
+    engine = _load(args, needs_draft)
     generation = engine.generate(_request(args, args.prompt, args.mode, args.max_new_tokens))
     tokens: list[dict[str, str]] = []
     for step in generation:
@@ -310,7 +326,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     else:
         sys.stdout.write("\n")
         info = engine.info
-        print(f"{_summary_line(summary)}; {info.device}, {_precisions(info)}, {info.fast_path}", file=sys.stderr)
+        print(f"{_summary_line(summary)}; {info.device}, {_precisions(info)}, {runtime_label(info)}", file=sys.stderr)
         if info.fast_path_note:
             print(f"{PROG}: {info.fast_path_note}", file=sys.stderr)
     return 0
@@ -344,6 +360,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         result_json,
         run_bench,
     )
+    from engine.models.loader import LoadedPair
+
     # Cheap checks first: a typo in a file name should not cost a model load.
     prompts = read_prompts(args.prompts)
     modes = parse_modes(args.modes)
@@ -358,11 +376,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
         except argparse.ArgumentTypeError as e:
             raise CliError(str(e)) from None
     needs_draft = any(MODE_RUNNERS[m].needs_draft for m in modes) and args.proposer in ("draft", "draft+ngram")
-    pair, engine = _load(args, needs_draft)
+    engine = _load(args, needs_draft)
+    # The hf-* baselines run on the engine's own torch models; on llama.cpp they load their own.
+    pair = (LoadedPair(engine.target, engine.draft, engine.tokenizer, engine.info, engine.vocab)
+            if engine.target is not None else None)
     ctx = BenchContext(
         pair, engine,
         make_request=lambda prompt, mode, max_new: _request(args, prompt, mode, max_new),
         reload_pair=lambda: _load_pair(args, needs_draft),
+        load_runtime=lambda runtime: _load(args, False, runtime, needs_head=False),  # only standard runs there
     )
     total = len(prompts) * len(modes) * args.repeat
     with tqdm(total=total, file=sys.stderr, desc="bench", unit="run", disable=None) as bar:
@@ -390,7 +412,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(table)
         raise CliError(f"cannot write results: {e.strerror or e} ({e.filename})") from None
     print(f"{engine.info.target_name} / {engine.info.draft_name or '-'} on {engine.info.device} "
-          f"({_precisions(engine.info)}, {engine.info.fast_path}), {len(prompts)} prompts, k={args.k or 'auto'}, "
+          f"({_precisions(engine.info)}, {runtime_label(engine.info)}), {len(prompts)} prompts, k={args.k or 'auto'}, "
           f"temperature={args.temperature}, max_new_tokens={args.max_new_tokens}")
     print(table)
     return 0

@@ -41,7 +41,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         except argparse.ArgumentTypeError as e:
             raise CliError(str(e)) from None
     args.k = DEFAULT_K  # only for the compiled fast path's choice of widths
-    _, engine = _load(args, sw.needs_draft(configs))
+    engine = _load(args, sw.needs_draft(configs), needs_head=any(c.proposer == "head" for c in configs))
     raw = args.raw
 
     def make_request(prompt: str, config: sw.SweepConfig, max_new: int) -> GenerationRequest:

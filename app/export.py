@@ -22,7 +22,7 @@ SUMMARY_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(Summary) if f.nam
 DECISION_COLUMNS: tuple[str, ...] = ("decision_k", "decision_reason", "decision_acceptance",
                                      "decision_predicted_speedup")
 SESSION_COLUMNS: tuple[str, ...] = (
-    "request_id", "timestamp", "target_model", "draft_model", "device", "dtype", "fast_path",
+    "request_id", "timestamp", "target_model", "draft_model", "device", "dtype", "fast_path", "runtime", "threads",
     "proposer", "request_mode", "request_k", "temperature", "top_k", "top_p", "seed", "max_new_tokens",
 ) + SUMMARY_FIELDS + DECISION_COLUMNS
 TRACE_COLUMNS: tuple[str, ...] = (
@@ -77,6 +77,8 @@ def session_rows(records: Iterable[AnswerRecord]) -> list[dict[str, object]]:
             "device": info.device if info else "",
             "dtype": info.dtype if info else "",
             "fast_path": info.fast_path if info else "",
+            "runtime": info.runtime if info else "",
+            "threads": info.threads if info else "",
             "proposer": req.proposer if req.mode != "standard" else "",
             "request_mode": req.mode,
             "request_k": ("auto" if req.k == K_AUTO or req.mode == "auto" else req.k) if req.mode != "standard" else 0,

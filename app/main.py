@@ -30,6 +30,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft-quant", "--draft-dtype", dest="draft_dtype", default=None, choices=PRECISIONS,
                    help="the draft's precision (default: last used)")
     p.add_argument("--context", type=int, default=None, help="positions each KV cache holds (default: last used)")
+    p.add_argument("--runtime", default=None, choices=["auto", "torch", "llamacpp"],
+                   help="auto: llama.cpp on the CPU for GGUF models, torch otherwise (default: last used, else auto)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads per llama.cpp decode, 0 = the physical cores (default: last used, else 0)")
     p.add_argument("--demo", action="store_true", help="no models: a scripted engine streams a sample answer")
     p.add_argument("--settings", default=None, help="use this .ini file for settings instead of the user's")
     p.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
@@ -49,6 +53,8 @@ def _selection_from_args(args: argparse.Namespace, saved: ModelSelection) -> Mod
         target_precision=args.target_dtype or saved.target_precision,
         draft_precision=args.draft_dtype or saved.draft_precision,
         context=saved.context if args.context is None else max(0, args.context),
+        runtime=args.runtime or saved.runtime,
+        threads=saved.threads if args.threads is None else max(0, args.threads),
     )
 
 

@@ -35,6 +35,8 @@ class LoadRequest:
     context: int | None = None  # positions each KV cache holds (None: the default)
     force: bool = False  # load even when the memory plan says it will not fit (a person said so)
     memory: int | None = None  # memory budget per device in bytes (None: what the device has free)
+    runtime: str = "auto"  # auto / torch / llamacpp (engine.models.runtime.choose_runtime)
+    threads: int | None = None  # CPU threads per llama.cpp decode; None = the physical cores
 
 
 @dataclass(frozen=True)
@@ -62,6 +64,8 @@ def load_request_for(selection: ModelSelection, *, force: bool = False) -> LoadR
         context=selection.context or None,
         force=force,
         memory=int(selection.memory_gib * 2**30) or None,
+        runtime=selection.runtime,
+        threads=selection.threads or None,
     )
 
 
@@ -81,7 +85,7 @@ def device_line(info: ModelInfo) -> str:
     target = info.target_precision or info.dtype
     draft = info.draft_precision or info.dtype
     precision = target if not info.draft_name or draft == target else f"target {target}, draft {draft}"
-    line = f"{where} · {precision} · {info.fast_path}"
+    line = f"{where} · {precision} · {runtime_label(info)}"
     eager = [role for role in ("target", "draft") if info.fast_path_note.startswith(role) or f"; {role}:" in
              info.fast_path_note]
     if eager:
@@ -89,6 +93,14 @@ def device_line(info: ModelInfo) -> str:
     elif info.fast_path_note:
         line += " (eager)"
     return line
+
+
+def runtime_label(info: ModelInfo) -> str:
+    """What runs the pair, for the status bar and the CLI: 'llama.cpp · 2 threads', the torch fast
+    path's name, and 'cpu-onednn (torch; llama.cpp unavailable (…))' when auto could not use llama.cpp."""
+    if info.runtime == "llamacpp":
+        return f"{info.fast_path} · {info.threads} threads" if info.threads else info.fast_path
+    return f"{info.fast_path} (torch; {info.runtime_note})" if info.runtime_note else info.fast_path
 
 
 def system_messages(settings: GenerationSettings) -> tuple[Message, ...]:

@@ -380,6 +380,11 @@ class MainWindow(QMainWindow):
         if self.info is None:
             self._show_info("Train a draft head", "Load a target first: File ▸ Load models…")
             return None
+        if self.info.runtime != "torch":  # a head reads the target's hidden states; llama.cpp gives none
+            self._show_info("Train a draft head", "A draft head reads the target's hidden states, which the "
+                            f"{self.info.fast_path} runtime does not give: load the models with Runtime "
+                            "torch (File ▸ Load models…) to train and use one.")
+            return None
         return self.training.open(self.info, self)
 
     def _on_head_attached(self, info: ModelInfo) -> None:
@@ -426,13 +431,15 @@ class MainWindow(QMainWindow):
         names = info.target_name + (f" + {info.draft_name}" if info.draft_name else " (no draft)")
         self.model_label.setText(names)
         self.device_label.setText(device_line(info))
-        self.device_label.setToolTip(info.fast_path_note or "")
+        self.device_label.setToolTip("\n".join(n for n in (info.fast_path_note, info.runtime_note) if n))
         self._show_costs(info, None)
         self.panel.set_draft_available(info.draft_name is not None, head=info.head_name is not None)
         self.context.set_counter(counter_for(self.worker.engine))
         self.guard.update(now=True)
         note = f" {info.fast_path_note}." if info.fast_path_note else ""
         self.chat.add_system_note(f"Loaded {names} on {device_line(info)}.{note}")
+        if info.runtime_note:
+            self.chat.add_system_note(f"Running on torch: {info.runtime_note}.")
         self._set_ready_state()
         self._update_memory()
         # torch + transformers + the models are ~10^6 long-lived objects; a full collection walking

@@ -61,15 +61,14 @@ class LoadCancelled(Exception):
 
 
 def default_engine_factory(request: LoadRequest, progress: ProgressCallback) -> EngineLike:
-    """load_pair (tokenizer check first, then weights) and the engine on top of it."""
-    from engine.decoding import Engine
-    from engine.models.loader import load_pair
+    """The engine on the runtime the request asks for (tokenizers checked first, then weights)."""
+    from engine.models.runtime import load_engine
 
-    pair = load_pair(request.target, request.draft, device=request.device, dtype=request.dtype,
-                     target_dtype=request.target_dtype, draft_dtype=request.draft_dtype, progress=progress,
-                     with_draft=request.with_draft, context=request.context, force=request.force,
-                     memory=request.memory, pack_cpu=request.fast_path in ("auto", "static"))
-    return Engine.from_pair(pair, fast_path=request.fast_path, progress=progress)
+    return load_engine(request.target, request.draft, runtime=request.runtime, device=request.device,
+                       dtype=request.dtype, with_draft=request.with_draft, fast_path=request.fast_path,
+                       threads=request.threads, progress=progress, target_dtype=request.target_dtype,
+                       draft_dtype=request.draft_dtype, context=request.context, force=request.force,
+                       memory=request.memory)
 
 
 def measure_room(request: LoadRequest, engine: EngineLike) -> tuple[int | None, int | None]:

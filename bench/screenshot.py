@@ -32,6 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--conversations", type=int, default=0,
                    help="saved conversations to show in the sidebar (scripted ones, in a throw-away data folder)")
     p.add_argument("--beside", default="", help="also save the last answer rendered beside its token view here")
+    p.add_argument("--runtime", default="auto", choices=["auto", "torch", "llamacpp"], help="with --real")
     p.add_argument("--tune", action="store_true", help="run a sweep in the Tune tab and grab it finished")
     p.add_argument("--tune-k", default="1,2,3,5,8", help="the Tune tab's K list")
     p.add_argument("--tune-t", default="0,0.7", help="the Tune tab's temperatures")
@@ -79,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         QTimer.singleShot(int(timeout_s * 1000), loop.quit)
         loop.exec()
 
-    window.load_models(ModelSelection())
+    window.load_models(ModelSelection(runtime=args.runtime))
     wait_for(lambda: window.info is not None or not window.is_loading(), args.timeout)
     if window.info is None:
         print("models did not load", file=sys.stderr)

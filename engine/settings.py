@@ -27,6 +27,10 @@ DTYPES = ("auto", "bfloat16", "float16", "float32")
 PRECISIONS = ("auto", "bfloat16", "float16", "float32", "int8", "nf4")
 CONTEXT_RANGE = (0, 1 << 20)  # 0: the default (engine.limits.DEFAULT_MAX_LENGTH, or the model's limit)
 MEMORY_RANGE = (0.0, 4096.0)  # GiB per device; 0: what the device has free
+# Who runs the forwards: auto = llama.cpp on the CPU for GGUF models (when installed), torch otherwise.
+RUNTIMES = ("auto", "torch", "llamacpp")
+RUNTIME_LABELS = {"auto": "auto", "torch": "torch", "llamacpp": "llama.cpp"}
+MAX_THREADS = 256  # upper bound of the threads setting (0 = the physical cores)
 
 
 def _clamp(value, low, high):
@@ -107,6 +111,8 @@ class ModelSelection:
     draft_precision: str = "auto"  # PRECISIONS: the draft's own precision
     context: int = 0  # positions each KV cache holds; 0: the default
     memory_gib: float = 0.0  # memory budget per device in GiB; 0: the device's free memory
+    runtime: str = "auto"  # auto / torch / llamacpp
+    threads: int = 0  # CPU threads per llama.cpp decode; 0 = the physical cores
 
     @classmethod
     def from_dict(cls, raw: dict[str, object]) -> ModelSelection:
@@ -127,8 +133,10 @@ class ModelSelection:
         dtype = selection.dtype if selection.dtype in DTYPES else "auto"
         precisions = [p if p in PRECISIONS else "auto" for p in (selection.target_precision, selection.draft_precision)]
         memory = selection.memory_gib if math.isfinite(selection.memory_gib) else 0.0
+        runtime = selection.runtime if selection.runtime in RUNTIMES else "auto"
         return ModelSelection(selection.target, selection.draft, device, dtype, selection.no_draft,
-                              *precisions, _clamp(selection.context, *CONTEXT_RANGE), _clamp(memory, *MEMORY_RANGE))
+                              *precisions, _clamp(selection.context, *CONTEXT_RANGE), _clamp(memory, *MEMORY_RANGE),
+                              runtime, _clamp(selection.threads, 0, MAX_THREADS))
 
 
 @dataclass(frozen=True)

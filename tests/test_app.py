@@ -504,6 +504,19 @@ def test_send_is_disabled_while_loading(make_window, qtbot):
     assert "fake-target" in w.model_label.text() and "cpu" in w.device_label.text()
 
 
+def test_status_bar_names_the_runtime_and_why_auto_fell_back(make_window):
+    from dataclasses import replace
+
+    llama = replace(FAKE_INFO, fast_path="llama.cpp", runtime="llamacpp", threads=2, dtype="Q4_K_M")
+    w = make_window(FakeEngine(info=llama))
+    assert w.device_label.text() == "cpu · Q4_K_M · llama.cpp · 2 threads"
+    fallback = replace(FAKE_INFO, fast_path="cpu-onednn", runtime_note="llama.cpp unavailable (ImportError: x)")
+    w = make_window(FakeEngine(info=fallback))
+    assert w.device_label.text() == "cpu · float32 · cpu-onednn (torch; llama.cpp unavailable (ImportError: x))"
+    notes = [m.plain_text() for m in w.chat._messages if hasattr(m, "plain_text")]
+    assert "Running on torch: llama.cpp unavailable (ImportError: x)." in notes
+
+
 def test_load_failure_shows_the_message_and_keeps_the_old_engine(make_window, qtbot, dialogs, settings):
     fake = FakeEngine()
 
@@ -542,10 +555,13 @@ def test_incompatible_tokenizers_fail_before_weights_load(make_window, qtbot, di
 
 def test_model_dialog_round_trips_a_selection(qtbot):
     selection = ModelSelection(target=ModelChoice("folder", "/models/t"), draft=ModelChoice("hub", "Qwen/x"),
-                               device="cuda:1", dtype="bfloat16", no_draft=False)
+                               device="cuda:1", dtype="bfloat16", no_draft=False, runtime="llamacpp", threads=3)
     dialog = ModelDialog(selection)
     qtbot.addWidget(dialog)
     assert dialog.selection() == selection
+    assert dialog.runtime.currentText() == "llama.cpp" and dialog.threads.text() == "3"
+    dialog.threads.setValue(0)
+    assert dialog.selection().threads == 0 and dialog.threads.text() == "physical cores"
     dialog.no_draft.setChecked(True)
     assert dialog.selection().no_draft and not dialog.draft.isEnabled()
     dialog.target.gguf.setText("/m/x.gguf")

@@ -41,6 +41,21 @@ def test_load_request_for_a_selection():
     r = load_request_for(sel)
     assert (r.target, r.draft, r.device, r.dtype, r.with_draft) == ("/m/t", None, "cpu", "float32", True)
     assert load_request_for(ModelSelection(no_draft=True, draft=ModelChoice("hub", "a/b"))).draft is None
+    assert (r.runtime, r.threads) == ("auto", None)  # threads None: the physical cores
+    r = load_request_for(ModelSelection(runtime="llamacpp", threads=3))
+    assert (r.runtime, r.threads) == ("llamacpp", 3)
+
+
+def test_runtime_label_names_the_runtime_and_why():
+    from dataclasses import replace
+
+    from app.session import runtime_label
+
+    llama = replace(INFO, fast_path="llama.cpp", runtime="llamacpp", threads=2, dtype="Q4_K_M")
+    assert runtime_label(llama) == "llama.cpp · 2 threads"
+    assert runtime_label(INFO) == "eager"
+    fallback = replace(INFO, fast_path="cpu-onednn", runtime_note="llama.cpp unavailable (ImportError: x)")
+    assert runtime_label(fallback) == "cpu-onednn (torch; llama.cpp unavailable (ImportError: x))"
 
 
 def test_chat_turns_requests_and_records():
@@ -108,6 +123,9 @@ def test_settings_are_validated_and_clamped():
                                     "dtype": 7, "no_draft": "yes"})
     assert sel == ModelSelection(no_draft=True)
     assert ModelSelection.from_dict({"device": "cuda:1"}).device == "cuda:1"
+    assert ModelSelection.from_dict({"runtime": "tpu", "threads": -4}) == ModelSelection()
+    assert ModelSelection.from_dict({"runtime": "llamacpp", "threads": "2"}) == ModelSelection(runtime="llamacpp",
+                                                                                               threads=2)
     assert ModelChoice.from_spec("x.gguf") == ModelChoice("gguf", "x.gguf")
     assert ModelChoice.from_spec("Qwen/Qwen2.5-0.5B") == ModelChoice("hub", "Qwen/Qwen2.5-0.5B")
     assert ModelChoice.from_spec(" default ") == ModelChoice()

@@ -1,7 +1,6 @@
 """Tiny random models with a real byte-level BPE tokenizer, saved to disk, for fast CPU tests."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -92,58 +91,10 @@ def save_pair(root: Path, *, noise: float = 0.3, seed: int = 0, tokenizer=None, 
 
 
 def write_tiny_gguf(path: Path, tok, model) -> Path:
-    """Writes a float32 qwen2 GGUF of a tiny HF model with its byte-level BPE tokenizer."""
-    import gguf
-    import numpy as np
+    """A float32 qwen2 GGUF of a tiny HF model with its byte-level BPE tokenizer (tests/tiny_gguf.py writes it)."""
+    from tests.tiny_gguf import write_tiny_gguf as write
 
-    cfg = model.config
-    w = gguf.GGUFWriter(str(path), "qwen2")
-    w.add_name("tiny-qwen2")
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_rope_freq_base(float(getattr(cfg, "rope_theta", None) or cfg.rope_parameters["rope_theta"]))
-    w.add_file_type(gguf.LlamaFileType.ALL_F32)
-    backend = json.loads(tok.backend_tokenizer.to_str())
-    vocab = tok.get_vocab()
-    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
-    special = set(tok.all_special_tokens) | {a["content"] for a in backend["added_tokens"]}
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("qwen2")
-    w.add_token_list(tokens)
-    w.add_token_types([gguf.TokenType.CONTROL if t in special else gguf.TokenType.NORMAL for t in tokens])
-    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in backend["model"]["merges"]])
-    w.add_eos_token_id(tok.eos_token_id)
-    w.add_pad_token_id(tok.pad_token_id)
-    w.add_add_bos_token(False)
-    w.add_chat_template(tok.chat_template)
-    names = {
-        "model.embed_tokens.weight": "token_embd.weight",
-        "model.norm.weight": "output_norm.weight",
-    }
-    per_layer = {
-        "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
-        "self_attn.q_proj.weight": "attn_q.weight", "self_attn.q_proj.bias": "attn_q.bias",
-        "self_attn.k_proj.weight": "attn_k.weight", "self_attn.k_proj.bias": "attn_k.bias",
-        "self_attn.v_proj.weight": "attn_v.weight", "self_attn.v_proj.bias": "attn_v.bias",
-        "self_attn.o_proj.weight": "attn_output.weight", "mlp.gate_proj.weight": "ffn_gate.weight",
-        "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight",
-    }
-    for i in range(cfg.num_hidden_layers):
-        for hf, gg in per_layer.items():
-            names[f"model.layers.{i}.{hf}"] = f"blk.{i}.{gg}"
-    state = model.state_dict()
-    for hf, gg in names.items():
-        w.add_tensor(gg, state[hf].detach().float().numpy().astype(np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+    return write(path, tok, model)
 
 
 def save_predictable_target(folder: Path, *, seed: int = 0, context: float = 0.01, tokenizer=None) -> Path:

@@ -31,8 +31,11 @@ from engine.settings import (
     CONTEXT_RANGE,
     DEVICES,
     DTYPES,
+    MAX_THREADS,
     MEMORY_RANGE,
     PRECISIONS,
+    RUNTIME_LABELS,
+    RUNTIMES,
     SOURCE_KINDS,
     ModelChoice,
     ModelSelection,
@@ -183,6 +186,18 @@ class ModelDialog(QDialog):
         form.addRow("Float dtype", self.dtype)
         form.addRow("Context", self.context)
         form.addRow("Memory budget", self.memory)
+        self.runtime = QComboBox(self)
+        for runtime in RUNTIMES:
+            self.runtime.addItem(RUNTIME_LABELS[runtime], runtime)
+        self.runtime.setToolTip("auto: llama.cpp on the CPU for .gguf files and the packaged pair (when it is "
+                                "installed), torch otherwise. Precision applies to torch; llama.cpp runs the "
+                                "GGUF's own quantization.")
+        self.threads = QSpinBox(self)
+        self.threads.setRange(0, MAX_THREADS)
+        self.threads.setSpecialValueText("physical cores")
+        self.threads.setToolTip("CPU threads per llama.cpp decode (0: one per physical core)")
+        form.addRow("Runtime", self.runtime)
+        form.addRow("Threads", self.threads)
         row.addLayout(form)
         row.addStretch(1)
         layout.addLayout(row)
@@ -224,6 +239,8 @@ class ModelDialog(QDialog):
             draft_precision=self.draft.precision.currentText(),
             context=self.context.value(),
             memory_gib=self.memory.value(),
+            runtime=self.runtime.currentData(),
+            threads=self.threads.value(),
         )
 
     def set_selection(self, selection: ModelSelection) -> None:
@@ -237,6 +254,8 @@ class ModelDialog(QDialog):
         self.draft.precision.setCurrentIndex(max(0, self.draft.precision.findText(selection.draft_precision)))
         self.context.setValue(selection.context)
         self.memory.setValue(selection.memory_gib)
+        self.runtime.setCurrentIndex(max(0, self.runtime.findData(selection.runtime)))
+        self.threads.setValue(selection.threads)
 
     def update_plan(self) -> None:
         """Plans the current choice now (configs and headers only, well under a second)."""

@@ -1,7 +1,10 @@
 """Incremental detokenization that never emits half a character."""
 from __future__ import annotations
 
-from transformers import PreTrainedTokenizerBase
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # any object with decode() will do (the llama.cpp runtime brings its own)
+    from transformers import PreTrainedTokenizerBase
 
 REPLACEMENT = "\ufffd"
 

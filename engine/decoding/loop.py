@@ -5,7 +5,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
 
 import torch
@@ -20,7 +20,7 @@ from engine.heads.model import DraftHead
 from engine.heads.runner import HeadRunner
 from engine.limits import K_AUTO, K_MAX, widest_draft
 from engine.measure.stats import summarize
-from engine.runners import EagerRunner, Runner, ids_tensor
+from engine.runners import Runner, ids_tensor
 from engine.runners.base import output_device
 from engine.types import (
     Decision,
@@ -74,7 +74,7 @@ class Engine:
 
     def __init__(
         self,
-        target: torch.nn.Module,
+        target: torch.nn.Module | None,
         tokenizer,
         info: ModelInfo,
         *,
@@ -83,19 +83,28 @@ class Engine:
         target_runner: Runner | None = None,
         draft_runner: Runner | None = None,
         max_length: int | None = None,
+        eos_ids: Iterable[int] = (),
     ) -> None:
+        """target/draft: torch models, or None where a runner brings its own (llama.cpp);
+        eos_ids: end-of-generation ids beyond the tokenizer's and the model config's."""
+        assert target is not None or target_runner is not None, "a target model or a target runner"
         self.tokenizer = tokenizer
         self.info = info
         self.target = target
         self.draft = draft
+        if target_runner is None or (draft is not None and draft_runner is None):
+            from engine.runners.eager import EagerRunner  # imports transformers: only for torch models
+
+            target_runner = target_runner or EagerRunner(target, max_length)
+            draft_runner = draft_runner or (EagerRunner(draft, max_length) if draft is not None else None)
+        self.target_runner = target_runner
+        self.draft_runner = draft_runner
         # Where logits come out: a target split over GPUs ends on its last one, where the draft lives.
-        self.device = output_device(target)
-        self.target_runner = target_runner or EagerRunner(target, max_length)
-        self.draft_runner = draft_runner or (EagerRunner(draft, max_length) if draft is not None else None)
+        self.device = output_device(target) if target is not None else self.target_runner.device
         # Compare on the shared vocabulary: Qwen2.5 0.5B has 151936 rows, 7B 152064.
         heads = [self.target_runner.vocab_size] + ([self.draft_runner.vocab_size] if self.draft_runner else [])
         self.vocab = vocab or min(heads)
-        self.eos_ids = _eos_ids(tokenizer, target)
+        self.eos_ids = _eos_ids(tokenizer, target) | {int(i) for i in eos_ids}
         self.head_runner: HeadRunner | None = None  # a draft head for this target (attach_head)
         self._lock = threading.Lock()  # one generation at a time: the caches are shared
         # Queue rounds ahead of the host (see Generation._loop). None: on CUDA only, where it keeps
@@ -191,6 +200,9 @@ class Engine:
         The target runner starts keeping the head's layers (on CUDA: its graphs are recaptured),
         the head gets its own cache and graphs, and its cost per draft token is measured.
         """
+        if self.target is None:  # a runner with its own model (llama.cpp) keeps no hidden states
+            self.target_runner.keep_hidden(head.config.feature_layers)  # refuses in one line
+            raise GenerationError("This runtime cannot run a draft head; load the models with --runtime torch.")
         if progress is not None:
             from engine.models.store import LoadProgress
 
@@ -261,6 +273,11 @@ class Engine:
         if request.mode == "speculative" and request.k != K_AUTO and not 1 <= request.k <= K_MAX:
             raise GenerationError(f"K must be 1..{K_MAX}, or auto (got {request.k}).")
         if request.mode != "standard":
+            if request.proposer == "head" and self.head_runner is None and self.target is None:
+                # The runner brings its own model (llama.cpp): no hidden states for a head to read.
+                raise GenerationError(f"The draft head cannot propose on the {self.target_runner.name} runtime: it "
+                                      "reads the target's hidden states, which that runtime does not give. Load the "
+                                      "models on the torch runtime (--runtime torch), or choose another proposer.")
             if request.proposer == "head" and self.head_runner is None:
                 raise GenerationError(
                     "No draft head is loaded for this target. Train one with `specdec-studio distill "
@@ -669,7 +686,7 @@ def _first_line(exc: BaseException) -> str:
 
 def _eos_ids(tokenizer, model) -> set[int]:
     ids: set[int] = set()
-    for source in (getattr(model, "generation_config", None), model.config):
+    for source in (getattr(model, "generation_config", None), getattr(model, "config", None)):
         eos = getattr(source, "eos_token_id", None) if source is not None else None
         if isinstance(eos, int):
             ids.add(eos)

@@ -10,7 +10,7 @@ import json
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from engine.errors import EngineError, InputError
@@ -50,19 +50,32 @@ RequestFactory = Callable[[str, str, int], GenerationRequest]
 class BenchContext:
     """What every mode runner may use: the loaded pair, the engine and how requests are made."""
 
-    pair: LoadedPair  # models and tokenizer, as the engine runs them
+    pair: LoadedPair | None  # torch models and tokenizer as the engine runs them (None on llama.cpp)
     engine: Engine  # our decoding loop
     make_request: RequestFactory  # the request for one prompt in one mode
     reload_pair: Callable[[], LoadedPair]  # loads the same pair again, as Hugging Face ships it
+    # Loads the same pair on another runtime ("torch" / "llamacpp") for side-by-side modes.
+    load_runtime: Callable[[str], Engine] | None = None
     _baseline: LoadedPair | None = None  # unmodified models for the hf-* modes, loaded on first use
+    _engines: dict[str, Engine] = field(default_factory=dict)  # other runtimes, loaded on first use
 
     def baseline_pair(self) -> LoadedPair:
         """The models as Hugging Face ships them: the CPU fast path repacks the engine's in place."""
-        if self.engine.info.fast_path != "cpu-onednn":
+        if self.pair is not None and self.engine.info.fast_path != "cpu-onednn":
             return self.pair
         if self._baseline is None:
             self._baseline = self.reload_pair()
         return self._baseline
+
+    def engine_on(self, runtime: str) -> Engine:
+        """The engine on `runtime`: this one if it already runs there, else the same pair loaded beside it."""
+        if self.engine.info.runtime == runtime:
+            return self.engine
+        if runtime not in self._engines:
+            if self.load_runtime is None:
+                raise InputError(f"this bench cannot load the {runtime} runtime beside the {self.engine.info.runtime} one")
+            self._engines[runtime] = self.load_runtime(runtime)
+        return self._engines[runtime]
 
 
 ModeRunner = Callable[[BenchContext, BenchPrompt, int], RunRecord]
@@ -87,25 +100,28 @@ def register_mode(name: str, *, needs_draft: bool) -> Callable[[ModeRunner], Mod
     return wrap
 
 
-def _engine_run(ctx: BenchContext, prompt: BenchPrompt, max_new_tokens: int, mode: str, repeat: int = 0) -> RunRecord:
-    generation = ctx.engine.generate(ctx.make_request(prompt.prompt, mode, max_new_tokens))
+def engine_run(ctx: BenchContext, prompt: BenchPrompt, max_new_tokens: int, mode: str, repeat: int = 0, *,
+               engine: Engine | None = None, request: GenerationRequest | None = None) -> RunRecord:
+    """One timed generation on `engine` (the bench's own by default) of `request` (made from the mode)."""
+    engine = engine or ctx.engine
+    generation = engine.generate(request or ctx.make_request(prompt.prompt, mode, max_new_tokens))
     steps = list(generation)
     return record_run(generation, steps, prompt, mode, repeat)
 
 
 @register_mode("standard", needs_draft=False)
 def run_standard(ctx: BenchContext, prompt: BenchPrompt, max_new_tokens: int) -> RunRecord:
-    return _engine_run(ctx, prompt, max_new_tokens, "standard")
+    return engine_run(ctx, prompt, max_new_tokens, "standard")
 
 
 @register_mode("speculative", needs_draft=True)
 def run_speculative(ctx: BenchContext, prompt: BenchPrompt, max_new_tokens: int) -> RunRecord:
-    return _engine_run(ctx, prompt, max_new_tokens, "speculative")
+    return engine_run(ctx, prompt, max_new_tokens, "speculative")
 
 
 @register_mode("auto", needs_draft=True)
 def run_auto(ctx: BenchContext, prompt: BenchPrompt, max_new_tokens: int) -> RunRecord:
-    return _engine_run(ctx, prompt, max_new_tokens, "auto")
+    return engine_run(ctx, prompt, max_new_tokens, "auto")
 
 
 def _hf_run(ctx: BenchContext, prompt: BenchPrompt, max_new_tokens: int, variant: str) -> RunRecord:
@@ -119,7 +135,7 @@ def _hf_run(ctx: BenchContext, prompt: BenchPrompt, max_new_tokens: int, variant
     pair = ctx.baseline_pair()
     r = run_hf(pair.target, pair.tokenizer, ids, max_new_tokens, variant,  # type: ignore[arg-type]
                draft=pair.draft, sampling=request.sampling)
-    text = ctx.pair.tokenizer.decode(r["token_ids"], skip_special_tokens=True)
+    text = ctx.engine.tokenizer.decode(r["token_ids"], skip_special_tokens=True)
     return RunRecord(
         prompt_id=prompt.id, category=prompt.category, mode=variant, new_tokens=r["new_tokens"],
         seconds=r["seconds"], tokens_per_s=r["new_tokens"] / r["seconds"] if r["seconds"] > 0 else 0.0,
@@ -350,7 +366,7 @@ def run_bench(ctx: BenchContext, prompts: Sequence[BenchPrompt], modes: Sequence
     runs = run_tasks(schedule(prompts, modes, repeat), run, warm=warm, progress=progress, on_error=failed)
     wall = time.perf_counter() - started
     modes_run = tuple(m for m in modes if any(r.mode == m for r in runs))
-    summary = summarize_runs(runs, modes_run, ctx.pair.tokenizer)
+    summary = summarize_runs(runs, modes_run, ctx.engine.tokenizer)
     if errors:
         summary["errors"] = errors
     if peaks:
@@ -368,3 +384,7 @@ def result_json(result: BenchResult, config: dict[str, Any]) -> str:
 
     return json.dumps({"config": config, "runs": [{**asdict(r), "token_ids": list(r.token_ids)} for r in result.runs],
                        "summary": result.summary}, indent=2, ensure_ascii=False)
+
+
+# The runtime-comparison modes (llamacpp-plain, torch-standard, ...) register themselves on import.
+from engine.measure import runtimes as _runtimes  # noqa: E402,F401

@@ -14,6 +14,9 @@ from typing import Protocol
 
 from engine.types import ModelInfo, ProposerCost, Summary
 
+# A verify costing this many 1-token forwards or more is named in the verdict as the reason.
+VERIFY_NOT_FREE = 1.5
+
 
 def expected_tokens_per_step(alpha: float, k: int) -> float:
     """Mean tokens committed by one step of K drafts (accepted ones plus the target's own)."""
@@ -104,6 +107,16 @@ class CostModel:
             return 1.0
         return expected_tokens(per_position, k) * self.standard_ms() / self.step_ms(k)
 
+    def predicted_from_counts(self, tokens: int, target_forwards: int, drafted: int, draft_forwards: int) -> float:
+        """Speculative/standard speedup these costs predict for what a run did: its tokens per step,
+        mean draft length and draft forwards per step. For drafts that vary in length (n-gram
+        lookup proposes nothing when it finds no match), where a fixed K and alpha do not apply."""
+        if target_forwards <= 0 or tokens <= 0:
+            return 1.0
+        step = (self.target_cost(1 + drafted / target_forwards) + self.draft_ms * draft_forwards / target_forwards
+                + self.overhead_ms)
+        return tokens / target_forwards * self.standard_ms() / step
+
     def best_k(self, alpha: float, k_max: int | None = None) -> tuple[int, float]:
         """(K, predicted speedup) maximising the speedup over K = 1..k_max (default: the measured
         widths); (0, 1.0) if none pays."""
@@ -122,10 +135,17 @@ class CostModel:
         k, speedup = self.best_k(alpha, k_max)
         if k == 0:
             k1 = max(range(1, k_max + 1), key=lambda j: self.predicted_speedup(alpha, j))
-            return (
-                f"Speculative decoding will not pay here: the draft costs {ratio:.0%} of a target forward; "
-                f"at {alpha:.0%} acceptance the best K={k1} gives {self.predicted_speedup(alpha, k1):.2f}×."
-            )
+            best = f"at {alpha:.0%} acceptance the best K={k1} gives {self.predicted_speedup(alpha, k1):.2f}×."
+            verify = self.target_cost(k1 + 1)
+            if verify >= VERIFY_NOT_FREE * self.target_ms[1]:
+                # The usual reason on CPUs (llama.cpp, float32): a forward's cost grows with its width,
+                # so checking K+1 tokens at once saves nothing over decoding them one by one.
+                return (
+                    f"Speculative decoding will not pay here: a {k1 + 1}-token verify costs "
+                    f"{verify / self.target_ms[1]:.1f}× a 1-token forward ({verify:.0f} vs "
+                    f"{self.target_ms[1]:.0f} ms) and the draft {ratio:.0%} of one; " + best
+                )
+            return f"Speculative decoding will not pay here: the draft costs {ratio:.0%} of a target forward; " + best
         return (
             f"Speculative decoding pays here: the draft costs {ratio:.0%} of a target forward; "
             f"at {alpha:.0%} acceptance K={k} should give {speedup:.2f}×."

@@ -13,13 +13,9 @@ import time
 from contextlib import ExitStack
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Callable, Literal
+from typing import Any, Callable, Literal
 
 import torch
-from transformers import (
-    AutoModelForCausalLM,
-    AutoTokenizer,
-)
 
 from engine.errors import IncompatibleModelsError, ModelLoadError
 from engine.models.cache import (
@@ -49,6 +45,18 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+
+def __getattr__(name: str) -> Any:
+    # transformers costs ~150 MB to import with its model classes; the llama.cpp runtime needs none
+    # of it, so it is imported where a torch model or tokenizer is loaded (store.AutoModelForCausalLM
+    # and store.AutoTokenizer still name the classes).
+    if name in ("AutoModelForCausalLM", "AutoTokenizer"):
+        import transformers
+
+        return getattr(transformers, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 Role = Literal["target", "draft"]
 SourceKind = Literal["default", "folder", "gguf", "hub"]
@@ -221,8 +229,11 @@ def _assemble_default(model: PackagedModel, progress: ProgressFn | None) -> Path
     out_dir = cache_dir() / "gguf"
     out = out_dir / f"{_safe(model.name)}-{model.sha256[:12]}.gguf"
     if out.is_file() and out.stat().st_size == model.size:
+        if _still_verified(out, model.sha256):
+            return out  # hashed when it was written and untouched since (the llama.cpp runtime keeps it)
         # Left from a conversion that did not finish: check again, it may be damaged.
         if _sha256_file(out, progress, f"{model.name} GGUF") == model.sha256:
+            _mark_verified(out, model.sha256)
             return out
         out.unlink()
     parts = _part_files(model)
@@ -253,7 +264,32 @@ def _assemble_default(model: PackagedModel, progress: ProgressFn | None) -> Path
         )
     _emit(progress, "verify", 1.0, f"Checked {model.name} GGUF (SHA-256 matches)")
     os.replace(partial, out)
+    _mark_verified(out, digest)
     return out
+
+
+def _verified_marker(gguf: Path) -> Path:
+    return gguf.with_name(gguf.name + ".verified.json")
+
+
+def _mark_verified(gguf: Path, sha256: str) -> None:
+    """Records that `gguf` hashed to `sha256` at its current size and modification time."""
+    st = gguf.stat()
+    meta = {"sha256": sha256, "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+    try:
+        _verified_marker(gguf).write_text(json.dumps(meta), encoding="utf-8")
+    except OSError as e:  # only costs a re-hash next time
+        log.warning("could not record the SHA-256 of %s: %s", gguf, e)
+
+
+def _still_verified(gguf: Path, sha256: str) -> bool:
+    """True when the file is exactly as it was when it last hashed to `sha256` (same size and time)."""
+    try:
+        meta = json.loads(_verified_marker(gguf).read_text(encoding="utf-8"))
+        st = gguf.stat()
+    except (OSError, ValueError):
+        return False
+    return meta == {"sha256": sha256, "size": st.st_size, "mtime_ns": st.st_mtime_ns}
 
 
 def _read_gguf_tokenizer(path: Path, name: str) -> TokenizerInfo:
@@ -299,6 +335,8 @@ def _is_placeholder(token: str) -> bool:
 
 def _read_folder_tokenizer(folder: Path, name: str) -> TokenizerInfo:
     """Tokenizer facts from tokenizer.json + configs; builds the tokenizer only as a fallback."""
+    from transformers import AutoTokenizer
+
     config = _read_json(folder / "config.json")
     text_config = config.get("text_config") or config
     rows = int(text_config.get("vocab_size") or 0)
@@ -401,7 +439,7 @@ def _checked(entry: Path, meta: dict) -> tuple[Path | None, str | None]:
 def _convert(gguf: Path, entry: Path, meta: dict, name: str, progress: ProgressFn | None) -> Path:
     """GGUF -> bf16 safetensors folder, written to a temp dir and renamed so it is all-or-nothing."""
     import transformers
-    from transformers import GgufConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
     entry.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=temp_dir_prefix(entry), dir=entry.parent))
@@ -557,6 +595,7 @@ def _ensure_folder(prepared: _Prepared, progress: ProgressFn | None = None) -> P
         if prepared.source.kind == "default":
             # The assembled GGUF can be rebuilt from the installed parts; do not keep 1.6 GB twice.
             prepared.gguf.unlink(missing_ok=True)
+            _verified_marker(prepared.gguf).unlink(missing_ok=True)
     return prepared.folder
 
 

@@ -1,9 +1,21 @@
 """Runners: the seam between the decoding loop and a model (one forward, a KV cache, rollback).
 
 base.py is the protocol; eager.py the Hugging Face model as shipped; lean.py + graphs.py the
-static-cache fast path with CUDA graphs; cpu.py packs weights for oneDNN on the CPU.
+static-cache fast path with CUDA graphs; cpu.py packs weights for oneDNN on the CPU; llamacpp.py
+runs GGUF models through llama.cpp (with llamacpp_tokenizer.py, its vocabulary as the tokenizer).
 """
+from typing import Any
+
 from engine.runners.base import Runner, ids_tensor, measure_forward_costs
-from engine.runners.eager import EagerRunner
+
+
+def __getattr__(name: str) -> Any:
+    # EagerRunner imports transformers; the llama.cpp runtime never needs it (less memory, faster start).
+    if name == "EagerRunner":
+        from engine.runners.eager import EagerRunner
+
+        return EagerRunner
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = ["EagerRunner", "Runner", "ids_tensor", "measure_forward_costs"]

@@ -2,11 +2,15 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import DynamicCache
 
 from engine.runners.base import cache_keyword, measure_forward_costs
+
+if TYPE_CHECKING:  # importing the modeling base costs ~120 MB; the llama.cpp runtime never needs it
+    from transformers import PreTrainedModel
 
 
 class EagerRunner:
