@@ -251,8 +251,8 @@ def test_cpu_packing_releases_each_original_linear_as_it_goes(monkeypatch):
     alive_at_each_pack = []
     real_init = cpu.PackedLinear.__init__
 
-    def counting_init(self, linear):
-        real_init(self, linear)
+    def counting_init(self, linear, dtype=None):
+        real_init(self, linear, dtype)
         gc.collect()
         alive_at_each_pack.append(sum(r() is not None for r in originals))
 

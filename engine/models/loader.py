@@ -12,7 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from engine.errors import ModelLoadError, ModelWontFitError
-from engine.models import memory
+from engine.models import memory as pages  # `memory` is load_pair's budget argument
 from engine.models.cache_space import sweep
 from engine.models.census import ModelCensus
 from engine.models.device import DTYPES, dtype_name, pick_device, pick_dtype
@@ -88,7 +88,7 @@ def _load_model(folder: Path, name: str, place: _Placement, *, keep_linear_weigh
     # copy and is then cast one tensor at a time, each mapped source given back as it goes: casting in
     # from_pretrained would keep every mapped page resident beside the copies (a 4.8 GB higher peak).
     plain_cpu = place.device.type == "cpu" and not quantized and place.device_map is None
-    stored = memory.stored_dtypes(folder) & {"BF16", "F16", "F32"} if plain_cpu else set()
+    stored = pages.stored_dtypes(folder) & {"BF16", "F16", "F32"} if plain_cpu else set()
     narrow = {"BF16": torch.bfloat16, "F16": torch.float16}.get(next(iter(stored))) if len(stored) == 1 else None
     if narrow is not None and place.dtype == torch.float32:
         kwargs["dtype"] = narrow
@@ -106,7 +106,7 @@ def _load_model(folder: Path, name: str, place: _Placement, *, keep_linear_weigh
             log.info("%s does not support SDPA attention; using eager attention", name)
             model = attempt("eager")
         if kwargs["dtype"] != place.dtype:
-            memory.cast_releasing_pages(model, place.dtype, keep_linear_weights=keep_linear_weights)
+            pages.cast_releasing_pages(model, place.dtype, keep_linear_weights=keep_linear_weights)
         if move_after:
             model = model.to(place.device)
     except (torch.OutOfMemoryError, MemoryError):
@@ -233,7 +233,7 @@ def load_pair(
                 found_head = resolve_head(model, head)
             _emit(progress, "load", (i + 0.5) / len(folders), f"Packing {p.source.name} for the CPU fast path")
             if try_pack(model, place.dtype) is None:  # no oneDNN here: the linear weights still need casting
-                memory.cast_releasing_pages(model, place.dtype)
+                pages.cast_releasing_pages(model, place.dtype)
         models.append(model)
         del model
     _emit(progress, "load", 1.0, "Models loaded")

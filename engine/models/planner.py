@@ -30,7 +30,7 @@ def model_census(spec: str | None, role: str) -> tuple[ModelCensus, str | None, 
 
     source = resolve_source(spec, role)  # type: ignore[arg-type]
     if source.kind == "default":
-        folder = _cached_folder(source)
+        folder = _cached_folder(source)[0]  # (folder, why not) when damaged or missing
         if folder is not None:
             return census_from_folder(folder, source.name), PACKAGED + role, ()
         model = packaged(role)
