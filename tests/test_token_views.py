@@ -97,7 +97,7 @@ def test_cli_json_tokens_add_up_to_the_text(scripted, monkeypatch, capsys):
 
     make, tok, script = scripted
     n = _cuts_inside_a_character(tok, script)[-1]
-    monkeypatch.setattr(app.cli, "_load", lambda args, needs_draft: (None, make()))
+    monkeypatch.setattr(app.cli, "_load", lambda args, needs_draft, *rest, **kw: make())
     monkeypatch.setattr(app.cli, "_environment", lambda engine: {})
     code = app.cli.main(["generate", "--prompt", PROMPT, "--raw", "--json", "--max-new-tokens", str(n), "--k", "4"])
     assert code == 0

@@ -13,6 +13,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from engine.errors import ModelLoadError
+from engine.models.cache import cache_lock
+from engine.models.cache_space import sweep
 from engine.models.store import (
     DEFAULT_MODELS,
     LoadProgress,
@@ -58,14 +60,17 @@ def choose_runtime(requested: str, device: str, sources: list[ModelSource], *, d
     which reads the target's hidden states. An explicit "llamacpp" that cannot run is a
     ModelLoadError naming the reason.
     """
-    from engine.runners.llamacpp import HEAD_REFUSED, INSTALL_HINT, RuntimeUnavailable, unavailable_reason
-
     if requested not in RUNTIMES:
         raise ModelLoadError(f"Unknown runtime {requested!r}: use auto, torch or llamacpp.")
     if requested == "torch":
         return RuntimeChoice("torch")
     not_gguf = next((s for s in sources if s.kind not in ("default", "gguf")), None)
     cpu = _on_cpu(device)
+    if requested == "auto" and (not cpu or not_gguf is not None or dtype != "auto" or fast_path != "auto"
+                                or torch_options):
+        return RuntimeChoice("torch")  # decided without importing llama.cpp at all
+    from engine.runners.llamacpp import HEAD_REFUSED, INSTALL_HINT, RuntimeUnavailable, unavailable_reason
+
     missing = unavailable_reason()
     if requested == "llamacpp":
         if not_gguf is not None:
@@ -80,8 +85,6 @@ def choose_runtime(requested: str, device: str, sources: list[ModelSource], *, d
         if needs_head:
             raise ModelLoadError(HEAD_REFUSED)
         return RuntimeChoice("llamacpp")
-    if not cpu or not_gguf is not None or dtype != "auto" or fast_path != "auto" or torch_options:
-        return RuntimeChoice("torch")
     if missing is not None:
         return RuntimeChoice("torch", f"llama.cpp unavailable ({missing})")
     if needs_head:
@@ -144,7 +147,10 @@ def load_engine(
 def gguf_file(source: ModelSource, progress: ProgressFn | None = None) -> Path:
     """The GGUF llama.cpp loads: the packaged model assembled and SHA-checked (once), or the file given."""
     if source.kind == "default":
-        return _assemble_default(DEFAULT_MODELS[source.ref], progress)
+        # Under the cache's lock, as torch's loads: a second first start waits for the assembly in progress.
+        with cache_lock(lambda stage, fraction, message: _emit(progress, stage, fraction, message)):
+            sweep()
+            return _assemble_default(DEFAULT_MODELS[source.ref], progress)
     if source.kind == "gguf":
         return Path(source.ref)
     raise ModelLoadError(f"{source.name} is not a GGUF model; the llama.cpp runtime needs a .gguf file.")
