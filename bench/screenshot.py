@@ -33,6 +33,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="saved conversations to show in the sidebar (scripted ones, in a throw-away data folder)")
     p.add_argument("--beside", default="", help="also save the last answer rendered beside its token view here")
     p.add_argument("--runtime", default="auto", choices=["auto", "torch", "llamacpp"], help="with --real")
+    p.add_argument("--proposer", default="", help="the panel's proposer (draft, ngram, draft+ngram, head)")
+    p.add_argument("--mode", default="", help="the panel's mode (standard, speculative, auto)")
     p.add_argument("--tune", action="store_true", help="run a sweep in the Tune tab and grab it finished")
     p.add_argument("--tune-k", default="1,2,3,5,8", help="the Tune tab's K list")
     p.add_argument("--tune-t", default="0,0.7", help="the Tune tab's temperatures")
@@ -87,6 +89,9 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     if args.max_new_tokens:
         window.panel.set_values(replace(window.panel.values(), max_new_tokens=args.max_new_tokens))
+    if args.proposer or args.mode:
+        values = window.panel.values()
+        window.panel.set_values(replace(values, proposer=args.proposer or values.proposer, mode=args.mode or values.mode))
     if args.tune:
         view = window.tune_view
         window.tabs.setCurrentWidget(view)
