@@ -188,6 +188,21 @@ def test_cheap_draft_and_high_acceptance_draft_long():
     assert chosen[-1].predicted_speedup > 1.5
 
 
+def test_a_proposer_that_cannot_pay_even_when_always_accepted_is_never_tried():
+    """llama.cpp on a CPU: a verify costs about as many forwards as it has tokens and the 0.5B draft 61% of
+    a forward (measured, bench/results/cpu_sweep_llamacpp): auto must then cost nothing over standard."""
+    per_width = (0.0, 33.0, 61.9, 88.5, 101.3, 124.0, 138.9, 162.1, 215.9, 233.2, 249.3, 262.5, 280.7, 288.4)
+    costs = StepCosts(per_width, {"draft": ProposerCost("draft", 20.1, 0.7), "ngram": ProposerCost("ngram", 0.003, 0.0)})
+    c = AdaptiveK(costs)
+    chosen = _feed(c, DRAFT, 1.0, 300, random.Random(3))
+    assert all(d.k == 0 and d.reason == "no_gain" for d in chosen)
+    assert chosen[0].best_speedup < 1.0  # the ceiling it judged by, at full acceptance
+    # N-gram lookup, nearly free, can still pay on the same costs when it is accepted.
+    ngram = AdaptiveK(costs)
+    picked = _feed(ngram, (Offer("ngram", K_MAX),), 0.95, 100, random.Random(4))
+    assert any(d.k > 0 for d in picked[-20:])
+
+
 def test_a_gain_inside_the_models_error_is_not_taken():
     """Near break-even the controller decodes standard: a draft runs only when it promises GAIN_MARGIN more."""
     from engine.decoding.control import GAIN_MARGIN

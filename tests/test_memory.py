@@ -118,11 +118,11 @@ def test_float32_from_a_bfloat16_file_is_exact_and_keeps_no_pages(bf16_folder):
 
 
 def test_pack_cpu_packs_each_model_before_the_next_loads(tiny_pair, monkeypatch):
-    from engine.models import loader as store
+    from engine.models import loader
 
     loaded: list[nn.Module] = []
     unpacked_when_loading: list[int] = []
-    real = store._load_model
+    real = loader._load_model
 
     def recording(*args, **kwargs):
         unpacked_when_loading.append(sum(type(m) is nn.Linear for model in loaded for m in model.modules()))
@@ -130,13 +130,13 @@ def test_pack_cpu_packs_each_model_before_the_next_loads(tiny_pair, monkeypatch)
         loaded.append(model)
         return model
 
-    monkeypatch.setattr(store, "_load_model", recording)
-    pair = store.load_pair(str(tiny_pair[0]), str(tiny_pair[1]), device="cpu", dtype="float32", pack_cpu=True)
+    monkeypatch.setattr(loader, "_load_model", recording)
+    pair = loader.load_pair(str(tiny_pair[0]), str(tiny_pair[1]), device="cpu", dtype="float32", pack_cpu=True)
     assert unpacked_when_loading == [0, 0]  # the draft loaded beside an already packed target
     assert not any(type(m) is nn.Linear for model in (pair.target, pair.draft) for m in model.modules())
     engine = Engine.from_pair(pair, fast_path="auto")
     assert engine.info.fast_path == "cpu-onednn"
-    plain = Engine.from_pair(store.load_pair(str(tiny_pair[0]), str(tiny_pair[1]), device="cpu", dtype="float32"),
+    plain = Engine.from_pair(loader.load_pair(str(tiny_pair[0]), str(tiny_pair[1]), device="cpu", dtype="float32"),
                              fast_path="eager")
     request = GenerationRequest(prompt="def add(a, b):", mode="speculative", k=3, max_new_tokens=12)
     a, b = engine.generate(request), plain.generate(request)
@@ -145,7 +145,7 @@ def test_pack_cpu_packs_each_model_before_the_next_loads(tiny_pair, monkeypatch)
 
 
 def test_float32_pack_cpu_casts_each_weight_as_it_packs(bf16_folder, monkeypatch):
-    from engine.models import loader as store
+    from engine.models import loader
 
     seen: list[torch.dtype] = []
     real = cpu.PackedLinear.__init__
@@ -155,13 +155,13 @@ def test_float32_pack_cpu_casts_each_weight_as_it_packs(bf16_folder, monkeypatch
         real(self, linear, dtype)
 
     monkeypatch.setattr(cpu.PackedLinear, "__init__", recording)
-    pair = store.load_pair(str(bf16_folder), None, device="cpu", dtype="float32", with_draft=False, pack_cpu=True)
+    pair = loader.load_pair(str(bf16_folder), None, device="cpu", dtype="float32", with_draft=False, pack_cpu=True)
     assert seen[1:] and set(seen[1:]) == {torch.bfloat16}  # after the 8x8 float32 probe of try_pack
     assert all(t.dtype == torch.float32 for t in pair.target.parameters())
     embedding = pair.target.get_input_embeddings()
     assert isinstance(embedding, cpu.CompactEmbedding) and embedding.weight.dtype == torch.bfloat16
     monkeypatch.setattr(cpu.PackedLinear, "__init__", real)
-    reference = Engine.from_pair(store.load_pair(str(bf16_folder), None, device="cpu", dtype="float32",
+    reference = Engine.from_pair(loader.load_pair(str(bf16_folder), None, device="cpu", dtype="float32",
                                                  with_draft=False), fast_path="eager")
     engine = Engine.from_pair(pair, fast_path="auto")
     request = GenerationRequest(prompt="def add(a, b):", mode="standard", max_new_tokens=12)
@@ -171,10 +171,10 @@ def test_float32_pack_cpu_casts_each_weight_as_it_packs(bf16_folder, monkeypatch
 
 
 def test_without_onednn_pack_cpu_still_gives_a_float32_model(bf16_folder, monkeypatch):
-    from engine.models import loader as store
+    from engine.models import loader
 
     monkeypatch.setattr(cpu, "onednn_available", lambda: False)
-    pair = store.load_pair(str(bf16_folder), None, device="cpu", dtype="float32", with_draft=False, pack_cpu=True)
+    pair = loader.load_pair(str(bf16_folder), None, device="cpu", dtype="float32", with_draft=False, pack_cpu=True)
     assert all(t.dtype == torch.float32 for t in pair.target.parameters())
     assert any(type(m) is nn.Linear for m in pair.target.modules())
 

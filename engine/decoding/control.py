@@ -217,19 +217,40 @@ class AdaptiveK:
                 best_k, best_rate = k, rate
         return best_k, best_rate, stats.pooled()
 
+    def _ceiling(self, offer: Offer) -> tuple[int, float]:
+        """(K, tokens/ms) of this proposer's best K if every draft were accepted: what it could pay at most."""
+        t = self.timing
+        cost = self.costs.proposers[offer.source]
+        ratio = t.draft_ratio.get(offer.source, 1.0)
+        verify_ratio, overhead = t.verify_ratio or 1.0, t.overhead_ms or 0.0
+        rates = [((k + 1) / (cost.per_proposal_ms * ratio + k * cost.per_token_ms * ratio
+                             + self.costs.target_ms[k + 1] * verify_ratio + overhead), k)
+                 for k in range(1, self.k_max + 1)]
+        rate, k = max(rates)
+        return k, rate
+
     def choose(self, offers: Sequence[Offer], room: int) -> Decision:
         self._offers = offers
         if not offers:
             return _STANDARD
         standard_rate = 1.0 / self.standard_ms()
         best: tuple[int, float, float, Offer] | None = None
+        hopeless: tuple[int, float] | None = None
         for offer in offers:
             if offer.max_tokens <= 0:
+                continue
+            ceiling_k, ceiling = self._ceiling(offer)
+            if ceiling <= (1.0 + GAIN_MARGIN) * standard_rate:
+                # Even accepting every draft it would not pay (a draft costing most of a forward, a verify
+                # costing several): never drafted, never probed, so auto costs nothing over standard.
+                hopeless = (ceiling_k, ceiling / standard_rate)
                 continue
             k, rate, acceptance = self._best(offer, room)
             if k and (best is None or rate > best[1]):
                 best = (k, rate, acceptance, offer)
         if best is None:
+            if hopeless is not None:
+                return Decision(0, None, "no_gain", 1.0, 1.0, hopeless[0], hopeless[1])
             return Decision(0, None, "no_match")
         k, rate, acceptance, offer = best
         speedup = rate / standard_rate
