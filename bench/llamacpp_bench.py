@@ -122,8 +122,8 @@ def main() -> int:
     from app.cli import _environment, _request, build_parser
     from engine.measure.bench import BenchContext, format_table, read_prompts, run_bench
     from engine.measure.costmodel import CostModel, alpha_from_mean_accepted
-    from engine.models.runtime import load_engine
     from engine.models.loader import load_pair
+    from engine.models.runtime import load_engine
 
     prompts = read_prompts(args.prompts)[: args.limit or None]
     cli_args = build_parser().parse_args(["bench", "--prompts", str(args.prompts), "--k", str(args.k)])
