@@ -381,3 +381,22 @@ def test_new_generate_and_bench_options_parse(tmp_path):
 @pytest.mark.parametrize("repeat", ["0", "1000000"])
 def test_bad_bench_repeat_fails_before_loading(repeat, prompts_file, no_load, capsys):
     _one_line(main(["bench", "--prompts", str(prompts_file), "--repeat", repeat]), capsys.readouterr().err, "--repeat")
+
+
+def test_hf_static_caches_go_with_their_model(tiny_pair):
+    """The fuzz run found a freed model's static cache handed to a later model that got its id()."""
+    import gc
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from engine.measure import baselines
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_pair[0]))
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_pair[0]))
+    before = len(baselines._caches)
+    baselines.run_hf(model, tok, torch.tensor([1, 2, 3]), 2, "hf-static")
+    assert len(baselines._caches) == before + 1
+    del model
+    gc.collect()
+    assert len(baselines._caches) == before

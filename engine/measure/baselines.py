@@ -7,6 +7,7 @@ assisted generation with the draft as assistant_model).
 from __future__ import annotations
 
 import time
+import weakref
 from typing import Any, Literal
 
 import torch
@@ -20,8 +21,10 @@ from engine.types import Sampling
 Variant = Literal["hf", "hf-static", "hf-assisted"]
 VARIANTS: tuple[Variant, ...] = ("hf", "hf-static", "hf-assisted")
 
-_caches: dict[tuple[int, int], StaticCache] = {}  # (id(model), slots) -> reused static cache
-_warm: set[tuple[int, int]] = set()  # (id(model), slots) already run once (compiled) on CUDA
+# model -> {slots: its reused static cache}; weak, so a freed model's caches go with it (an id() key
+# outlived its model: a later model given the same id got a cache of another dtype and shape).
+_caches: weakref.WeakKeyDictionary[torch.nn.Module, dict[int, StaticCache]] = weakref.WeakKeyDictionary()
+_warm: weakref.WeakKeyDictionary[torch.nn.Module, set[int]] = weakref.WeakKeyDictionary()  # slots run once on CUDA
 
 
 def _sync(device: torch.device) -> None:
@@ -77,20 +80,21 @@ def run_hf(
         # generate() then compiles its decode step once (its own automatic torch.compile with
         # CUDA graphs on CUDA) instead of once per prompt length.
         slots = -(-(ids.shape[1] + max_new_tokens + 1) // 512) * 512
-        key = (id(target), slots)
-        if key not in _caches:
-            _caches[key] = StaticCache(config=target.config, max_cache_len=slots)
-        kwargs[cache_keyword(target)] = _caches[key]
+        caches = _caches.setdefault(target, {})
+        if slots not in caches:
+            caches[slots] = StaticCache(config=target.config, max_cache_len=slots)
+        kwargs[cache_keyword(target)] = caches[slots]
         compiled = device.type == "cuda"
     seed = sampling.seed if sampling is not None else 0
     with torch.inference_mode():
         if variant == "hf-static":
-            _caches[key].reset()  # its tensors are inference tensors: reset in here
-        if compiled and key not in _warm:
+            caches[slots].reset()  # its tensors are inference tensors: reset in here
+        warm = _warm.setdefault(target, set())
+        if compiled and slots not in warm:
             torch.manual_seed(seed)
             target.generate(ids, **kwargs)  # compiles and captures: untimed
-            _warm.add(key)
-            _caches[key].reset()
+            warm.add(slots)
+            caches[slots].reset()
         torch.manual_seed(seed)
         _sync(device)
         t0 = time.perf_counter()
