@@ -335,7 +335,12 @@ class LlamaCppRunner:
         cparams.n_batch = min(self._batch_size, cells)
         cparams.n_ubatch = min(cparams.n_ubatch, cparams.n_batch)
         ctx = None
-        for kv in dict.fromkeys((self.kv_type, "f16")):  # q8_0 needs head sizes in multiples of 32
+        kinds = (self.kv_type, "f16")
+        heads = lib.llama_model_n_head(self._model)
+        if self.kv_type != "f16" and heads and (lib.llama_model_n_embd(self._model) // heads) % 32:
+            # q8_0 blocks of 32 must divide the head size: asking would only print llama.cpp's refusal.
+            kinds = ("f16",)
+        for kv in dict.fromkeys(kinds):
             cparams.type_k = cparams.type_v = _KV_TYPES[kv]
             ctx = lib.llama_init_from_model(self._model, cparams)
             if ctx:
