@@ -167,6 +167,10 @@ def build_parser() -> argparse.ArgumentParser:
     distill.add_argument("--prompts", type=opt.path, default=None,
                          help='extra questions to answer, JSONL {"prompt": ...} (benchmark prompts are refused)')
     distill.add_argument("--seed", type=opt.seed, default=0, help=f"0 to {opt.MAX_SEED}")
+    distill.add_argument("--init", type=opt.path, default=None,
+                         help="a head folder trained for this target to continue from (fresh data, its vocabulary)")
+    distill.add_argument("--plan", action="append", default=[], metavar="KEY=VALUE", type=opt.key_value,
+                         help="change one setting of the plan, e.g. answer_segment=128 or train.lr=3e-4 (repeatable)")
     distill.add_argument("--device", default="auto", type=opt.device, help="auto, cpu, cuda or cuda:N (default: auto)")
     distill.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
     distill.add_argument("-v", "--verbose", action="store_true", help="log what the engine does (stderr)")
@@ -501,4 +505,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Run as the package's module, not as __main__: the command modules import app.cli, and a second
+    # copy would make their CliError another class (a clear one-line error would read as internal).
+    from app.cli import main as package_main
+
+    sys.exit(package_main())

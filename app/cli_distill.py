@@ -11,10 +11,17 @@ from app.cli import PROG, CliError
 def cmd_distill(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from engine.heads.distill import distill
+    from engine.heads.distill import DistillPlan, distill, plan_with
     from engine.measure.bench import read_prompts
 
     # Cheap checks first: a typo in a file or folder name should not cost a model load.
+    changes = dict(args.plan)
+    try:
+        plan_with(DistillPlan(), changes)
+    except ValueError as e:
+        raise CliError(str(e)) from None
+    if args.init is not None and not (args.init / "manifest.json").is_file():
+        raise CliError(f"--init {args.init}: not a draft head folder (no manifest.json)")
     questions = [p.prompt for p in read_prompts(args.prompts)] if args.prompts is not None else []
     for folder in (args.out, args.work or args.out / "work"):
         try:
@@ -39,6 +46,6 @@ def cmd_distill(args: argparse.Namespace) -> int:
 
         summary = distill(args.target, args.out, minutes=args.minutes, work=args.work, call_minutes=args.call_minutes,
                           device=args.device, dtype=args.dtype, seed=args.seed, questions=questions,
-                          progress=progress)
+                          progress=progress, init=args.init, plan_changes=changes)
     print(json.dumps(summary, indent=2, ensure_ascii=False))
     return 0

@@ -149,6 +149,14 @@ def head(text: str) -> str:
     return text
 
 
+def key_value(text: str) -> tuple[str, str]:
+    """KEY=VALUE (the value is checked by the command that knows the key)."""
+    key, sep, value = utf8(text, "a KEY=VALUE setting").partition("=")
+    if not sep or not key.strip() or not value.strip():
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {short(text)!r}")
+    return key.strip(), value.strip()
+
+
 def path(text: str) -> Path:
     return Path(utf8(text, "a file or folder name"))
 

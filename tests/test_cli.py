@@ -218,3 +218,12 @@ def test_bench_hf_baselines_fidelity_and_cost_model(tiny_pair, tmp_path, capsys)
     assert cost["draft_ms"] > 0 and set(cost["target_ms"]) >= {"1", "6"}
     assert cost["predicted_speedup"] > 0 and cost["verdict"].startswith("Speculative decoding")
     assert "hf-assisted / standard" in captured.out and "cost model" in captured.out
+
+
+def test_distill_plan_settings_are_checked_before_loading(tmp_path, capsys):
+    assert main(["distill", "--out", str(tmp_path / "h"), "--plan", "answer_segmnet=96"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "unknown plan setting 'answer_segmnet'" in err[0]
+    assert main(["distill", "--out", str(tmp_path / "h"), "--init", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "not a draft head folder" in err[0]

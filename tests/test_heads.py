@@ -187,3 +187,53 @@ def test_head_graphs_draft_what_the_eager_head_drafts(tiny_head):
     assert torch.equal(graphs.drafts[:5], eager.drafts[:5])
     torch.testing.assert_close(graphs.last_logits, eager.last_logits)
     torch.testing.assert_close(graphs.k_cache[:, :, :43], eager.k_cache[:, :, :43])
+
+
+def test_a_head_continues_from_a_finished_run(tiny_head, tmp_path):
+    """--init: the run starts from the head's weights and vocabulary on fresh data; its log and budget carry over."""
+    before = read_manifest(tiny_head.head)
+    plan = quick_plan(max_rounds=2, max_steps=20, seed=5)
+    summary = distiller(tiny_head.target, tmp_path / "out", tmp_path / "work", plan, init=before).run()
+    log = _log(tmp_path / "work")
+    first = next(r for r in log if r["kind"] == "eval")
+    assert first["step"] == 0 and first["acceptance"][0] > 0.3, first  # not a fresh head: chance is far below
+    vocab = next(r for r in log if r["kind"] == "vocab")
+    assert vocab["from"] == "tiny head" and vocab["size"] == before.config.draft_vocab
+    after = read_manifest(tmp_path / "out")
+    assert after.config == before.config
+    assert torch.equal(load_head(after, torch.device("cpu"), torch.float32).d2t,
+                       load_head(before, torch.device("cpu"), torch.float32).d2t)
+    used = tiny_head.summary["used_minutes"]
+    assert summary["continued_from"] == {"name": "tiny head", "used_minutes": used}
+    assert summary["used_minutes_in_all"] == pytest.approx(used + summary["used_minutes"], abs=0.011)
+    shipped_log = _log(tmp_path / "out")
+    kinds = [r["kind"] for r in shipped_log]
+    assert kinds.index("continue") == len(_log(tiny_head.head)), "the earlier run's log, the marker, then this one"
+    assert kinds[-1] == "eval"  # the final evaluation (the export record follows the copy, in the work log)
+    with pytest.raises(DistillError, match="another head"):
+        distiller(tiny_head.target, tmp_path / "out", tmp_path / "work", plan).run()
+
+
+def test_plan_settings_change_by_name_and_are_checked():
+    from engine.heads.distill import DistillPlan, plan_with
+
+    plan = plan_with(DistillPlan(), {"answer_segment": "128", "data_share": "0.6", "train.lr": "3e-4",
+                                     "questions_must_end": "false"})
+    assert (plan.answer_segment, plan.data_share, plan.train.lr, plan.questions_must_end) == (128, 0.6, 3e-4, False)
+    for bad, match in [({"answer_segmnet": "1"}, "unknown plan setting 'answer_segmnet'"),
+                       ({"train.depht": "4"}, "known: train.batch_tokens"),
+                       ({"question_batch": "many"}, "expected int"), ({"minutes": "3"}, "unknown"),
+                       ({"data_share": "nan"}, ">= 0")]:
+        with pytest.raises(ValueError, match=match):
+            plan_with(DistillPlan(), bad)
+
+
+def test_answers_in_segments_equal_answers_in_one_call(tiny_head):
+    """Greedy: continuing the rows that did not end, segment by segment, writes what one long generate writes."""
+    model, tok = load_target(tiny_head.target)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 300, (n,), generator=g).tolist() for n in (5, 9, 14, 7)]
+    whole = D.sample_segmented(model, tok, prompts, max_new=20, segment=0, temperature=0.0, top_p=1.0, seed=0)
+    parts = D.sample_segmented(model, tok, prompts, max_new=20, segment=6, temperature=0.0, top_p=1.0, seed=0)
+    assert parts == whole
+    assert all(len(ids) == 20 or ended for ids, ended in parts)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import time
 import unicodedata
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -175,6 +176,37 @@ def sample_batches(model, tokenizer, prompts: list[list[int]], **options) -> lis
         log.warning("out of memory generating %d sequences at once; splitting the batch", len(prompts))
         return (sample_batches(model, tokenizer, prompts[:half], **options)
                 + sample_batches(model, tokenizer, prompts[half:], **options))
+
+
+def sample_segmented(model, tokenizer, prompts: list[list[int]], *, max_new: int, segment: int = 0,
+                     seed: int, max_time: float | None = None, **options) -> list[tuple[list[int], bool]]:
+    """sample_batches in segments of `segment` new tokens: after each, the rows that ended drop out.
+
+    A batched generate runs every row until the longest is done; answers vary from a line to the
+    limit, so most rows would be dead weight for the last steps. Rows that go on are continued from
+    their prompt plus what they wrote (one more prefill, done in parallel). segment 0: one call.
+    Each segment samples with its own seed; greedy answers equal the one-call answers.
+    """
+    if segment <= 0 or segment >= max_new:
+        return sample_batches(model, tokenizer, prompts, max_new=max_new, seed=seed, max_time=max_time, **options)
+    deadline = None if max_time is None else time.perf_counter() + max_time
+    written: list[list[int]] = [[] for _ in prompts]
+    ended = [False] * len(prompts)
+    live = list(range(len(prompts)))
+    part = 0
+    while live:
+        left = None if deadline is None else deadline - time.perf_counter()
+        if left is not None and left <= 0:
+            break
+        budget = min(segment, max_new - len(written[live[0]]))
+        outs = sample_batches(model, tokenizer, [prompts[i] + written[i] for i in live], max_new=budget,
+                              seed=seed + 7919 * part, max_time=left, **options)
+        for i, (ids, done) in zip(live, outs):
+            written[i] += ids
+            ended[i] = done
+        live = [i for i in live if not ended[i] and len(written[i]) < max_new]
+        part += 1
+    return list(zip(written, ended))
 
 
 @torch.inference_mode()

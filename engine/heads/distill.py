@@ -16,15 +16,17 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 import torch
 
+from engine.errors import IncompatibleModelsError, ModelLoadError
 from engine.heads import data as D
 from engine.heads.config import fingerprint
 from engine.heads.fitting import DistillError, TrainingPhase
 from engine.heads.model import DraftHead
+from engine.heads.shards import HeadFiles, open_head
 from engine.heads.train import TrainConfig
 from engine.types import TrainingProgress
 
@@ -54,6 +56,7 @@ class DistillPlan:
     max_rounds: int | None = None  # stop writing data after this many rounds (tests; None: by time)
     max_steps: int | None = None  # stop training after this many steps, the schedule following steps (tests)
     questions_must_end: bool = True  # keep only questions the target finished (tiny random models never do)
+    answer_segment: int = 0  # answer in segments of this many tokens, dropping finished rows between them (0: one)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -92,8 +95,12 @@ class Distiller(TrainingPhase):
     def __init__(self, target, tokenizer, *, work: Path, out: Path, plan: DistillPlan, name: str,
                  call_minutes: float | None = None, extra_questions: list[str] = (),
                  progress: ProgressFn | None = None, cancel: threading.Event | None = None,
-                 started: float | None = None) -> None:
-        """started: time.perf_counter() when this call began (loading the target counts against the budget)."""
+                 started: float | None = None, init: HeadFiles | None = None) -> None:
+        """started: time.perf_counter() when this call began (loading the target counts against the budget).
+
+        init: a head already trained for this target to continue from (its vocabulary and weights);
+        the new data is fresh, and the budget it used before is carried into the summary.
+        """
         self.target = target
         self.tokenizer = tokenizer
         self.work = work
@@ -110,6 +117,7 @@ class Distiller(TrainingPhase):
             if hit is not None:
                 raise DistillError(f"Refusing to train on a benchmark or test prompt: {q[:80]!r} matches {hit[:80]!r}.")
         self.extra_questions = list(extra_questions)
+        self.init = init
         work.mkdir(parents=True, exist_ok=True)
         (work / "data").mkdir(exist_ok=True)
         self.state = self._load_state()
@@ -122,7 +130,8 @@ class Distiller(TrainingPhase):
     def _load_state(self) -> dict:
         path = self.work / "state.json"
         fresh = {"fingerprint": self.fingerprint.to_json(), "plan": self.plan.to_json(), "spent_s": 0.0,
-                 "phase": "data", "rounds": 0, "train_started_s": None, "step": 0, "calls": 0}
+                 "phase": "data", "rounds": 0, "train_started_s": None, "step": 0, "calls": 0,
+                 "init": None if self.init is None else init_record(self.init)}
         if not path.exists():
             return fresh
         state = json.loads(path.read_text(encoding="utf-8"))
@@ -131,6 +140,9 @@ class Distiller(TrainingPhase):
         if state.get("plan") != fresh["plan"]:
             raise DistillError(f"The work folder {self.work} was started with other settings (minutes, seed, "
                                "sizes); continue with the same ones or use an empty folder.")
+        if state.get("init") != fresh["init"]:
+            raise DistillError(f"The work folder {self.work} was started from another head (--init); "
+                               "continue with the same one or use an empty folder.")
         return state
 
     def _save_state(self) -> None:
@@ -262,9 +274,10 @@ class Distiller(TrainingPhase):
             return []
         prompts = [D.answer_prompt(tok, q, D.pick_answer_system(rng)) for _, q in questions]
         order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
-        outs = D.sample_batches(self.target, tok, [prompts[i] for i in order], max_new=plan.answer_tokens,
-                              temperature=0.0 if greedy else plan.answer_temperature, top_p=1.0, seed=seed,
-                              max_time=self._generate_time())
+        outs = D.sample_segmented(self.target, tok, [prompts[i] for i in order], max_new=plan.answer_tokens,
+                                  segment=plan.answer_segment,
+                                  temperature=0.0 if greedy else plan.answer_temperature, top_p=1.0, seed=seed,
+                                  max_time=self._generate_time())
         records = []
         for i, (ids, _) in zip(order, outs):
             if len(ids) < 2:
@@ -273,14 +286,56 @@ class Distiller(TrainingPhase):
                             "ids": torch.tensor(prompts[i] + ids, dtype=torch.int32), "prompt_len": len(prompts[i])})
         return records
 
+def init_record(files: HeadFiles) -> dict:
+    """What a continued run keeps of the head it starts from: where, which, and the budget it used."""
+    training = files.manifest.get("training") or {}
+    before = training.get("used_minutes_in_all", training.get("used_minutes", 0.0))
+    return {"folder": str(files.folder), "name": files.name,
+            "shards": [s["sha256"] for s in files.manifest.get("shards", [])],
+            "used_minutes": float(before or 0.0)}
+
+
+def plan_with(plan: DistillPlan, changes: dict[str, str]) -> DistillPlan:
+    """The plan with fields changed by name ("answer_segment", "train.lr"), each value parsed as the field's type.
+
+    ValueError (one line) for an unknown name or a value of the wrong type.
+    """
+    top: dict = {}
+    train: dict = {}
+    for key, text in changes.items():
+        holder, name = (plan.train, key[6:]) if key.startswith("train.") else (plan, key)
+        kinds = {f.name: f.type for f in fields(holder)}
+        if name not in kinds or name in ("train", "minutes", "seed"):
+            known = sorted(k for k in kinds if k not in ("train", "minutes", "seed"))
+            prefix = "train." if holder is plan.train else ""
+            raise ValueError(f"unknown plan setting {key!r}; known: {', '.join(prefix + k for k in known)}")
+        current = getattr(holder, name)
+        kind = type(current) if current is not None else int
+        try:
+            if kind is bool:
+                if text.lower() not in ("true", "false", "1", "0"):
+                    raise ValueError
+                value = text.lower() in ("true", "1")
+            else:
+                value = kind(text)
+        except ValueError:
+            raise ValueError(f"plan setting {key}={text!r}: expected {kind.__name__}") from None
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and (value != value or value < 0):
+            raise ValueError(f"plan setting {key}={text!r}: expected a number >= 0")
+        (train if holder is plan.train else top)[name] = value
+    return replace(plan, **top, train=replace(plan.train, **train))
+
+
 def prepare(target: str | None, out: Path, *, minutes: float, work: Path | None = None,
             call_minutes: float | None = None, device: str = "auto", dtype: str = "auto", seed: int = 0,
             questions: list[str] = (), plan: DistillPlan | None = None, progress: ProgressFn | None = None,
-            cancel: threading.Event | None = None) -> Distiller:
+            cancel: threading.Event | None = None, init: Path | None = None,
+            plan_changes: dict[str, str] | None = None) -> Distiller:
     """Loads the target (as the store loads any model) and prepares one call of its distillation.
 
     The work folder defaults to OUT/work; preparing and running again with it continues the run.
-    Loading counts against the budget.
+    Loading counts against the budget. init: a head folder for this target to continue training
+    (refused, as at load, when it was trained for another target). plan_changes: see plan_with.
     """
     started = time.perf_counter()
     from engine.models.loader import load_pair
@@ -292,9 +347,17 @@ def prepare(target: str | None, out: Path, *, minutes: float, work: Path | None 
         log.warning("distilling on the CPU: data and training are slow; expect a weak head in a short budget")
         plan = CPU_PLAN  # small rounds and batches, so progress shows every few minutes at least
     plan = replace(plan or DistillPlan(), minutes=minutes, seed=seed)
+    if plan_changes:
+        plan = plan_with(plan, plan_changes)
+    files = None
+    if init is not None:
+        try:
+            files = open_head(Path(init), pair.target)
+        except (ModelLoadError, IncompatibleModelsError) as e:
+            raise DistillError(f"Cannot continue from {init}: {e}") from None
     return Distiller(pair.target, pair.tokenizer, work=work or out / "work", out=out, plan=plan,
                      name=f"{pair.info.target_name} head", call_minutes=call_minutes,
-                     extra_questions=list(questions), progress=progress, cancel=cancel, started=started)
+                     extra_questions=list(questions), progress=progress, cancel=cancel, started=started, init=files)
 
 
 def distill(target: str | None, out: Path, **options) -> dict:

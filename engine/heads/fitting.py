@@ -6,6 +6,7 @@ file, the log and the data rounds.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import time
@@ -17,7 +18,7 @@ from engine.errors import EngineError
 from engine.heads import data as D
 from engine.heads.config import HeadConfig, feature_layers
 from engine.heads.model import DraftHead
-from engine.heads.shards import save_head
+from engine.heads.shards import load_head, save_head
 from engine.heads.train import (
     Sequence,
     StepStats,
@@ -61,6 +62,14 @@ class TrainingPhase:
         counts = torch.zeros(vocab, dtype=torch.float64)
         for s in seqs:
             counts.index_add_(0, s.ids[s.prompt_len :].long(), torch.ones(len(s.ids) - s.prompt_len, dtype=torch.float64))
+        if self.init is not None:  # a continued head keeps its vocabulary (its output rows are trained for it)
+            d2t = self._init_head().d2t.cpu()
+            torch.save(d2t, path)
+            coverage = float(counts[d2t].sum() / counts.sum().clamp_min(1))
+            self._log({"kind": "vocab", "size": int(d2t.numel()), "answer_coverage": round(coverage, 5),
+                       "from": self.init.name}, "train",
+                      f"draft vocabulary of {self.init.name}: {d2t.numel()} ids cover {coverage:.2%} of the new answers")
+            return d2t
         # Unseen ids: lower ids first (byte-level BPE merges earlier, more frequent pieces first).
         score = counts - torch.arange(vocab, dtype=torch.float64) / vocab
         score[D.eos_ids(self.tokenizer, self.target)] = float("inf")
@@ -71,7 +80,18 @@ class TrainingPhase:
                   f"draft vocabulary: {size} ids cover {coverage:.2%} of answer tokens")
         return d2t
 
+    def _init_head(self) -> DraftHead:
+        """The head a continued run starts from, in float32 (master weights), trainable, unbound."""
+        head = load_head(self.init, self.device, torch.float32)
+        return head.requires_grad_(True)
+
     def _build_head(self, d2t: torch.Tensor) -> DraftHead:
+        if self.init is not None:
+            head = self._init_head()
+            if not torch.equal(head.d2t.cpu(), d2t.cpu()):
+                raise DistillError(f"The work folder {self.work} has another draft vocabulary than {self.init.name}; "
+                                   "use an empty folder.")
+            return head.bind(self.target)
         cfg = self.target.config
         n_heads = cfg.num_attention_heads
         head_cfg = HeadConfig(
@@ -226,10 +246,20 @@ class TrainingPhase:
             "expected_tokens_k5": round(expected_tokens(acceptance, 5), 3) if acceptance else None,
             "device": str(self.device), "seed": self.plan.seed,
         }
+        init = self.state.get("init")
+        if init is not None:  # the budget in all: what the head it continued had used, plus this run
+            training["continued_from"] = {"name": init["name"], "used_minutes": init["used_minutes"]}
+            training["used_minutes_in_all"] = round(init["used_minutes"] + training["used_minutes"], 2)
         files = save_head(self.head, self.out, name=self.name, target=self.fingerprint, training=training)
         log_copy = self.out / "train_log.jsonl"
         if log_copy.resolve() != self.log_path.resolve():
-            log_copy.write_bytes(self.log_path.read_bytes())
+            earlier = b""
+            if self.init is not None and (self.init.folder / "train_log.jsonl").is_file():
+                # The whole history in one log: the run continued from, a marker, then this one.
+                marker = {"kind": "continue", "from": self.init.name, "used_minutes_before": init["used_minutes"]}
+                earlier = ((self.init.folder / "train_log.jsonl").read_bytes().rstrip(b"\n") + b"\n"
+                           + json.dumps(marker, ensure_ascii=False).encode() + b"\n")
+            log_copy.write_bytes(earlier + self.log_path.read_bytes())
         self._log({"kind": "export", "files": [p.name for p in files], **training}, "export",
                   f"head written to {self.out}")
         return {"out": str(self.out), "files": [str(p) for p in files] + [str(log_copy)], **training}
