@@ -355,8 +355,9 @@ def prepare(target: str | None, out: Path, *, minutes: float, work: Path | None 
             files = open_head(Path(init), pair.target)
         except (ModelLoadError, IncompatibleModelsError) as e:
             raise DistillError(f"Cannot continue from {init}: {e}") from None
+    name = files.name if files is not None else f"{pair.info.target_name} head"  # a continued head keeps its name
     return Distiller(pair.target, pair.tokenizer, work=work or out / "work", out=out, plan=plan,
-                     name=f"{pair.info.target_name} head", call_minutes=call_minutes,
+                     name=name, call_minutes=call_minutes,
                      extra_questions=list(questions), progress=progress, cancel=cancel, started=started, init=files)
 
 
