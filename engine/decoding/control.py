@@ -13,7 +13,9 @@ The loop (loop.py) asks `choose(offers, room)` at the top of every round and rep
   decayed Beta posterior of the acceptance a_i at each draft position i, so K moves within one
   answer (a code block drafts long, prose short). When no K beats a standard step it decodes
   standard steps and probes now and then (a short draft) to see whether that is still true; the
-  probe interval doubles while probes keep confirming it. What it learns is kept per engine
+  probe interval doubles while probes keep confirming it, and probes may cost at most PROBE_SHARE
+  of the time decoded so far (a draft model's probe after a long standard stretch first feeds it
+  every token it missed). What it learns is kept per engine
   (TuningMemory), so the next answer starts from it.
 
 Decisions cost microseconds: plain Python floats, no torch.
@@ -37,6 +39,10 @@ PROBE_MIN = 16  # standard steps before the first probe after speculation stoppe
 PROBE_MAX = 128  # longest interval between probes
 PROBE_K = (2, 3)  # shortest and longest probe: short (they are not expected to pay), but informative
 EXPLORE = 6.0  # draft positions a proposer must have been tried on before a verdict against it counts
+# Probes (after the first tries) may lose at most this share of the time decoded so far. On the H200
+# a probe of the 0.5B draft cost 50-70 ms, most of it feeding the draft the tokens of the standard
+# stretch before it, against 3 ms a token: probing every 16-128 steps put auto at 0.92x standard.
+PROBE_SHARE = 0.015
 SURPRISE = 0.35  # a probe accepted in full although the estimate gave that less than this chance is news
 # A draft must promise this much over a standard step before it runs (probes aside): on the H200 the
 # measured speedups came in 3-7% under the prediction near break-even (auto with the 0.5B draft:
@@ -145,10 +151,11 @@ class Timing:
     verify_ratio: float | None = None  # the same for a speculative step's verify
     draft_ratio: dict[str, float] = field(default_factory=dict)  # source -> measured / load-time drafting
     catch_up_ms: dict[str, float] = field(default_factory=dict)  # source -> extra drafting after standard steps
+    probe_loss_ms: dict[str, float] = field(default_factory=dict)  # source -> what a probe lost against standard
 
     def copy(self) -> Timing:
         return Timing(self.standard_overhead_ms, self.overhead_ms, self.standard_ratio, self.verify_ratio,
-                      dict(self.draft_ratio), dict(self.catch_up_ms))
+                      dict(self.draft_ratio), dict(self.catch_up_ms), dict(self.probe_loss_ms))
 
 
 def _ema(old: float | None, new: float, low: float = 0.0, high: float = float("inf")) -> float:
@@ -166,6 +173,8 @@ class TuningMemory:
     acceptance: dict[tuple[str, float], Acceptance] = field(default_factory=dict)
     timing: Timing = field(default_factory=Timing)
     probe_every: dict[float, int] = field(default_factory=dict)  # temperature -> current probe interval
+    elapsed_ms: float = 0.0  # wall time of every step observed
+    probe_spent_ms: float = 0.0  # what probes (first tries aside) lost against standard steps
 
 
 class AdaptiveK:
@@ -181,6 +190,8 @@ class AdaptiveK:
         self.acceptance: dict[str, Acceptance] = {}  # statistics key -> this generation's posterior
         self.probe_every = self.memory.probe_every.get(self.temperature, PROBE_MIN)
         self.idle = 0  # standard steps since the last speculative one
+        self.elapsed_ms = self.memory.elapsed_ms
+        self.probe_spent_ms = self.memory.probe_spent_ms
         self._offers: Sequence[Offer] = ()
 
     # -- the decision ------------------------------------------------------------------------------
@@ -256,10 +267,16 @@ class AdaptiveK:
         speedup = rate / standard_rate
         if speedup > 1.0 + GAIN_MARGIN:
             return Decision(k, offer.source, "best", acceptance, speedup, k, speedup)
-        if self.idle >= self.probe_every or self._stats(offer.key).tried < EXPLORE:
+        exploring = self._stats(offer.key).tried < EXPLORE
+        if exploring or (self.idle >= self.probe_every and self._probe_affordable(offer.source)):
             probe_k = min(max(k, PROBE_K[0]), PROBE_K[1], room, offer.max_tokens)
             return Decision(probe_k, offer.source, "probe", acceptance, speedup, k, speedup)
         return Decision(0, None, "no_gain", acceptance, 1.0, k, speedup)
+
+    def _probe_affordable(self, source: str) -> bool:
+        """A probe fits the budget: what probes lost so far plus what this one is expected to lose."""
+        expected = self.timing.probe_loss_ms.get(source, 0.0)
+        return self.probe_spent_ms + expected <= PROBE_SHARE * self.elapsed_ms
 
     # -- learning ----------------------------------------------------------------------------------
 
@@ -267,6 +284,7 @@ class AdaptiveK:
                 wall_ms: float) -> None:
         t, target = self.timing, self.costs.target_ms
         overhead = wall_ms - draft_ms - verify_ms
+        self.elapsed_ms += wall_ms
         for stats in self.acceptance.values():
             stats.idle += 1  # the one that drafted resets it in update()
         if decision.k == 0 or decision.source is None:
@@ -291,6 +309,9 @@ class AdaptiveK:
         exploring = stats.tried < EXPLORE  # first tries of a proposer: no verdict to confirm yet
         stats.update(drafted, accepted)
         if decision.reason == "probe" and not exploring:
+            lost = max(wall_ms - (accepted + 1) * self.standard_ms(), 0.0)  # against standard steps' tokens
+            self.probe_spent_ms += lost
+            t.probe_loss_ms[source] = _ema(t.probe_loss_ms.get(source), lost)
             # Speculation pays now, or the probe was news (accepted in full against the odds): probe
             # again soon. Otherwise the verdict stands: probe half as often.
             standard_rate = 1.0 / self.standard_ms()
@@ -305,3 +326,5 @@ class AdaptiveK:
             self.memory.acceptance[(key, self.temperature)] = stats.copy()
         self.memory.timing = self.timing.copy()
         self.memory.probe_every[self.temperature] = self.probe_every
+        self.memory.elapsed_ms = self.elapsed_ms
+        self.memory.probe_spent_ms = self.probe_spent_ms

@@ -90,9 +90,11 @@ class DraftModelProposer:
     def propose(self, k: int) -> Proposal:
         greedy = self.sampling.greedy
         tokens, q_rows, shown = [], [], []
-        if self.cached == 0 and len(self.pending) > 1:  # the first draft of this generation: the prompt first
+        if len(self.pending) > 2 or (self.cached == 0 and len(self.pending) > 1):
+            # The prompt (first draft of a generation) or a catch-up after standard steps: fed as a
+            # prefill, with no logits for rows nobody reads; only the last token goes through forward.
             self.runner.prefill(ids_tensor(self.pending[:-1], self.device))
-            self.cached = len(self.pending) - 1
+            self.cached += len(self.pending) - 1
             self.pending = self.pending[-1:]
         ids = ids_tensor(self.pending, self.device)  # [P], queued: no wait for the device
         for _ in range(k):
