@@ -10,6 +10,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from engine.models.census import census_from_config, census_from_folder, census_from_gguf
 from engine.models.plan import (
+    RUNTIME_BNB,
     RUNTIME_CUDA,
     SLACK,
     DraftOption,
@@ -142,9 +143,13 @@ def test_plan_total_is_its_lines_and_runtime_carries_the_slack():
     dev = plan.devices[0]
     tensors = sum(i.bytes for i in dev.items if i.kind != "runtime")
     runtime = next(i for i in dev.items if i.kind == "runtime")
-    assert runtime.bytes == RUNTIME_CUDA + int(SLACK * tensors)
+    assert runtime.bytes == RUNTIME_CUDA + RUNTIME_BNB + int(SLACK * tensors)  # the nf4 draft loads bitsandbytes
     assert dev.total == tensors + runtime.bytes and plan.fits
     assert [i.model for i in dev.items if i.kind == "weights"] == ["target", "draft"]
+    plain = build_plan(PlanInputs(ModelSpec(c, "bfloat16", "bfloat16"), ModelSpec(c, "bfloat16", "bfloat16"), "cuda",
+                                  512), [GiB], "given")
+    tensors = sum(i.bytes for i in plain.devices[0].items if i.kind != "runtime")
+    assert next(i for i in plain.devices[0].items if i.kind == "runtime").bytes == RUNTIME_CUDA + int(SLACK * tensors)
 
 
 def test_int8_models_plan_no_graphs_and_nf4_models_do():

@@ -147,7 +147,7 @@ def test_cli_plan_prints_the_plan_offline_and_exits_1_when_it_does_not_fit(capsy
     plan = json.loads(capsys.readouterr().out)
     assert code == 0 and plan["fits"] and plan["devices"][0]["capacity"] == 80 * GiB
     code = cli_main(["plan", "--preset", "qwen3-32b", "--device", "cuda", "--memory", "24GiB", "--target-quant", "nf4",
-                     "--draft-quant", "nf4", "--context", "4096"])
+                     "--draft-quant", "nf4", "--context", "2048"])
     assert code == 0 and "(nf4)" in capsys.readouterr().out
 
 

@@ -25,7 +25,12 @@ LEAN_TYPES = ("qwen2", "qwen3", "llama", "mistral")  # what the fast path runs
 # Calibrated (bench/h200_quant.py on an H200; bench/plan_cpu.py here): memory the process needs
 # besides its tensors. CUDA: context, kernels and library handles per device. CPU: the Python
 # process with torch and transformers imported.
-RUNTIME_CUDA = 600 * MiB
+# On a quiet H200 (torch 2.11, CUDA 13; bench/results/h200_quant.json) the process held 0.92 GiB
+# outside PyTorch's allocator with the default pair in bf16, 0.98-1.02 GiB once bitsandbytes' kernels
+# were loaded: 600 MiB put the plan 4.6% (bf16) to 12.4% (nf4 target, int8 draft) under the peak.
+RUNTIME_CUDA = 900 * MiB
+RUNTIME_BNB = 100 * MiB  # bitsandbytes' kernels and handles, on a device holding a quantized model
+QUANTIZED = ("int8", "nf4")
 RUNTIME_CPU = 500 * MiB
 SLACK = 0.02  # allocator rounding and fragmentation, as a share of the tensors' bytes
 LOOP_BUFFERS = 6  # [K+1, V] float32 tensors alive at once in the acceptance maths
@@ -259,6 +264,8 @@ def build_plan(inputs: PlanInputs, capacities: list[int | None], capacity_source
     for g in range(gpus):
         tensors = sum(i.bytes for i in items[g])
         runtime = RUNTIME_CUDA if cuda else RUNTIME_CPU
+        if cuda and (t.precision in QUANTIZED or (d is not None and d.precision in QUANTIZED and g == out_device)):
+            runtime += RUNTIME_BNB
         label = "runtime (CUDA context, libraries, allocator)" if cuda else "runtime (Python, torch, allocator)"
         items[g].append(PlanItem("runtime", "", label, runtime + int(SLACK * tensors)))
 
