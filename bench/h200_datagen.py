@@ -9,8 +9,8 @@ what limits it. This measures, on the real target, the levers `distill --plan` c
 1. decode steps of one batched generate at 512, 1024 and 2048 rows (greedy, fixed length): if the
    step time grows with the rows the GPU is the limit, if not the host is (then bigger batches pay);
 2. where the GPU time goes at 1024 rows (torch.profiler, top kernels);
-3. answers of up to 320 tokens (as distill writes them) to 1024 questions in one generate vs in segments (rows that ended drop
-   out between segments): seconds and answer tokens per second.
+3. answers of up to 320 tokens (as distill writes them) to 1024 questions in one generate vs in
+   segments (rows that ended drop out between segments): seconds and answer tokens per second.
 Prints a table; writes datagen.json to --out. --recommend FILE writes the `distill --plan` options
 these figures favour: 2048 questions a round when 2048 rows decode at under 1.6x the step time of
 1024 (the host, not the GPU, is then the limit), answers in segments when that is 5% faster.

@@ -223,7 +223,8 @@ def test_plan_settings_change_by_name_and_are_checked():
     for bad, match in [({"answer_segmnet": "1"}, "unknown plan setting 'answer_segmnet'"),
                        ({"train.depht": "4"}, "known: train.batch_tokens"),
                        ({"question_batch": "many"}, "expected int"), ({"minutes": "3"}, "unknown"),
-                       ({"data_share": "nan"}, ">= 0")]:
+                       ({"data_share": "nan"}, "from 0 to 1"), ({"data_share": "1.5"}, "from 0 to 1"),
+                       ({"question_batch": "0"}, "from 1 to inf"), ({"train.lr": "inf"}, "from 0 to inf")]:
         with pytest.raises(ValueError, match=match):
             plan_with(DistillPlan(), bad)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import threading
 import time
@@ -295,6 +296,11 @@ def init_record(files: HeadFiles) -> dict:
             "used_minutes": float(before or 0.0)}
 
 
+POSITIVE = ("question_batch", "question_tokens", "answer_tokens", "intermediate", "draft_vocab", "eval_sequences",
+            "log_every", "depth", "batch_tokens", "max_len", "max_rounds", "max_steps")  # sizes: 0 is a typo
+SHARES = ("data_share", "sampled_share", "warmup", "final_lr", "step_decay")  # fractions of 1
+
+
 def plan_with(plan: DistillPlan, changes: dict[str, str]) -> DistillPlan:
     """The plan with fields changed by name ("answer_segment", "train.lr"), each value parsed as the field's type.
 
@@ -320,8 +326,11 @@ def plan_with(plan: DistillPlan, changes: dict[str, str]) -> DistillPlan:
                 value = kind(text)
         except ValueError:
             raise ValueError(f"plan setting {key}={text!r}: expected {kind.__name__}") from None
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and (value != value or value < 0):
-            raise ValueError(f"plan setting {key}={text!r}: expected a number >= 0")
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            low = 1 if name in POSITIVE else 0
+            high = 1 if name in SHARES else math.inf
+            if not (math.isfinite(value) and low <= value <= high):
+                raise ValueError(f"plan setting {key}={text!r}: expected a number from {low} to {high:g}")
         (train if holder is plan.train else top)[name] = value
     return replace(plan, **top, train=replace(plan.train, **train))
 
