@@ -1,5 +1,7 @@
-"""The "Train a draft head" dialog: a budget, a folder, Start/Cancel, progress with ETA, live loss and acceptance curves."""
+"""The "Train a draft head" dialog: a budget, a folder, Start/Cancel, progress with ETA, loss and acceptance curves (live, or a head's log)."""
 from __future__ import annotations
+
+from collections.abc import Iterable
 
 import numpy as np
 import pyqtgraph as pg
@@ -129,17 +131,15 @@ class TrainHeadDialog(QDialog):
         self.progress.setValue(round(1000 * p.fraction))
         self.progress.setFormat(f"{p.phase} · {p.fraction:.0%} · about {p.eta_s / 60:.0f} min left")
         self.status.setText(p.message)
-        record = p.record or {}
-        if record.get("kind") == "train":
-            self._loss.append(record["step"], record["loss"])
-            self._agreement.append(record["step"], 100.0 * record["acc"][0])
-            self._dirty = True
-        elif record.get("kind") == "eval":
-            acceptance = record["acceptance"]
-            self._held_out.append(record["step"], 100.0 * acceptance[0])
-            if len(acceptance) > 1:
-                self._held_out_later.append(record["step"], 100.0 * float(np.mean(acceptance[1:])))
-            self._dirty = True
+        if p.record is not None:
+            self._add_record(p.record)
+
+    def show_log(self, records: Iterable[dict], message: str) -> None:
+        """A finished training in the curves (a head's train_log.jsonl records), `message` saying whose it is."""
+        self._clear_curves()
+        for record in records:
+            self._add_record(record)
+        self.status.setText(message)
 
     def show_finished(self, summary: dict) -> None:
         self.set_running(False)
@@ -204,6 +204,24 @@ class TrainHeadDialog(QDialog):
         }
         self._dirty = False
 
+    def _add_record(self, record: dict) -> None:
+        """One log line into the curves: live progress and a saved log go through here alike."""
+        if record.get("kind") == "train":
+            self._loss.append(record["step"], record["loss"])
+            self._agreement.append(record["step"], 100.0 * record["acc"][0])
+            self._dirty = True
+        elif record.get("kind") == "eval":
+            acceptance = record["acceptance"]
+            self._held_out.append(record["step"], 100.0 * acceptance[0])
+            if len(acceptance) > 1:
+                self._held_out_later.append(record["step"], 100.0 * float(np.mean(acceptance[1:])))
+            self._dirty = True
+
+    def _clear_curves(self) -> None:
+        for s in self._series.values():
+            s.clear()
+        self._dirty = True
+
     def _browse(self) -> None:
         folder = QFileDialog.getExistingDirectory(self, "Save the draft head in", self.folder.text())
         if folder:
@@ -218,9 +236,7 @@ class TrainHeadDialog(QDialog):
         if not folder:
             self.status.setText("Choose a folder for the head first.")
             return
-        for s in self._series.values():
-            s.clear()
-        self._dirty = True
+        self._clear_curves()
         self.set_running(True)
         self.status.setText("Starting…")
         self.start_requested.emit(float(self.minutes.value()), folder)
