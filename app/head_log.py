@@ -23,7 +23,8 @@ class HeadLog:
     folder: Path  # the head's folder
     name: str  # display name from the manifest, e.g. "Qwen2.5-Coder-1.5B-Instruct head"
     source: Literal["folder", "shipped"]  # trained by the person in the dialog's folder, or shipped in assets/heads
-    records: tuple[dict, ...]  # the log's readable records; "train"/"eval" steps continue across runs
+    records: tuple[dict, ...]  # the log's readable records; "train"/"eval" steps continue across runs, and a
+    # "continue" marker carries the step it continues from
     runs: int  # training runs in the log: one, plus one per "continue" marker
     minutes: float | None  # training time in all runs (None: the manifest does not say)
     steps: int  # training steps in all runs
@@ -55,6 +56,7 @@ def read_log(path: Path) -> tuple[list[dict], int]:
         if kind == "continue":
             runs += 1
             offset = last
+            record = {**record, "step": last}  # where the curves show the continuation
         elif kind in ("train", "eval"):
             record = {**record, "step": record["step"] + offset}
             last = max(last, record["step"])

@@ -157,8 +157,9 @@ def test_a_continued_log_goes_on_from_its_last_step_and_skips_bad_lines(tmp_path
                  "held_out_acceptance": [0.7, 0.4, 0.2], "continued_from": {"name": "fake-target head"}})
     records, runs = read_log(folder / "train_log.jsonl")
     assert runs == 2
-    assert [(r["kind"], r["step"]) for r in records if r["kind"] in ("train", "eval")] == [
-        ("train", 10), ("train", 20), ("eval", 20), ("eval", 20), ("train", 30), ("train", 40), ("eval", 40)]
+    assert [(r["kind"], r["step"]) for r in records if r["kind"] != "call"] == [
+        ("train", 10), ("train", 20), ("eval", 20), ("continue", 20), ("eval", 20), ("train", 30), ("train", 40),
+        ("eval", 40)]
     head = read_head_log(folder, "folder")
     assert (head.name, head.runs, head.steps, head.minutes, head.device) == ("fake-target head", 2, 40, 3.5, "cuda:0")
     assert read_head_log(tmp_path / "nothing", "folder") is None
@@ -183,9 +184,10 @@ def test_the_dialog_opens_on_the_log_of_the_head_in_use_and_a_start_clears_it(wi
     assert series["held_out"][0][-1] == shipped.steps and series["held_out"][1][-1] > 70
     assert dialog.status.text().startswith(f"Training log of the head in use ({SHIPPED_HEAD}): 23.0 minutes on cuda:0 "
                                            "in two runs, 2,096 steps; held-out acceptance by draft position 73% 67%")
+    assert [line.value() for _plot, line in dialog._marks] == [1415, 1415]  # where the second run began
     with qtbot.waitSignal(w.worker.training_finished, timeout=5000):
         dialog.start_button.click()
-        assert dialog.series()["loss"][0].size == 0  # the log is gone as the live run begins
+        assert dialog.series()["loss"][0].size == 0 and not dialog._marks  # the log is gone as the live run begins
     qtbot.waitUntil(lambda: not w.training.running, timeout=2000)
     dialog.refresh()
     series = dialog.series()

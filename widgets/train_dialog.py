@@ -60,7 +60,7 @@ class TrainHeadDialog(QDialog):
         super().__init__(parent)
         self.setWindowTitle("Train a draft head")
         self.setObjectName("trainHeadDialog")
-        self.resize(720, 640)
+        self.resize(740, 720)
         self._running = False
         layout = QVBoxLayout(self)
         intro = QLabel(
@@ -181,16 +181,26 @@ class TrainHeadDialog(QDialog):
         graphics = pg.GraphicsLayoutWidget(self)
         graphics.setMinimumHeight(300)
         layout.addWidget(graphics, 1)
-        loss_plot = graphics.addPlot(row=0, col=0, title="Training loss")
-        loss_plot.setLabel("bottom", "step")
+        loss_plot = graphics.addPlot(row=0, col=0, title="Training loss")  # x as below: "step" is said once
         loss_plot.showGrid(y=True, alpha=0.15)
         acc_plot = graphics.addPlot(row=1, col=0, title="Acceptance (greedy)")
         acc_plot.setLabel("bottom", "step")
         acc_plot.setLabel("left", "%")
         acc_plot.setYRange(0, 100, padding=0.04)
         acc_plot.showGrid(y=True, alpha=0.15)
-        acc_plot.addLegend(offset=(-6, 4), labelTextSize="8pt", brush=(255, 255, 255, 200))
         acc_plot.setXLink(loss_plot)
+        for plot in (loss_plot, acc_plot):  # one width, so the linked x axes line up
+            plot.getAxis("left").setWidth(48)
+        # Under the plots, in one row: inside, it covered the curves wherever it stood over a whole run.
+        legend = pg.LegendItem(labelTextSize="8pt", colCount=3)
+        graphics.addItem(legend, row=2, col=0)
+        rows = graphics.ci.layout
+        for row, stretch in enumerate((2, 3, 0)):  # acceptance is what the head is for: it gets the most room
+            rows.setRowStretchFactor(row, stretch)
+        self._plots = (loss_plot, acc_plot)
+        self._marks: list[tuple[pg.PlotItem, pg.InfiniteLine]] = []  # where a run continued an earlier head
+        self._mark_pen = pg.mkPen(rgb(neutral), width=1, style=Qt.PenStyle.DashLine)
+        self._mark_colour = rgb(neutral)
         self._loss, self._agreement, self._held_out, self._held_out_later = _Series(), _Series(), _Series(), _Series()
         self._series = {"loss": self._loss, "agreement": self._agreement, "held_out": self._held_out,
                         "held_out_later": self._held_out_later}
@@ -202,6 +212,8 @@ class TrainHeadDialog(QDialog):
             "held_out_later": acc_plot.plot(pen=pg.mkPen(rgb(bonus), width=1), symbol="t", symbolSize=6,
                                             symbolBrush=rgb(bonus), name="later drafts (mean), held-out"),
         }
+        for name in ("agreement", "held_out", "held_out_later"):
+            legend.addItem(self._curves[name], self._curves[name].name())
         self._dirty = False
 
     def _add_record(self, record: dict) -> None:
@@ -216,10 +228,22 @@ class TrainHeadDialog(QDialog):
             if len(acceptance) > 1:
                 self._held_out_later.append(record["step"], 100.0 * float(np.mean(acceptance[1:])))
             self._dirty = True
+        elif record.get("kind") == "continue" and "step" in record:
+            # The loss jumps and the held-out set changes here: a line says why.
+            for plot in self._plots:
+                label = "continued on fresh data" if plot is self._plots[0] else None
+                line = pg.InfiniteLine(pos=record["step"], angle=90, pen=self._mark_pen, label=label,
+                                       labelOpts={"position": 0.92, "color": self._mark_colour,
+                                                  "anchors": [(1.05, 0.5), (1.05, 0.5)]})
+                plot.addItem(line)
+                self._marks.append((plot, line))
 
     def _clear_curves(self) -> None:
         for s in self._series.values():
             s.clear()
+        for plot, line in self._marks:
+            plot.removeItem(line)
+        self._marks.clear()
         self._dirty = True
 
     def _browse(self) -> None:
