@@ -7,6 +7,7 @@ from pathlib import Path
 
 from PySide6.QtCore import QObject, Signal
 
+from app.head_log import describe, head_log_for
 from app.session import TrainRequest
 from app.worker import EngineWorker
 from engine.types import ModelInfo, TrainingProgress
@@ -53,10 +54,15 @@ class HeadTrainingController(QObject):
                                    and not self.running):
             if self.dialog is not None:
                 self.dialog.deleteLater()
-            self.dialog = TrainHeadDialog(info.target_name, str(folder or default_head_folder(info.target_name)),
-                                          on_gpu=info.device.startswith("cuda"), parent=parent)
+            folder = folder or default_head_folder(info.target_name)
+            self.dialog = TrainHeadDialog(info.target_name, str(folder), on_gpu=info.device.startswith("cuda"),
+                                          parent=parent)
             self.dialog.start_requested.connect(self.start)
             self.dialog.cancel_requested.connect(self.cancel)
+            # Before a run of their own, how the head in use was trained (and what a run looks like).
+            head = head_log_for(info.head_name, folder)
+            if head is not None:
+                self.dialog.show_log(head.records, describe(head))
         self._info = info
         self.dialog.show()
         self.dialog.raise_()

@@ -1,6 +1,8 @@
-"""Saves a screenshot of the main window after one streamed answer, a race or a sweep (scripted engine or real models).
+"""Saves a screenshot of the main window after one streamed answer, a race or a sweep (scripted engine or real models),
+or of the "Train a draft head" dialog showing the training log of the head in use.
 
     .venv/bin/python bench/screenshot.py --real --tune --tune-prompts 2 --max-new-tokens 16 --out assets/screenshot-tune.png
+    .venv/bin/python bench/screenshot.py --real --runtime torch --train-dialog --out assets/screenshot-train.png
 """
 from __future__ import annotations
 
@@ -39,6 +41,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tune-k", default="1,2,3,5,8", help="the Tune tab's K list")
     p.add_argument("--tune-t", default="0,0.7", help="the Tune tab's temperatures")
     p.add_argument("--tune-prompts", type=int, default=2, help="how many bench prompts the sweep uses")
+    p.add_argument("--train-dialog", action="store_true",
+                   help="open File > Train a draft head... and grab only that dialog: with --real --runtime torch it "
+                        "shows the training log of the head loaded for the target")
+    p.add_argument("--dialog-size", default="760x760", help="the train dialog's size, with --train-dialog")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO)
 
@@ -92,7 +98,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.proposer or args.mode:
         values = window.panel.values()
         window.panel.set_values(replace(values, proposer=args.proposer or values.proposer, mode=args.mode or values.mode))
-    if args.tune:
+    shot = window  # what is grabbed
+    if args.train_dialog:
+        if window.info.runtime != "torch":  # the window would say so in a modal box, which a script cannot close
+            print(f"the train dialog needs the torch runtime (loaded: {window.info.runtime}); pass --runtime torch",
+                  file=sys.stderr)
+            return 1
+        if window.info.head_name is None:
+            logging.warning("no draft head was loaded for %s: the dialog shows no training log",
+                            window.info.target_name)
+        shot = window.open_train_dialog()
+        shot.resize(*(int(v) for v in args.dialog_size.split("x")))
+    elif args.tune:
         view = window.tune_view
         window.tabs.setCurrentWidget(view)
         view.ks.setText(args.tune_k)
@@ -119,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
 
         wait_for(lambda: window.active_request is None or (args.mid and streamed() >= args.mid), args.timeout)
     wait_for(lambda: False, 0.5)  # let the charts' timer and the layout settle
-    window.grab().save(args.out)
+    shot.grab().save(args.out)
     print(f"saved {args.out}")
     if args.beside:
         save_beside(window, args.beside, wait_for)

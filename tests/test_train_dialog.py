@@ -1,13 +1,17 @@
 """The app's "Train a draft head…": live curves from the worker, cancel, one terminal signal, the head offered after."""
 from __future__ import annotations
 
+import json
 import threading
 import time
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
+from app.head_log import head_log_for, read_head_log, read_log
 from app.settings import AppSettings
+from app.training import default_head_folder
 from app.window import MainWindow
 from app.worker import running_threads
 from engine.settings import ModelSelection
@@ -47,7 +51,8 @@ class FakeTrainer:
 
 
 @pytest.fixture
-def window(qtbot, tmp_path):
+def window(qtbot, tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path / "cache"))  # the dialog's default head folder is in here
     made = []
 
     def make(trainer: FakeTrainer, info: ModelInfo = replace(FAKE_INFO, draft_name=None)) -> MainWindow:
@@ -118,3 +123,90 @@ def test_a_failing_training_is_one_line_and_keeps_the_app_usable(window, qtbot):
     assert blocker.args[1] == "No training data was produced: give it more minutes."
     qtbot.waitUntil(lambda: not w.training.running, timeout=2000)
     assert dialog.status.text().startswith("Training failed") and w.train_head_action.isEnabled()
+
+
+# --------------------------------------------------------------------------- the log of the head in use
+
+SHIPPED_HEAD = "Qwen2.5-Coder-1.5B-Instruct head"
+
+
+def write_head(folder: Path, lines: list[str], *, name: str = "fake-target head", training: dict | None = None) -> Path:
+    """A head folder as far as the dialog reads it: a manifest and a train_log.jsonl (no weights)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    training = training or {"used_minutes": 2.0, "steps": 20, "device": "cpu", "held_out_acceptance": [0.5, 0.4]}
+    (folder / "manifest.json").write_text(json.dumps({"name": name, "training": training}), encoding="utf-8")
+    (folder / "train_log.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return folder
+
+
+def train(step: int, loss: float = 5.0, acc: float = 0.5) -> str:
+    return json.dumps({"kind": "train", "step": step, "loss": loss, "acc": [acc, acc / 2]})
+
+
+def evaluate(step: int, first: float = 0.5) -> str:
+    return json.dumps({"kind": "eval", "step": step, "acceptance": [first, 0.4, 0.2]})
+
+
+def test_a_continued_log_goes_on_from_its_last_step_and_skips_bad_lines(tmp_path):
+    folder = write_head(tmp_path / "head", [
+        json.dumps({"kind": "call", "call": 1, "phase": "data"}), train(10), train(20), evaluate(20),
+        "{not json", json.dumps({"kind": "train", "step": 25}), "[1, 2]", json.dumps({"kind": "eval", "step": "x"}),
+        json.dumps({"kind": "continue", "from": "fake-target head", "used_minutes_before": 2.0}),
+        evaluate(0, 0.6), train(10), train(20), evaluate(20, 0.7), '{"kind": "train", "step": 30, "lo',
+    ], training={"used_minutes": 1.5, "used_minutes_in_all": 3.5, "steps": 20, "device": "cuda:0",
+                 "held_out_acceptance": [0.7, 0.4, 0.2], "continued_from": {"name": "fake-target head"}})
+    records, runs = read_log(folder / "train_log.jsonl")
+    assert runs == 2
+    assert [(r["kind"], r["step"]) for r in records if r["kind"] != "call"] == [
+        ("train", 10), ("train", 20), ("eval", 20), ("continue", 20), ("eval", 20), ("train", 30), ("train", 40),
+        ("eval", 40)]
+    head = read_head_log(folder, "folder")
+    assert (head.name, head.runs, head.steps, head.minutes, head.device) == ("fake-target head", 2, 40, 3.5, "cuda:0")
+    assert read_head_log(tmp_path / "nothing", "folder") is None
+
+
+def test_the_shipped_log_reads_as_one_history():
+    head = head_log_for(SHIPPED_HEAD, Path("/nonexistent"))
+    assert head is not None and head.source == "shipped" and head.runs == 2
+    steps = [r["step"] for r in head.records if r["kind"] == "train"]
+    assert steps == sorted(steps) and len(steps) > 100 and head.steps == head.records[-1]["step"] > 2000
+    assert head_log_for("another head", Path("/nonexistent")) is None and head_log_for(None, Path("/x")) is None
+
+
+def test_the_dialog_opens_on_the_log_of_the_head_in_use_and_a_start_clears_it(window, qtbot):
+    w = window(FakeTrainer(steps=30), replace(FAKE_INFO, draft_name=None, head_name=SHIPPED_HEAD))
+    dialog = w.open_train_dialog()
+    dialog.refresh()
+    series = dialog.series()
+    shipped = head_log_for(SHIPPED_HEAD, Path("/nonexistent"))
+    assert len(series["loss"][0]) == sum(r["kind"] == "train" for r in shipped.records)
+    assert len(series["held_out"][0]) == sum(r["kind"] == "eval" for r in shipped.records)
+    assert series["held_out"][0][-1] == shipped.steps and series["held_out"][1][-1] > 70
+    assert dialog.status.text().startswith(f"Training log of the head in use ({SHIPPED_HEAD}): 23.0 minutes on cuda:0 "
+                                           "in two runs, 2,096 steps; held-out acceptance by draft position 73% 67%")
+    assert [line.value() for _plot, line in dialog._marks] == [1415, 1415]  # where the second run began
+    with qtbot.waitSignal(w.worker.training_finished, timeout=5000):
+        dialog.start_button.click()
+        assert dialog.series()["loss"][0].size == 0 and not dialog._marks  # the log is gone as the live run begins
+    qtbot.waitUntil(lambda: not w.training.running, timeout=2000)
+    dialog.refresh()
+    series = dialog.series()
+    assert len(series["loss"][0]) == 30 and series["loss"][0][-1] == 30 and len(series["held_out"][0]) == 3
+
+
+def test_a_head_trained_in_the_dialog_folder_comes_first(window):
+    info = replace(FAKE_INFO, draft_name=None, head_name=SHIPPED_HEAD)
+    write_head(default_head_folder(info.target_name), [train(10), train(20), evaluate(20)])
+    dialog = window(FakeTrainer(), info).open_train_dialog()
+    dialog.refresh()
+    assert len(dialog.series()["loss"][0]) == 2
+    assert dialog.status.text() == ("Training log of your head in this folder (fake-target head): 2.0 minutes on cpu, "
+                                    "20 steps; held-out acceptance by draft position 50% 40%.")
+
+
+def test_without_a_log_the_dialog_is_as_before(window, tmp_path):
+    info = replace(FAKE_INFO, draft_name=None, head_name="a head shipped nowhere")
+    default_head_folder(info.target_name).mkdir(parents=True)  # a folder without a manifest and log
+    dialog = window(FakeTrainer(), info).open_train_dialog()
+    dialog.refresh()
+    assert dialog.status.text() == "Not started." and all(x.size == 0 for x, _y in dialog.series().values())

@@ -1,5 +1,7 @@
-"""The "Train a draft head" dialog: a budget, a folder, Start/Cancel, progress with ETA, live loss and acceptance curves."""
+"""The "Train a draft head" dialog: a budget, a folder, Start/Cancel, progress with ETA, loss and acceptance curves (live, or a head's log)."""
 from __future__ import annotations
+
+from collections.abc import Iterable
 
 import numpy as np
 import pyqtgraph as pg
@@ -58,7 +60,7 @@ class TrainHeadDialog(QDialog):
         super().__init__(parent)
         self.setWindowTitle("Train a draft head")
         self.setObjectName("trainHeadDialog")
-        self.resize(720, 640)
+        self.resize(740, 720)
         self._running = False
         layout = QVBoxLayout(self)
         intro = QLabel(
@@ -129,17 +131,15 @@ class TrainHeadDialog(QDialog):
         self.progress.setValue(round(1000 * p.fraction))
         self.progress.setFormat(f"{p.phase} · {p.fraction:.0%} · about {p.eta_s / 60:.0f} min left")
         self.status.setText(p.message)
-        record = p.record or {}
-        if record.get("kind") == "train":
-            self._loss.append(record["step"], record["loss"])
-            self._agreement.append(record["step"], 100.0 * record["acc"][0])
-            self._dirty = True
-        elif record.get("kind") == "eval":
-            acceptance = record["acceptance"]
-            self._held_out.append(record["step"], 100.0 * acceptance[0])
-            if len(acceptance) > 1:
-                self._held_out_later.append(record["step"], 100.0 * float(np.mean(acceptance[1:])))
-            self._dirty = True
+        if p.record is not None:
+            self._add_record(p.record)
+
+    def show_log(self, records: Iterable[dict], message: str) -> None:
+        """A finished training in the curves (a head's train_log.jsonl records), `message` saying whose it is."""
+        self._clear_curves()
+        for record in records:
+            self._add_record(record)
+        self.status.setText(message)
 
     def show_finished(self, summary: dict) -> None:
         self.set_running(False)
@@ -181,16 +181,26 @@ class TrainHeadDialog(QDialog):
         graphics = pg.GraphicsLayoutWidget(self)
         graphics.setMinimumHeight(300)
         layout.addWidget(graphics, 1)
-        loss_plot = graphics.addPlot(row=0, col=0, title="Training loss")
-        loss_plot.setLabel("bottom", "step")
+        loss_plot = graphics.addPlot(row=0, col=0, title="Training loss")  # x as below: "step" is said once
         loss_plot.showGrid(y=True, alpha=0.15)
         acc_plot = graphics.addPlot(row=1, col=0, title="Acceptance (greedy)")
         acc_plot.setLabel("bottom", "step")
         acc_plot.setLabel("left", "%")
         acc_plot.setYRange(0, 100, padding=0.04)
         acc_plot.showGrid(y=True, alpha=0.15)
-        acc_plot.addLegend(offset=(-6, 4), labelTextSize="8pt", brush=(255, 255, 255, 200))
         acc_plot.setXLink(loss_plot)
+        for plot in (loss_plot, acc_plot):  # one width, so the linked x axes line up
+            plot.getAxis("left").setWidth(48)
+        # Under the plots, in one row: inside, it covered the curves wherever it stood over a whole run.
+        legend = pg.LegendItem(labelTextSize="8pt", colCount=3)
+        graphics.addItem(legend, row=2, col=0)
+        rows = graphics.ci.layout
+        for row, stretch in enumerate((2, 3, 0)):  # acceptance is what the head is for: it gets the most room
+            rows.setRowStretchFactor(row, stretch)
+        self._plots = (loss_plot, acc_plot)
+        self._marks: list[tuple[pg.PlotItem, pg.InfiniteLine]] = []  # where a run continued an earlier head
+        self._mark_pen = pg.mkPen(rgb(neutral), width=1, style=Qt.PenStyle.DashLine)
+        self._mark_colour = rgb(neutral)
         self._loss, self._agreement, self._held_out, self._held_out_later = _Series(), _Series(), _Series(), _Series()
         self._series = {"loss": self._loss, "agreement": self._agreement, "held_out": self._held_out,
                         "held_out_later": self._held_out_later}
@@ -202,7 +212,39 @@ class TrainHeadDialog(QDialog):
             "held_out_later": acc_plot.plot(pen=pg.mkPen(rgb(bonus), width=1), symbol="t", symbolSize=6,
                                             symbolBrush=rgb(bonus), name="later drafts (mean), held-out"),
         }
+        for name in ("agreement", "held_out", "held_out_later"):
+            legend.addItem(self._curves[name], self._curves[name].name())
         self._dirty = False
+
+    def _add_record(self, record: dict) -> None:
+        """One log line into the curves: live progress and a saved log go through here alike."""
+        if record.get("kind") == "train":
+            self._loss.append(record["step"], record["loss"])
+            self._agreement.append(record["step"], 100.0 * record["acc"][0])
+            self._dirty = True
+        elif record.get("kind") == "eval":
+            acceptance = record["acceptance"]
+            self._held_out.append(record["step"], 100.0 * acceptance[0])
+            if len(acceptance) > 1:
+                self._held_out_later.append(record["step"], 100.0 * float(np.mean(acceptance[1:])))
+            self._dirty = True
+        elif record.get("kind") == "continue" and "step" in record:
+            # The loss jumps and the held-out set changes here: a line says why.
+            for plot in self._plots:
+                label = "continued on fresh data" if plot is self._plots[0] else None
+                line = pg.InfiniteLine(pos=record["step"], angle=90, pen=self._mark_pen, label=label,
+                                       labelOpts={"position": 0.92, "color": self._mark_colour,
+                                                  "anchors": [(1.05, 0.5), (1.05, 0.5)]})
+                plot.addItem(line)
+                self._marks.append((plot, line))
+
+    def _clear_curves(self) -> None:
+        for s in self._series.values():
+            s.clear()
+        for plot, line in self._marks:
+            plot.removeItem(line)
+        self._marks.clear()
+        self._dirty = True
 
     def _browse(self) -> None:
         folder = QFileDialog.getExistingDirectory(self, "Save the draft head in", self.folder.text())
@@ -218,9 +260,7 @@ class TrainHeadDialog(QDialog):
         if not folder:
             self.status.setText("Choose a folder for the head first.")
             return
-        for s in self._series.values():
-            s.clear()
-        self._dirty = True
+        self._clear_curves()
         self.set_running(True)
         self.status.setText("Starting…")
         self.start_requested.emit(float(self.minutes.value()), folder)
