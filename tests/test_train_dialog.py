@@ -79,10 +79,12 @@ def test_training_draws_curves_and_offers_the_head(window, qtbot, tmp_path):
     dialog = w.open_train_dialog()
     dialog.folder.setText(str(tmp_path / "heads"))
     dialog.minutes.setValue(5)
+    assert dialog.progress.isHidden()  # no empty bar before a run reports
     with qtbot.waitSignal(w.worker.training_finished, timeout=5000):
         dialog.start_button.click()
         assert w.training.running and not w.prompt._ready
     qtbot.waitUntil(lambda: not w.training.running, timeout=2000)
+    assert not dialog.progress.isHidden()
     dialog.refresh()
     series = dialog.series()
     assert len(series["loss"][0]) == 30 and series["loss"][1][-1] < series["loss"][1][0]

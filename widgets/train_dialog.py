@@ -91,6 +91,7 @@ class TrainHeadDialog(QDialog):
         self.progress.setRange(0, 1000)
         self.progress.setTextVisible(True)
         self.progress.setFormat("")
+        self.progress.setVisible(False)  # an empty bar reads as an empty text field: shown once a run reports
         layout.addWidget(self.progress)
         self.status = QLabel("Not started.", self)
         self.status.setWordWrap(True)
@@ -128,6 +129,7 @@ class TrainHeadDialog(QDialog):
         self.folder.setEnabled(not running)
 
     def show_progress(self, p: TrainingProgress) -> None:
+        self.progress.setVisible(True)
         self.progress.setValue(round(1000 * p.fraction))
         self.progress.setFormat(f"{p.phase} · {p.fraction:.0%} · about {p.eta_s / 60:.0f} min left")
         self.status.setText(p.message)
