@@ -234,6 +234,11 @@ def load_pair(
             _emit(progress, "load", (i + 0.5) / len(folders), f"Packing {p.source.name} for the CPU fast path")
             if try_pack(model, place.dtype) is None:  # no oneDNN here: the linear weights still need casting
                 pages.cast_releasing_pages(model, place.dtype)
+            if found_head is not None:
+                # Packing replaced a float32 input embedding by its exact bfloat16 copy; the head, bound
+                # before, still held the float32 one (0.9 GB for the default target) beside the draft's
+                # loading and packing: the float32 load peak. It reads the copy from now on.
+                found_head[0].bind_inputs(model)
         models.append(model)
         del model
     _emit(progress, "load", 1.0, "Models loaded")

@@ -90,8 +90,9 @@ def pack_linears(model: nn.Module, dtype: torch.dtype | None = None) -> int:
 
     Peak memory is the result plus about one layer: mapped pages are given back before packing
     starts (each weight's pages come back from the page cache while it is packed, then go again),
-    the largest weights go first, and no reference to a replaced layer is kept. With `dtype`, weights
-    still in another dtype (left mapped by load_pair for this) are cast as each is packed.
+    the largest weights go first, no reference to a replaced layer is kept, and the C heap is
+    trimmed after every layer (see trim_heap). With `dtype`, weights still in another dtype (left
+    mapped by load_pair for this) are cast as each is packed.
     """
     from engine.models.memory import MappedFiles, release_pages, trim_heap
 
@@ -107,7 +108,7 @@ def pack_linears(model: nn.Module, dtype: torch.dtype | None = None) -> int:
         setattr(parent, child, PackedLinear(linear, dtype))
         release_pages([linear.weight], mapped)
         del linear
-    trim_heap()
+        trim_heap()  # the cast copy just freed sits between packed weights: glibc keeps it resident
     return len(names)
 
 
