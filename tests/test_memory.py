@@ -12,6 +12,7 @@ from torch import nn
 
 from engine.decoding import Engine
 from engine.models.loader import load_pair
+from engine.models.memory import MappedFiles
 from engine.runners import cpu
 from engine.types import GenerationRequest
 from tests.tiny import build_model, build_tokenizer
@@ -173,6 +174,8 @@ def test_float32_pack_cpu_casts_each_weight_as_it_packs(bf16_folder, monkeypatch
     assert all(t.dtype == torch.float32 for t in pair.target.parameters())
     embedding = pair.target.get_input_embeddings()
     assert isinstance(embedding, cpu.CompactEmbedding) and embedding.weight.dtype == torch.bfloat16
+    # The file's own tensor, memory-mapped: only rows looked up become resident, no 2-byte copy of it all.
+    assert MappedFiles().contains(embedding.weight)
     monkeypatch.setattr(cpu.PackedLinear, "__init__", real)
     reference = Engine.from_pair(loader.load_pair(str(bf16_folder), None, device="cpu", dtype="float32",
                                                  with_draft=False), fast_path="eager")
@@ -190,6 +193,7 @@ def test_without_onednn_pack_cpu_still_gives_a_float32_model(bf16_folder, monkey
     pair = loader.load_pair(str(bf16_folder), None, device="cpu", dtype="float32", with_draft=False, pack_cpu=True)
     assert all(t.dtype == torch.float32 for t in pair.target.parameters())
     assert any(type(m) is nn.Linear for m in pair.target.modules())
+    assert not hasattr(pair.target.get_input_embeddings(), "file_weight")  # kept for a packer that did not run
 
 
 
