@@ -340,7 +340,9 @@ class MainWindow(QMainWindow):
     # --- models ---------------------------------------------------------------------------------
 
     def load_models(self, selection: ModelSelection, *, force: bool = False) -> None:
-        """Loads in the background; the pair in use keeps answering until the new one is ready."""
+        """Loads in the background. The pair in use stays until the new one is ready, except on the CPU or
+        when both would not fit: then the worker releases it first (engine_released) and brings it back
+        if the new pair fails."""
         self._loading_selection = selection
         self.load_label.setText("Checking tokenizers…")
         self.load_bar.setValue(0)
@@ -449,8 +451,10 @@ class MainWindow(QMainWindow):
         self.models_loaded.emit(info)
 
     def _on_engine_released(self, note: str) -> None:
-        # Both pairs would not fit in memory: the old one is gone while the new one loads.
+        # The old pair is gone while the new one loads (on the CPU, or both would not fit). Its
+        # tokenizer, held here for counting context, goes too: drafts are estimated meanwhile.
         self.session.info = None
+        self.context.set_counter(counter_for(None))
         self.model_label.setText("No model")
         self.chat.add_system_note(note)
         self._set_ready_state()

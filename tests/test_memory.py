@@ -12,6 +12,7 @@ from torch import nn
 
 from engine.decoding import Engine
 from engine.models.loader import load_pair
+from engine.models.memory import MappedFiles
 from engine.runners import cpu
 from engine.types import GenerationRequest
 from tests.tiny import build_model, build_tokenizer
@@ -79,6 +80,19 @@ def test_packing_holds_one_replaced_layer_at_a_time(tiny_pair, monkeypatch):
     assert sum(r() is not None for r in originals) <= 1
     n = len(originals)
     assert all(alive <= n - i + 1 for i, alive in enumerate(alive_at_each_pack)), alive_at_each_pack
+
+
+def test_packing_trims_the_heap_after_every_layer(tiny_pair, monkeypatch):
+    """Each layer's cast copy is freed between packed weights, where glibc keeps it resident: trimmed
+    once per model, the default draft's float32 packing ended 1.4 GB above its live size."""
+    from transformers import AutoModelForCausalLM
+
+    from engine.models import memory
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_pair[0]), dtype=torch.bfloat16).eval()
+    trims: list[int] = []
+    monkeypatch.setattr(memory, "trim_heap", lambda: trims.append(1))
+    assert cpu.pack_linears(model, torch.float32) == len(trims)
 
 
 def test_bfloat16_pages_of_packed_weights_are_given_back(bf16_folder):
@@ -160,6 +174,8 @@ def test_float32_pack_cpu_casts_each_weight_as_it_packs(bf16_folder, monkeypatch
     assert all(t.dtype == torch.float32 for t in pair.target.parameters())
     embedding = pair.target.get_input_embeddings()
     assert isinstance(embedding, cpu.CompactEmbedding) and embedding.weight.dtype == torch.bfloat16
+    # The file's own tensor, memory-mapped: only rows looked up become resident, no 2-byte copy of it all.
+    assert MappedFiles().contains(embedding.weight)
     monkeypatch.setattr(cpu.PackedLinear, "__init__", real)
     reference = Engine.from_pair(loader.load_pair(str(bf16_folder), None, device="cpu", dtype="float32",
                                                  with_draft=False), fast_path="eager")
@@ -177,6 +193,7 @@ def test_without_onednn_pack_cpu_still_gives_a_float32_model(bf16_folder, monkey
     pair = loader.load_pair(str(bf16_folder), None, device="cpu", dtype="float32", with_draft=False, pack_cpu=True)
     assert all(t.dtype == torch.float32 for t in pair.target.parameters())
     assert any(type(m) is nn.Linear for m in pair.target.modules())
+    assert not hasattr(pair.target.get_input_embeddings(), "file_weight")  # kept for a packer that did not run
 
 
 
@@ -188,3 +205,36 @@ def test_a_weight_cast_on_its_way_in_packs_to_the_same_layer():
     x = torch.randn(5, 64)
     want = nn.functional.linear(x, linear.weight.float(), linear.bias)
     assert torch.allclose(packed(x), want, atol=1e-4, rtol=1e-4)
+
+
+def test_float32_pack_cpu_keeps_no_float32_embedding_for_the_head(tiny_head, tmp_path, monkeypatch):
+    """The head binds to the target before packing; packing then keeps the input embedding in exact
+    bfloat16, and the float32 one must go at once, not live on in the head while the draft loads
+    (until Engine.from_pair rebinds it): for the default pair, 0.9 GB of the float32 load peak."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    from engine.models import loader
+    from tests.head_fixtures import load_target
+
+    model, tok = load_target(tiny_head.target)
+    folder = tmp_path / "bf16-target"
+    model.to(torch.bfloat16).save_pretrained(folder)  # as the cache holds converted models
+    tok.save_pretrained(folder)
+    del model
+    replaced: list[StorageWeakRef] = []
+    real = cpu._compact_embedding
+
+    def recording(target, to_be_packed):
+        replaced.append(StorageWeakRef(target.get_input_embeddings().weight.untyped_storage()))
+        real(target, to_be_packed)
+
+    monkeypatch.setattr(cpu, "_compact_embedding", recording)
+    pair = loader.load_pair(str(folder), None, device="cpu", dtype="float32", with_draft=False, pack_cpu=True,
+                            head=str(tiny_head.head))
+    embedding = pair.target.get_input_embeddings()
+    assert isinstance(embedding, cpu.CompactEmbedding) and pair.head is not None
+    head = pair.head[0]
+    assert head.embed.dtype == torch.bfloat16 and head.embed.data_ptr() == embedding.weight.data_ptr()
+    gc.collect()
+    assert len(replaced) == 1 and replaced[0].expired(), "the float32 embedding packing replaced is still alive"
+    assert head.lm_rows.dtype == torch.float32  # the head itself still drafts in float32

@@ -106,7 +106,14 @@ def _load_model(folder: Path, name: str, place: _Placement, *, keep_linear_weigh
             log.info("%s does not support SDPA attention; using eager attention", name)
             model = attempt("eager")
         if kwargs["dtype"] != place.dtype:
+            embedding = model.get_input_embeddings()
+            source = embedding.weight.detach() if keep_linear_weights and kwargs["dtype"] == torch.bfloat16 else None
             pages.cast_releasing_pages(model, place.dtype, keep_linear_weights=keep_linear_weights)
+            if source is not None and isinstance(embedding, torch.nn.Embedding):
+                # The packer keeps the input embedding in bfloat16 (CompactEmbedding): the file's own
+                # tensor serves, memory-mapped, so only the rows looked up are ever resident.
+                embedding.file_weight = source
+            del embedding, source
         if move_after:
             model = model.to(place.device)
     except (torch.OutOfMemoryError, MemoryError):
@@ -234,6 +241,12 @@ def load_pair(
             _emit(progress, "load", (i + 0.5) / len(folders), f"Packing {p.source.name} for the CPU fast path")
             if try_pack(model, place.dtype) is None:  # no oneDNN here: the linear weights still need casting
                 pages.cast_releasing_pages(model, place.dtype)
+            model.get_input_embeddings().__dict__.pop("file_weight", None)  # not packed (no oneDNN): unused
+            if found_head is not None:
+                # Packing replaced a float32 input embedding by exact bfloat16 (CompactEmbedding); the
+                # head, bound before, still held the float32 one (0.9 GB for the default target) beside
+                # the draft's loading and packing: the float32 load peak. It reads the bfloat16 one now.
+                found_head[0].bind_inputs(model)
         models.append(model)
         del model
     _emit(progress, "load", 1.0, "Models loaded")
