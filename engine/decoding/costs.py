@@ -19,12 +19,15 @@ import torch
 
 from engine.decoding.proposers import Offer, Proposal, ProposerSet, measure_proposer
 from engine.limits import K_MAX
+from engine.runners import ids_tensor
 from engine.types import Decision, GenerationRequest, ProposerCost
 
 if TYPE_CHECKING:
     from engine.decoding.loop import Engine
 
 log = logging.getLogger(__name__)
+
+CPU_FILL = 64  # tokens in the target's cache while its widths are timed on a CPU: a short chat's context
 
 
 class _CannedDrafts:
@@ -68,7 +71,7 @@ def measure_rounds(engine: Engine, widths: Iterable[int], iters: int, warm: bool
     return times
 
 
-def measure_costs(engine: Engine, progress=None, rounds: int = 2) -> None:
+def measure_costs(engine: Engine, progress=None, rounds: int = 3) -> None:
     """Engine.measure_costs: fills ModelInfo.target_ms (every verify width 1..K_MAX+1), proposer_costs,
     draft_ms (the draft model's per-token cost) and measure_s."""
     if progress is not None:
@@ -92,9 +95,27 @@ def measure_costs(engine: Engine, progress=None, rounds: int = 2) -> None:
             target = {w: statistics.median(ms) for w, ms in measure_rounds(engine, widths, 20).items()}
             costs = proposers(5, True)
         else:
-            # Interleaved single passes (the first only warms up: page faults, oneDNN primitives), so
-            # slow drift of the machine's speed hits every width and proposer alike.
-            passes = [(measure_rounds(engine, widths, 1, warm=False), proposers(1, False)) for _ in range(rounds + 1)][1:]
+            # Interleaved passes, so slow drift of the machine's speed hits every width and proposer
+            # alike; the median of an odd number of them, so one slow pass (a neighbour's burst, the
+            # seconds right after load) is dropped: the median of two is their mean, and llama.cpp on
+            # 2 shared cores once measured a 1-token target round at 60.6 ms against 36.6 ms in the
+            # runs (every predicted speedup of that sweep 60-80% too high).
+            # Each width is timed as a fixed K runs it: right after a round of the same width (which
+            # also warms it: page faults, oneDNN primitives). A round of a new width costs more: on
+            # llama.cpp it rebuilds the compute graph, which a same-width round reuses: 1-token rounds
+            # measured 37.3 ms after other widths against 35.2 after one another (2-token 68.5 vs 66.6,
+            # 6-token 160.6 vs 156.8): 6% on the standard step, which every predicted speedup divides by.
+            # And after a context of a chat's size (CPU_FILL): attention's cost grows with it (llama.cpp,
+            # a 6-token verify: 134.7 ms after no context, 139 after 80 tokens, 142-145 in the runs).
+            target_runner = engine.target_runner
+            saved = target_runner.length
+            fill = max(0, min(CPU_FILL, target_runner.max_length - saved - (K_MAX + 1)))
+            if fill:
+                target_runner.prefill(ids_tensor((prompt * (fill // len(prompt) + 1))[:fill], engine.device))
+            try:
+                passes = [(measure_rounds(engine, widths, 1, warm=True), proposers(1, False)) for _ in range(rounds)]
+            finally:
+                target_runner.rollback(saved)
             target = {w: statistics.median(t[w][0] for t, _ in passes) for w in widths}
             costs = {s: ProposerCost(s, statistics.median(p[s].per_token_ms for _, p in passes),
                                      statistics.median(p[s].per_proposal_ms for _, p in passes))

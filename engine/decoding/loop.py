@@ -221,17 +221,17 @@ class Engine:
             self.head_runner = runner
             self.info = replace(self.info, head_name=name, head_ms=ms)
 
-    def measure_costs(self, progress=None, rounds: int = 2) -> None:
+    def measure_costs(self, progress=None, rounds: int = 3) -> None:
         """The cost model's inputs, measured once at load (engine/decoding/costs.py): every verify width
         1..K_MAX+1 timed as the loop's own round, and each proposer's own cost through its propose().
 
         GPU: the median of 20 rounds per width and 5 timed proposals per proposer (about a second).
         CPU: forwards take tens to hundreds of ms and their speed drifts with the machine's memory
         bandwidth (right after load and next to other work it can be 2x slower for seconds), so
-        after one discarded pass, `rounds` passes each time every width and every proposer, in turn,
-        and the median is kept: costs are measured side by side. The default pair in bf16 on this
-        project's 2 shared cores: 17 s (39 verify rounds, 15 draft forwards, 6 short draft
-        prefills); ModelInfo.measure_s says what it took. Never fails a load: without figures the
+        `rounds` passes (an odd number: a median that drops an outlier) each time every width (a
+        warm round, then a timed one: as a fixed K runs it) and every proposer, in turn, after a
+        64-token context, and the median is kept: costs are measured side by side.
+        ModelInfo.measure_s says what it took. Never fails a load: without figures the
         app and bench say nothing about costs, and adaptive K measures on its first request.
         """
         from engine.decoding.costs import measure_costs
