@@ -8,6 +8,7 @@ from dataclasses import replace
 
 import pytest
 
+from app.session import build_request
 from engine.errors import InputError
 from engine.limits import K_AUTO
 from engine.measure import experiment as ex
@@ -239,6 +240,27 @@ def test_sweep_command_writes_csv_json_and_png(tiny_pair, tmp_path, capsys, monk
     saved = json.loads((out / "sweep.json").read_text())
     assert len(saved["runs"]) == len(rows) * 2 and saved["config"]["target_ms"]
     assert "<- best" in captured.out and "wrote" in captured.out
+
+
+def test_the_sweep_measures_costs_again_beside_each_prompt(tiny_pair):
+    """A CPU's speed drifts over a sweep: one more pass of the cost measurement per prompt (and repeat),
+    pooled with the passes at load, so the predictions use costs from the minutes of the runs."""
+    from engine.settings import GenerationSettings
+    from tests.engine_fixtures import tiny_engine
+
+    engine = tiny_engine(*tiny_pair)
+    engine.measure_costs(rounds=1)
+    configs = sw.plan(["draft"], [1], [0.0])
+    prompts = [ex.BenchPrompt("a", "c", "def add(a, b):"), ex.BenchPrompt("b", "c", "hello world")]
+
+    def make_request(prompt, config, max_new):
+        settings = GenerationSettings(mode=config.mode, proposer=config.proposer or "draft", k=config.k,
+                                      temperature=config.temperature, max_new_tokens=max_new)
+        return build_request(settings, (), prompt=prompt)
+
+    records = sw.run_sweep(engine, prompts, configs, make_request=make_request, max_new_tokens=6, repeat=2)
+    assert len(records) == 8 and len(engine.cost_passes) == 1 + 2 * 2
+    assert sw.rows(records, configs, engine.info)[1].predicted_speedup is not None
 
 
 # --------------------------------------------------------------------------- the Tune tab through the real worker

@@ -91,6 +91,7 @@ class Engine:
         assert target is not None or target_runner is not None, "a target model or a target runner"
         self.tokenizer = tokenizer
         self.info = info
+        self.cost_passes: list = []  # CPU: every pass of the cost measurement so far (costs.measure_pass)
         self.target = target
         self.draft = draft
         if target_runner is None or (draft is not None and draft_runner is None):
@@ -237,6 +238,13 @@ class Engine:
         from engine.decoding.costs import measure_costs
 
         measure_costs(self, progress, rounds)
+
+    def measure_again(self) -> None:
+        """On a CPU, one more pass of the cost measurement, pooled with those so far (costs.measure_again):
+        a sweep measures beside its runs, as the machine's speed drifts."""
+        from engine.decoding.costs import measure_again
+
+        measure_again(self)
 
     def step_costs(self) -> StepCosts:
         """The measured costs as the adaptive controller reads them (measured now if they are missing)."""
