@@ -150,6 +150,61 @@ def test_time_split_adds_up(engine):
     assert abs(s.draft_s - sum(x.draft_ms for x in steps) / 1000) < 1e-9
 
 
+def _slow_prefill(runner, seconds: float, monkeypatch) -> None:
+    """Makes every prefill of `runner` take `seconds` longer (undone after the test)."""
+    import time
+
+    original = runner.prefill
+
+    def prefill(ids):
+        time.sleep(seconds)
+        original(ids)
+
+    monkeypatch.setattr(runner, "prefill", prefill)
+
+
+@pytest.mark.parametrize("lookahead", [False, True], ids=["in-order", "queued"])
+def test_the_drafts_deferred_prompt_prefill_is_booked_as_prefill_not_drafting(engine, lookahead, monkeypatch):
+    """The draft model feeds the prompt at its first proposal: that time is prefill (paid once per
+    answer), so the step's draft_ms, the controller's draft timing and the overhead never see it."""
+    _slow_prefill(engine.draft_runner, 0.2, monkeypatch)
+    observed: list[float] = []
+    ks = iter([0, 0] + [3] * 50)  # two standard steps first: the prefill comes with the third
+
+    class Sequence_:
+        def choose(self, offers, room):
+            k = min(next(ks), room)
+            return Decision(k, "draft", "best") if k else Decision(0, None, "no_gain")
+
+        def observe(self, decision, drafted, accepted, draft_ms, verify_ms, wall_ms):
+            observed.append(max(draft_ms, wall_ms - verify_ms))
+
+        def finish(self):
+            pass
+
+    gen, steps = _generate(engine, Sequence_(), lookahead=lookahead, prompt="hello world quick fox",
+                           mode="speculative", proposer="draft", max_new_tokens=16)
+    s = gen.summary
+    assert s.prefill_s >= 0.2 and s.draft_s < 0.2
+    assert all(x.draft_ms < 200 and x.overhead_ms < 200 for x in steps) and max(observed) < 200
+    assert abs(s.prefill_s + s.draft_s + s.verify_s + s.overhead_s - s.seconds) < 1e-6
+    # A generation that never drafts never feeds the draft: nothing extra booked.
+    std, _ = _generate(engine, prompt="hello world quick fox", mode="standard", max_new_tokens=4)
+    assert std.summary.prefill_s < 0.2
+
+
+def test_measured_proposer_cost_leaves_the_prompt_prefill_out(engine, monkeypatch):
+    """measure_proposer restarts from the prompt every round; the draft's deferred prompt prefill is
+    done before the clock starts, or it would be charged to every proposal."""
+    from engine.decoding.proposers import DraftModelProposer, measure_proposer
+
+    proposer = DraftModelProposer(engine.draft_runner, Sampling(), engine.vocab, None)
+    prompt = engine.tokenizer("hello world quick fox, hello world").input_ids
+    _slow_prefill(engine.draft_runner, 0.1, monkeypatch)
+    cost = measure_proposer(proposer, "draft", prompt, engine.device, iters=1)
+    assert cost.per_proposal_ms < 50 and cost.per_token_ms < 50
+
+
 # --------------------------------------------------------------------------- the decision, on synthetic costs
 
 def _costs(draft_ms: float, target_1: float = 10.0, slope: float = 0.5, ngram_ms: float = 0.01) -> StepCosts:

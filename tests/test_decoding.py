@@ -329,3 +329,26 @@ def test_measured_costs_cover_every_verify_width_and_each_proposer_and_leave_the
         assert engine.target_runner.length == 3  # measured past the cached tokens, then rolled back
     finally:
         engine.info = saved
+
+
+def test_measuring_again_pools_a_pass_with_those_before_and_leaves_the_caches(engine):
+    """On a CPU each pass is kept; measure_again adds one and every figure becomes the median of all."""
+    import statistics
+
+    engine.target_runner.reset()
+    engine.target_runner.forward(torch.tensor([5, 6, 7]))
+    saved = engine.info
+    try:
+        engine.measure_costs(rounds=1)
+        first = engine.info.measure_s
+        assert len(engine.cost_passes) == 1
+        engine.measure_again()
+        engine.measure_again()
+        assert len(engine.cost_passes) == 3 and engine.info.measure_s > first
+        for w, ms in engine.info.target_ms:
+            assert ms == statistics.median(t[w] for t, _ in engine.cost_passes)
+        draft = statistics.median(p["draft"].per_token_ms for _, p in engine.cost_passes)
+        assert engine.info.draft_ms == draft
+        assert engine.target_runner.length == 3
+    finally:
+        engine.info = saved

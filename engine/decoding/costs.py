@@ -19,12 +19,15 @@ import torch
 
 from engine.decoding.proposers import Offer, Proposal, ProposerSet, measure_proposer
 from engine.limits import K_MAX
+from engine.runners import ids_tensor
 from engine.types import Decision, GenerationRequest, ProposerCost
 
 if TYPE_CHECKING:
     from engine.decoding.loop import Engine
 
 log = logging.getLogger(__name__)
+
+CPU_FILL = 64  # tokens in the target's cache while its widths are timed on a CPU: a short chat's context
 
 
 class _CannedDrafts:
@@ -68,7 +71,72 @@ def measure_rounds(engine: Engine, widths: Iterable[int], iters: int, warm: bool
     return times
 
 
-def measure_costs(engine: Engine, progress=None, rounds: int = 2) -> None:
+def _pattern(engine: Engine, n: int) -> list[int]:
+    """n ids of a repeating pattern, so that n-gram lookup finds matches as it does on real text."""
+    cycle = [(7 * i) % max(engine.vocab - 1, 1) + 1 for i in range(12)]
+    return (cycle * (n // len(cycle) + 1))[:n]
+
+
+def _measurable_sources(engine: Engine) -> list[str]:
+    # A draft head reads the target's rows, so its runner measured its own cost when it was attached.
+    return [s for s in engine.proposer_sources() if s != "head"]
+
+
+def _proposers(engine: Engine, iters: int, warm: bool) -> dict[str, ProposerCost]:
+    greedy = GenerationRequest().sampling
+    prompt = _pattern(engine, 24)
+    return {s: measure_proposer(engine._part(s, greedy, None), s, prompt, engine.device, iters=iters, warm=warm)
+            for s in _measurable_sources(engine)}
+
+
+CostPass = tuple[dict[int, float], dict[str, ProposerCost]]  # one CPU pass: width -> ms, source -> cost
+
+
+def measure_pass(engine: Engine) -> CostPass:
+    """One CPU pass: every verify width (a warm round, then a timed one) after a context of at least
+    CPU_FILL tokens (what the target caches, topped up), then every proposer once. The target's
+    cache is left as it was.
+
+    Each width is timed as a fixed K runs it: right after a round of the same width (which also warms
+    it: page faults, oneDNN primitives). A round of a new width costs more: on llama.cpp it rebuilds
+    the compute graph, which a same-width round reuses: 1-token rounds measured 37.3 ms after other
+    widths against 35.2 after one another (2-token 68.5 vs 66.6, 6-token 160.6 vs 156.8): 6% on the
+    standard step, which every predicted speedup divides by. And after a context of a chat's size:
+    attention's cost grows with it (llama.cpp, a 6-token verify: 134.7 ms after no context, 139 after
+    80 tokens, 142-145 in the runs).
+    """
+    target_runner = engine.target_runner
+    saved = target_runner.length
+    fill = max(0, min(CPU_FILL - saved, target_runner.max_length - saved - (K_MAX + 1)))
+    if fill:
+        target_runner.prefill(ids_tensor(_pattern(engine, fill), engine.device))
+    try:
+        rounds = measure_rounds(engine, range(1, K_MAX + 2), 1, warm=True)
+    finally:
+        target_runner.rollback(saved)
+    return {w: ms[0] for w, ms in rounds.items()}, _proposers(engine, 1, False)
+
+
+def _pooled(passes: list[CostPass]) -> CostPass:
+    """The median of every figure over the passes."""
+    target = {w: statistics.median(t[w] for t, _ in passes) for w in passes[0][0]}
+    costs = {s: ProposerCost(s, statistics.median(p[s].per_token_ms for _, p in passes),
+                             statistics.median(p[s].per_proposal_ms for _, p in passes))
+             for s in passes[0][1]}
+    return target, costs
+
+
+def _publish(engine: Engine, target: dict[int, float], costs: dict[str, ProposerCost], seconds: float) -> None:
+    if engine.head_runner is not None:
+        costs["head"] = ProposerCost("head", engine.info.head_ms, 0.0)
+    draft = costs["draft"].per_token_ms if "draft" in costs else 0.0
+    engine.info = replace(engine.info, draft_ms=draft, target_ms=tuple(sorted(target.items())),
+                          proposer_costs=tuple(costs.values()), measure_s=seconds)
+    log.info("measured costs in %.1f s: target %s ms, proposers %s", engine.info.measure_s,
+             {w: round(ms, 2) for w, ms in target.items()}, costs)
+
+
+def measure_costs(engine: Engine, progress=None, rounds: int = 3) -> None:
     """Engine.measure_costs: fills ModelInfo.target_ms (every verify width 1..K_MAX+1), proposer_costs,
     draft_ms (the draft model's per-token cost) and measure_s."""
     if progress is not None:
@@ -76,36 +144,43 @@ def measure_costs(engine: Engine, progress=None, rounds: int = 2) -> None:
 
         progress(LoadProgress("warmup", 0.95, "Measuring forward costs for the cost model"))
     started = time.perf_counter()
-    widths = range(1, K_MAX + 2)  # every verify width the loop may use
-    # A repeating pattern, so that n-gram lookup finds matches as it does on real text.
-    prompt = [(7 * i) % max(engine.vocab - 1, 1) + 1 for i in range(12)] * 2
-    # A draft head reads the target's rows, so its runner measured its own cost when it was attached.
-    sources = [s for s in engine.proposer_sources() if s != "head"]
-    greedy = GenerationRequest().sampling
-
-    def proposers(iters: int, warm: bool) -> dict[str, ProposerCost]:
-        return {s: measure_proposer(engine._part(s, greedy, None), s, prompt, engine.device, iters=iters, warm=warm)
-                for s in sources}
-
     try:
         if engine.device.type == "cuda":
+            widths = range(1, K_MAX + 2)  # every verify width the loop may use
             target = {w: statistics.median(ms) for w, ms in measure_rounds(engine, widths, 20).items()}
-            costs = proposers(5, True)
+            costs = _proposers(engine, 5, True)
+            engine.cost_passes = []
         else:
-            # Interleaved single passes (the first only warms up: page faults, oneDNN primitives), so
-            # slow drift of the machine's speed hits every width and proposer alike.
-            passes = [(measure_rounds(engine, widths, 1, warm=False), proposers(1, False)) for _ in range(rounds + 1)][1:]
-            target = {w: statistics.median(t[w][0] for t, _ in passes) for w in widths}
-            costs = {s: ProposerCost(s, statistics.median(p[s].per_token_ms for _, p in passes),
-                                     statistics.median(p[s].per_proposal_ms for _, p in passes))
-                     for s in sources}
+            # Interleaved passes, so slow drift of the machine's speed hits every width and proposer
+            # alike; the median of an odd number of them, so one slow pass (a neighbour's burst, the
+            # seconds right after load) is dropped: the median of two is their mean, and llama.cpp on
+            # 2 shared cores once measured a 1-token target round at 60.6 ms against 36.6 ms in the
+            # runs (every predicted speedup of that sweep 60-80% too high).
+            engine.cost_passes = [measure_pass(engine) for _ in range(rounds)]
+            target, costs = _pooled(engine.cost_passes)
     except Exception as exc:  # measuring is advice, not a reason to refuse the models
         log.warning("could not measure forward costs: %s", exc)
         return
-    if engine.head_runner is not None:
-        costs["head"] = ProposerCost("head", engine.info.head_ms, 0.0)
-    draft = costs["draft"].per_token_ms if "draft" in costs else 0.0
-    engine.info = replace(engine.info, draft_ms=draft, target_ms=tuple(sorted(target.items())),
-                          proposer_costs=tuple(costs.values()), measure_s=time.perf_counter() - started)
-    log.info("measured costs in %.1f s: target %s ms, proposers %s", engine.info.measure_s,
-             {w: round(ms, 2) for w, ms in target.items()}, costs)
+    _publish(engine, target, costs, time.perf_counter() - started)
+
+
+def measure_again(engine: Engine) -> None:
+    """Engine.measure_again: on a CPU, one more pass, pooled (median) with every pass since load.
+
+    A CPU shared with other work drifts: on this project's 2 cores the 1-token forward, the 6-token
+    verify and the draft forward each moved by up to 8% from one 5-second window to the next, and not
+    together, so the 15 seconds measured at load can misstate their ratios for a quarter of an hour
+    of runs. A sweep measures a
+    pass beside every prompt, so its prediction uses costs from the same minutes as its runs.
+    On a GPU (or before any CPU pass) it does nothing.
+    """
+    if engine.device.type == "cuda" or not getattr(engine, "cost_passes", None):
+        return
+    started = time.perf_counter()
+    try:
+        engine.cost_passes.append(measure_pass(engine))
+    except Exception as exc:
+        log.warning("could not measure forward costs again: %s", exc)
+        return
+    target, costs = _pooled(engine.cost_passes)
+    _publish(engine, target, costs, engine.info.measure_s + time.perf_counter() - started)

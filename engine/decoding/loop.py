@@ -50,6 +50,7 @@ class _StepResult:
     added_p: float  # its displayed target probability
     draft_ms: float
     verify_ms: float
+    prefill_ms: float = 0.0  # a proposer's one-off prefill before it drafted (Proposer.prepare), not drafting
 
 
 @dataclass
@@ -65,7 +66,7 @@ class _Launched:
     proposal: Proposal | None  # None for a standard round
     decision: Decision  # what the K controller chose for this round
     done: torch.cuda.Event | None  # CUDA: recorded after the copy to the host
-    marks: tuple  # CUDA: timing events (begin, drafted, verified); CPU: perf_counter times
+    marks: tuple  # CUDA: timing events (begin, prepared, drafted, verified); CPU: perf_counter times
     token: torch.Tensor | None = None  # standard round: its token [1] on the device, the next round's input
 
 
@@ -90,6 +91,7 @@ class Engine:
         assert target is not None or target_runner is not None, "a target model or a target runner"
         self.tokenizer = tokenizer
         self.info = info
+        self.cost_passes: list = []  # CPU: every pass of the cost measurement so far (costs.measure_pass)
         self.target = target
         self.draft = draft
         if target_runner is None or (draft is not None and draft_runner is None):
@@ -220,22 +222,29 @@ class Engine:
             self.head_runner = runner
             self.info = replace(self.info, head_name=name, head_ms=ms)
 
-    def measure_costs(self, progress=None, rounds: int = 2) -> None:
+    def measure_costs(self, progress=None, rounds: int = 3) -> None:
         """The cost model's inputs, measured once at load (engine/decoding/costs.py): every verify width
         1..K_MAX+1 timed as the loop's own round, and each proposer's own cost through its propose().
 
         GPU: the median of 20 rounds per width and 5 timed proposals per proposer (about a second).
         CPU: forwards take tens to hundreds of ms and their speed drifts with the machine's memory
         bandwidth (right after load and next to other work it can be 2x slower for seconds), so
-        after one discarded pass, `rounds` passes each time every width and every proposer, in turn,
-        and the median is kept: costs are measured side by side. The default pair in bf16 on this
-        project's 2 shared cores: 17 s (39 verify rounds, 15 draft forwards, 6 short draft
-        prefills); ModelInfo.measure_s says what it took. Never fails a load: without figures the
+        `rounds` passes (an odd number: a median that drops an outlier) each time every width (a
+        warm round, then a timed one: as a fixed K runs it) and every proposer, in turn, after a
+        64-token context, and the median is kept: costs are measured side by side.
+        ModelInfo.measure_s says what it took. Never fails a load: without figures the
         app and bench say nothing about costs, and adaptive K measures on its first request.
         """
         from engine.decoding.costs import measure_costs
 
         measure_costs(self, progress, rounds)
+
+    def measure_again(self) -> None:
+        """On a CPU, one more pass of the cost measurement, pooled with those so far (costs.measure_again):
+        a sweep measures beside its runs, as the machine's speed drifts."""
+        from engine.decoding.costs import measure_again
+
+        measure_again(self)
 
     def step_costs(self) -> StepCosts:
         """The measured costs as the adaptive controller reads them (measured now if they are missing)."""
@@ -388,6 +397,7 @@ class Generation(Iterator[Step]):
         proposers.start(self.prompt)
         pending = self.prompt[-1]
         draft_forwards = 0
+        late_prefill_ms = 0.0  # a proposer's prompt prefill, deferred to its first draft (Proposer.prepare)
         prefilled = last_collect = time.perf_counter()
         # 2. Launch a round: propose (speculative) and verify with one target forward of width n+1.
         #    With lookahead, rounds are queued before the host describes the previous one, so the
@@ -421,7 +431,10 @@ class Generation(Iterator[Step]):
             now = time.perf_counter()
             wall_ms, last_collect = (now - last_collect) * 1e3, now
             if not steps and eng.device.type == "cuda":  # the queued prefill ran inside it: unknown overhead
-                wall_ms = result.draft_ms + result.verify_ms
+                wall_ms = result.prefill_ms + result.draft_ms + result.verify_ms
+            # A deferred prompt prefill is prefill: not this step's drafting, overhead or wall time.
+            late_prefill_ms += result.prefill_ms
+            wall_ms -= result.prefill_ms
             if proposal is not None:
                 draft_forwards += proposal.forwards
             # 3. Commit: accepted prefix + the target's token, cut at EOS or max_new_tokens.
@@ -487,7 +500,7 @@ class Generation(Iterator[Step]):
             seconds=seconds,
             stop_reason=stop_reason,
             draft_forwards=draft_forwards,
-            prefill_s=prefilled - t0,
+            prefill_s=prefilled - t0 + late_prefill_ms / 1e3,
         )
         # summarize() rebuilds text from the steps; a stop string cut keeps them consistent.
         assert self.summary.text == text, "step texts and generation text disagree"
@@ -508,7 +521,7 @@ class Generation(Iterator[Step]):
         if decision.k == 0:  # a standard round: one target forward, one token
             ids = pending if isinstance(pending, torch.Tensor) else ids_tensor([pending], eng.device)
             logits = eng.target_runner.forward(ids)[0, : eng.vocab]  # [V]
-            marks.append(marks[0])  # no draft phase
+            marks += [marks[0], marks[0]]  # no prefill, no draft phase
             if sampling.greedy:
                 token = logits.argmax()
                 p_shown = torch.softmax(logits, -1).gather(0, token.view(1))[0]
@@ -521,6 +534,8 @@ class Generation(Iterator[Step]):
         else:
             next_input = None
             assert decision.source is not None, "a speculative round names its proposer"
+            # The proposer's deferred prompt prefill, if any, gets its own mark: it is prefill, not drafting.
+            marks.append(_mark(cuda, eng.device) if proposers.prepare(decision.source) else marks[0])
             proposal = proposers.propose(decision.source, decision.k)
             draft = proposal.tokens  # [n]
             n = draft.shape[0]
@@ -558,11 +573,13 @@ class Generation(Iterator[Step]):
             launched.done.synchronize()
         values = launched.outcome.tolist()
         n = launched.n
-        begin, drafted, verified = launched.marks
+        begin, prepared, drafted, verified = launched.marks
         if isinstance(begin, float):  # CPU: the work ran inside _launch, so host times are exact
-            draft_ms, verify_ms = (drafted - begin) * 1e3, (verified - drafted) * 1e3
+            prefill_ms = (prepared - begin) * 1e3
+            draft_ms, verify_ms = (drafted - prepared) * 1e3, (verified - drafted) * 1e3
         else:  # CUDA: device time between the events
-            draft_ms = begin.elapsed_time(drafted) if n else 0.0
+            prefill_ms = begin.elapsed_time(prepared) if prepared is not begin else 0.0
+            draft_ms = prepared.elapsed_time(drafted) if n else 0.0
             verify_ms = drafted.elapsed_time(verified)
         result = _StepResult(
             proposed=[int(x) for x in values[:n]],
@@ -574,6 +591,7 @@ class Generation(Iterator[Step]):
             added_p=values[4 * n + 2],
             draft_ms=draft_ms,
             verify_ms=verify_ms,
+            prefill_ms=prefill_ms,
         )
         return result, launched.proposal
 

@@ -99,6 +99,11 @@ class CombinedProposer:
             return Offer("ngram", len(tokens), key=f"ngram:{n}")
         return self.draft.offer(k)
 
+    def prepare(self, source: str) -> bool:
+        """The draft model's one-off prompt prefill, when it is the one about to propose."""
+        prepare = getattr(self.draft, "prepare", None)
+        return bool(prepare(source)) if source == "draft" and prepare is not None else False
+
     def propose(self, k: int) -> Proposal:
         tokens, n = self.ngram.match(k)
         if tokens and n >= self.min_match:

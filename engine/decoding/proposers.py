@@ -53,6 +53,11 @@ class Proposer(Protocol):
         proposal: its caches must then take `new_tokens` on its next proposal.
         """
 
+    # Optional: `prepare(source) -> bool` does the one-off work a proposer defers to its first
+    # proposal of a generation (the draft model's prompt prefill) and says whether there was any.
+    # The loop calls it just before propose() and books its time as prefill, not drafting: it is
+    # paid once per answer, so costing it per proposal or per token would mispredict every step.
+
 
 def empty_proposal(device: torch.device) -> Proposal:
     """A proposal of no tokens: tells a proposer that a step was committed without its draft."""
@@ -77,7 +82,8 @@ class DraftModelProposer:
 
     def offer(self, k: int) -> Offer:
         # Two pending tokens are the normal case after a fully accepted draft (a captured width).
-        return Offer("draft", k, catch_up=len(self.pending) > 2)
+        # Before its first proposal the prompt is pending: that is a prefill (prepare), not a catch-up.
+        return Offer("draft", k, catch_up=self.cached > 0 and len(self.pending) > 2)
 
     def start(self, prompt: list[int]) -> None:
         # The prompt is fed when the draft first drafts, not now: auto mode may never draft (a draft
@@ -87,12 +93,23 @@ class DraftModelProposer:
         self.pending = list(prompt)
 
     @torch.inference_mode()
+    def prepare(self, source: str = "draft") -> bool:
+        """The first draft of this generation feeds the prompt (all pending tokens but the last) first."""
+        if self.cached or len(self.pending) <= 1:
+            return False
+        self.runner.prefill(ids_tensor(self.pending[:-1], self.device))
+        self.cached = len(self.pending) - 1
+        self.pending = self.pending[-1:]
+        return True
+
+    @torch.inference_mode()
     def propose(self, k: int) -> Proposal:
         greedy = self.sampling.greedy
         tokens, q_rows, shown = [], [], []
-        if len(self.pending) > 2 or (self.cached == 0 and len(self.pending) > 1):
-            # The prompt (first draft of a generation) or a catch-up after standard steps: fed as a
-            # prefill, with no logits for rows nobody reads; only the last token goes through forward.
+        self.prepare()  # a no-op when the loop has prepared it
+        if len(self.pending) > 2:
+            # A catch-up after standard steps: fed as a prefill, with no logits for rows nobody reads;
+            # only the last token goes through forward.
             self.runner.prefill(ids_tensor(self.pending[:-1], self.device))
             self.cached += len(self.pending) - 1
             self.pending = self.pending[-1:]
@@ -153,6 +170,11 @@ class ProposerSet:
         self._offered = {offer.source: part for offer, part in zip(offers, self.parts)}
         return offers
 
+    def prepare(self, source: str) -> bool:
+        """The one-off work of the part that will propose for `source` (see Proposer); True if there was any."""
+        prepare = getattr(self._offered[source], "prepare", None)
+        return bool(prepare(source)) if prepare is not None else False
+
     def propose(self, source: str, k: int) -> Proposal:
         self._drafter = self._offered[source]
         return self._drafter.propose(k)
@@ -172,7 +194,9 @@ def measure_proposer(proposer: Proposer, source: DraftSource, prompt: list[int],
     """A proposer's own cost, measured the way the loop calls it: propose(1) and propose(k), then commit.
 
     per token = (t(k) - t(1)) / (k - 1); per proposal = t(1) - per token. Medians over `iters`
-    rounds, after one untimed round when `warm`; every round restarts from `prompt`.
+    rounds, after one untimed round when `warm`; every round restarts from `prompt`, and the
+    one-off work of a generation (prepare: the draft model's prompt prefill) is done before the
+    clock starts, as the loop books it as prefill.
     """
     assert k >= 2, "two draft lengths are needed to tell per-token from per-proposal cost"
 
@@ -184,6 +208,9 @@ def measure_proposer(proposer: Proposer, source: DraftSource, prompt: list[int],
     for i in range(iters + 1 if warm else iters):
         for n in (1, k):
             proposer.start(prompt)
+            prepare = getattr(proposer, "prepare", None)
+            if prepare is not None:
+                prepare(source)
             sync()
             t0 = time.perf_counter()
             proposal = proposer.propose(n)

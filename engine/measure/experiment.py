@@ -122,8 +122,9 @@ class RunRecord:
     position_accepted: tuple[int, ...] = ()  # per draft position: steps that accepted it
     drafted_steps: tuple[int, ...] = ()  # index n: steps that drafted n tokens (0..K_MAX)
     drafted_by: tuple[tuple[str, int, int], ...] = ()  # (proposer, steps it drafted, tokens it drafted)
-    # The draft model's catch-ups: after steps it did not draft it first feeds what they committed.
-    catch_up_widths: tuple[int, ...] = ()  # index w: draft proposals whose first forward was w tokens wide (w > 2)
+    # The draft model's wide first forwards: after a fully accepted draft it feeds its last draft token
+    # and the bonus token (w = 2); after steps it did not draft, everything they committed (a catch-up).
+    catch_up_widths: tuple[int, ...] = ()  # index w: draft proposals whose first forward was w tokens wide (w >= 2)
 
 
 def record_run(generation: Generation, steps: Sequence[Step], prompt: BenchPrompt, label: str,
@@ -134,7 +135,11 @@ def record_run(generation: Generation, steps: Sequence[Step], prompt: BenchPromp
     reached, hits, lengths = [0] * K_MAX, [0] * K_MAX, [0] * (K_MAX + 1)
     by_source: dict[str, list[int]] = {}
     catch_ups = [0] * (K_MAX + 2)
-    pending = 1  # tokens the draft model feeds first next time (DraftModelProposer.pending)
+    # Tokens the draft model feeds first next time (DraftModelProposer.pending). Before its first
+    # proposal that is the prompt and what was committed since, fed as a prefill (booked as prefill,
+    # Proposer.prepare) but the last token: its first forward is one token wide.
+    pending = 1
+    drafted_yet = False
     for step in steps:
         n = len(step.proposed)
         lengths[min(n, K_MAX)] += 1
@@ -143,8 +148,9 @@ def record_run(generation: Generation, steps: Sequence[Step], prompt: BenchPromp
             counts[0] += 1
             counts[1] += n
         if n and step.sources[0] == "draft":
-            if pending > 2:
+            if drafted_yet and pending >= 2:
                 catch_ups[min(pending, K_MAX + 1)] += 1
+            drafted_yet = True
             pending = 2 if step.accepted == n else 1
         else:
             pending += step.new_tokens
@@ -281,8 +287,11 @@ def predicted_speedup(info: ModelInfo, runs: Sequence[RunRecord], standard_runs:
     measured in these very runs, the acceptance per draft position, the draft lengths and
     proposers used, and the per-step overhead outside the forwards (which the textbook formula
     leaves out: on an H200 it put measured speedups 3-10% under the prediction). A draft model's
-    catch-up forward (after steps it did not draft) is costed like a target forward of that width,
-    scaled to the draft. None without costs.
+    first forward of a proposal when it is w >= 2 tokens wide (after a fully accepted draft: its last
+    draft token and the bonus token; after steps it did not draft: what they committed) is costed
+    like a target forward of that width, scaled to the draft: on llama.cpp's CPU kernels a 2-token
+    forward costs 1.8x a 1-token one for both models, on CUDA graphs about 1x. The draft's prompt
+    prefill (deferred to its first proposal) is in the runs' measured prefill. None without costs.
     """
     target = dict(info.target_ms)
     costs = {c.source: c for c in info.proposer_costs}

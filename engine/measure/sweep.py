@@ -116,16 +116,22 @@ def run_sweep(engine: Engine, prompts: Sequence[BenchPrompt], configs: Sequence[
               cancel: threading.Event | None = None) -> list[RunRecord]:
     """Times every configuration on every prompt, `repeat` times; `progress(done, total, record)` after each.
 
-    Each prompt is warmed first (a short untimed generation that prefills both models), and the
-    configuration order rotates per prompt and repeat. When `cancel` is set the run in progress
+    Each prompt is warmed first (a short untimed generation that prefills both models; on a CPU
+    also one more pass of the cost measurement, Engine.measure_again, so the predictions use
+    costs measured in the same minutes as the runs), and the configuration order rotates per
+    prompt and repeat. When `cancel` is set the run in progress
     stops at its next step and is dropped; every run finished before it is returned.
     """
     cancel = cancel or threading.Event()
     by_label = {c.label: c for c in configs}
     warm_config = next((c for c in configs if c.proposer not in (None, "ngram")), configs[0])
 
+    measure_again = getattr(engine, "measure_again", None)
+
     def warm(prompt: BenchPrompt) -> None:
         list(engine.generate(make_request(prompt.prompt, warm_config, min(max_new_tokens, 4)), cancel))
+        if measure_again is not None:  # costs measured beside the runs, for the prediction (CPU only)
+            measure_again()
 
     records: list[RunRecord] = []  # kept as they come, so a stopped sweep keeps every finished run
 
