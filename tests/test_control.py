@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
+from dataclasses import replace
 
 import pytest
 
@@ -134,8 +135,16 @@ def test_adaptive_k_is_lossless_and_reports_its_decisions(engine, mode, k):
 
 def test_adaptive_k_samples_and_keeps_what_it_learned(engine):
     engine.tuning = TuningMemory()
-    gen, steps = _generate(engine, prompt="def add(a, b):", mode="auto", proposer="draft",
-                           sampling=Sampling(temperature=0.8, seed=2), max_new_tokens=40)
+    # Costs as a real pair measures them (a draft at a tenth of a forward), not the tiny models' own:
+    # timing noise on those once made the draft look unable to pay, so it was never tried (1 run in 10).
+    measured = engine.info
+    engine.info = replace(measured, target_ms=tuple((w, 10.0 + 0.2 * w) for w in range(1, K_MAX + 2)),
+                          proposer_costs=(ProposerCost("draft", 1.0, 0.0), ProposerCost("ngram", 0.01, 0.0)))
+    try:
+        gen, steps = _generate(engine, prompt="def add(a, b):", mode="auto", proposer="draft",
+                               sampling=Sampling(temperature=0.8, seed=2), max_new_tokens=40)
+    finally:
+        engine.info = measured
     assert gen.summary.new_tokens == 40 or gen.summary.stop_reason == "eos"
     assert ("draft", 0.8) in engine.tuning.acceptance  # the next answer at T=0.8 starts from it
     assert engine.tuning.timing.standard_overhead_ms is not None or engine.tuning.timing.overhead_ms is not None
