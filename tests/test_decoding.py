@@ -314,41 +314,43 @@ def test_queueing_the_next_round_ahead_changes_nothing(engine, kw):
         engine.eos_ids = saved
 
 
-def test_measured_costs_cover_every_verify_width_and_each_proposer_and_leave_the_caches(engine):
+@pytest.fixture
+def three_cached(engine):
+    """The engine with three tokens in the target's cache; its measured costs restored afterwards."""
     engine.target_runner.reset()
     engine.target_runner.forward(torch.tensor([5, 6, 7]))
     saved = engine.info
     try:
-        engine.measure_costs(rounds=2)
-        widths = [w for w, _ in engine.info.target_ms]
-        assert widths == list(range(1, K_MAX + 2)) and all(ms > 0 for _, ms in engine.info.target_ms)
-        costs = {c.source: c for c in engine.info.proposer_costs}
-        assert set(costs) == {"draft", "ngram"}
-        assert costs["draft"].per_token_ms > 0 and engine.info.draft_ms == costs["draft"].per_token_ms
-        assert engine.info.measure_s > 0
-        assert engine.target_runner.length == 3  # measured past the cached tokens, then rolled back
+        yield engine
     finally:
         engine.info = saved
 
 
-def test_measuring_again_pools_a_pass_with_those_before_and_leaves_the_caches(engine):
+def test_measured_costs_cover_every_verify_width_and_each_proposer_and_leave_the_caches(three_cached):
+    engine = three_cached
+    engine.measure_costs(rounds=2)
+    widths = [w for w, _ in engine.info.target_ms]
+    assert widths == list(range(1, K_MAX + 2)) and all(ms > 0 for _, ms in engine.info.target_ms)
+    costs = {c.source: c for c in engine.info.proposer_costs}
+    assert set(costs) == {"draft", "ngram"}
+    assert costs["draft"].per_token_ms > 0 and engine.info.draft_ms == costs["draft"].per_token_ms
+    assert engine.info.measure_s > 0
+    assert engine.target_runner.length == 3  # measured past the cached tokens, then rolled back
+
+
+def test_measuring_again_pools_a_pass_with_those_before_and_leaves_the_caches(three_cached):
     """On a CPU each pass is kept; measure_again adds one and every figure becomes the median of all."""
     import statistics
 
-    engine.target_runner.reset()
-    engine.target_runner.forward(torch.tensor([5, 6, 7]))
-    saved = engine.info
-    try:
-        engine.measure_costs(rounds=1)
-        first = engine.info.measure_s
-        assert len(engine.cost_passes) == 1
-        engine.measure_again()
-        engine.measure_again()
-        assert len(engine.cost_passes) == 3 and engine.info.measure_s > first
-        for w, ms in engine.info.target_ms:
-            assert ms == statistics.median(t[w] for t, _ in engine.cost_passes)
-        draft = statistics.median(p["draft"].per_token_ms for _, p in engine.cost_passes)
-        assert engine.info.draft_ms == draft
-        assert engine.target_runner.length == 3
-    finally:
-        engine.info = saved
+    engine = three_cached
+    engine.measure_costs(rounds=1)
+    first = engine.info.measure_s
+    assert len(engine.cost_passes) == 1
+    engine.measure_again()
+    engine.measure_again()
+    assert len(engine.cost_passes) == 3 and engine.info.measure_s > first
+    for w, ms in engine.info.target_ms:
+        assert ms == statistics.median(t[w] for t, _ in engine.cost_passes)
+    draft = statistics.median(p["draft"].per_token_ms for _, p in engine.cost_passes)
+    assert engine.info.draft_ms == draft
+    assert engine.target_runner.length == 3
