@@ -89,6 +89,9 @@ def _add_model_args(p: argparse.ArgumentParser, decoding: bool = True) -> None:
     g.add_argument("--head", default="auto", type=opt.head,
                    help="draft head folder for --proposer head; auto: the shipped head trained for this target "
                         "(if any); none: no head")
+    g.add_argument("--tree", default="auto", choices=["auto", "0", "1", "2", "3"],
+                   help="next-best head tokens verified beside each greedy draft token as a tree (0: chains; "
+                        "auto: 2 on a GPU, 0 on a CPU, where a wider verify costs more)")
     g.add_argument("--fast-path", default="auto", choices=["auto", "eager", "static", "compiled"],
                    help="auto: static cache + CUDA graphs where possible, else eager; compiled: also "
                         "torch.compile the per-step forwards for --k (CUDA; minutes of warm-up)")
@@ -247,11 +250,15 @@ def _load(args: argparse.Namespace, needs_draft: bool, runtime: str | None = Non
     if needs_head is None:
         needs_head = getattr(args, "mode", "standard") != "standard" and getattr(args, "proposer", None) == "head"
     target, draft = _pair_specs(args)
-    return load_engine(target, draft, runtime=runtime or args.runtime, device=args.device, dtype=args.dtype,
-                       with_draft=needs_draft, fast_path=args.fast_path, threads=args.threads, progress=reporter,
-                       compile_k=compile_k, head=head, needs_head=needs_head, target_dtype=args.target_dtype,
-                       draft_dtype=args.draft_dtype, context=args.context, gpus=args.gpus, memory=args.memory,
-                       force=args.force)
+    engine = load_engine(target, draft, runtime=runtime or args.runtime, device=args.device, dtype=args.dtype,
+                         with_draft=needs_draft, fast_path=args.fast_path, threads=args.threads, progress=reporter,
+                         compile_k=compile_k, head=head, needs_head=needs_head, target_dtype=args.target_dtype,
+                         draft_dtype=args.draft_dtype, context=args.context, gpus=args.gpus, memory=args.memory,
+                         force=args.force)
+    tree = getattr(args, "tree", "auto")
+    if tree != "auto" and engine.head_runner is not None:
+        engine.set_tree(int(tree))
+    return engine
 
 
 def _load_pair(args: argparse.Namespace, needs_draft: bool, progress=None, *, pack_cpu: bool = False,

@@ -11,7 +11,8 @@ The same code runs on a CPU with tiny models (--device cpu) to check the script 
 3. greedy: standard vs head speculative on the prompts (tokens per target forward, acceptance by
    position, identical outputs with every first divergence, the cost model's prediction);
 4. the same at T = 0.7; 5. greedy K sweep (extra figures for the K controller, after the main runs);
-6. a short table last: tok/s, speedups, and tok/s against llama.cpp's 563 tok/s on this GPU.
+6. greedy tree sweep: alternatives per draft token (--trees) x K (--tree-ks), 0 = chains;
+7. a short table last: tok/s, speedups, and tok/s against llama.cpp's 563 tok/s on this GPU.
 Results: $OUT/h200_head.json (rewritten after every section).
 """
 from __future__ import annotations
@@ -61,6 +62,10 @@ def main() -> int:
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--k", type=int, default=5)
     ap.add_argument("--sweep", default="3,4,6,7,8", help="greedy K values timed after the main runs ('' skips)")
+    ap.add_argument("--tree", default="auto", help="alternatives per greedy draft token in the main runs (auto: "
+                    "the engine's default, 2 on a GPU)")
+    ap.add_argument("--trees", default="0,1,2,3", help="alternatives timed in the tree sweep ('' skips)")
+    ap.add_argument("--tree-ks", default="5,7", help="K values of the tree sweep")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--out", type=Path, default=Path(os.environ["OUT"]) if os.environ.get("OUT") else None)
@@ -82,12 +87,16 @@ def main() -> int:
         t = time.perf_counter()
         pair = load_pair(args.target, None, device=args.device, dtype=args.dtype, with_draft=False)
         engine = Engine.from_pair(pair, head=args.head)
+        if args.tree != "auto":
+            engine.set_tree(int(args.tree))
         state.update(pair=pair, engine=engine)
         info = engine.info
         print(f"{info.target_name} on {info.device} ({info.dtype}, {info.fast_path}); head {info.head_name} "
-              f"({engine.head_runner.name}), {info.head_ms:.3f} ms per draft token")
+              f"({engine.head_runner.name}), {info.head_ms:.3f} ms per draft token; tree: "
+              f"{engine.alternatives()} alternatives per greedy draft token")
         print("target ms per width: " + ", ".join(f"w{w} {ms:.2f}" for w, ms in info.target_ms))
-        return {"seconds": time.perf_counter() - t, "info": asdict(info), "head_runner": engine.head_runner.name}
+        return {"seconds": time.perf_counter() - t, "info": asdict(info), "head_runner": engine.head_runner.name,
+                "tree_alternatives": engine.alternatives()}
 
     if "engine" not in state:
         print("could not load the target with the head; nothing to measure")
@@ -127,6 +136,41 @@ def main() -> int:
         return {"graphs": True, "identical": same, "steps": len(with_graphs), "accepted_graphs": accepted_graphs,
                 "accepted_eager": accepted_eager, "graphs_kept": bool(head.graphs)}
 
+    @section("self-check: tree graphs vs eager", args.out)
+    def _():
+        import torch
+
+        from engine.runners.tree import sibling_rows
+
+        target, s = engine.target_runner, engine.alternatives()
+        if not s or not getattr(target, "tree_graphs", None):
+            return {"tree_graphs": False, "alternatives": s}
+        ids = engine.encode(request(prompts[0].prompt, "standard", 8, 0.0, args.k))
+        out = {}
+        for k in (1, args.k, 8):
+            width = sibling_rows(k, s)
+            tree = engine.tree(k, s)
+            draft = torch.randint(0, engine.vocab, (width - 1,), generator=torch.Generator().manual_seed(k))
+            feed = torch.tensor([ids[-1], *draft.tolist()], device=engine.device)
+            results = []
+            for graphs in (True, False):
+                saved = dict(target.tree_graphs)
+                if not graphs:
+                    target.tree_graphs.clear()
+                try:
+                    target.reset()
+                    target.prefill(torch.tensor(ids[:-1], device=engine.device))
+                    logits = target.forward(feed, tree).clone()
+                finally:
+                    target.tree_graphs.update(saved)
+                results.append(logits)
+            same = bool((results[0].argmax(-1) == results[1].argmax(-1)).all())
+            diff = float((results[0] - results[1]).abs().max())
+            out[f"K={k}"] = {"width": width, "same_argmax": same, "max_abs_diff": diff}
+            print(f"tree K={k} S={s} width {width}: argmax identical {same}, max |diff| {diff:.4f}")
+        target.reset()
+        return out
+
     def bench(temperature: float, k: int, modes: tuple[str, ...]) -> dict:
         ctx = BenchContext(state["pair"], engine,
                            make_request=lambda prompt, mode, max_new: request(prompt, mode, max_new, temperature, k),
@@ -154,6 +198,30 @@ def main() -> int:
             out[str(k)] = {key: s[key] for key in ("tokens_per_s", "tokens_per_target_forward", "acceptance_rate")}
         return out
 
+    @section("greedy tree sweep", args.out)
+    def _():
+        trees = [int(s) for s in args.trees.split(",") if s.strip()]
+        main_tree = engine.tree_alternatives
+        out = {}
+        try:
+            for k in [int(k) for k in args.tree_ks.split(",") if k.strip()]:
+                for s in trees:
+                    engine.set_tree(s)
+                    r = bench(0.0, k, ("speculative",))
+                    spec = r["summary"]["speculative"]
+                    standard = {run["prompt_id"]: run["token_ids"] for run in RESULTS.get("greedy", {}).get("runs", ())
+                                if run["mode"] == "standard"}
+                    runs = r["runs"]
+                    row = {key: spec[key] for key in ("tokens_per_s", "tokens_per_target_forward", "acceptance_rate")}
+                    row["alternatives_kept"] = sum(sum(run.get("position_alternative") or ()) for run in runs)
+                    row["identical_to_standard"] = sum(run["token_ids"] == standard.get(run["prompt_id"]) for run in runs)
+                    row["compared"] = sum(run["prompt_id"] in standard for run in runs)
+                    out[f"K={k} S={s}"] = row
+                    print(f"K={k} S={s}: {row}", flush=True)
+        finally:
+            engine.set_tree(main_tree)
+        return out
+
     print("\n=== summary ===")
     rows = [f"{'run':<22}{'tok/s':>9}{'x std':>8}{'tok/fwd':>9}{'identical':>11}  acceptance by position"]
     table = {}
@@ -176,6 +244,12 @@ def main() -> int:
     if sweep and "error" not in sweep:
         rows.append("greedy K sweep (tok/s, tok/fwd): " + ", ".join(
             f"K={k} {v['tokens_per_s']:.0f} {v['tokens_per_target_forward']:.2f}" for k, v in sweep.items()))
+    trees = RESULTS.get("greedy tree sweep", {})
+    std_tok_s = table.get("greedy", {}).get("standard_tok_s")
+    if trees and "error" not in trees and std_tok_s:
+        rows.append("greedy tree sweep (tok/s, x std, tok/fwd): " + ", ".join(
+            f"{name} {v['tokens_per_s']:.0f} {v['tokens_per_s'] / std_tok_s:.2f}x {v['tokens_per_target_forward']:.2f}"
+            for name, v in trees.items()))
     if "greedy" in table:
         g = table["greedy"]
         rows.append(f"head greedy {g['head_tok_s']:.0f} tok/s = {g['vs_llama_cpp']:.2f}x llama.cpp ({LLAMA_CPP_TOK_S:.0f} "

@@ -107,6 +107,9 @@ class Step:
     stop_reason: StopReason | None = None  # set on the last step only
     decision: Decision | None = None  # the K controller's choice for this step (None from engines without one)
     overhead_ms: float = 0.0  # wall time of the step outside drafting and verifying (host work, sync, consumer)
+    # A tree of drafts (engine/runners/tree.py): `added` was one of the drafted alternatives, so the
+    # target's token after it came from the same forward: committed after `added` (status "bonus").
+    extra: int | None = None
 
 
 @dataclass(frozen=True)

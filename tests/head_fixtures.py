@@ -48,12 +48,20 @@ def build_tiny_head(root: Path) -> TinyHead:
     return TinyHead(target, root / "head", root / "work", summary)
 
 
-def head_engine(target: Path, head: Path, dtype: torch.dtype = torch.float32) -> Engine:
-    """An engine on the tiny target (eager runner, no draft model) with the head attached."""
+def head_engine(target: Path, head: Path, dtype: torch.dtype = torch.float32, *, static: bool = False) -> Engine:
+    """An engine on the tiny target (eager runner, no draft model) with the head attached.
+
+    static: the fast path's static-cache runner instead (run eagerly on the CPU), which does tree forwards."""
     model, tok = load_target(target, dtype)
     info = ModelInfo(target_name="tiny-target", draft_name=None, device="cpu",
-                     dtype=str(dtype).removeprefix("torch."), fast_path="eager", vocab_size=len(tok))
-    engine = Engine(model, tok, info)
+                     dtype=str(dtype).removeprefix("torch."), fast_path="static-eager" if static else "eager",
+                     vocab_size=len(tok))
+    runner = None
+    if static:
+        from engine.runners.graphs import StaticGraphRunner
+
+        runner = StaticGraphRunner(model, max_length=512, graph_widths=(1,))
+    engine = Engine(model, tok, info, target_runner=runner)
     files = read_manifest(head)
     engine.attach_head(load_head(files, torch.device("cpu"), dtype).bind(model), files.name)
     return engine

@@ -451,3 +451,33 @@ def test_rounds_are_queued_without_host_syncs_on_cuda(tiny_pair, monkeypatch):
         assert all(s.verify_ms > 0 for s in steps)  # device time between the round's events
         assert all(s.draft_ms > 0 for s in steps if s.proposed and "draft" in s.sources)
         assert gen.summary.new_tokens == len(gen.token_ids) and gen.summary.seconds > 0
+
+
+def test_a_tree_forward_equals_each_branch_fed_as_a_sequence(model):
+    from engine.runners.tree import alt_row, sibling_tree
+
+    g = torch.Generator().manual_seed(5)
+    prefix = torch.randint(0, VOCAB, (11,), generator=g).tolist()
+    k, s = 3, 2
+    tree = sibling_tree(k, s)
+    ids = torch.randint(0, VOCAB, (tree.width,), generator=g)
+    runner = StaticGraphRunner(model, max_length=128, graph_widths=(1,), hidden_layers=(0, 1))
+    runner.prefill(torch.tensor(prefix))
+    out = runner.forward(ids, tree).clone()
+    hidden = runner.hidden.clone()
+    chain = ids[: k + 1].tolist()
+    for d in range(k):  # every alternative's logits are those of the chain up to its parent, then it
+        for a in range(s):
+            row = alt_row(k, s, d, a)
+            ref = full_logits(model, prefix + chain[: d + 1] + [int(ids[row])])[-1]
+            torch.testing.assert_close(out[row], ref, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(out[: k + 1], full_logits(model, prefix + chain)[-(k + 1):], atol=1e-4, rtol=1e-4)
+    # Keep the chain's first draft and an alternative at depth 2: the cache then holds that sequence.
+    kept = [0, 1, alt_row(k, s, 1, 1)]
+    runner.keep_path(kept)
+    torch.testing.assert_close(runner.hidden[2], hidden[kept[2]])
+    runner.rollback(len(prefix) + len(kept))
+    nxt = int(torch.randint(0, VOCAB, (1,), generator=g))
+    sequence = prefix + [int(ids[i]) for i in kept] + [nxt]
+    torch.testing.assert_close(runner.forward(torch.tensor([nxt]))[0], full_logits(model, sequence)[-1],
+                               atol=1e-4, rtol=1e-4)

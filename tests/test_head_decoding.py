@@ -278,3 +278,71 @@ def test_cli_head_on_a_target_packed_while_loading(tiny_head, tmp_path, capsys):
     spec = results["speculative"]
     assert spec["config"]["fast_path"] == "cpu-onednn" and spec["summary"]["accepted"] > 0
     assert spec["text"] == results["standard"]["text"]
+
+
+@pytest.fixture(scope="module")
+def tree_engine(tiny_head):
+    return head_engine(tiny_head.target, tiny_head.head, static=True)
+
+
+@pytest.mark.parametrize("alternatives", [1, 2, 3])
+def test_greedy_with_a_tree_of_drafts_equals_standard(tree_engine, alternatives):
+    """K 1..12 (above TREE_K_MAX the drafts verify as chains), cuts by max_new_tokens mid-tree; and the
+    alternatives do get picked, each time with the target's next token from the same forward."""
+    engine = tree_engine
+    engine.set_tree(alternatives)
+    extras = 0
+    try:
+        for k in range(1, 13):
+            for seed in range(3):
+                messages = _messages(seed * 17 + k + 100 * alternatives)
+                max_new = 6 + (seed * 5 + k) % 27
+                std, _ = _run(engine, messages=messages, mode="standard", max_new_tokens=max_new)
+                spec, steps = _run(engine, messages=messages, mode="speculative", proposer="head", k=k,
+                                   max_new_tokens=max_new)
+                assert spec.token_ids == std.token_ids, f"K={k} S={alternatives} messages={messages!r}"
+                assert spec.summary.text == std.summary.text
+                for step in steps:
+                    if step.extra is not None:
+                        extras += 1
+                        assert step.accepted < len(step.proposed) and step.added_status == "corrected"
+                        assert [v.status for v in step.tokens][-2:] == ["corrected", "bonus"]
+                        assert step.new_tokens == step.accepted + 2
+    finally:
+        engine.set_tree(None)
+    assert extras > 0, "no alternative was ever picked: the test would not exercise the tree"
+
+
+def test_tree_rounds_leave_both_caches_at_the_committed_prefix(tree_engine):
+    engine = tree_engine
+    engine.set_tree(3)
+    head = engine.head_runner
+    try:
+        gen = engine.generate(GenerationRequest(messages=_messages(5), mode="speculative", proposer="head", k=5,
+                                                max_new_tokens=60))
+        for step in gen:
+            assert engine.target_runner.length == len(gen.prompt) + step.total_tokens - 1
+            assert head.length + step.new_tokens == engine.target_runner.length
+        ids = gen.prompt + gen.token_ids
+        target = engine.target_runner
+        with torch.inference_mode():
+            after_tree = target.forward(torch.tensor(ids[-1:]))[0].clone()
+            target.reset()
+            target.prefill(torch.tensor(ids[:-1]))
+            fresh = target.forward(torch.tensor(ids[-1:]))[0]
+        torch.testing.assert_close(after_tree, fresh, atol=1e-4, rtol=1e-4)
+    finally:
+        engine.set_tree(None)
+
+
+def test_sampling_ignores_the_tree(tree_engine):
+    """Sampled proposals stay chains (several sampled candidates need another acceptance rule)."""
+    engine = tree_engine
+    engine.set_tree(2)
+    try:
+        check_sampling_law(engine, "", proposer="head", messages=(Message("user", "hello world"),), trials=600)
+        _, steps = _run(engine, messages=_messages(3), mode="speculative", proposer="head", k=4, max_new_tokens=30,
+                        sampling=Sampling(temperature=0.8, seed=2))
+        assert all(s.extra is None for s in steps)
+    finally:
+        engine.set_tree(None)

@@ -8,6 +8,11 @@ draft the rest. Greedy drafts never leave the device (argmax, shown probability 
 input are written by the step itself, inside its CUDA graph); sampled drafts draw from the
 head's processed distribution over its reduced vocabulary, mapped back to target ids, which
 keeps the acceptance rule exact (q is zero outside the draft vocabulary).
+
+Greedy proposals may carry `alternatives` next-best tokens beside each draft (Proposal.alts): the
+loop then verifies them as a tree (engine/runners/tree.py), which keeps one more token whenever
+the target picks an alternative where it rejects the chain. Sampled proposals stay chains: the
+acceptance rule for several sampled candidates is another algorithm.
 """
 from __future__ import annotations
 
@@ -28,13 +33,15 @@ class HeadProposer:
     reads_target = True
 
     def __init__(self, head: HeadRunner, target: Runner, sampling: Sampling, vocab: int,
-                 generator: torch.Generator | None) -> None:
+                 generator: torch.Generator | None, alternatives: int = 0) -> None:
+        """alternatives: next-best tokens proposed beside each greedy draft (0: a chain)."""
         assert target.hidden_layers == head.config.feature_layers, "the target runner must keep the head's layers"
         self.head = head
         self.target = target
         self.sampling = sampling
         self.vocab = vocab  # the loop's vocabulary: q rows are this wide
         self.generator = generator
+        self.alternatives = alternatives if sampling.greedy else 0
         self.device = head.device
         self.rows: torch.Tensor | None = None  # [>= n, F] target rows the head has not read yet
         self.next_ids: list[int] = []  # [n] the committed token after each of those rows
@@ -63,7 +70,10 @@ class HeadProposer:
         if self.sampling.greedy:
             for _ in range(k - 1):
                 head.step(span)
-            return self._proposal(head.drafts[:k].clone(), None, head.shown[:k].clone())
+            proposal = self._proposal(head.drafts[:k].clone(), None, head.shown[:k].clone())
+            if self.alternatives:
+                proposal.alts = head.alts[:k, : self.alternatives].clone()
+            return proposal
         q_rows, shown = [], []
         for i in range(k):
             if i:

@@ -17,11 +17,12 @@ from engine.decoding.proposers import DraftModelProposer, Proposal, Proposer, Pr
 from engine.decoding.sampling import accept_draft, display_probs, draw, process
 from engine.errors import GenerationError, IncompatibleModelsError
 from engine.heads.model import DraftHead
-from engine.heads.runner import HeadRunner
+from engine.heads.runner import ALTERNATIVES, HeadRunner
 from engine.limits import K_AUTO, K_MAX, widest_draft
 from engine.measure.stats import summarize
 from engine.runners import Runner, ids_tensor
 from engine.runners.base import output_device
+from engine.runners.tree import Tree, sibling_rows, sibling_tree
 from engine.types import (
     Decision,
     DraftSource,
@@ -35,6 +36,9 @@ from engine.types import (
 )
 
 log = logging.getLogger(__name__)
+
+TREE_ALTERNATIVES = 2  # default next-best tokens per draft position on a GPU (bench/h200_head.py measures 0..3)
+TREE_K_MAX = 8  # tree graphs are captured for K = 1..TREE_K_MAX; longer drafts verify as chains
 
 
 @dataclass
@@ -51,6 +55,9 @@ class _StepResult:
     draft_ms: float
     verify_ms: float
     prefill_ms: float = 0.0  # a proposer's one-off prefill before it drafted (Proposer.prepare), not drafting
+    extra: int = -1  # a tree round: the target's token after the alternative it picked (-1: none)
+    extra_p: float = 0.0  # its displayed target probability
+    extra_row: int = 0  # the tree row of that alternative (runners/tree.py)
 
 
 @dataclass
@@ -68,6 +75,7 @@ class _Launched:
     done: torch.cuda.Event | None  # CUDA: recorded after the copy to the host
     marks: tuple  # CUDA: timing events (begin, prepared, drafted, verified); CPU: perf_counter times
     token: torch.Tensor | None = None  # standard round: its token [1] on the device, the next round's input
+    tree: bool = False  # the drafts were verified as a tree (the outcome carries extra, extra_p, extra_row)
 
 
 class Engine:
@@ -114,6 +122,11 @@ class Engine:
         # so it would only delay each step's tokens. Tests force it on to check it changes no output.
         self.lookahead: bool | None = None
         self.tuning = TuningMemory()  # what adaptive K learned in this process; each answer starts from it
+        # Next-best head tokens verified beside each greedy draft as a tree (runners/tree.py); None:
+        # TREE_ALTERNATIVES where a tree pays (a GPU's verify costs nearly the same for a few more
+        # rows), 0 on a CPU (forward cost grows with width) and on runners without tree forwards.
+        self.tree_alternatives: int | None = None
+        self._trees: dict[tuple[int, int], Tree] = {}  # (K, S) -> its sibling tree on the device
 
     @classmethod
     def from_pair(cls, pair, *, fast_path: str = "auto", progress=None, compile_k: int = 5,
@@ -221,6 +234,32 @@ class Engine:
                 ms = 0.0
             self.head_runner = runner
             self.info = replace(self.info, head_name=name, head_ms=ms)
+        self.set_tree(self.tree_alternatives)  # the tree's graphs, where one pays
+
+    def alternatives(self) -> int:
+        """Next-best tokens a greedy head proposal carries beside each draft (0: chains only)."""
+        if self.head_runner is None or not hasattr(self.target_runner, "keep_path"):
+            return 0
+        if self.tree_alternatives is None:
+            return TREE_ALTERNATIVES if self.device.type == "cuda" else 0
+        return self.tree_alternatives
+
+    def set_tree(self, alternatives: int | None) -> None:
+        """Chooses the tree (None: the default for this device) and captures its graphs on CUDA."""
+        if alternatives is not None and not 0 <= alternatives <= ALTERNATIVES:
+            raise GenerationError(f"A tree keeps 0..{ALTERNATIVES} alternatives per draft token, not {alternatives}.")
+        self.tree_alternatives = alternatives
+        s = self.alternatives()
+        capture = getattr(self.target_runner, "capture_trees", None)
+        if s and capture is not None:
+            with self._lock:
+                capture(sibling_rows(k, s) for k in range(1, TREE_K_MAX + 1))
+
+    def tree(self, k: int, s: int) -> Tree:
+        tree = self._trees.get((k, s))
+        if tree is None:
+            tree = self._trees[(k, s)] = sibling_tree(k, s, self.device)
+        return tree
 
     def measure_costs(self, progress=None, rounds: int = 3) -> None:
         """The cost model's inputs, measured once at load (engine/decoding/costs.py): every verify width
@@ -319,7 +358,8 @@ class Engine:
             return DraftModelProposer(self.draft_runner, sampling, self.vocab, generator)
         if source == "head":
             assert self.head_runner is not None, "generate() checks that a head is loaded"
-            return HeadProposer(self.head_runner, self.target_runner, sampling, self.vocab, generator)
+            return HeadProposer(self.head_runner, self.target_runner, sampling, self.vocab, generator,
+                                alternatives=self.alternatives())
         from engine.decoding.ngram import NgramProposer
 
         assert source == "ngram", f"unknown proposer {source!r}"
@@ -439,6 +479,8 @@ class Generation(Iterator[Step]):
                 draft_forwards += proposal.forwards
             # 3. Commit: accepted prefix + the target's token, cut at EOS or max_new_tokens.
             committed = result.proposed[: result.accepted] + [result.added]
+            if result.extra >= 0:  # a tree round kept an alternative: the target's token after it too
+                committed.append(result.extra)
             cut = len(committed)
             for i, tok in enumerate(committed):
                 if tok in eng.eos_ids:
@@ -452,6 +494,10 @@ class Generation(Iterator[Step]):
             #    Standard rounds feed only committed tokens: nothing to roll back (and rounds
             #    queued behind this one have already moved the target's write position on).
             kept_draft = min(result.accepted, cut)
+            if result.extra >= 0 and cut > result.accepted + 1:
+                # The alternative is cached (the extra token after it is pending): move its slot and
+                # hidden row next to the accepted chain.
+                target.keep_path([*range(result.accepted + 1), result.extra_row])
             if proposal is not None:
                 target.rollback(len(self.prompt) + len(self.token_ids) + cut - 1)
             proposers.commit(proposal, kept_draft, committed)
@@ -540,6 +586,17 @@ class Generation(Iterator[Step]):
             draft = proposal.tokens  # [n]
             n = draft.shape[0]
             marks.append(_mark(cuda, eng.device))
+            alts = proposal.alts
+            if alts is not None and n and n <= TREE_K_MAX and sampling.greedy and \
+                    eng.target_runner.length + sibling_rows(n, alts.shape[1]) <= eng.target_runner.max_length:
+                outcome = self._verify_tree(pending, draft, alts, proposal)
+                marks.append(_mark(cuda, eng.device))
+                done = None
+                if cuda:
+                    outcome = torch.empty(outcome.shape, pin_memory=True).copy_(outcome, non_blocking=True)
+                    done = torch.cuda.Event()
+                    done.record(torch.cuda.current_stream(eng.device))
+                return _Launched(outcome, n, proposal, decision, done, tuple(marks), None, tree=True)
             ids = torch.cat([ids_tensor([pending], eng.device), draft])  # [n+1]
             logits = eng.target_runner.forward(ids)[:, : eng.vocab]  # [n+1, V]
             p = process(logits, sampling)  # [n+1, V]
@@ -567,6 +624,37 @@ class Generation(Iterator[Step]):
         marks.append(_mark(cuda, eng.device))
         return _Launched(outcome, n, proposal, decision, done, tuple(marks), next_input)
 
+    def _verify_tree(self, pending: int, draft: torch.Tensor, alts: torch.Tensor, proposal: Proposal) -> torch.Tensor:
+        """Greedy verify of a chain [n] with S alternatives per draft [n, S] as one tree forward.
+
+        The chain is accepted while each draft is the target's argmax; the target's token at the
+        first rejection (or the bonus) is `added`. When `added` is one of the alternatives at that
+        depth, its own row of the same forward gives the target's next token too (`extra`).
+        Returns the round's outcome (the chain layout, then extra, its p and its row) with no host sync.
+        """
+        eng = self.engine
+        n, s = draft.shape[0], alts.shape[1]
+        tree = eng.tree(n, s)
+        ids = torch.cat([ids_tensor([pending], eng.device), draft, alts.reshape(-1)])  # [1 + n(1 + S)]
+        logits = eng.target_runner.forward(ids, tree)[:, : eng.vocab]  # [W, V]
+        best = logits.argmax(-1)  # [W] the target's token after each row
+        ok = draft == best[:n]  # [n]
+        accepted = torch.cumprod(ok.long(), 0).sum()
+        added = best.index_select(0, accepted.view(1))  # [1]
+        beside = torch.cat([alts, alts.new_full((1, s), -1)]).index_select(0, accepted.view(1))[0]  # [S]
+        hit = beside == added  # [S] (no alternative after a fully accepted chain: -1 never matches)
+        row = torch.where(hit.any(), 1 + n + accepted * s + hit.long().argmax(), torch.zeros_like(accepted))
+        extra = torch.where(hit.any(), best.index_select(0, row.view(1))[0], torch.full_like(accepted, -1))
+        shown = logits.softmax(-1)  # [W, V] what the hover shows under greedy
+        rows = torch.arange(n, device=eng.device)
+        p_x = shown[rows, draft]
+        q_x = proposal.q_display if proposal.q_display is not None else torch.ones(n, device=eng.device)
+        added_p = shown[accepted.view(1), added]  # [1]
+        extra_p = shown[row.view(1), extra.clamp_min(0).view(1)]  # [1]
+        return torch.cat([draft.float(), q_x.float(), p_x.float(), ok.float(),
+                          torch.stack([accepted.float(), added[0].float()]), added_p.float(),
+                          torch.stack([extra.float(), extra_p[0].float(), row.float()])])
+
     def _collect(self, launched: _Launched) -> tuple[_StepResult, Proposal | None]:
         """Waits for a launched round (the step's one host sync) and reads its outcome."""
         if launched.done is not None:
@@ -593,6 +681,9 @@ class Generation(Iterator[Step]):
             verify_ms=verify_ms,
             prefill_ms=prefill_ms,
         )
+        if launched.tree:
+            result.extra, result.extra_p, result.extra_row = int(values[4 * n + 3]), values[4 * n + 4], \
+                int(values[4 * n + 5])
         return result, launched.proposal
 
     def _describe(
@@ -634,13 +725,20 @@ class Generation(Iterator[Step]):
                 status = "bonus" if r.accepted == len(r.proposed) else "corrected"
         # Rejected tokens are shown before the correction that replaces them.
         views.extend(rejected)
+        extra = committed[kept_draft + 1] if len(committed) > kept_draft + 1 else None
         if added is not None:
             piece = detok.push(added)
             pieces.append(piece)
+            # A tree's alternative the target picked was drafted too: its source says so.
             views.append(
                 TokenView(token_id=added, text=piece, status=status, step=index, draft_pos=None, q=None,
-                          p=r.added_p, accept_prob=None, source=None)
+                          p=r.added_p, accept_prob=None, source=proposal.sources[0] if extra is not None else None)
             )
+        if extra is not None:  # the target's token after that alternative, from the same forward
+            piece = detok.push(extra)
+            pieces.append(piece)
+            views.append(TokenView(token_id=extra, text=piece, status="bonus", step=index, draft_pos=None, q=None,
+                                   p=r.extra_p, accept_prob=None, source=None))
         text = "".join(pieces)
         step = Step(
             index=index,
@@ -661,6 +759,7 @@ class Generation(Iterator[Step]):
             elapsed_s=time.perf_counter() - t0,
             decision=launched.decision,
             overhead_ms=overhead_ms,
+            extra=extra,
         )
         return step, text
 

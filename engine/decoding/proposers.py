@@ -20,6 +20,9 @@ class Proposal:
     sources: tuple[DraftSource, ...]  # proposer of each token
     forwards: int  # draft-model forwards spent on this proposal
     q_display: torch.Tensor | None = None  # [n] q(x) to show people (softmax at T=1 under greedy)
+    # [n, S] greedy only: S alternative target ids beside each draft token, verified as a tree
+    # (engine/runners/tree.py: leaves sharing the draft token's parent); None: a chain.
+    alts: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)

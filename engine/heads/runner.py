@@ -26,6 +26,7 @@ from engine.runners.lean import CACHE_ALIGN, PREFILL_CHUNK
 
 log = logging.getLogger(__name__)
 
+ALTERNATIVES = 3  # next-best draft tokens kept beside each greedy draft (a tree proposal reads up to these)
 MIN_BUCKET = 512  # smallest attention span (as the target runner): one graph per (width, span)
 WARMUP_ITERS = 3  # eager runs on a side stream before each capture
 
@@ -70,6 +71,7 @@ class HeadRunner:
             self.token = torch.zeros(1, dtype=torch.long, device=dev)  # [1] its last draft (target id)
             self.drafts = torch.zeros(k_max + 1, dtype=torch.long, device=dev)  # [K_max+1] target ids
             self.shown = torch.zeros(k_max + 1, dtype=torch.float32, device=dev)  # softmax prob of each draft
+            self.alts = torch.zeros(k_max + 1, ALTERNATIVES, dtype=torch.long, device=dev)  # next-best target ids
             self.last_logits = torch.zeros(c.draft_vocab, dtype=torch.float32, device=dev)  # [Vd] last step's
             self.feat_in: dict[int, torch.Tensor] = {}  # width -> [W, F] catch-up features
             self.ids_in: dict[int, torch.Tensor] = {}  # width -> [W] catch-up tokens
@@ -125,6 +127,7 @@ class HeadRunner:
         self.pos.copy_(self.start + ids.shape[0])
         self.drafts[:1].copy_(self.token)
         self.shown[:1].copy_(self._shown)
+        self.alts[:1].copy_(self._alts)
         self.idx.fill_(1)
 
     def _step_body(self, span: int) -> None:
@@ -132,13 +135,17 @@ class HeadRunner:
         self._tail(out)
         self.drafts.index_copy_(0, self.idx.view(1), self.token)
         self.shown.index_copy_(0, self.idx.view(1), self._shown)
+        self.alts.index_copy_(0, self.idx.view(1), self._alts)
         self.pos.add_(1)
         self.idx.add_(1)
 
     def _tail(self, last: torch.Tensor) -> None:
-        """Greedy draft of the last row [1, H]: its token, shown probability, logits and state."""
+        """Greedy draft of the last row [1, H]: its token, shown probability, logits, state and the
+        next-best tokens (for a tree of drafts)."""
         logits = self.head.logits(last)[0].float()  # [Vd]
-        best = logits.argmax(-1, keepdim=True)  # [1]
+        top = logits.topk(1 + ALTERNATIVES).indices  # [1 + A], best first
+        best = top[:1]  # [1]
+        self._alts = self.head.d2t.index_select(0, top[1:]).view(1, -1)  # [1, A] target ids
         self._shown = torch.softmax(logits, -1).gather(0, best)  # [1]
         self.last_logits.copy_(logits)
         self.state.copy_(last)

@@ -125,6 +125,9 @@ class RunRecord:
     # The draft model's wide first forwards: after a fully accepted draft it feeds its last draft token
     # and the bonus token (w = 2); after steps it did not draft, everything they committed (a catch-up).
     catch_up_widths: tuple[int, ...] = ()  # index w: draft proposals whose first forward was w tokens wide (w >= 2)
+    # Trees of drafts (engine/runners/tree.py): per draft position, steps that rejected the draft
+    # there and kept one of the alternatives beside it (one token more from the same forward).
+    position_alternative: tuple[int, ...] = ()
 
 
 def record_run(generation: Generation, steps: Sequence[Step], prompt: BenchPrompt, label: str,
@@ -132,7 +135,7 @@ def record_run(generation: Generation, steps: Sequence[Step], prompt: BenchPromp
     """The record of a finished engine generation and its steps."""
     s = generation.summary
     assert s is not None, "a finished generation has a summary"
-    reached, hits, lengths = [0] * K_MAX, [0] * K_MAX, [0] * (K_MAX + 1)
+    reached, hits, lengths, alternative = [0] * K_MAX, [0] * K_MAX, [0] * (K_MAX + 1), [0] * K_MAX
     by_source: dict[str, list[int]] = {}
     catch_ups = [0] * (K_MAX + 2)
     # Tokens the draft model feeds first next time (DraftModelProposer.pending). Before its first
@@ -157,6 +160,8 @@ def record_run(generation: Generation, steps: Sequence[Step], prompt: BenchPromp
         for i in range(min(n, step.accepted + 1, K_MAX)):  # position i reached when all before it were accepted
             reached[i] += 1
             hits[i] += i < step.accepted
+        if step.extra is not None and step.accepted < K_MAX:
+            alternative[step.accepted] += 1
     return RunRecord(
         prompt_id=prompt.id, category=prompt.category, mode=label, new_tokens=s.new_tokens,
         seconds=s.seconds, tokens_per_s=s.tokens_per_s, target_forwards=s.target_forwards,
@@ -167,6 +172,7 @@ def record_run(generation: Generation, steps: Sequence[Step], prompt: BenchPromp
         position_accepted=tuple(hits), drafted_steps=tuple(lengths),
         drafted_by=tuple((src, n, tokens) for src, (n, tokens) in by_source.items()),
         catch_up_widths=tuple(catch_ups) if any(catch_ups) else (),
+        position_alternative=tuple(alternative) if any(alternative) else (),
     )
 
 
@@ -179,6 +185,8 @@ def committed_ids(steps: Iterable[Step]) -> list[int]:
         ids.extend(s.proposed[: s.accepted])
         if s.added is not None:
             ids.append(s.added)
+        if s.extra is not None:
+            ids.append(s.extra)
     return ids
 
 

@@ -25,6 +25,7 @@ from engine.errors import GenerationError
 from engine.limits import DEFAULT_MAX_LENGTH, K_MAX
 from engine.runners.base import measure_forward_costs
 from engine.runners.lean import CACHE_ALIGN, PREFILL_CHUNK, LeanDecoder
+from engine.runners.tree import Tree
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +109,12 @@ class StaticGraphRunner:
         self.graph_widths = tuple(sorted({int(w) for w in graph_widths if 0 < int(w) <= max_length}))
         self.buckets = kv_buckets(self.decoder.config.cache_len, min_bucket)
         self.graphs: dict[tuple[int, int], list[torch.cuda.CUDAGraph]] = {}  # (width, bucket) -> one per stage
+        # Tree forwards (engine/runners/tree.py) of the widths in tree_widths: their own graphs, reading
+        # the tree's depth and ancestors from static buffers (any tree of that width replays them).
+        self.tree_widths: tuple[int, ...] = ()
+        self.tree_graphs: dict[tuple[int, int], list[torch.cuda.CUDAGraph]] = {}
+        self.static_tree: dict[int, Tree] = {}  # width -> its static depth / ancestors buffers
+        self.last_start = 0  # where the last forward began writing (keep_path moves slots after it)
         self.static_ids: dict[int, torch.Tensor] = {}  # width -> [W] long input buffer (input device)
         self.static_out: dict[int, torch.Tensor] = {}  # width -> [W, V] float32 output (output device)
         self.stage_out: dict[tuple[int, int], torch.Tensor] = {}  # (stage, width) -> [W, hidden] it writes
@@ -141,24 +148,41 @@ class StaticGraphRunner:
         if self.graphs:
             self._drop_graphs()
             self.warmup()
+            if self.tree_widths:
+                self.capture_trees(self.tree_widths)
 
     def _drop_graphs(self) -> None:
         self.graphs.clear()
+        self.tree_graphs.clear()
         self.static_ids.clear()
         self.static_out.clear()
         self.stage_out.clear()
         self.stage_in.clear()
         self.static_hidden.clear()
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        """Appends ids [W] to the cache; returns float32 logits [W, V] (see the class note on reuse)."""
+    def forward(self, ids: torch.Tensor, tree: Tree | None = None) -> torch.Tensor:
+        """Appends ids [W] to the cache; returns float32 logits [W, V] (see the class note on reuse).
+
+        tree: the W tokens form this tree of drafts (engine/runners/tree.py); keep_path then
+        moves the kept branch into place."""
         width = ids.shape[-1]
         if self.length + width > self.max_length:
             raise GenerationError(
                 f"The context is full: {self.length} cached tokens + {width} new exceed the "
                 f"{self.max_length}-token cache of this runner. Shorten the prompt or max_new_tokens."
             )
-        graphs = self.graphs.get((width, self._bucket(self.length + width)))
+        self.last_start = self.length
+        bucket = self._bucket(self.length + width)
+        if tree is not None:
+            assert tree.width == width <= PREFILL_CHUNK, "a tree forward is one chunk of its own width"
+            graphs = self.tree_graphs.get((width, bucket))
+            if graphs is None:
+                return self._eager(ids.view(width), True, tree)
+            static = self.static_tree[width]
+            static.depth.copy_(tree.depth, non_blocking=True)
+            static.ancestors.copy_(tree.ancestors, non_blocking=True)
+        else:
+            graphs = self.graphs.get((width, bucket))
         if graphs is None:  # eagerly, in chunks; _eager advances the length per chunk
             outs = self._chunks(ids.view(width), logits=True)
             return outs[0] if len(outs) == 1 else torch.cat(outs)
@@ -171,6 +195,26 @@ class StaticGraphRunner:
         self.length += width
         self.hidden = self.static_hidden.get(width)
         return self.static_out[width]
+
+    def keep_path(self, nodes: list[int]) -> None:
+        """After a tree forward: the rows `nodes` (in order, from row 0) become the cached sequence.
+
+        Moves the K/V of each kept row whose slot differs to its place after the one before, and
+        the same rows of `hidden`, so a draft head reads the kept branch. The caller rolls back
+        to the committed length afterwards, as after any verify.
+        """
+        moved = [(i, node) for i, node in enumerate(nodes) if node != i]
+        if not moved:
+            return
+        dst = torch.tensor([i for i, _ in moved], dtype=torch.long)
+        src = torch.tensor([node for _, node in moved], dtype=torch.long)
+        device = self.decoder.input_device
+        if device.type == "cuda":
+            dst, src = dst.pin_memory(), src.pin_memory()
+        dst, src = dst.to(device, non_blocking=True), src.to(device, non_blocking=True)
+        self.decoder.move_slots(src + self.last_start, dst + self.last_start)
+        if self.hidden is not None:
+            self.hidden.index_copy_(0, dst.to(self.hidden.device), self.hidden.index_select(0, src.to(self.hidden.device)))
 
     def prefill(self, ids: torch.Tensor) -> None:
         """Appends ids [W] to the cache, eagerly and in chunks, computing no logits."""
@@ -203,7 +247,7 @@ class StaticGraphRunner:
             self.hidden = rows[0] if len(rows) == 1 else torch.cat(rows)
         return outs
 
-    def _eager(self, ids: torch.Tensor, logits: bool = True) -> torch.Tensor | None:
+    def _eager(self, ids: torch.Tensor, logits: bool = True, tree: Tree | None = None) -> torch.Tensor | None:
         self._set_start(self.length)
         hidden = None
         if self.hidden_layers:
@@ -211,7 +255,7 @@ class StaticGraphRunner:
                               dtype=self.decoder.dtype, device=self.device)
             hidden = (buf, self.hidden_layers)
             self.hidden = buf
-        out = self._forward(ids, self.start, self._bucket(self.length + ids.shape[0]), logits, hidden)
+        out = self._forward(ids, self.start, self._bucket(self.length + ids.shape[0]), logits, hidden, tree)
         self.length += ids.shape[0]
         return out
 
@@ -280,13 +324,21 @@ class StaticGraphRunner:
             self._streams[device] = torch.cuda.Stream(device)
         return self._streams[device]
 
-    def _capture(self, width: int, bucket: int, pools: dict) -> None:
+    def _capture(self, width: int, bucket: int, pools: dict, tree: bool = False) -> None:
         self._buffers(width)
         hidden = (self.static_hidden[width], self.hidden_layers) if self.hidden_layers else None
         stages = self.decoder.stages
         run = self._run_stage
         if self._compiled is not None and width in self.compile_widths and bucket in self.buckets[: self.compile_spans]:
             run = self._compiled
+        static_tree = None
+        if tree:
+            run = self._run_stage
+            if width not in self.static_tree:
+                from engine.runners.tree import chain_tree
+
+                self.static_tree[width] = chain_tree(width, self.decoder.input_device)  # any valid tree
+            static_tree = self.static_tree[width]
         self._set_start(0)
         graphs = []
         for s, stage in enumerate(stages):
@@ -295,9 +347,11 @@ class StaticGraphRunner:
             out = self.static_out[width] if last else self.stage_out[(s, width)]
             start = self.start if s == 0 else stage.start
 
-            def step(s=s, inp=inp, out=out, start=start) -> None:
+            stage_tree = None if static_tree is None else static_tree.to(stage.device)
+
+            def step(s=s, inp=inp, out=out, start=start, stage_tree=stage_tree) -> None:
                 # [W, V] from the last stage, [W, hidden] before; kept layers' rows into `hidden`
-                out.copy_(run(s, inp, start, bucket, True, hidden))
+                out.copy_(run(s, inp, start, bucket, True, hidden, stage_tree))
 
             with torch.cuda.device(stage.device):
                 stream = self._stream(stage.device)
@@ -316,7 +370,33 @@ class StaticGraphRunner:
             graph.replay()
         for stage in stages:
             torch.cuda.synchronize(stage.device)
-        self.graphs[(width, bucket)] = graphs
+        (self.tree_graphs if tree else self.graphs)[(width, bucket)] = graphs
+
+    def capture_trees(self, widths: Iterable[int], progress: Progress | None = None) -> None:
+        """Graphs for tree forwards of these widths (CUDA; eager elsewhere). A failed capture leaves
+        those widths eager (correct, slower) and says so in the log."""
+        self.tree_widths = tuple(sorted({int(w) for w in widths if 0 < int(w) <= PREFILL_CHUNK}))
+        if not self.use_graphs or not self.graphs:
+            return
+        if len(self.decoder.stages) > 1:
+            return  # a split model's stages would need the tree on every device: eager is correct
+        report = progress or (lambda fraction, message: None)
+        saved = self.length
+        try:
+            with torch.inference_mode(False), torch.no_grad():
+                stage = self.decoder.stages[0]
+                with torch.cuda.device(stage.device):
+                    pools = {stage.device: torch.cuda.graph_pool_handle()}
+                todo = [(w, b) for w in self.tree_widths for b in self.buckets if w <= b
+                        and (w, b) not in self.tree_graphs]
+                for i, (width, bucket) in enumerate(todo):
+                    report(i / max(len(todo), 1), f"capturing tree graph {i + 1}/{len(todo)}")
+                    self._capture(width, bucket, pools, tree=True)
+        except Exception as exc:  # an optimisation: eager tree forwards stay correct
+            log.warning("tree graph capture failed; tree forwards run eagerly: %s", exc, exc_info=True)
+            self.tree_graphs.clear()
+            torch.cuda.synchronize(self.device)
+        self.length = saved
 
     def measure_costs(self, widths: Iterable[int], iters: int = 20) -> dict[int, float]:
         return measure_forward_costs(self, widths, iters)

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.errors import EngineError
+from engine.runners.tree import Tree
 
 log = logging.getLogger(__name__)
 
@@ -172,7 +173,7 @@ class _Layer:
     ln2: torch.Tensor  # [hidden] post-attention RMSNorm weight
     gate_up: _Proj  # -> [W, 2 * inter]
     down: _Proj  # [W, inter] -> [W, hidden]
-    k_cache: torch.Tensor  # [1, Hkv, cache_len, D]
+    k_cache: torch.Tensor  # [1, Hkv, cache_len, D], a view of its stage's `kv`
     v_cache: torch.Tensor  # [1, Hkv, cache_len, D]
 
 
@@ -187,6 +188,7 @@ class _Stage:
     cos: torch.Tensor  # [cache_len, D]
     sin: torch.Tensor  # [cache_len, D], sign folded in for the roll form of rotate_half
     start: torch.Tensor  # long scalar: write position (stage 0 uses the caller's)
+    kv: torch.Tensor | None = None  # [layers, 2, Hkv, cache_len, D]: its layers' caches are views of it
 
 
 def _linear_residual(x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -257,6 +259,12 @@ class LeanDecoder:
                 if not self.stages or self.stages[-1].device != device or i in stage_breaks:
                     self.stages.append(self._stage(base, device, i))
                 self.stages[-1].layers.append(built)
+            c = self.config
+            for stage in self.stages:  # one tensor per stage, so moving a slot is one copy (move_slots)
+                stage.kv = torch.zeros(len(stage.layers), 2, c.n_kv_heads, c.cache_len, c.head_dim,
+                                       device=stage.device, dtype=self.dtype)
+                for i, layer in enumerate(stage.layers):
+                    layer.k_cache, layer.v_cache = stage.kv[i, 0].unsqueeze(0), stage.kv[i, 1].unsqueeze(0)
         projections = [p for layer in self.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]
         self.quantized = any(p.modules for p in projections)
         log.info(
@@ -285,8 +293,6 @@ class LeanDecoder:
         if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm over each head of q and k, before RoPE
             qk_norm = torch.cat([attn.q_norm.weight.detach().expand(c.n_heads, c.head_dim),
                                  attn.k_norm.weight.detach().expand(c.n_kv_heads, c.head_dim)])
-        device = _layer_device(layer)
-        shape = (1, c.n_kv_heads, c.cache_len, c.head_dim)
         return _Layer(
             ln1=layer.input_layernorm.weight.detach(),
             qkv=_Proj([attn.q_proj, attn.k_proj, attn.v_proj], self.share_weights),
@@ -295,12 +301,17 @@ class LeanDecoder:
             ln2=layer.post_attention_layernorm.weight.detach(),
             gate_up=_Proj([mlp.gate_proj, mlp.up_proj], self.share_weights),
             down=_Proj([mlp.down_proj], self.share_weights),
-            k_cache=torch.zeros(shape, device=device, dtype=self.dtype),
-            v_cache=torch.zeros(shape, device=device, dtype=self.dtype),
+            k_cache=torch.empty(0), v_cache=torch.empty(0),  # views of its stage's `kv`, set after the stages
         )
 
     def cache_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for layer in self.layers for t in (layer.k_cache, layer.v_cache))
+
+    def move_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copies the K/V of cache slots src [n] to slots dst [n] in every layer (a tree's kept branch)."""
+        for stage in self.stages:
+            kv = stage.kv
+            kv.index_copy_(3, dst.to(stage.device), kv.index_select(3, src.to(stage.device)))
 
     def fused_bytes(self) -> int:
         """Memory taken by the fused q/k/v and gate/up weights (0 extra when shared with the HF model)."""
@@ -310,7 +321,7 @@ class LeanDecoder:
     @torch.no_grad()
     def forward(
         self, ids: torch.Tensor, start: torch.Tensor, kv_len: int | None = None, logits: bool = True,
-        hidden: tuple[torch.Tensor, tuple[int, ...]] | None = None,
+        hidden: tuple[torch.Tensor, tuple[int, ...]] | None = None, tree: Tree | None = None,
     ) -> torch.Tensor | None:
         """ids [W] long, start: long scalar tensor on the input device -> float32 logits [W, V].
 
@@ -322,18 +333,22 @@ class LeanDecoder:
         start + W <= kv_len, and picks kv_len from a few buckets so short contexts read little.
         No host syncs and no data-dependent shapes: each stage is capturable as a CUDA graph for
         fixed W, kv_len (on one device, the whole forward is one stage).
+
+        tree=(depth [W] long, ancestors [W, W] bool): the W tokens are a tree of drafts rather than
+        a sequence (see Tree); row i still writes cache slot start + i.
         """
         x = ids if ids.device == self.input_device else ids.to(self.input_device)
         for s, stage in enumerate(self.stages):
             if s:
                 x = x.to(stage.device)
                 stage.start.copy_(start)
-            x = self.run_stage(s, x, start if s == 0 else stage.start, kv_len, logits, hidden)
+            x = self.run_stage(s, x, start if s == 0 else stage.start, kv_len, logits, hidden,
+                               None if tree is None else tree.to(stage.device))
         return x
 
     def run_stage(
         self, s: int, x: torch.Tensor, start: torch.Tensor, kv_len: int | None = None, logits: bool = True,
-        hidden: tuple[torch.Tensor, tuple[int, ...]] | None = None,
+        hidden: tuple[torch.Tensor, tuple[int, ...]] | None = None, tree: Tree | None = None,
     ) -> torch.Tensor | None:
         """Stage s: ids [W] (stage 0) or hidden [W, hidden] in; hidden out, or logits [W, V] from the last.
 
@@ -347,13 +362,17 @@ class LeanDecoder:
         if s == 0:
             x = F.embedding(x, self.embed)  # [W, hidden]
         width = x.shape[0]
-        pos = start + stage.key_pos[:width]  # [W] absolute positions
+        slots = start + stage.key_pos[:width]  # [W] cache slots written
+        if tree is None:
+            pos = slots  # [W] absolute positions
+            # Causal over the static cache: slots beyond a query's position (the future, or stale tokens
+            # left by a rollback) are masked.
+            mask = stage.key_pos[None, :kv_len] <= pos[:, None]  # [W, L]
+        else:
+            pos, mask = tree.positions_and_mask(start, stage.key_pos[:kv_len])
         cos = stage.cos.index_select(0, pos)[:, None, :]  # [W, 1, D] broadcasts over heads
         sin = stage.sin.index_select(0, pos)[:, None, :]
-        # Causal over the static cache: slots beyond a query's position (the future, or stale tokens
-        # left by a rollback) are masked. Rows repeat per query head of a KV group (see below).
-        mask = stage.key_pos[None, :kv_len] <= pos[:, None]  # [W, L]
-        mask = mask.repeat(c.group, 1)  # [G*W, L]
+        mask = mask.repeat(c.group, 1)  # [G*W, L]: rows repeat per query head of a KV group (see below)
         # Additive form built once per forward, not converted from bool inside every layer.
         bias = torch.zeros(mask.shape, dtype=self.dtype, device=stage.device).masked_fill_(~mask, float("-inf"))
         q_size, kv_size = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
@@ -369,8 +388,8 @@ class LeanDecoder:
             qk = qk * cos + torch.roll(qk, c.head_dim // 2, dims=-1) * sin  # [W, Hq + Hkv, D]
             v = qkv[:, q_size + kv_size :].view(width, c.n_kv_heads, c.head_dim)  # [W, Hkv, D]
             k = qk[:, c.n_heads :].transpose(0, 1).unsqueeze(0)  # [1, Hkv, W, D]
-            layer.k_cache.index_copy_(2, pos, k)  # [1, Hkv, L, D]
-            layer.v_cache.index_copy_(2, pos, v.transpose(0, 1).unsqueeze(0))
+            layer.k_cache.index_copy_(2, slots, k)  # [1, Hkv, L, D]
+            layer.v_cache.index_copy_(2, slots, v.transpose(0, 1).unsqueeze(0))
             # GQA without copying the cache: the G query heads sharing one KV head (HF orders them
             # consecutively) become G*W query rows against that head.
             q = qk[:, : c.n_heads].transpose(0, 1).reshape(1, c.n_kv_heads, c.group * width, c.head_dim)
