@@ -66,6 +66,8 @@ def main() -> int:
                     "the engine's default, 2 on a GPU)")
     ap.add_argument("--trees", default="0,1,2,3", help="alternatives timed in the tree sweep ('' skips)")
     ap.add_argument("--tree-ks", default="5,7", help="K values of the tree sweep")
+    ap.add_argument("--fast-path", default="auto", choices=["auto", "static", "compiled"],
+                    help="compiled: inductor-compiled forwards of widths 1, K+1 and the K tree (minutes of warm-up)")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--out", type=Path, default=Path(os.environ["OUT"]) if os.environ.get("OUT") else None)
@@ -86,7 +88,7 @@ def main() -> int:
     def _():
         t = time.perf_counter()
         pair = load_pair(args.target, None, device=args.device, dtype=args.dtype, with_draft=False)
-        engine = Engine.from_pair(pair, head=args.head)
+        engine = Engine.from_pair(pair, head=args.head, fast_path=args.fast_path, compile_k=args.k)
         if args.tree != "auto":
             engine.set_tree(int(args.tree))
         state.update(pair=pair, engine=engine)

@@ -178,6 +178,8 @@ class Engine:
                 target_runner, draft_runner, name = build_runners(
                     pair.target, pair.draft, progress=progress, max_length=context,
                     compile_k=compile_k if fast_path == "compiled" else None, hidden_layers=layers,
+                    compile_tree=sibling_rows(compile_k, TREE_ALTERNATIVES) if found and compile_k <= TREE_K_MAX
+                    else None,
                 )
                 notes += [f"{role}: {r.fallback_reason}" for role, r in (("target", target_runner),
                                                                           ("draft", draft_runner))
@@ -201,7 +203,7 @@ class Engine:
             max_length=context,
         )
         if found is not None:
-            engine.attach_head(found[0], found[1].name, progress)
+            engine.attach_head(found[0], found[1].name, progress, compile_step=fast_path == "compiled")
         engine.measure_costs(progress)
         if progress is not None:
             from engine.models.store import LoadProgress
@@ -209,11 +211,12 @@ class Engine:
             progress(LoadProgress("warmup", 1.0, f"Ready ({name})"))
         return engine
 
-    def attach_head(self, head: DraftHead, name: str, progress=None) -> None:
+    def attach_head(self, head: DraftHead, name: str, progress=None, compile_step: bool = False) -> None:
         """Uses a draft head (bound to this target, or to a copy of it) from the next request on.
 
         The target runner starts keeping the head's layers (on CUDA: its graphs are recaptured),
         the head gets its own cache and graphs, and its cost per draft token is measured.
+        compile_step: its chain step is inductor-compiled before capture (the "compiled" fast path).
         """
         if self.target is None:  # a runner with its own model (llama.cpp) keeps no hidden states
             self.target_runner.keep_hidden(head.config.feature_layers)  # refuses in one line
@@ -225,7 +228,8 @@ class Engine:
         with self._lock:
             head.bind_inputs(self.target)  # one copy of the embeddings: the engine's own
             self.target_runner.keep_hidden(head.config.feature_layers)
-            runner = HeadRunner(head, max_length=self.target_runner.max_length, k_max=K_MAX)
+            runner = HeadRunner(head, max_length=self.target_runner.max_length, k_max=K_MAX,
+                                compile_step=compile_step)
             runner.warmup()
             try:
                 ms = runner.measure_ms(iters=20 if self.device.type == "cuda" else 3)

@@ -27,7 +27,8 @@ from engine.runners.lean import CACHE_ALIGN, PREFILL_CHUNK
 log = logging.getLogger(__name__)
 
 ALTERNATIVES = 3  # next-best draft tokens kept beside each greedy draft (a tree proposal reads up to these)
-MIN_BUCKET = 512  # smallest attention span (as the target runner): one graph per (width, span)
+MIN_BUCKET = 512
+COMPILE_SPANS = 2  # compile_step: spans whose chain step is compiled (short and medium contexts)  # smallest attention span (as the target runner): one graph per (width, span)
 WARMUP_ITERS = 3  # eager runs on a side stream before each capture
 
 
@@ -42,7 +43,10 @@ class HeadRunner:
         k_max: int,
         use_graphs: bool | None = None,
         min_bucket: int = MIN_BUCKET,
+        compile_step: bool = False,
     ) -> None:
+        """compile_step: capture the chain step (the smallest COMPILE_SPANS spans) from an
+        inductor-compiled body, which fuses its elementwise kernels (CUDA; ~20 s of warm-up each)."""
         assert head.lm_rows is not None, "bind() the head to its target before building a runner"
         c = head.config
         self.head = head
@@ -76,6 +80,8 @@ class HeadRunner:
             self.feat_in: dict[int, torch.Tensor] = {}  # width -> [W, F] catch-up features
             self.ids_in: dict[int, torch.Tensor] = {}  # width -> [W] catch-up tokens
         self.name = "head-eager"
+        self._compiled_step = (torch.compile(self._step_body, dynamic=False, fullgraph=True)
+                               if compile_step and self.use_graphs else None)
 
     # -- the public steps ----------------------------------------------------------------------
 
@@ -198,7 +204,7 @@ class HeadRunner:
                     if i % 16 == 0:
                         report(i / len(todo), f"capturing draft-head graphs ({i}/{len(todo)})")
                     self._capture(kind, width, span, pool)
-            self.name = "head-cuda-graphs"
+            self.name = "head-cuda-graphs+compile" if self._compiled_step is not None else "head-cuda-graphs"
             log.info("draft head: captured %d CUDA graphs", len(todo))
         except Exception as exc:  # graphs are an optimisation: eager stays correct
             log.warning("draft-head graph capture failed, running it eagerly: %s", exc, exc_info=True)
@@ -213,11 +219,15 @@ class HeadRunner:
             self.feat_in[width] = torch.zeros(width, self.config.features, device=self.device, dtype=self.dtype)
             self.ids_in[width] = torch.zeros(width, dtype=torch.long, device=self.device)
 
+        step = self._step_body
+        if self._compiled_step is not None and span in self.buckets[:COMPILE_SPANS]:
+            step = self._compiled_step
+
         def body() -> None:
             if kind == "catch":
                 self._catch_up_body(self.feat_in[width], self.ids_in[width], span)
             else:
-                self._step_body(span)
+                step(span)
 
         self.start.fill_(0)
         self.pos.fill_(0)

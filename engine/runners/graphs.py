@@ -333,7 +333,6 @@ class StaticGraphRunner:
             run = self._compiled
         static_tree = None
         if tree:
-            run = self._run_stage
             if width not in self.static_tree:
                 from engine.runners.tree import chain_tree
 
@@ -412,19 +411,21 @@ def build_runners(
     progress: Callable[[Any], None] | None = None,
     compile_k: int | None = None,
     hidden_layers: tuple[int, ...] = (),
+    compile_tree: int | None = None,
 ) -> tuple[StaticGraphRunner, StaticGraphRunner | None, str]:
     """Fast runners for a pair, warmed up (graphs captured on CUDA); (target, draft, fast-path name).
 
     Raises UnsupportedModelError (or anything else) when the fast path cannot take a model; the
     caller then falls back to eager runners. `progress` receives engine.models.store.LoadProgress.
     hidden_layers: the target's layers a draft head reads (its graphs then keep those rows too).
+    compile_tree: with compile_k, also compile this tree width (a head's verify, engine/runners/tree.py).
     """
     limit = int(getattr(target.config, "max_position_embeddings", DEFAULT_MAX_LENGTH))
     length = min(max_length or DEFAULT_MAX_LENGTH, limit)
     # Width 1: standard decoding; 2..k_max+1: the verify (K drafts + the pending token).
     target_widths = range(1, k_max + 2)
     # compile_k: also compile (inductor) the widths a K = compile_k loop uses every step.
-    compiled_target = (1, compile_k + 1) if compile_k else ()
+    compiled_target = (1, compile_k + 1, *((compile_tree,) if compile_tree else ())) if compile_k else ()
     target_runner = StaticGraphRunner(target, max_length=length, graph_widths=target_widths, attention=attention,
                                       compile_widths=compiled_target, hidden_layers=hidden_layers)
     # Width 1: a draft step; 2: the catch-up after a fully accepted draft (pending + bonus).
@@ -453,7 +454,7 @@ def build_runners(
         # The fused attention kernel is the likeliest part to refuse capture; plain matmuls rarely do.
         log.warning("retrying graph capture with matmul attention: %s", target_runner.fallback_reason)
         return build_runners(target, draft, max_length=max_length, k_max=k_max, attention="math", progress=progress,
-                             compile_k=compile_k, hidden_layers=hidden_layers)
+                             compile_k=compile_k, hidden_layers=hidden_layers, compile_tree=compile_tree)
     if draft_runner is not None:
         draft_runner.warmup(stage(share, 1.0))
     name = target_runner.name
