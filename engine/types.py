@@ -170,6 +170,10 @@ class ModelInfo:
     fast_path_note: str = ""  # why part of the pair runs without CUDA graphs ("" when nothing to say)
     head_name: str | None = None  # the draft head loaded for this target (None: none fits or none asked)
     head_ms: float = 0.0  # measured ms per draft token of the head at load (0: not measured / no head)
+    # The same costs for sampled rounds (temperature > 0), measured apart: sampled drafts and the sampled
+    # acceptance do more work per step. Empty (or a proposer missing): priced as greedy (costmodel.costs_at).
+    sampled_costs: tuple[ProposerCost, ...] = ()  # per proposer, its propose() drawing its drafts
+    sampled_target_ms: tuple[tuple[int, float], ...] = ()  # per verify width, sampled rounds (GPU only)
     runtime: str = "torch"  # what runs the forwards: "torch" or "llamacpp"
     threads: int = 0  # CPU threads a decode uses (llama.cpp); 0 = the runtime's own default
     runtime_note: str = ""  # why this runtime, when it is not the one asked for (e.g. llama.cpp missing)

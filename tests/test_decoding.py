@@ -334,6 +334,10 @@ def test_measured_costs_cover_every_verify_width_and_each_proposer_and_leave_the
     costs = {c.source: c for c in engine.info.proposer_costs}
     assert set(costs) == {"draft", "ngram"}
     assert costs["draft"].per_token_ms > 0 and engine.info.draft_ms == costs["draft"].per_token_ms
+    # Sampled drafts are timed apart (their own propose(), drawing); sampled verifies only on a GPU.
+    sampled = {c.source: c for c in engine.info.sampled_costs}
+    assert set(sampled) == {"draft", "ngram"} and sampled["draft"].per_token_ms > 0
+    assert engine.info.sampled_target_ms == ()
     assert engine.info.measure_s > 0
     assert engine.target_runner.length == 3  # measured past the cached tokens, then rolled back
 
@@ -350,7 +354,9 @@ def test_measuring_again_pools_a_pass_with_those_before_and_leaves_the_caches(th
     engine.measure_again()
     assert len(engine.cost_passes) == 3 and engine.info.measure_s > first
     for w, ms in engine.info.target_ms:
-        assert ms == statistics.median(t[w] for t, _ in engine.cost_passes)
-    draft = statistics.median(p["draft"].per_token_ms for _, p in engine.cost_passes)
+        assert ms == statistics.median(t[w] for t, _, _ in engine.cost_passes)
+    draft = statistics.median(p["draft"].per_token_ms for _, p, _ in engine.cost_passes)
     assert engine.info.draft_ms == draft
+    sampled = {c.source: c for c in engine.info.sampled_costs}
+    assert sampled["draft"].per_token_ms == statistics.median(p["draft"].per_token_ms for _, _, p in engine.cost_passes)
     assert engine.target_runner.length == 3

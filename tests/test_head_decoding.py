@@ -346,3 +346,19 @@ def test_sampling_ignores_the_tree(tree_engine):
         assert all(s.extra is None for s in steps)
     finally:
         engine.set_tree(None)
+def test_the_heads_sampled_drafts_are_timed_through_its_own_propose(engine):
+    """Greedy head drafts are priced by the runner's own round (ModelInfo.head_ms); sampled ones, which
+    draw on the host between the head's steps, are timed apart, as the loop runs them, and the head
+    is left ready for the next generation."""
+    saved = engine.info
+    try:
+        engine.measure_costs(rounds=1)
+        greedy = {c.source: c for c in engine.info.proposer_costs}
+        sampled = {c.source: c for c in engine.info.sampled_costs}
+        assert greedy["head"].per_token_ms == engine.info.head_ms
+        assert set(sampled) == {"ngram", "head"} and sampled["head"].per_token_ms > 0
+    finally:
+        engine.info = saved
+    gen, steps = _run(engine, prompt="def add(a, b):", max_new_tokens=12, proposer="head", k=3,
+                      sampling=Sampling(temperature=0.8, seed=1))
+    assert gen.summary.new_tokens == 12 and gen.summary.drafted > 0

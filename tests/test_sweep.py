@@ -13,7 +13,7 @@ from engine.errors import InputError
 from engine.limits import K_AUTO
 from engine.measure import experiment as ex
 from engine.measure import sweep as sw
-from engine.types import ModelInfo, ProposerCost, Step
+from engine.types import GenerationRequest, ModelInfo, ProposerCost, Sampling, Step
 
 # --------------------------------------------------------------------------- the experiment core
 
@@ -70,9 +70,11 @@ def test_record_counts_the_draft_models_wide_first_forwards():
 
     class Done:
         summary = summarize([], mode="auto", k=0, prompt_tokens=1, seconds=1.0, stop_reason="eos")
+        request = GenerationRequest(sampling=Sampling(temperature=0.7))
 
     steps = [_step(0, 3, 3), _step(1, 2, 1), _step(2, 0, 0), _step(3, 0, 0), _step(4, 2, 0)]
     record = ex.record_run(Done(), steps, ex.BenchPrompt("a", "c", "x"), "auto")
+    assert record.temperature == 0.7  # which measured costs price it: a sampled round's
     widths = record.catch_up_widths
     assert widths[2] == 1 and widths[3] == 1 and sum(widths) == 2
     assert record.drafted_steps[:4] == (2, 0, 2, 1) and record.drafted_by == (("draft", 3, 7),)
@@ -118,6 +120,48 @@ def test_rows_speedup_identity_and_a_prediction_that_matches_exact_costs():
     slow = [run(std, "a", 30, 0.33, overhead_s=0.03), run(k2, "a", 30, 0.17, drafted=2, accepted=2, steps=10,
                                                            overhead_s=0.01)]
     assert sw.rows(slow, configs, COSTS)[1].predicted_speedup == pytest.approx(0.33 / 0.17)
+
+
+def test_sampled_runs_are_priced_with_the_sampled_costs_measured_at_load():
+    """A head's sampled drafts cost more than its greedy ones (host work between CUDA graphs): the
+    H200's head at T = 0.7 drafted at 0.31 ms a token against 0.20 greedy. A run at T > 0 is priced
+    with ModelInfo.sampled_costs / sampled_target_ms, each figure not measured so falls back to greedy,
+    and greedy runs keep the greedy costs."""
+    target = tuple((w, 3.0 if w == 1 else 3.6) for w in range(1, 14))
+    info = ModelInfo("t", None, "cuda:0", "bfloat16", "cuda-graphs", 100, target_ms=target,
+                     proposer_costs=(ProposerCost("head", 0.2, 0.0),),
+                     sampled_costs=(ProposerCost("head", 0.3, 0.05),),
+                     sampled_target_ms=((1, 3.1), (6, 3.8)))
+    k = 5
+    steps, tokens = 10, 30  # 3 tokens a step: the first two drafts accepted, the third rejected
+    lengths = [0] * 13
+    lengths[k] = steps
+    reached = (steps, steps, steps) + (0,) * 9
+    hits = (steps, steps) + (0,) * 10
+
+    def head_run(temperature: float) -> ex.RunRecord:
+        return ex.RunRecord("a", "code", "head K=5", tokens, 1.0, tokens, steps, k * steps, k * steps, 2 * steps,
+                            "", tuple(range(tokens)), position_reached=reached, position_accepted=hits,
+                            drafted_steps=tuple(lengths), drafted_by=(("head", steps, k * steps),),
+                            temperature=temperature)
+
+    def std_run(temperature: float) -> ex.RunRecord:
+        return ex.RunRecord("a", "code", "standard", tokens, 1.0, tokens, tokens, 0, 0, 0, "", tuple(range(tokens)),
+                            drafted_steps=(tokens,) + (0,) * 12, temperature=temperature)
+
+    greedy = ex.predicted_speedup(info, [head_run(0.0)], [std_run(0.0)])
+    assert greedy == pytest.approx((30 / (steps * (k * 0.2 + 3.6))) / (30 / (tokens * 3.0)))
+    sampled = ex.predicted_speedup(info, [head_run(0.7)], [std_run(0.7)])
+    assert sampled == pytest.approx((30 / (steps * (0.05 + k * 0.3 + 3.8))) / (30 / (tokens * 3.1)))
+    assert sampled < greedy
+    # The cost model the verdicts and the controller read prices the same way.
+    from engine.measure.costmodel import CostModel, costs_at
+
+    assert CostModel.from_info(info, "head").step_ms(k) == pytest.approx(k * 0.2 + 3.6)
+    assert CostModel.from_info(info, "head", sampled=True).step_ms(k) == pytest.approx(0.05 + k * 0.3 + 3.8)
+    widths, costs = costs_at(info, sampled=True)
+    assert widths[2] == 3.6 and widths[6] == 3.8  # not measured sampled: the greedy width
+    assert costs_at(replace(info, sampled_costs=()), sampled=True)[1]["head"].per_token_ms == 0.2
 
 
 def test_prediction_costs_the_drafts_two_token_first_forward_and_its_measured_prefill():

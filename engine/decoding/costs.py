@@ -4,7 +4,14 @@ The target side is timed through the loop's own round (Generation._launch / _col
 that cost nothing, so a width's figure is what a step of the loop spends verifying: the forward,
 the acceptance math and the outcome's copy to the host, timed like Step.verify_ms (CUDA events on
 a GPU, the host clock on a CPU). Proposers are timed through their own propose() (proposers.py);
-a draft head's runner times itself when it is attached (ModelInfo.head_ms).
+a draft head's runner times its greedy round itself when it is attached (ModelInfo.head_ms).
+
+Sampled rounds (temperature > 0) cost more, and are measured apart (ModelInfo.sampled_costs,
+sampled_target_ms): a sampled draft does host-side work per token that a greedy one does not (the
+head's greedy steps run inside CUDA graphs; sampled ones process, draw and spread a q row over the
+vocabulary between them), and a sampled verify processes every row and draws its token. On an H200
+the trained head drafted 0.310 ms per token at T = 0.7 against 0.228 greedy and 0.200 at load,
+which alone put the predicted speedup 12% over the measured one (1.40x vs 1.25x).
 """
 from __future__ import annotations
 
@@ -20,7 +27,7 @@ import torch
 from engine.decoding.proposers import Offer, Proposal, ProposerSet, measure_proposer
 from engine.limits import K_MAX
 from engine.runners import ids_tensor
-from engine.types import Decision, GenerationRequest, ProposerCost
+from engine.types import Decision, GenerationRequest, ProposerCost, Sampling
 
 if TYPE_CHECKING:
     from engine.decoding.loop import Engine
@@ -28,6 +35,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 CPU_FILL = 64  # tokens in the target's cache while its widths are timed on a CPU: a short chat's context
+# The sampling sampled costs are measured with. Their cost does not depend on the temperature;
+# top-k and top-p add to it (a top-k, a sort over the vocabulary), which this leaves out.
+SAMPLED = Sampling(temperature=1.0)
 
 
 class _CannedDrafts:
@@ -49,11 +59,14 @@ class _CannedDrafts:
         pass
 
 
-def measure_rounds(engine: Engine, widths: Iterable[int], iters: int, warm: bool = True) -> dict[int, list[float]]:
-    """Verify ms of `iters` rounds per width (K = width - 1 canned drafts; width 1 is a standard round)."""
+def measure_rounds(engine: Engine, widths: Iterable[int], iters: int, warm: bool = True,
+                   sampling: Sampling | None = None) -> dict[int, list[float]]:
+    """Verify ms of `iters` rounds per width (K = width - 1 canned drafts; width 1 is a standard round),
+    greedy unless `sampling` says otherwise."""
     from engine.decoding.loop import Generation
 
-    generation = Generation(engine, GenerationRequest(prompt="x", max_new_tokens=1), [1], None)
+    request = GenerationRequest(prompt="x", max_new_tokens=1, sampling=sampling or Sampling())
+    generation = Generation(engine, request, [1], None)
     proposers = ProposerSet((_CannedDrafts(engine.vocab, engine.device),), engine.device)
     proposers.offers(K_MAX)
     generator = torch.Generator(device=engine.device).manual_seed(0)
@@ -89,7 +102,25 @@ def _proposers(engine: Engine, iters: int, warm: bool) -> dict[str, ProposerCost
             for s in _measurable_sources(engine)}
 
 
-CostPass = tuple[dict[int, float], dict[str, ProposerCost]]  # one CPU pass: width -> ms, source -> cost
+def _sampled_proposers(engine: Engine, iters: int, warm: bool) -> dict[str, ProposerCost]:
+    """Every proposer's cost when it samples its drafts, the head's included (through its own propose(),
+    as the loop calls it). Never fails: what cannot be measured is priced at its greedy cost."""
+    generator = torch.Generator(device=engine.device).manual_seed(0)
+    costs = {}
+    for source in engine.proposer_sources():
+        # The head catches up on 2 rows, as after a partly accepted draft (HeadRunner.measure_ms too);
+        # n-gram lookup needs a repeating context to find matches.
+        prompt = _pattern(engine, 3 if source == "head" else 24)
+        try:
+            proposer = engine._part(source, SAMPLED, generator)
+            costs[source] = measure_proposer(proposer, source, prompt, engine.device, iters=iters, warm=warm)
+        except Exception as exc:  # advice, as every cost
+            log.warning("could not measure the sampled cost of %s: %s", source, exc)
+    return costs
+
+
+# One CPU pass: width -> ms (greedy rounds), source -> cost (greedy drafts), source -> cost (sampled drafts).
+CostPass = tuple[dict[int, float], dict[str, ProposerCost], dict[str, ProposerCost]]
 
 
 def measure_pass(engine: Engine) -> CostPass:
@@ -114,26 +145,33 @@ def measure_pass(engine: Engine) -> CostPass:
         rounds = measure_rounds(engine, range(1, K_MAX + 2), 1, warm=True)
     finally:
         target_runner.rollback(saved)
-    return {w: ms[0] for w, ms in rounds.items()}, _proposers(engine, 1, False)
+    # Sampled drafts after the rounds: the head reads rows the target's last forward left.
+    return {w: ms[0] for w, ms in rounds.items()}, _proposers(engine, 1, False), _sampled_proposers(engine, 1, False)
+
+
+def _median_costs(tables: list[dict[str, ProposerCost]]) -> dict[str, ProposerCost]:
+    sources = [s for s in tables[0] if all(s in t for t in tables)]
+    return {s: ProposerCost(s, statistics.median(t[s].per_token_ms for t in tables),
+                            statistics.median(t[s].per_proposal_ms for t in tables)) for s in sources}
 
 
 def _pooled(passes: list[CostPass]) -> CostPass:
     """The median of every figure over the passes."""
-    target = {w: statistics.median(t[w] for t, _ in passes) for w in passes[0][0]}
-    costs = {s: ProposerCost(s, statistics.median(p[s].per_token_ms for _, p in passes),
-                             statistics.median(p[s].per_proposal_ms for _, p in passes))
-             for s in passes[0][1]}
-    return target, costs
+    target = {w: statistics.median(t[w] for t, _, _ in passes) for w in passes[0][0]}
+    return target, _median_costs([p for _, p, _ in passes]), _median_costs([p for _, _, p in passes])
 
 
-def _publish(engine: Engine, target: dict[int, float], costs: dict[str, ProposerCost], seconds: float) -> None:
+def _publish(engine: Engine, target: dict[int, float], costs: dict[str, ProposerCost], seconds: float,
+             sampled: dict[str, ProposerCost], sampled_target: dict[int, float]) -> None:
     if engine.head_runner is not None:
         costs["head"] = ProposerCost("head", engine.info.head_ms, 0.0)
     draft = costs["draft"].per_token_ms if "draft" in costs else 0.0
     engine.info = replace(engine.info, draft_ms=draft, target_ms=tuple(sorted(target.items())),
-                          proposer_costs=tuple(costs.values()), measure_s=seconds)
-    log.info("measured costs in %.1f s: target %s ms, proposers %s", engine.info.measure_s,
-             {w: round(ms, 2) for w, ms in target.items()}, costs)
+                          proposer_costs=tuple(costs.values()), measure_s=seconds,
+                          sampled_costs=tuple(sampled.values()), sampled_target_ms=tuple(sorted(sampled_target.items())))
+    log.info("measured costs in %.1f s: target %s ms, proposers %s; sampled: target %s ms, proposers %s",
+             engine.info.measure_s, {w: round(ms, 2) for w, ms in target.items()}, costs,
+             {w: round(ms, 2) for w, ms in sampled_target.items()}, sampled)
 
 
 def measure_costs(engine: Engine, progress=None, rounds: int = 3) -> None:
@@ -148,7 +186,11 @@ def measure_costs(engine: Engine, progress=None, rounds: int = 3) -> None:
         if engine.device.type == "cuda":
             widths = range(1, K_MAX + 2)  # every verify width the loop may use
             target = {w: statistics.median(ms) for w, ms in measure_rounds(engine, widths, 20).items()}
+            # A sampled verify processes all K+1 rows and draws its token: about 1 s more, on a GPU only.
+            sampled_target = {w: statistics.median(ms)
+                              for w, ms in measure_rounds(engine, widths, 20, sampling=SAMPLED).items()}
             costs = _proposers(engine, 5, True)
+            sampled = _sampled_proposers(engine, 5, True)
             engine.cost_passes = []
         else:
             # Interleaved passes, so slow drift of the machine's speed hits every width and proposer
@@ -156,12 +198,15 @@ def measure_costs(engine: Engine, progress=None, rounds: int = 3) -> None:
             # seconds right after load) is dropped: the median of two is their mean, and llama.cpp on
             # 2 shared cores once measured a 1-token target round at 60.6 ms against 36.6 ms in the
             # runs (every predicted speedup of that sweep 60-80% too high).
+            # Sampled verify widths are not timed on a CPU: they would double the pass, for the
+            # processing of K+1 rows (about 1% of a forward there), below the pass's own noise.
             engine.cost_passes = [measure_pass(engine) for _ in range(rounds)]
-            target, costs = _pooled(engine.cost_passes)
+            target, costs, sampled = _pooled(engine.cost_passes)
+            sampled_target = {}
     except Exception as exc:  # measuring is advice, not a reason to refuse the models
         log.warning("could not measure forward costs: %s", exc)
         return
-    _publish(engine, target, costs, time.perf_counter() - started)
+    _publish(engine, target, costs, time.perf_counter() - started, sampled, sampled_target)
 
 
 def measure_again(engine: Engine) -> None:
@@ -182,5 +227,5 @@ def measure_again(engine: Engine) -> None:
     except Exception as exc:
         log.warning("could not measure forward costs again: %s", exc)
         return
-    target, costs = _pooled(engine.cost_passes)
-    _publish(engine, target, costs, engine.info.measure_s + time.perf_counter() - started)
+    target, costs, sampled = _pooled(engine.cost_passes)
+    _publish(engine, target, costs, engine.info.measure_s + time.perf_counter() - started, sampled, {})

@@ -263,7 +263,7 @@ def format_table(summary: dict[str, Any], modes: Sequence[str]) -> str:
                         f"standard {d['standard_token']!r} vs {mode} {d.get(mode + '_token')!r}")
     cost = summary.get("cost_model")
     if cost:
-        rows.append(f"cost model: draft {cost['draft_ms']:.2f} ms, target "
+        rows.append(f"cost model{' (sampled rounds)' if cost.get('sampled') else ''}: draft {cost['draft_ms']:.2f} ms, target "
                     + ", ".join(f"w{w} {ms:.2f}" for w, ms in cost["target_ms"].items()) + " ms")
         for mode, predicted in cost.get("predicted", {}).items():
             measured = summary.get("vs_standard", {}).get(mode)
@@ -286,12 +286,14 @@ def cost_model_summary(engine: Engine, runs: Sequence[RunRecord], summary: dict[
     """Measured forward costs and what they predict for the measured acceptance (the bench's check)."""
     from engine.measure.costmodel import CostModel, alpha_from_per_position
 
-    # The verdict weighs the proposer benched (its own measured cost: a draft head's, n-gram's).
-    model = CostModel.from_info(engine.info, "draft" if proposer == "draft+ngram" else proposer)
     standard = [r for r in runs if r.mode == "standard"]
     drafting = [m for m in ENGINE_MODES if m != "standard" and m in summary]
     predicted = {m: predicted_speedup(engine.info, [r for r in runs if r.mode == m], standard) for m in drafting}
     spec = [r for r in runs if r.mode in drafting]
+    # The verdict weighs the proposer benched (its own measured cost: a draft head's, n-gram's), at the
+    # bench's sampling: a sampled round's costs when it sampled.
+    sampled = any(r.temperature > 0 for r in runs)
+    model = CostModel.from_info(engine.info, "draft" if proposer == "draft+ngram" else proposer, sampled=sampled)
     alpha = alpha_from_per_position(position_acceptance(spec)) or 0.0
     k = round(summary[drafting[0]]["k_mean"]) if drafting else 0
     return {
@@ -299,6 +301,9 @@ def cost_model_summary(engine: Engine, runs: Sequence[RunRecord], summary: dict[
         "target_ms": {str(w): ms for w, ms in sorted(model.target_ms.items())},
         "proposers": {c.source: {"per_token_ms": c.per_token_ms, "per_proposal_ms": c.per_proposal_ms}
                       for c in engine.info.proposer_costs},
+        "sampled": sampled,  # True: draft_ms and target_ms are a sampled round's (temperature > 0)
+        "sampled_proposers": {c.source: {"per_token_ms": c.per_token_ms, "per_proposal_ms": c.per_proposal_ms}
+                              for c in engine.info.sampled_costs},
         "measure_s": engine.info.measure_s,
         "alpha": alpha,
         "k": k,

@@ -54,14 +54,16 @@ class CostModel:
 
     @classmethod
     def from_info(cls, info: ModelInfo, source: str = "draft", *, overhead_ms: float = 0.0,
-                  standard_overhead_ms: float = 0.0) -> CostModel:
+                  standard_overhead_ms: float = 0.0, sampled: bool = False) -> CostModel:
         """The costs an engine measured at load (ModelInfo.target_ms, and the proposer's own cost
-        from ModelInfo.proposer_costs, else the draft forward ModelInfo.draft_ms)."""
-        cost = proposer_cost(info, source)
+        from ModelInfo.proposer_costs, else the draft forward ModelInfo.draft_ms); `sampled`: those
+        of sampled rounds (temperature > 0) where they were measured (costs_at)."""
+        target, costs = costs_at(info, sampled)
+        cost = costs.get(source)
         if cost is None:
-            return cls(draft_ms=info.draft_ms, target_ms=dict(info.target_ms), overhead_ms=overhead_ms,
+            return cls(draft_ms=info.draft_ms, target_ms=target, overhead_ms=overhead_ms,
                        standard_overhead_ms=standard_overhead_ms)
-        return cls(draft_ms=cost.per_token_ms, target_ms=dict(info.target_ms), overhead_ms=overhead_ms,
+        return cls(draft_ms=cost.per_token_ms, target_ms=target, overhead_ms=overhead_ms,
                    standard_overhead_ms=standard_overhead_ms, draft_fixed_ms=cost.per_proposal_ms)
 
     @property
@@ -155,6 +157,22 @@ class CostModel:
 def proposer_cost(info: ModelInfo, source: str) -> ProposerCost | None:
     """The cost a proposer measured for itself at load; None when it was not measured."""
     return next((c for c in info.proposer_costs if c.source == source), None)
+
+
+def costs_at(info: ModelInfo, sampled: bool) -> tuple[dict[int, float], dict[str, ProposerCost]]:
+    """(verify width -> ms, proposer -> cost) of a greedy round, or of a sampled one (temperature > 0).
+
+    A sampled round prices what it really does: a sampled draft's host-side work per token (the
+    draft head's greedy steps stay inside CUDA graphs, its sampled ones do not: on an H200 0.31 ms
+    per token against 0.20 greedy) and the verify's processing and draw. Each figure not measured
+    for sampled rounds (sampled verify widths are timed on GPUs only) is the greedy one.
+    """
+    target = dict(info.target_ms)
+    costs = {c.source: c for c in info.proposer_costs}
+    if sampled:
+        target.update(info.sampled_target_ms)
+        costs.update((c.source, c) for c in info.sampled_costs)
+    return target, costs
 
 
 class _Measurable(Protocol):

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from engine.errors import InputError
 from engine.limits import K_MAX
-from engine.measure.costmodel import expected_tokens
+from engine.measure.costmodel import costs_at, expected_tokens
 
 if TYPE_CHECKING:  # torch and transformers wait until something really runs
     from engine.decoding import Generation
@@ -128,6 +128,7 @@ class RunRecord:
     # Trees of drafts (engine/runners/tree.py): per draft position, steps that rejected the draft
     # there and kept one of the alternatives beside it (one token more from the same forward).
     position_alternative: tuple[int, ...] = ()
+    temperature: float = 0.0  # the request's sampling temperature (0 = greedy): which measured costs price the run
 
 
 def record_run(generation: Generation, steps: Sequence[Step], prompt: BenchPrompt, label: str,
@@ -173,6 +174,7 @@ def record_run(generation: Generation, steps: Sequence[Step], prompt: BenchPromp
         drafted_by=tuple((src, n, tokens) for src, (n, tokens) in by_source.items()),
         catch_up_widths=tuple(catch_ups) if any(catch_ups) else (),
         position_alternative=tuple(alternative) if any(alternative) else (),
+        temperature=generation.request.sampling.temperature,
     )
 
 
@@ -291,39 +293,40 @@ def position_acceptance(runs: Sequence[RunRecord]) -> tuple[float, ...]:
 def predicted_speedup(info: ModelInfo, runs: Sequence[RunRecord], standard_runs: Sequence[RunRecord]) -> float | None:
     """What the cost model predicts these runs gain over the standard runs of the same prompts.
 
-    From the forward costs measured at load (every verify width, each proposer's own cost) and,
-    measured in these very runs, the acceptance per draft position, the draft lengths and
-    proposers used, and the per-step overhead outside the forwards (which the textbook formula
-    leaves out: on an H200 it put measured speedups 3-10% under the prediction). A draft model's
+    From the costs measured at load (every verify width, each proposer's own cost; those of sampled
+    rounds for runs at temperature > 0, costmodel.costs_at) and, measured in these very runs, the
+    acceptance per draft position, the draft lengths and proposers used, and the per-step overhead
+    outside the forwards (which the textbook formula leaves out: on an H200 it put measured speedups
+    3-10% under the prediction). A draft model's
     first forward of a proposal when it is w >= 2 tokens wide (after a fully accepted draft: its last
     draft token and the bonus token; after steps it did not draft: what they committed) is costed
     like a target forward of that width, scaled to the draft: on llama.cpp's CPU kernels a 2-token
     forward costs 1.8x a 1-token one for both models, on CUDA graphs about 1x. The draft's prompt
     prefill (deferred to its first proposal) is in the runs' measured prefill. None without costs.
     """
-    target = dict(info.target_ms)
-    costs = {c.source: c for c in info.proposer_costs}
     steps = sum(r.target_forwards for r in runs)
     std_steps = sum(r.target_forwards for r in standard_runs)
-    if not target or not steps or not std_steps:
+    if not info.target_ms or not steps or not std_steps:
         return None
     per_position = position_acceptance(runs) or (0.0,)
-    lengths = [sum(r.drafted_steps[n] for r in runs if r.drafted_steps) for n in range(K_MAX + 1)]
-    tokens = sum(count * expected_tokens(per_position, n) for n, count in enumerate(lengths))
-    verify = sum(count * target[n + 1] for n, count in enumerate(lengths) if count)
-    drafting = 0.0
+    tokens, seconds = 0.0, 0.0
     for r in runs:
+        target, costs = costs_at(info, r.temperature > 0)
+        lengths = r.drafted_steps
+        tokens += sum(count * expected_tokens(per_position, n) for n, count in enumerate(lengths))
+        seconds += sum(count * target[n + 1] for n, count in enumerate(lengths) if count) / 1000
         for source, n_steps, n_tokens in r.drafted_by:
             cost = costs.get(source)
             if cost is None:
                 return None
-            drafting += (n_steps * cost.per_proposal_ms + n_tokens * cost.per_token_ms) / 1000
+            seconds += (n_steps * cost.per_proposal_ms + n_tokens * cost.per_token_ms) / 1000
         draft = costs.get("draft")
         for width, count in enumerate(r.catch_up_widths):
             if count and draft is not None:  # a w-token draft forward, costed like the target's widths
-                drafting += count * draft.per_token_ms * (target[width] / target[1] - 1) / 1000
-    seconds = sum(r.prefill_s + r.overhead_s for r in runs) + drafting + verify / 1000
-    std_seconds = sum(r.prefill_s + r.overhead_s for r in standard_runs) + std_steps * target[1] / 1000
+                seconds += count * draft.per_token_ms * (target[width] / target[1] - 1) / 1000
+        seconds += r.prefill_s + r.overhead_s
+    std_seconds = sum(r.prefill_s + r.overhead_s + r.target_forwards * costs_at(info, r.temperature > 0)[0][1] / 1000
+                      for r in standard_runs)
     std_tokens = sum(r.new_tokens for r in standard_runs)
     return speedup(std_tokens / std_seconds, tokens / seconds)
 
