@@ -174,6 +174,10 @@ class ModelInfo:
     # acceptance do more work per step. Empty (or a proposer missing): priced as greedy (costmodel.costs_at).
     sampled_costs: tuple[ProposerCost, ...] = ()  # per proposer, its propose() drawing its drafts
     sampled_target_ms: tuple[tuple[int, float], ...] = ()  # per verify width, sampled rounds (GPU only)
+    # Greedy head rounds verified as trees (engine/runners/tree.py): per K, the round's verify ms with
+    # `tree_alternatives` alternatives beside each draft (empty when the engine drafts no trees).
+    tree_ms: tuple[tuple[int, float], ...] = ()
+    tree_alternatives: int = 0
     runtime: str = "torch"  # what runs the forwards: "torch" or "llamacpp"
     threads: int = 0  # CPU threads a decode uses (llama.cpp); 0 = the runtime's own default
     runtime_note: str = ""  # why this runtime, when it is not the one asked for (e.g. llama.cpp missing)

@@ -365,6 +365,30 @@ def test_graph_replay_matches_eager_on_cuda():
         eager.rollback(eager.length - 1)
 
 
+@pytest.mark.gpu
+def test_tree_graph_replay_matches_the_eager_tree_forward_on_cuda():
+    from engine.runners.tree import sibling_rows, sibling_tree
+
+    model = build_model(VOCAB, seed=5).to("cuda", torch.bfloat16)
+    graphs = StaticGraphRunner(model, max_length=128, graph_widths=(1,))
+    graphs.warmup()
+    graphs.capture_trees([sibling_rows(3, 2), sibling_rows(5, 2)])
+    assert len(graphs.tree_graphs) == 2 * len([b for b in graphs.buckets if b >= sibling_rows(5, 2)])
+    eager = StaticGraphRunner(model, max_length=128, graph_widths=(), use_graphs=False)
+    prompt = torch.randint(0, VOCAB, (20,), device="cuda")
+    for r in (graphs, eager):
+        r.forward(prompt)
+    for k in (3, 5, 3):
+        tree = sibling_tree(k, 2, "cuda")
+        ids = torch.randint(0, VOCAB, (tree.width,), device="cuda")
+        torch.testing.assert_close(graphs.forward(ids, tree).clone(), eager.forward(ids, tree), atol=2e-2, rtol=2e-2)
+        for r in (graphs, eager):
+            r.keep_path([0, 1, tree.width - 1])
+            r.rollback(r.length - tree.width + 3)
+        one = torch.randint(0, VOCAB, (1,), device="cuda")
+        torch.testing.assert_close(graphs.forward(one).clone(), eager.forward(one), atol=2e-2, rtol=2e-2)
+
+
 @pytest.mark.parametrize("proposer", ["draft", "ngram", "draft+ngram"])
 def test_engine_with_static_runners_is_lossless(tiny_pair, proposer):
     """The decoding loop on the fast-path runners: greedy speculative == greedy standard (float32)."""

@@ -362,3 +362,54 @@ def test_the_heads_sampled_drafts_are_timed_through_its_own_propose(engine):
     gen, steps = _run(engine, prompt="def add(a, b):", max_new_tokens=12, proposer="head", k=3,
                       sampling=Sampling(temperature=0.8, seed=1))
     assert gen.summary.new_tokens == 12 and gen.summary.drafted > 0
+
+
+def test_tree_rounds_are_measured_for_the_prediction(tree_engine):
+    from engine.decoding.costs import measure_trees
+    from engine.decoding.loop import TREE_K_MAX
+
+    engine = tree_engine
+    saved = engine.info
+    try:
+        engine.set_tree(2)
+        measure_trees(engine, iters=1)
+        assert engine.info.tree_alternatives == 2
+        assert [k for k, _ in engine.info.tree_ms] == list(range(1, TREE_K_MAX + 1))
+        assert all(ms > 0 for _, ms in engine.info.tree_ms)
+        assert engine.target_runner.length == 0  # the canned rounds leave the cache as it was
+        engine.set_tree(0)
+        measure_trees(engine)
+        assert engine.info.tree_ms == () and engine.info.tree_alternatives == 0
+    finally:
+        engine.set_tree(None)
+        engine.info = saved
+
+
+@pytest.mark.gpu
+def test_a_tree_of_drafts_on_cuda_graphs_is_lossless_in_float32(tiny_head):
+    from engine.decoding import Engine
+    from engine.heads.shards import load_head, read_manifest
+    from engine.runners.graphs import StaticGraphRunner
+    from engine.types import ModelInfo
+    from tests.head_fixtures import load_target
+
+    model, tok = load_target(tiny_head.target)
+    model = model.to("cuda")
+    runner = StaticGraphRunner(model, max_length=512, graph_widths=range(1, 14))
+    runner.warmup()
+    info = ModelInfo(target_name="tiny-target", draft_name=None, device="cuda", dtype="float32",
+                     fast_path=runner.name, vocab_size=len(tok))
+    engine = Engine(model, tok, info, target_runner=runner)
+    files = read_manifest(tiny_head.head)
+    engine.attach_head(load_head(files, torch.device("cuda"), torch.float32).bind(model), files.name)
+    engine.set_tree(2)
+    assert engine.alternatives() == 2 and runner.tree_graphs
+    extras = 0
+    for seed in range(6):
+        messages = _messages(300 + seed)
+        std, _ = _run(engine, messages=messages, mode="standard", max_new_tokens=40)
+        for k in (2, 5, 8):
+            spec, steps = _run(engine, messages=messages, mode="speculative", proposer="head", k=k, max_new_tokens=40)
+            assert spec.token_ids == std.token_ids, (seed, k)
+            extras += sum(s.extra is not None for s in steps)
+    assert extras > 0

@@ -164,6 +164,42 @@ def test_sampled_runs_are_priced_with_the_sampled_costs_measured_at_load():
     assert costs_at(replace(info, sampled_costs=()), sampled=True)[1]["head"].per_token_ms == 0.2
 
 
+def test_tree_runs_are_priced_with_the_tree_verify_and_the_alternatives_tokens():
+    """A head's greedy tree (runners/tree.py): each K-draft step is priced at the tree round measured
+    at load (ModelInfo.tree_ms), and gains one token wherever the target picked an alternative at the
+    first rejection, at the rate measured per position in the runs."""
+    target = tuple((w, 3.0 if w == 1 else 3.6) for w in range(1, 14))
+    info = ModelInfo("t", None, "cuda:0", "bfloat16", "cuda-graphs", 100, target_ms=target,
+                     proposer_costs=(ProposerCost("head", 0.2, 0.0),), tree_ms=((5, 3.9),), tree_alternatives=2)
+    k, steps = 5, 10
+    lengths = [0] * 13
+    lengths[k] = steps
+    reached = (steps, steps, steps) + (0,) * 9  # every step: 2 drafts accepted, the third rejected
+    hits = (steps, steps) + (0,) * 10
+    rescued = (0, 0, 4) + (0,) * 9  # at 4 of those 10 rejections an alternative was kept: 3 + 1 tokens
+
+    def head_run(tree: int) -> ex.RunRecord:
+        tokens = 34 if tree else 30
+        return ex.RunRecord("a", "code", "head K=5", tokens, 1.0, tokens, steps, k * steps, k * steps, 2 * steps,
+                            "", tuple(range(tokens)), position_reached=reached, position_accepted=hits,
+                            drafted_steps=tuple(lengths), drafted_by=(("head", steps, k * steps),),
+                            position_alternative=rescued if tree else (), tree=tree)
+
+    std = ex.RunRecord("a", "code", "standard", 30, 1.0, 30, 30, 0, 0, 0, "", tuple(range(30)),
+                       drafted_steps=(30,) + (0,) * 12)
+    per_position = ex.position_acceptance([head_run(2)])
+    assert ex.alternative_rates([head_run(2)])[:3] == (0.0, 0.0, 0.4)
+    assert ex.alternative_tokens(per_position, ex.alternative_rates([head_run(2)]), k) == pytest.approx(0.4)
+    chain = ex.predicted_speedup(info, [head_run(0)], [std])
+    assert chain == pytest.approx((30 / (steps * (k * 0.2 + 3.6))) / (1 / 3.0))
+    tree = ex.predicted_speedup(info, [head_run(2)], [std])
+    assert tree == pytest.approx((34 / (steps * (k * 0.2 + 3.9))) / (1 / 3.0))
+    # A tree of another width than the one measured at load is not priced as one.
+    assert ex.predicted_speedup(info, [head_run(3)], [std]) == pytest.approx(
+        (30 / (steps * (k * 0.2 + 3.6))) / (1 / 3.0))
+    assert ex.alternative_rates([head_run(0)]) == ()
+
+
 def test_prediction_costs_the_drafts_two_token_first_forward_and_its_measured_prefill():
     """llama.cpp's CPU kernels: a 2-token forward costs 1.8x a 1-token one, for the draft as for the target.
 

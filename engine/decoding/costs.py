@@ -43,8 +43,10 @@ SAMPLED = Sampling(temperature=1.0)
 class _CannedDrafts:
     """A proposer whose drafts cost nothing (fixed random tokens): the round then times the verify alone."""
 
-    def __init__(self, vocab: int, device: torch.device) -> None:
+    def __init__(self, vocab: int, device: torch.device, alternatives: int = 0) -> None:
         self.tokens = torch.randint(1, max(vocab, 2), (K_MAX,), device=device)  # [K_MAX]
+        # alternatives > 0: a tree round (greedy), as a head proposes where trees are on
+        self.alts = torch.randint(1, max(vocab, 2), (K_MAX, alternatives), device=device) if alternatives else None
 
     def start(self, prompt: list[int]) -> None:
         pass
@@ -53,21 +55,23 @@ class _CannedDrafts:
         return Offer("canned", k)  # type: ignore[arg-type]  # never reaches a controller
 
     def propose(self, k: int) -> Proposal:
-        return Proposal(tokens=self.tokens[:k], q=None, sources=("canned",) * k, forwards=0)  # type: ignore[arg-type]
+        return Proposal(tokens=self.tokens[:k], q=None, sources=("canned",) * k, forwards=0,  # type: ignore[arg-type]
+                        alts=None if self.alts is None else self.alts[:k])
 
     def commit(self, proposal: Proposal, accepted: int, new_tokens: list[int]) -> None:
         pass
 
 
 def measure_rounds(engine: Engine, widths: Iterable[int], iters: int, warm: bool = True,
-                   sampling: Sampling | None = None) -> dict[int, list[float]]:
+                   sampling: Sampling | None = None, alternatives: int = 0) -> dict[int, list[float]]:
     """Verify ms of `iters` rounds per width (K = width - 1 canned drafts; width 1 is a standard round),
-    greedy unless `sampling` says otherwise."""
+    greedy unless `sampling` says otherwise. alternatives > 0: greedy tree rounds of K = width - 1
+    drafts with that many alternatives beside each (keyed by K + 1 all the same)."""
     from engine.decoding.loop import Generation
 
     request = GenerationRequest(prompt="x", max_new_tokens=1, sampling=sampling or Sampling())
     generation = Generation(engine, request, [1], None)
-    proposers = ProposerSet((_CannedDrafts(engine.vocab, engine.device),), engine.device)
+    proposers = ProposerSet((_CannedDrafts(engine.vocab, engine.device, alternatives),), engine.device)
     proposers.offers(K_MAX)
     generator = torch.Generator(device=engine.device).manual_seed(0)
     target = engine.target_runner
@@ -207,6 +211,27 @@ def measure_costs(engine: Engine, progress=None, rounds: int = 3) -> None:
         log.warning("could not measure forward costs: %s", exc)
         return
     _publish(engine, target, costs, time.perf_counter() - started, sampled, sampled_target)
+    measure_trees(engine)
+
+
+def measure_trees(engine: Engine, iters: int | None = None) -> None:
+    """ModelInfo.tree_ms: the verify of greedy tree rounds for K = 1..TREE_K_MAX with the engine's
+    alternatives (Engine.alternatives), median of `iters` (20 on a GPU, 3 elsewhere); empty without trees."""
+    from engine.decoding.loop import TREE_K_MAX
+
+    s = engine.alternatives()
+    tree: dict[int, float] = {}
+    if s:
+        iters = iters or (20 if engine.device.type == "cuda" else 3)
+        try:
+            rounds = measure_rounds(engine, range(2, TREE_K_MAX + 2), iters, alternatives=s)
+            tree = {w - 1: statistics.median(ms) for w, ms in rounds.items()}
+        except Exception as exc:  # advice only, as the other costs
+            log.warning("could not measure the tree rounds: %s", exc)
+            s = 0
+    engine.info = replace(engine.info, tree_ms=tuple(sorted(tree.items())), tree_alternatives=s if tree else 0)
+    if tree:
+        log.info("tree rounds (%d alternatives): %s ms by K", s, {k: round(ms, 2) for k, ms in tree.items()})
 
 
 def measure_again(engine: Engine) -> None:

@@ -258,6 +258,11 @@ class Engine:
         if s and capture is not None:
             with self._lock:
                 capture(sibling_rows(k, s) for k in range(1, TREE_K_MAX + 1))
+        if self.info.target_ms and s != self.info.tree_alternatives:  # costs measured already: this tree's too
+            from engine.decoding.costs import measure_trees
+
+            with self._lock:
+                measure_trees(self)
 
     def tree(self, k: int, s: int) -> Tree:
         tree = self._trees.get((k, s))
@@ -289,16 +294,18 @@ class Engine:
 
         measure_again(self)
 
-    def step_costs(self) -> StepCosts:
-        """The measured costs as the adaptive controller reads them (measured now if they are missing)."""
+    def step_costs(self, sampled: bool = False) -> StepCosts:
+        """The measured costs as the adaptive controller reads them (measured now if they are missing);
+        sampled: those of sampled rounds (temperature > 0), where they were measured."""
+        from engine.measure.costmodel import costs_at
+
         measured = {c.source for c in self.info.proposer_costs}
         if len(self.info.target_ms) < K_MAX + 1 or not set(self.proposer_sources()) <= measured:
             self.measure_costs()
-        target = dict(self.info.target_ms)
+        target, costs = costs_at(self.info, sampled)
         if len(target) < K_MAX + 1:
             raise GenerationError("Adaptive K needs the forward costs, which could not be measured; choose a fixed K.")
-        return StepCosts((0.0, *(target[w] for w in range(1, K_MAX + 2))),
-                         {c.source: c for c in self.info.proposer_costs})
+        return StepCosts((0.0, *(target[w] for w in range(1, K_MAX + 2))), costs)
 
     # -- prompts ---------------------------------------------------------------------------
     def encode(self, request: GenerationRequest) -> list[int]:
@@ -393,7 +400,8 @@ class Engine:
             return FixedK(0)
         if request.mode == "speculative" and request.k != K_AUTO:
             return FixedK(request.k)
-        return AdaptiveK(self.step_costs(), self.tuning, temperature=request.sampling.temperature)
+        return AdaptiveK(self.step_costs(sampled=not request.sampling.greedy), self.tuning,
+                         temperature=request.sampling.temperature)
 
 
 def _widest_draft(request: GenerationRequest) -> int:
@@ -411,6 +419,7 @@ class Generation(Iterator[Step]):
         self.cancel = cancel or threading.Event()
         self.summary: Summary | None = None
         self.token_ids: list[int] = []  # committed tokens, EOS included
+        self.tree_alternatives = 0  # alternatives beside each greedy draft of its proposer (0: chains)
         self._steps: Iterator[Step] = self._run()
 
     def __next__(self) -> Step:
@@ -438,6 +447,7 @@ class Generation(Iterator[Step]):
         if len(self.prompt) > 1:
             target.prefill(ids_tensor(self.prompt[:-1], eng.device))
         proposers = eng.make_proposers(req, generator)  # none for standard decoding
+        self.tree_alternatives = max((getattr(p, "alternatives", 0) for p in proposers.parts), default=0)
         proposers.start(self.prompt)
         pending = self.prompt[-1]
         draft_forwards = 0

@@ -128,6 +128,7 @@ class RunRecord:
     # Trees of drafts (engine/runners/tree.py): per draft position, steps that rejected the draft
     # there and kept one of the alternatives beside it (one token more from the same forward).
     position_alternative: tuple[int, ...] = ()
+    tree: int = 0  # alternatives beside each greedy draft token (0: chains)
     temperature: float = 0.0  # the request's sampling temperature (0 = greedy): which measured costs price the run
 
 
@@ -175,6 +176,7 @@ def record_run(generation: Generation, steps: Sequence[Step], prompt: BenchPromp
         catch_up_widths=tuple(catch_ups) if any(catch_ups) else (),
         position_alternative=tuple(alternative) if any(alternative) else (),
         temperature=generation.request.sampling.temperature,
+        tree=getattr(generation, "tree_alternatives", 0),
     )
 
 
@@ -290,6 +292,32 @@ def position_acceptance(runs: Sequence[RunRecord]) -> tuple[float, ...]:
     return tuple(out)
 
 
+def alternative_rates(runs: Sequence[RunRecord]) -> tuple[float, ...]:
+    """Per draft position: the share of rejections there at which the target picked one of the
+    tree's alternatives (runs that drafted trees; empty without any)."""
+    trees = [r for r in runs if r.tree and r.position_alternative]
+    if not trees:
+        return ()
+    out = []
+    for i in range(K_MAX):
+        rejected = sum(r.position_reached[i] - r.position_accepted[i] for r in trees if r.position_reached)
+        kept = sum(r.position_alternative[i] for r in trees)
+        out.append(kept / rejected if rejected else 0.0)
+    return tuple(out)
+
+
+def alternative_tokens(per_position: Sequence[float], rescue: Sequence[float], k: int) -> float:
+    """Expected tokens a K-draft tree adds to its chain: at the first rejection (position i, reached
+    with prob prod a_<i) an alternative kept with prob rescue_i gives one token more."""
+    total, reach = 0.0, 1.0
+    for i in range(k):
+        a = per_position[i] if i < len(per_position) else (per_position[-1] if per_position else 0.0)
+        h = rescue[i] if i < len(rescue) else 0.0
+        total += reach * (1 - a) * h
+        reach *= a
+    return total
+
+
 def predicted_speedup(info: ModelInfo, runs: Sequence[RunRecord], standard_runs: Sequence[RunRecord]) -> float | None:
     """What the cost model predicts these runs gain over the standard runs of the same prompts.
 
@@ -309,12 +337,22 @@ def predicted_speedup(info: ModelInfo, runs: Sequence[RunRecord], standard_runs:
     if not info.target_ms or not steps or not std_steps:
         return None
     per_position = position_acceptance(runs) or (0.0,)
+    rescue = alternative_rates(runs)
+    tree_ms = dict(info.tree_ms)
     tokens, seconds = 0.0, 0.0
     for r in runs:
         target, costs = costs_at(info, r.temperature > 0)
         lengths = r.drafted_steps
-        tokens += sum(count * expected_tokens(per_position, n) for n, count in enumerate(lengths))
-        seconds += sum(count * target[n + 1] for n, count in enumerate(lengths) if count) / 1000
+        tree = r.tree and r.tree == info.tree_alternatives and r.temperature <= 0
+        for n, count in enumerate(lengths):
+            if not count:
+                continue
+            if tree and n in tree_ms:  # verified as a tree: its own verify cost, and the alternatives' tokens
+                tokens += count * (expected_tokens(per_position, n) + alternative_tokens(per_position, rescue, n))
+                seconds += count * tree_ms[n] / 1000
+            else:
+                tokens += count * expected_tokens(per_position, n)
+                seconds += count * target[n + 1] / 1000
         for source, n_steps, n_tokens in r.drafted_by:
             cost = costs.get(source)
             if cost is None:
