@@ -178,7 +178,7 @@ class HeadRunner:
         else:  # a handful of query rows: two matmuls beat the CPU flash kernel (8 ms vs 0.1 at span 1024)
             scores = torch.matmul(q, k_span.transpose(-1, -2)) * c.head_dim**-0.5 + bias  # [1, Hkv, G*W, span]
             o = torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v_span)  # [1, Hkv, G*W, D]
-        o = o.view(c.n_heads, width, c.head_dim).transpose(0, 1).reshape(width, c.n_heads * c.head_dim)
+        o = o.reshape(c.n_heads, width, c.head_dim).transpose(0, 1).reshape(width, c.n_heads * c.head_dim)
         return head.finish(h, o)
 
     # -- CUDA graphs ----------------------------------------------------------------------------

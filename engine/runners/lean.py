@@ -394,7 +394,7 @@ class LeanDecoder:
             # consecutively) become G*W query rows against that head.
             q = qk[:, : c.n_heads].transpose(0, 1).reshape(1, c.n_kv_heads, c.group * width, c.head_dim)
             o = self._attend(q, layer.k_cache[:, :, :kv_len], layer.v_cache[:, :, :kv_len], bias)  # [1, Hkv, G*W, D]
-            o = o.view(c.n_heads, width, c.head_dim).transpose(0, 1).reshape(width, q_size)  # [W, Hq*D]
+            o = o.reshape(c.n_heads, width, c.head_dim).transpose(0, 1).reshape(width, q_size)  # [W, Hq*D]
             x = layer.o.residual(x, o)
             h = _rms_norm(x, layer.ln2, c.eps)
             gate, up = layer.gate_up(h).chunk(2, dim=-1)  # [W, inter] each
