@@ -112,7 +112,8 @@ def _add_model_args(p: argparse.ArgumentParser, decoding: bool = True) -> None:
     d.add_argument("--top-p", type=opt.top_p, default=1.0, help="1 disables")
     d.add_argument("--seed", type=opt.seed, default=0, help=f"0 to {opt.MAX_SEED}")
     d.add_argument("--proposer", default="draft", choices=list(PROPOSERS),
-                   help="draft, ngram, draft+ngram or head (in auto mode draft+ngram is routed per step)")
+                   help="draft, ngram, draft+ngram or head (in auto mode draft+ngram is routed per step, and a "
+                        "loaded head always joins them)")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -393,7 +393,8 @@ class MainWindow(QMainWindow):
         self.session.info = info
         self.panel.set_draft_available(info.draft_name is not None, head=info.head_name is not None)
         self.chat.add_system_note(f"Draft head ready: {info.head_name} ({info.head_ms:.2f} ms per draft token). "
-                                  "Choose the proposer “Draft head” to use it.")
+                                  "Auto mode weighs it every step; choose the proposer “Draft head” to use "
+                                  "it always.")
 
     def is_loading(self) -> bool:
         return self._loading_selection is not None

@@ -216,7 +216,8 @@ def main() -> int:
                     runs = r["runs"]
                     row = {key: spec[key] for key in ("tokens_per_s", "tokens_per_target_forward", "acceptance_rate")}
                     row["alternatives_kept"] = sum(sum(run.get("position_alternative") or ()) for run in runs)
-                    row["identical_to_standard"] = sum(run["token_ids"] == standard.get(run["prompt_id"]) for run in runs)
+                    row["identical_to_standard"] = sum(run["token_ids"] == standard.get(run["prompt_id"])
+                                                       for run in runs)
                     row["compared"] = sum(run["prompt_id"] in standard for run in runs)
                     out[f"K={k} S={s}"] = row
                     print(f"K={k} S={s}: {row}", flush=True)

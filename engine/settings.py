@@ -42,7 +42,7 @@ class GenerationSettings:
     """How answers are decoded, as the settings panel edits them."""
 
     mode: str = "auto"  # "auto" (K and proposer chosen per step), "speculative" or "standard"
-    proposer: str = "draft+ngram"  # "draft", "ngram" or "draft+ngram" (routed per step in auto mode)
+    proposer: str = "draft+ngram"  # draft, ngram, draft+ngram or head (auto routes per step, a loaded head too)
     k: int = K_AUTO  # draft tokens per step, K_RANGE; K_AUTO: chosen per step
     temperature: float = 0.0  # 0 = greedy
     top_k: int = 0  # 0 disables

@@ -413,3 +413,21 @@ def test_a_tree_of_drafts_on_cuda_graphs_is_lossless_in_float32(tiny_head):
             assert spec.token_ids == std.token_ids, (seed, k)
             extras += sum(s.extra is not None for s in steps)
     assert extras > 0
+
+
+def test_auto_mode_weighs_the_loaded_head_whatever_proposers_were_asked_for(engine):
+    """Auto picks what is fastest: a loaded head joins the request's proposers (the app's default
+    asks for draft+ngram), and greedy output stays the target's own."""
+    from engine.decoding.head import HeadProposer
+    from engine.decoding.ngram import NgramProposer
+
+    request = GenerationRequest(messages=_messages(4), mode="auto", proposer="ngram", max_new_tokens=30)
+    parts = engine.make_proposers(request, None).parts
+    assert [type(p) for p in parts] == [NgramProposer, HeadProposer]
+    head_only = GenerationRequest(messages=_messages(4), mode="auto", proposer="head", max_new_tokens=30)
+    assert [type(p) for p in engine.make_proposers(head_only, None).parts] == [HeadProposer]
+    speculative = GenerationRequest(messages=_messages(4), mode="speculative", proposer="ngram")
+    assert [type(p) for p in engine.make_proposers(speculative, None).parts] == [NgramProposer]
+    std, _ = _run(engine, messages=_messages(4), mode="standard", max_new_tokens=30)
+    auto, _ = _run(engine, messages=_messages(4), mode="auto", proposer="ngram", max_new_tokens=30)
+    assert auto.token_ids == std.token_ids

@@ -27,8 +27,8 @@ from engine.runners.lean import CACHE_ALIGN, PREFILL_CHUNK
 log = logging.getLogger(__name__)
 
 ALTERNATIVES = 3  # next-best draft tokens kept beside each greedy draft (a tree proposal reads up to these)
-MIN_BUCKET = 512
-COMPILE_SPANS = 2  # compile_step: spans whose chain step is compiled (short and medium contexts)  # smallest attention span (as the target runner): one graph per (width, span)
+MIN_BUCKET = 512  # smallest attention span (as the target runner): one graph per (width, span)
+COMPILE_SPANS = 2  # compile_step: spans whose chain step is compiled (short and medium contexts)
 WARMUP_ITERS = 3  # eager runs on a side stream before each capture
 
 

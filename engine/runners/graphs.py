@@ -214,7 +214,8 @@ class StaticGraphRunner:
         dst, src = dst.to(device, non_blocking=True), src.to(device, non_blocking=True)
         self.decoder.move_slots(src + self.last_start, dst + self.last_start)
         if self.hidden is not None:
-            self.hidden.index_copy_(0, dst.to(self.hidden.device), self.hidden.index_select(0, src.to(self.hidden.device)))
+            dst, src = dst.to(self.hidden.device), src.to(self.hidden.device)
+            self.hidden.index_copy_(0, dst, self.hidden.index_select(0, src))
 
     def prefill(self, ids: torch.Tensor) -> None:
         """Appends ids [W] to the cache, eagerly and in chunks, computing no logits."""
