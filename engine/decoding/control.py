@@ -12,10 +12,11 @@ The loop (loop.py) asks `choose(offers, room)` at the top of every round and rep
   cost), ratios and per-step overheads measured online from this process's real steps, and a
   decayed Beta posterior of the acceptance a_i at each draft position i, so K moves within one
   answer (a code block drafts long, prose short). When no K beats a standard step it decodes
-  standard steps and probes now and then (a short draft) to see whether that is still true; the
-  probe interval doubles while probes keep confirming it, and probes may cost at most PROBE_SHARE
-  of the time decoded so far (a draft model's probe after a long standard stretch first feeds it
-  every token it missed). What it learns is kept per engine
+  standard steps and probes every PROBE_EVERY of them (a short draft) to see whether that is
+  still true, as long as probes have cost at most PROBE_SHARE of the time decoded so far: an
+  expensive draft (a draft model's probe after a long standard stretch first feeds it every token
+  it missed) is then probed rarely, a cheap one (the draft head) often enough to notice within a
+  few dozen steps that the text has turned its way again. What it learns is kept per engine
   (TuningMemory), so the next answer starts from it.
 
 Decisions cost microseconds: plain Python floats, no torch.
@@ -35,15 +36,17 @@ IDLE_DECAY = 0.99  # per step it does not draft: an old verdict weighs less when
 PRIOR_MEAN = 0.6  # acceptance assumed before any evidence
 PRIOR_WEIGHT = 2.0  # pseudo-observations behind PRIOR_MEAN, and behind the pooled mean for each position
 RATE = 0.15  # weight of the newest step in the online timing averages
-PROBE_MIN = 16  # standard steps before the first probe after speculation stopped paying
-PROBE_MAX = 128  # longest interval between probes
+# Standard steps between probes while speculation does not pay. The interval once doubled after every
+# probe that confirmed the verdict (up to 128): with the draft head on the H200 a bad patch of text
+# then kept auto standard for hundreds of steps after the text turned back (701 standard steps of
+# 2,145, 1.27x against the fixed head's 1.55x); PROBE_SHARE alone now spaces out costly probes.
+PROBE_EVERY = 16
 PROBE_K = (2, 3)  # shortest and longest probe: short (they are not expected to pay), but informative
 EXPLORE = 6.0  # draft positions a proposer must have been tried on before a verdict against it counts
 # Probes (after the first tries) may lose at most this share of the time decoded so far. On the H200
 # a probe of the 0.5B draft cost 50-70 ms, most of it feeding the draft the tokens of the standard
 # stretch before it, against 3 ms a token: probing every 16-128 steps put auto at 0.92x standard.
 PROBE_SHARE = 0.015
-SURPRISE = 0.35  # a probe accepted in full although the estimate gave that less than this chance is news
 # A draft must promise this much over a standard step before it runs (probes aside): on the H200 the
 # measured speedups came in 3-7% under the prediction near break-even (auto with the 0.5B draft:
 # predicted 1.00-1.02x, measured 0.93-0.97x), and a gain inside the model's error is not worth the risk.
@@ -192,7 +195,6 @@ class TuningMemory:
 
     acceptance: dict[tuple[str, float], Acceptance] = field(default_factory=dict)
     timing: Timing = field(default_factory=Timing)
-    probe_every: dict[float, int] = field(default_factory=dict)  # temperature -> current probe interval
     elapsed_ms: float = 0.0  # wall time of every step observed
     probe_spent_ms: float = 0.0  # what probes (first tries aside) lost against standard steps
 
@@ -208,7 +210,6 @@ class AdaptiveK:
         self.k_max = min(k_max, K_MAX)
         self.timing = self.memory.timing.copy()
         self.acceptance: dict[str, Acceptance] = {}  # statistics key -> this generation's posterior
-        self.probe_every = self.memory.probe_every.get(self.temperature, PROBE_MIN)
         self.idle = 0  # standard steps since the last speculative one
         self.elapsed_ms = self.memory.elapsed_ms
         self.probe_spent_ms = self.memory.probe_spent_ms
@@ -300,7 +301,7 @@ class AdaptiveK:
         if speedup > 1.0 + GAIN_MARGIN:
             return Decision(k, offer.source, "best", acceptance, speedup, k, speedup)
         exploring = self._stats(offer.key).tried < EXPLORE
-        if exploring or (self.idle >= self.probe_every and self._probe_affordable(offer.source)):
+        if exploring or (self.idle >= PROBE_EVERY and self._probe_affordable(offer.source)):
             probe_k = min(max(k, PROBE_K[0]), PROBE_K[1], room, offer.max_tokens)
             return Decision(probe_k, offer.source, "probe", acceptance, speedup, k, speedup)
         return Decision(0, None, "no_gain", acceptance, 1.0, k, speedup)
@@ -337,7 +338,6 @@ class AdaptiveK:
         elif predicted > 0:
             t.draft_ratio[source] = _ema(ratio, draft_ms / predicted, 0.25, 4.0)
         stats = self._stats(offer.key if offer is not None else source)
-        expected_full = stats.pooled() ** drafted  # the estimate's chance of this probe being accepted in full
         exploring = stats.tried < EXPLORE  # first tries of a proposer: no verdict to confirm yet
         stats.update(drafted, accepted)
         if offer is not None and offer.key != source:
@@ -346,19 +346,11 @@ class AdaptiveK:
             lost = max(wall_ms - (accepted + 1) * self.standard_ms(), 0.0)  # against standard steps' tokens
             self.probe_spent_ms += lost
             t.probe_loss_ms[source] = _ema(t.probe_loss_ms.get(source), lost)
-            # Speculation pays now, or the probe was news (accepted in full against the odds): probe
-            # again soon. Otherwise the verdict stands: probe half as often.
-            standard_rate = 1.0 / self.standard_ms()
-            pays = any(o.max_tokens > 0 and self._best(o, K_MAX)[1] > (1.0 + GAIN_MARGIN) * standard_rate
-                       for o in self._offers)
-            news = drafted > 0 and accepted == drafted and expected_full < SURPRISE
-            self.probe_every = PROBE_MIN if pays or news else min(2 * self.probe_every, PROBE_MAX)
         self.idle = 0
 
     def finish(self) -> None:
         for key, stats in self.acceptance.items():
             self.memory.acceptance[(key, self.temperature)] = stats.copy()
         self.memory.timing = self.timing.copy()
-        self.memory.probe_every[self.temperature] = self.probe_every
         self.memory.elapsed_ms = self.elapsed_ms
         self.memory.probe_spent_ms = self.probe_spent_ms
