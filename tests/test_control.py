@@ -488,26 +488,37 @@ def _edit_answer(rng: random.Random, length: int) -> list[tuple[int, int, int]]:
     return text[:length]
 
 
-def _tokens_per_ms(make_controller, answers: list[list[tuple[int, int, int]]]) -> float:
+def _replay(make_controller, answers: list[list], play) -> float:
     """Replays the answers (one TuningMemory across them, as one engine does): tokens over the time
-    the controller's choices cost on the H200 costs. No clock: the time is computed from the costs."""
+    the controller's choices cost. play(controller, text, t) -> (tokens committed, wall ms) runs one
+    step at position t. No clock: the time is computed from the costs."""
     memory, tokens, ms = TuningMemory(), 0, 0.0
     for text in answers:
         controller, t = make_controller(memory), 0
         while t < len(text):
-            n, offered, right = text[t]
-            room = len(text) - t
-            d = controller.choose((Offer("ngram", min(offered, room), key=f"ngram:{n}"),), room)
-            drafted = min(d.k, offered, room)  # a fixed K drafts what the match offers, and no more
-            accepted = min(drafted, right)
-            draft_ms, verify_ms = NGRAM_MS * drafted, H200_VERIFY_MS[drafted + 1]
-            wall_ms = draft_ms + verify_ms + H200_STEP_OVERHEAD_MS
-            controller.observe(d, drafted, accepted, draft_ms, verify_ms, wall_ms)
-            t += accepted + 1
+            committed, wall_ms = play(controller, text, t)
+            t += committed
             ms += wall_ms
         controller.finish()
         tokens += len(text)
     return tokens / ms
+
+
+def _tokens_per_ms(make_controller, answers: list[list[tuple[int, int, int]]]) -> float:
+    """The edit answers replayed on the H200 costs."""
+
+    def play(controller, text, t):
+        n, offered, right = text[t]
+        room = len(text) - t
+        d = controller.choose((Offer("ngram", min(offered, room), key=f"ngram:{n}"),), room)
+        drafted = min(d.k, offered, room)  # a fixed K drafts what the match offers, and no more
+        accepted = min(drafted, right)
+        draft_ms, verify_ms = NGRAM_MS * drafted, H200_VERIFY_MS[drafted + 1]
+        wall_ms = draft_ms + verify_ms + H200_STEP_OVERHEAD_MS
+        controller.observe(d, drafted, accepted, draft_ms, verify_ms, wall_ms)
+        return accepted + 1, wall_ms
+
+    return _replay(make_controller, answers, play)
 
 
 def test_auto_ngram_on_edit_prompts_is_at_least_the_best_fixed_k():
@@ -542,28 +553,25 @@ def _head_answer(rng: random.Random, length: int) -> list[float]:
 
 
 def _head_tokens_per_ms(make_controller, answers: list[list[float]], seed: int) -> float:
-    """Replays the answers on the H200 costs (verify widths, the head's cost, 0.3 ms of host work a
-    speculative step and 0.1 a standard one); one TuningMemory across them. No clock."""
-    rng, memory, tokens, ms = random.Random(seed), TuningMemory(), 0, 0.0
-    for text in answers:
-        controller, t = make_controller(memory), 0
-        while t < len(text):
-            room = len(text) - t
-            d = controller.choose((Offer("head", min(K_MAX, room)),), room)
-            accepted = 0
-            while accepted < d.k and rng.random() < text[min(t + accepted, len(text) - 1)]:
-                accepted += 1
-            if d.k == 0:
-                wall = H200_VERIFY_MS[1] + 0.1
-                controller.observe(d, 0, 0, 0.0, H200_VERIFY_MS[1], wall)
-            else:
-                wall = HEAD_MS * d.k + H200_VERIFY_MS[d.k + 1] + 0.3
-                controller.observe(d, d.k, accepted, HEAD_MS * d.k, H200_VERIFY_MS[d.k + 1], wall)
-            t += accepted + 1
-            ms += wall
-        controller.finish()
-        tokens += len(text)
-    return tokens / ms
+    """The answers replayed on the H200 costs (verify widths, the head's cost, 0.3 ms of host work a
+    speculative step and 0.1 a standard one)."""
+    rng = random.Random(seed)
+
+    def play(controller, text, t):
+        room = len(text) - t
+        d = controller.choose((Offer("head", min(K_MAX, room)),), room)
+        accepted = 0
+        while accepted < d.k and rng.random() < text[min(t + accepted, len(text) - 1)]:
+            accepted += 1
+        if d.k == 0:
+            wall = H200_VERIFY_MS[1] + 0.1
+            controller.observe(d, 0, 0, 0.0, H200_VERIFY_MS[1], wall)
+        else:
+            wall = HEAD_MS * d.k + H200_VERIFY_MS[d.k + 1] + 0.3
+            controller.observe(d, d.k, accepted, HEAD_MS * d.k, H200_VERIFY_MS[d.k + 1], wall)
+        return accepted + 1, wall
+
+    return _replay(make_controller, answers, play)
 
 
 def test_auto_with_the_head_comes_back_after_a_hard_patch():
