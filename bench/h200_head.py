@@ -205,14 +205,14 @@ def main() -> int:
         trees = [int(s) for s in args.trees.split(",") if s.strip()]
         main_tree = engine.tree_alternatives
         out = {}
+        standard = {run["prompt_id"]: run["token_ids"] for run in RESULTS.get("greedy", {}).get("runs", ())
+                    if run["mode"] == "standard"}  # the greedy section's standard answers, to compare with
         try:
             for k in [int(k) for k in args.tree_ks.split(",") if k.strip()]:
                 for s in trees:
                     engine.set_tree(s)
                     r = bench(0.0, k, ("speculative",))
                     spec = r["summary"]["speculative"]
-                    standard = {run["prompt_id"]: run["token_ids"] for run in RESULTS.get("greedy", {}).get("runs", ())
-                                if run["mode"] == "standard"}
                     runs = r["runs"]
                     row = {key: spec[key] for key in ("tokens_per_s", "tokens_per_target_forward", "acceptance_rate")}
                     row["alternatives_kept"] = sum(sum(run.get("position_alternative") or ()) for run in runs)

@@ -660,12 +660,14 @@ class Generation(Iterator[Step]):
         hit = beside == added  # [S] (no alternative after a fully accepted chain: -1 never matches)
         row = torch.where(hit.any(), 1 + n + accepted * s + hit.long().argmax(), torch.zeros_like(accepted))
         extra = torch.where(hit.any(), best.index_select(0, row.view(1))[0], torch.full_like(accepted, -1))
-        shown = logits.softmax(-1)  # [W, V] what the hover shows under greedy
+        # What the hover shows under greedy: softmax of the chain's rows and of the kept alternative's
+        # row only (the other alternatives' rows are never shown).
+        shown = logits[: n + 1].softmax(-1)  # [n + 1, V]
         rows = torch.arange(n, device=eng.device)
         p_x = shown[rows, draft]
         q_x = proposal.q_display if proposal.q_display is not None else torch.ones(n, device=eng.device)
         added_p = shown[accepted.view(1), added]  # [1]
-        extra_p = shown[row.view(1), extra.clamp_min(0).view(1)]  # [1]
+        extra_p = logits.index_select(0, row.view(1)).softmax(-1).gather(1, extra.clamp_min(0).view(1, 1))[0]  # [1]
         return torch.cat([draft.float(), q_x.float(), p_x.float(), ok.float(),
                           torch.stack([accepted.float(), added[0].float()]), added_p.float(),
                           torch.stack([extra.float(), extra_p[0].float(), row.float()])])
