@@ -155,10 +155,11 @@ def test_speculative_sampling_matches_the_targets_processed_distribution(engine)
     check_sampling_law(engine, "hello world", proposer="draft")
 
 
-def check_sampling_law(engine, prompt: str, *, proposer: str, messages: tuple = (), trials: int = 2000) -> None:
+def check_sampling_law(engine, prompt: str, *, proposer: str, messages: tuple = (), trials: int = 2000) -> int:
     """Asserts that speculative samples of the first two tokens follow the target's processed law (chi-square).
 
     Shared by every proposer (draft model, draft head): whatever proposes, the output law is the target's.
+    Returns how many rounds kept a tree alternative's next token (Step.extra).
     """
     sampling = dict(temperature=1.3, top_k=5, top_p=0.9)
     request = dict(messages=messages) if messages else dict(prompt=prompt)
@@ -171,9 +172,11 @@ def check_sampling_law(engine, prompt: str, *, proposer: str, messages: tuple = 
             for t2 in torch.nonzero(p2).flatten().tolist():
                 exact[(t1, t2)] = p1[t1].item() * p2[t2].item()
     counts = {key: 0 for key in exact}
+    extras = 0
     for seed in range(trials):
-        gen, _ = _run(engine, mode="speculative", k=3, max_new_tokens=2, proposer=proposer,
-                      sampling=Sampling(seed=seed, **sampling), **request)
+        gen, steps = _run(engine, mode="speculative", k=3, max_new_tokens=2, proposer=proposer,
+                          sampling=Sampling(seed=seed, **sampling), **request)
+        extras += sum(s.extra is not None for s in steps)
         key = tuple(gen.token_ids)
         assert key in counts, f"sampled {key}, which the processed target law gives probability 0"
         counts[key] += 1
@@ -194,6 +197,7 @@ def check_sampling_law(engine, prompt: str, *, proposer: str, messages: tuple = 
     scale = sum(obs_p) / sum(exp_p)
     result = scipy_stats.chisquare(obs_p, [e * scale for e in exp_p])
     assert result.pvalue > 1e-3, (result, len(obs_p))
+    return extras
 
 
 def test_cancellation_between_steps(engine):

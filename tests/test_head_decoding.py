@@ -335,17 +335,27 @@ def test_tree_rounds_leave_both_caches_at_the_committed_prefix(tree_engine):
         engine.set_tree(None)
 
 
-def test_sampling_ignores_the_tree(tree_engine):
-    """Sampled proposals stay chains (several sampled candidates need another acceptance rule)."""
+def test_sampling_through_a_tree_keeps_the_targets_law(tree_engine):
+    """Sampled rounds verify the head's best tokens and their alternatives as one tree: a draft is
+    accepted with the target's p(x), the correction is drawn from p without it, and a picked
+    alternative's next token from its own row. The output law stays the target's (chi-square), and
+    the alternatives do get picked, so the test exercises that path."""
     engine = tree_engine
     engine.set_tree(2)
     try:
-        check_sampling_law(engine, "", proposer="head", messages=(Message("user", "hello world"),), trials=600)
+        extras = check_sampling_law(engine, "", proposer="head", messages=(Message("user", "hello world"),),
+                                    trials=1200)
+        assert extras > 50, extras
         _, steps = _run(engine, messages=_messages(3), mode="speculative", proposer="head", k=4, max_new_tokens=30,
                         sampling=Sampling(temperature=0.8, seed=2))
-        assert all(s.extra is None for s in steps)
+        for step in steps:
+            assert all(0 < q <= 1 for q in step.proposed_q) and all(0 <= p <= 1 for p in step.proposed_p)
+            if step.extra is not None:
+                assert step.accepted < len(step.proposed) and step.new_tokens == step.accepted + 2
     finally:
         engine.set_tree(None)
+
+
 def test_the_heads_sampled_drafts_are_timed_through_its_own_propose(engine):
     """Greedy head drafts are priced by the runner's own round (ModelInfo.head_ms); sampled ones, which
     draw on the host between the head's steps, are timed apart, as the loop runs them, and the head

@@ -198,6 +198,12 @@ def test_tree_runs_are_priced_with_the_tree_verify_and_the_alternatives_tokens()
     assert ex.predicted_speedup(info, [head_run(3)], [std]) == pytest.approx(
         (30 / (steps * (k * 0.2 + 3.6))) / (1 / 3.0))
     assert ex.alternative_rates([head_run(0)]) == ()
+    # Sampling verifies the head's best tokens as a tree too: the tree round measured greedy plus what
+    # sampling adds to a chain's verify of the same width (here 0.3 ms at width K + 1).
+    sampled = replace(info, sampled_target_ms=((k + 1, 3.9),))
+    hot = replace(head_run(2), temperature=0.7)
+    assert ex.predicted_speedup(sampled, [hot], [replace(std, temperature=0.7)]) == pytest.approx(
+        (34 / (steps * (k * 0.2 + 3.9 + 0.3))) / (1 / 3.0))
 
 
 def test_prediction_costs_the_drafts_two_token_first_forward_and_its_measured_prefill():

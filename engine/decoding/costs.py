@@ -7,11 +7,12 @@ a GPU, the host clock on a CPU). Proposers are timed through their own propose()
 a draft head's runner times its greedy round itself when it is attached (ModelInfo.head_ms).
 
 Sampled rounds (temperature > 0) cost more, and are measured apart (ModelInfo.sampled_costs,
-sampled_target_ms): a sampled draft does host-side work per token that a greedy one does not (the
-head's greedy steps run inside CUDA graphs; sampled ones process, draw and spread a q row over the
-vocabulary between them), and a sampled verify processes every row and draws its token. On an H200
-the trained head drafted 0.310 ms per token at T = 0.7 against 0.228 greedy and 0.200 at load,
-which alone put the predicted speedup 12% over the measured one (1.40x vs 1.25x).
+sampled_target_ms): a sampled verify processes every row and draws its token, and a proposer that
+draws its drafts does host-side work per token that a greedy one does not. The draft head proposes
+its best tokens when sampling too (engine/decoding/head.py), inside its CUDA graphs; drawn from its
+own law instead (SAMPLED_DRAFTS) it drafted 0.310 ms per token at T = 0.7 on an H200 against 0.228
+greedy and 0.200 at load, which alone put the predicted speedup 12% over the measured one (1.40x
+vs 1.25x).
 """
 from __future__ import annotations
 

@@ -4,15 +4,19 @@ Every round first catches the head up on the rows the target verified since it l
 hidden states, which each verify pass leaves in the target runner's `hidden`, copied at commit, and
 the tokens committed after them): no extra target forward. Rounds it did not draft (a standard
 round, another proposer's) add their rows to the catch-up, so K = 0 rounds cost the head nothing. The last of those rows drafts token 1; K-1 chain steps
-draft the rest. Greedy drafts never leave the device (argmax, shown probability and the next
-input are written by the step itself, inside its CUDA graph); sampled drafts draw from the
-head's processed distribution over its reduced vocabulary, mapped back to target ids, which
-keeps the acceptance rule exact (q is zero outside the draft vocabulary).
+draft the rest.
 
-Greedy proposals may carry `alternatives` next-best tokens beside each draft (Proposal.alts): the
-loop then verifies them as a tree (engine/runners/tree.py), which keeps one more token whenever
-the target picks an alternative where it rejects the chain. Sampled proposals stay chains: the
-acceptance rule for several sampled candidates is another algorithm.
+Drafts are the head's best tokens, greedy or sampling: they never leave the device (argmax, shown
+probability and the next input are written by the step itself, inside its CUDA graph). When
+sampling they are point masses to the acceptance rule (q = one-hot: a draft x is accepted with
+the target's p(x)), exact whatever the head believes. `SAMPLED_DRAFTS` instead draws each draft
+from the head's processed distribution over its reduced vocabulary, mapped back to target ids
+(q is zero outside the draft vocabulary), accepted with min(1, p/q): a chain only, and a host
+round of sampling work per token.
+
+Proposals may carry `alternatives` next-best tokens beside each draft (Proposal.alts): the loop
+then verifies them as a tree (engine/runners/tree.py), which keeps one more token whenever the
+target's token, where it rejects the chain, is one of the alternatives.
 """
 from __future__ import annotations
 
@@ -23,6 +27,8 @@ from engine.decoding.sampling import draw, process
 from engine.heads.runner import HeadRunner
 from engine.runners import Runner, ids_tensor
 from engine.types import Sampling
+
+SAMPLED_DRAFTS = False  # when sampling: draw drafts from the head's law (True) or propose its best tokens
 
 
 class HeadProposer:
@@ -41,7 +47,8 @@ class HeadProposer:
         self.sampling = sampling
         self.vocab = vocab  # the loop's vocabulary: q rows are this wide
         self.generator = generator
-        self.alternatives = alternatives if sampling.greedy else 0
+        self.sampled = SAMPLED_DRAFTS and not sampling.greedy  # drafts drawn from q (chains only)
+        self.alternatives = 0 if self.sampled else alternatives
         self.device = head.device
         self.rows: torch.Tensor | None = None  # [>= n, F] target rows the head has not read yet
         self.next_ids: list[int] = []  # [n] the committed token after each of those rows
@@ -67,7 +74,7 @@ class HeadProposer:
         self.rows = None
         if k == 0:  # a standard step: the catch-up above keeps the head's cache in step
             return self._proposal(torch.zeros(0, dtype=torch.long, device=self.device), None, None)
-        if self.sampling.greedy:
+        if not self.sampled:
             for _ in range(k - 1):
                 head.step(span)
             proposal = self._proposal(head.drafts[:k].clone(), None, head.shown[:k].clone())

@@ -607,10 +607,11 @@ class Generation(Iterator[Step]):
             n = draft.shape[0]
             marks.append(_mark(cuda, eng.device))
             alts = proposal.alts
-            tree = alts is not None and 0 < n <= TREE_K_MAX and sampling.greedy and \
+            # A tree verifies point-mass drafts (q = None): a sampled chain's q needs the chain rule.
+            tree = alts is not None and proposal.q is None and 0 < n <= TREE_K_MAX and \
                 eng.target_runner.length + sibling_rows(n, alts.shape[1]) <= eng.target_runner.max_length
             if tree:
-                outcome = self._verify_tree(pending, draft, alts, proposal)
+                outcome = self._verify_tree(pending, draft, alts, proposal, generator)
             else:
                 ids = torch.cat([ids_tensor([pending], eng.device), draft])  # [n+1]
                 logits = eng.target_runner.forward(ids)[:, : eng.vocab]  # [n+1, V]
@@ -639,36 +640,59 @@ class Generation(Iterator[Step]):
         marks.append(_mark(cuda, eng.device))
         return _Launched(outcome, n, proposal, decision, done, tuple(marks), next_input, tree=tree)
 
-    def _verify_tree(self, pending: int, draft: torch.Tensor, alts: torch.Tensor, proposal: Proposal) -> torch.Tensor:
-        """Greedy verify of a chain [n] with S alternatives per draft [n, S] as one tree forward.
+    def _verify_tree(self, pending: int, draft: torch.Tensor, alts: torch.Tensor, proposal: Proposal,
+                     generator: torch.Generator | None) -> torch.Tensor:
+        """Verify of a chain [n] with S alternatives per draft [n, S] as one tree forward.
 
-        The chain is accepted while each draft is the target's argmax; the target's token at the
-        first rejection (or the bonus) is `added`. When `added` is one of the alternatives at that
-        depth, its own row of the same forward gives the target's next token too (`extra`).
+        The drafts are point masses (the head's best tokens), so the acceptance rule is exact with
+        q = one-hot: draft d is accepted with probability p_d(x_d) (greedy: when it is the target's
+        argmax). At the first rejection the target's token `added` is drawn from p_d without x_d
+        (the residual of a point mass; greedy: the argmax), after a fully accepted chain from the
+        bonus row. Each output token is thus drawn from the target's law, whatever was drafted. When
+        `added` is one of the alternatives at that depth, that alternative's own row of the same
+        forward gives the target's next token too (`extra`, drawn from that row's law).
         Returns the round's outcome (the chain layout, then extra, its p and its row) with no host sync.
         """
-        eng = self.engine
+        eng, sampling = self.engine, self.request.sampling
         n, s = draft.shape[0], alts.shape[1]
         tree = eng.tree(n, s)
         ids = torch.cat([ids_tensor([pending], eng.device), draft, alts.reshape(-1)])  # [1 + n(1 + S)]
         logits = eng.target_runner.forward(ids, tree)[:, : eng.vocab]  # [W, V]
-        best = logits.argmax(-1)  # [W] the target's token after each row
-        ok = draft == best[:n]  # [n]
-        accepted = torch.cumprod(ok.long(), 0).sum()
-        added = best.index_select(0, accepted.view(1))  # [1]
+        rows = torch.arange(n, device=eng.device)
+        if sampling.greedy:
+            best = logits.argmax(-1)  # [W] the target's token after each row
+            ok = draft == best[:n]  # [n]
+            accept_prob = ok.float()
+            accepted = torch.cumprod(ok.long(), 0).sum()
+            added = best.index_select(0, accepted.view(1))  # [1]
+        else:
+            chain = process(logits[: n + 1], sampling)  # [n + 1, V]
+            accept_prob = chain[rows, draft]  # [n] p(x): a point mass is accepted with p(x) / 1
+            ok = torch.rand(n, device=eng.device, generator=generator) < accept_prob
+            accepted = torch.cumprod(ok.long(), 0).sum()
+            law = chain.index_select(0, accepted.view(1))  # [1, V] the row of the first rejection (or bonus)
+            rejected = torch.cat([draft, draft.new_full((1,), -1)]).index_select(0, accepted.view(1))  # [1]
+            residual = law.scatter(1, rejected.clamp_min(0).view(1, 1), 0.0)  # p without the rejected draft
+            residual = torch.where((rejected >= 0) & (residual.sum() > 0), residual, law)
+            added = draw(residual, generator)  # [1] (draw normalises)
         beside = torch.cat([alts, alts.new_full((1, s), -1)]).index_select(0, accepted.view(1))[0]  # [S]
         hit = beside == added  # [S] (no alternative after a fully accepted chain: -1 never matches)
         row = torch.where(hit.any(), 1 + n + accepted * s + hit.long().argmax(), torch.zeros_like(accepted))
-        extra = torch.where(hit.any(), best.index_select(0, row.view(1))[0], torch.full_like(accepted, -1))
-        # What the hover shows under greedy: softmax of the chain's rows and of the kept alternative's
-        # row only (the other alternatives' rows are never shown).
-        shown = logits[: n + 1].softmax(-1)  # [n + 1, V]
-        rows = torch.arange(n, device=eng.device)
+        if sampling.greedy:
+            after = best.index_select(0, row.view(1))[0]
+            row_law = logits.index_select(0, row.view(1)).softmax(-1)  # [1, V] what the hover shows
+        else:
+            row_law = process(logits.index_select(0, row.view(1)), sampling)  # [1, V]
+            after = draw(row_law, generator)[0]  # drawn every round (no host sync), kept only on a hit
+        extra = torch.where(hit.any(), after, torch.full_like(accepted, -1))
+        # What the hover shows: under greedy the softmax of the chain's rows (and of the kept
+        # alternative's row), when sampling the processed law; the other alternatives' rows never.
+        shown = logits[: n + 1].softmax(-1) if sampling.greedy else chain  # [n + 1, V]
         p_x = shown[rows, draft]
         q_x = proposal.q_display if proposal.q_display is not None else torch.ones(n, device=eng.device)
         added_p = shown[accepted.view(1), added]  # [1]
-        extra_p = logits.index_select(0, row.view(1)).softmax(-1).gather(1, extra.clamp_min(0).view(1, 1))[0]  # [1]
-        return torch.cat([draft.float(), q_x.float(), p_x.float(), ok.float(),
+        extra_p = row_law.gather(1, extra.clamp_min(0).view(1, 1))[0]  # [1]
+        return torch.cat([draft.float(), q_x.float(), p_x.float(), accept_prob.float(),
                           torch.stack([accepted.float(), added[0].float()]), added_p.float(),
                           torch.stack([extra.float(), extra_p[0].float(), row.float()])])
 

@@ -206,7 +206,7 @@ def head_loss(head: DraftHead, features: torch.Tensor, normed: torch.Tensor, ids
 
 
 @torch.no_grad()
-def greedy_acceptance(head: DraftHead, features: torch.Tensor, normed: torch.Tensor, lm_head: torch.Tensor,
+def greedy_acceptance(head: DraftHead, features: torch.Tensor, normed: torch.Tensor, lm_head,
                       ids: torch.Tensor, lengths: torch.Tensor, prompt_lens: torch.Tensor, depth: int,
                       cos: torch.Tensor, sin: torch.Tensor) -> tuple[list[int], list[int]]:
     """(hits, counts) per draft step: the head's token (mapped to target ids) equals the target's argmax.
@@ -214,7 +214,10 @@ def greedy_acceptance(head: DraftHead, features: torch.Tensor, normed: torch.Ten
     Over the full vocabulary: a target argmax outside the draft vocabulary is a miss, as in decoding.
     On greedy answers this is the acceptance of draft position s given the earlier ones were accepted.
     """
-    full = torch.cat([F.linear(chunk, lm_head.to(chunk.dtype)).argmax(-1) for chunk in normed.split(8, dim=0)])  # [B, T]
+    def out(chunk: torch.Tensor) -> torch.Tensor:  # the weight, or the output module itself (a packed one)
+        return lm_head(chunk) if callable(lm_head) else F.linear(chunk, lm_head.to(chunk.dtype))
+
+    full = torch.cat([out(chunk).argmax(-1) for chunk in normed.split(8, dim=0)])  # [B, T]
     hits, counts = [], []
     for s, h in enumerate(unrolled_states(head, features, ids, depth, cos, sin)):
         rows, cols = step_mask(lengths, prompt_lens, ids.shape[1], s).nonzero(as_tuple=True)

@@ -162,8 +162,8 @@ def proposer_cost(info: ModelInfo, source: str) -> ProposerCost | None:
 def costs_at(info: ModelInfo, sampled: bool) -> tuple[dict[int, float], dict[str, ProposerCost]]:
     """(verify width -> ms, proposer -> cost) of a greedy round, or of a sampled one (temperature > 0).
 
-    A sampled round prices what it really does: a sampled draft's host-side work per token (the
-    draft head's greedy steps stay inside CUDA graphs, its sampled ones do not: on an H200 0.31 ms
+    A sampled round prices what it really does: a sampled draft's host-side work per token (a
+    draft model's draws; a head drawing from its own law left its CUDA graphs: on an H200 0.31 ms
     per token against 0.20 greedy) and the verify's processing and draw. Each figure not measured
     for sampled rounds (sampled verify widths are timed on GPUs only) is the greedy one.
     """
