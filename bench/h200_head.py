@@ -10,9 +10,10 @@ The same code runs on a CPU with tiny models (--device cpu) to check the script 
    switched off for the head and the run says so);
 3. greedy: standard vs head speculative on the prompts (tokens per target forward, acceptance by
    position, identical outputs with every first divergence, the cost model's prediction);
-4. the same at T = 0.7; 5. greedy K sweep (extra figures for the K controller, after the main runs);
-6. greedy tree sweep: alternatives per draft token (--trees) x K (--tree-ks), 0 = chains;
-7. a short table last: tok/s, speedups, and tok/s against llama.cpp's 563 tok/s on this GPU.
+4. the same at T = 0.7 (the head's best tokens as point masses, verified as a tree); 5. T = 0.7
+with drafts sampled from the head's law instead (chains); 6. greedy K sweep (extra figures for the
+K controller, after the main runs); 7. greedy tree sweep: alternatives per draft token (--trees) x
+K (--tree-ks), 0 = chains; 8. a short table last: tok/s, speedups, and tok/s against llama.cpp's 563 tok/s on this GPU.
 Results: $OUT/h200_head.json (rewritten after every section).
 """
 from __future__ import annotations
@@ -30,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 LLAMA_CPP_TOK_S = 563.0  # llama.cpp CUDA, this target's GGUF, llama-bench tg256 on the H200
 RESULTS: dict = {}
+SKIP: set[str] = set()  # sections not to run (--skip)
 
 
 def save(out: Path | None) -> None:
@@ -40,6 +42,8 @@ def save(out: Path | None) -> None:
 
 def section(name: str, out: Path | None):
     def run(fn):
+        if name in SKIP:
+            return None
         print(f"\n=== {name} ===", flush=True)
         t = time.perf_counter()
         try:
@@ -71,7 +75,9 @@ def main() -> int:
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--out", type=Path, default=Path(os.environ["OUT"]) if os.environ.get("OUT") else None)
+    ap.add_argument("--skip", default="", help="section names not to run, separated by ';' (e.g. 'greedy K sweep')")
     args = ap.parse_args()
+    SKIP.update(name.strip() for name in args.skip.split(";") if name.strip())
 
 
     from app.session import build_request
@@ -190,6 +196,19 @@ def main() -> int:
     def _():
         return bench(0.7, args.k, ("standard", "speculative"))
 
+    @section("temperature 0.7, sampled drafts", args.out)
+    def _():
+        # The other way to draft when sampling: each draft drawn from the head's own law and accepted
+        # with min(1, p/q) (a chain; engine/decoding/head.py, SAMPLED_DRAFTS), against the head's best
+        # tokens as point masses verified as a tree above.
+        from engine.decoding import head as head_module
+
+        head_module.SAMPLED_DRAFTS = True
+        try:
+            return bench(0.7, args.k, ("speculative",))
+        finally:
+            head_module.SAMPLED_DRAFTS = False
+
     @section("greedy K sweep", args.out)
     def _():
         ks = [int(k) for k in args.sweep.split(",") if k.strip()]
@@ -243,6 +262,13 @@ def main() -> int:
         table[name] = {"standard_tok_s": std["tokens_per_s"], "head_tok_s": spec["tokens_per_s"],
                        "speedup": s["speedup"], "tokens_per_target_forward": spec["tokens_per_target_forward"],
                        "vs_llama_cpp": spec["tokens_per_s"] / LLAMA_CPP_TOK_S}
+    sampled = RESULTS.get("temperature 0.7, sampled drafts", {})
+    std_t07 = table.get("temperature 0.7", {}).get("standard_tok_s")
+    if "summary" in sampled and std_t07:
+        spec = sampled["summary"]["speculative"]
+        rows.append(f"{'T=0.7 sampled drafts':<22}{spec['tokens_per_s']:>9.1f}{spec['tokens_per_s'] / std_t07:>8.2f}"
+                    f"{spec['tokens_per_target_forward']:>9.2f}{'-':>11}  "
+                    + " ".join(f"{a:.2f}" for a in spec.get("per_position_acceptance", [])))
     sweep = RESULTS.get("greedy K sweep", {})
     if sweep and "error" not in sweep:
         rows.append("greedy K sweep (tok/s, tok/fwd): " + ", ".join(
