@@ -7,6 +7,10 @@ from __future__ import annotations
 # measurement (H200 and CPU sweeps peak at K = 2..6).
 K_MAX = 12
 
+# Longest draft verified as a tree of drafts (a draft head's alternatives beside each token,
+# engine/runners/tree.py): tree graphs are captured for K = 1..TREE_K_MAX; longer drafts verify as chains.
+TREE_K_MAX = 8
+
 # Draft length when a person has not chosen one.
 DEFAULT_K = 5
 

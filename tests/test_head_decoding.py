@@ -124,6 +124,51 @@ def test_head_cache_holds_exactly_the_committed_prefix_after_every_step(engine):
         torch.testing.assert_close(cached, head.last_logits, atol=1e-4, rtol=1e-4)
 
 
+def test_a_long_catch_up_replays_the_captured_widths_and_drafts_as_one_forward(engine):
+    """Rows of a stretch the head did not draft (more than its widest captured catch-up) go through
+    captured widths, the last chunk drafting, not one eager forward (milliseconds of launches on a
+    GPU). The graphs are stood in for by their eager bodies here: the cache and the draft must be
+    those of one catch-up over all the rows."""
+    head, target = engine.head_runner, engine.target_runner
+    gen = engine.generate(GenerationRequest(messages=_messages(5), mode="standard", max_new_tokens=40))
+    list(gen)
+    ids = gen.prompt + gen.token_ids
+    widest = head.k_max + 1
+    n = len(ids) - 1
+    assert n > 2 * widest + 1, "the rows must span several captured widths and a remainder"
+    span = head.span(len(ids))
+
+    class Replay:  # what a captured catch-up graph of width w replays
+        def __init__(self, w: int) -> None:
+            self.w = w
+
+        def replay(self) -> None:
+            head._catch_up_body(head.feat_in[self.w], head.ids_in[self.w], span)
+
+    def catch_up() -> tuple[torch.Tensor, int, int]:
+        head.reset()
+        head.catch_up(target.hidden[:n], torch.tensor(ids[1:]), span)
+        return head.last_logits.clone(), int(head.drafts[0]), head.length
+
+    with torch.inference_mode():
+        target.reset()
+        target.prefill(torch.tensor(ids[:-1]))
+        one = catch_up()
+        for w in range(1, widest + 1):
+            head.feat_in[w] = torch.zeros(w, head.config.features, dtype=head.dtype)
+            head.ids_in[w] = torch.zeros(w, dtype=torch.long)
+            head.graphs[("catch", w, span)] = Replay(w)
+        try:
+            chunked = catch_up()
+        finally:
+            head.graphs.clear()
+            head.feat_in.clear()
+            head.ids_in.clear()
+            target.reset()
+    assert chunked[1:] == one[1:] == (chunked[1], n)
+    torch.testing.assert_close(chunked[0], one[0], atol=1e-4, rtol=1e-4)
+
+
 def test_sampling_with_the_head_matches_the_targets_processed_distribution(engine):
     """Chi-square of the first two sampled tokens against the target's exact processed law."""
     check_sampling_law(engine, "", proposer="head", messages=(Message("user", "hello world"),), trials=1500)
@@ -376,7 +421,7 @@ def test_the_heads_sampled_drafts_are_timed_through_its_own_propose(engine):
 
 def test_tree_rounds_are_measured_for_the_prediction(tree_engine):
     from engine.decoding.costs import measure_trees
-    from engine.decoding.loop import TREE_K_MAX
+    from engine.limits import TREE_K_MAX
 
     engine = tree_engine
     saved, length = engine.info, engine.target_runner.length

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.decoding.proposers import Offer, Proposal, ProposerSet, measure_proposer
-from engine.limits import K_MAX
+from engine.limits import K_MAX, TREE_K_MAX
 from engine.runners import ids_tensor
 from engine.types import Decision, GenerationRequest, ProposerCost, Sampling
 
@@ -218,8 +218,6 @@ def measure_costs(engine: Engine, progress=None, rounds: int = 3) -> None:
 def measure_trees(engine: Engine, iters: int | None = None) -> None:
     """ModelInfo.tree_ms: the verify of greedy tree rounds for K = 1..TREE_K_MAX with the engine's
     alternatives (Engine.alternatives), median of `iters` (20 on a GPU, 3 elsewhere); empty without trees."""
-    from engine.decoding.loop import TREE_K_MAX
-
     s = engine.alternatives()
     tree: dict[int, float] = {}
     if s:

@@ -61,8 +61,10 @@ class HeadProposer:
         self.next_ids = prompt[1:]
 
     def offer(self, k: int) -> Offer:
-        # Nothing to read yet (a one-token prompt): it cannot draft until a round has left rows.
-        return Offer("head", k if self.rows is not None else 0)
+        # Nothing to read yet (a one-token prompt): it cannot draft until a round has left rows. More
+        # rows than its own round leaves (a stretch it did not draft) cost a longer catch-up first.
+        return Offer("head", k if self.rows is not None else 0, catch_up=len(self.next_ids) > self.head.k_max + 1,
+                     tree=self.alternatives > 0)
 
     def propose(self, k: int) -> Proposal:
         head = self.head

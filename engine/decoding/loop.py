@@ -18,7 +18,7 @@ from engine.decoding.sampling import accept_draft, display_probs, draw, process
 from engine.errors import GenerationError, IncompatibleModelsError
 from engine.heads.model import DraftHead
 from engine.heads.runner import ALTERNATIVES, HeadRunner
-from engine.limits import K_AUTO, K_MAX, widest_draft
+from engine.limits import K_AUTO, K_MAX, TREE_K_MAX, widest_draft
 from engine.measure.stats import summarize
 from engine.runners import Runner, ids_tensor
 from engine.runners.base import output_device
@@ -38,7 +38,6 @@ from engine.types import (
 log = logging.getLogger(__name__)
 
 TREE_ALTERNATIVES = 2  # default next-best tokens per draft position on a GPU (bench/h200_head.py measures 0..3)
-TREE_K_MAX = 8  # tree graphs are captured for K = 1..TREE_K_MAX; longer drafts verify as chains
 
 
 @dataclass
@@ -305,7 +304,11 @@ class Engine:
         target, costs = costs_at(self.info, sampled)
         if len(target) < K_MAX + 1:
             raise GenerationError("Adaptive K needs the forward costs, which could not be measured; choose a fixed K.")
-        return StepCosts((0.0, *(target[w] for w in range(1, K_MAX + 2))), costs)
+        # Trees are timed greedy at load; a sampled one adds what sampling adds to a chain's verify.
+        greedy = costs_at(self.info, False)[0]
+        trees = {k: ms + target[k + 1] - greedy[k + 1] for k, ms in self.info.tree_ms
+                 if self.info.tree_alternatives == self.alternatives()}
+        return StepCosts((0.0, *(target[w] for w in range(1, K_MAX + 2))), costs, trees)
 
     # -- prompts ---------------------------------------------------------------------------
     def encode(self, request: GenerationRequest) -> list[int]:
@@ -521,7 +524,7 @@ class Generation(Iterator[Step]):
                 target.rollback(len(self.prompt) + len(self.token_ids) + cut - 1)
             proposers.commit(proposal, kept_draft, committed)
             controller.observe(launched.decision, len(result.proposed), result.accepted, result.draft_ms,
-                               result.verify_ms, wall_ms)
+                               result.verify_ms, wall_ms, tree=launched.tree, extra=result.extra >= 0)
             self.token_ids += committed
             pending = committed[-1]
             done = stop_reason == "eos" or len(self.token_ids) >= max_new

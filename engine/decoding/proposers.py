@@ -20,7 +20,7 @@ class Proposal:
     sources: tuple[DraftSource, ...]  # proposer of each token
     forwards: int  # draft-model forwards spent on this proposal
     q_display: torch.Tensor | None = None  # [n] q(x) to show people (softmax at T=1 under greedy)
-    # [n, S] greedy only: S alternative target ids beside each draft token, verified as a tree
+    # [n, S] S alternative target ids beside each draft token (point-mass drafts), verified as a tree
     # (engine/runners/tree.py: leaves sharing the draft token's parent); None: a chain.
     alts: torch.Tensor | None = None
 
@@ -33,6 +33,9 @@ class Offer:
     max_tokens: int  # most draft tokens it can propose now (n-gram: the match's continuation; 0: nothing)
     key: str = ""  # key of its acceptance statistics when they depend on more than the source ("ngram:3")
     catch_up: bool = False  # it must first feed tokens committed without it (a draft model after standard steps)
+    # Its drafts carry alternatives: a draft of up to TREE_K_MAX tokens verifies as a tree, which
+    # costs a wider verify and keeps one more token when the target's token at a rejection is one of them.
+    tree: bool = False
 
     def __post_init__(self) -> None:
         if not self.key:
