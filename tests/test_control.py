@@ -591,16 +591,15 @@ def test_auto_with_the_head_comes_back_after_a_hard_patch():
     assert auto >= 0.93 * fixed[best_k], f"auto {auto:.3f}x against K={best_k} {fixed[best_k]:.3f}x"
 
 
-# Tree rounds on the H200 (bench/results/h200_auto_trace_t07_head.json, info.tree_ms): K -> ms, 2 alternatives.
+# Tree rounds on the H200 (bench/results/h200_auto_trace_t07_head_before.json, info.tree_ms): K -> ms, 2 alternatives.
 H200_TREE_MS = {1: 3.59, 2: 3.65, 3: 3.65, 4: 3.69, 5: 3.71, 6: 3.74, 7: 3.75, 8: 3.79}
-HEAD_CATCH_MS = 0.25  # each replay of the head's widest captured catch-up beyond the round's own
+HEAD_CATCH_MS = 0.3  # one replay of the head's widest catch-up (13 rows), as it reads the rows of rounds it did not draft
 
 
 def _tree_head_tokens_per_ms(make_controller, answers: list[list[float]], seed: int, rescue: float) -> float:
     """The answers replayed on the H200 costs with the head drafting trees when sampling: at a
     rejection the target's token is one of the two alternatives with probability `rescue` (one more
-    token), and a round after a stretch the head did not draft first catches up on its rows, one
-    captured replay per 13 of them."""
+    token); while it does not draft, the head reads the rows of every 13 tokens in one replay."""
     rng = random.Random(seed)
     behind = 0  # committed tokens the head has not read
 
@@ -608,19 +607,20 @@ def _tree_head_tokens_per_ms(make_controller, answers: list[list[float]], seed: 
         nonlocal behind
         behind = 1 if t == 0 else behind
         room = len(text) - t
-        offer = Offer("head", min(K_MAX, room), catch_up=behind > K_MAX + 1, tree=True)
-        d = controller.choose((offer,), room)
+        d = controller.choose((Offer("head", min(K_MAX, room), tree=True),), room)
         if d.k == 0:
-            wall = H200_VERIFY_MS[1] + 0.1
-            controller.observe(d, 0, 0, 0.0, H200_VERIFY_MS[1], wall)
             behind += 1
+            wall = H200_VERIFY_MS[1] + 0.1 + (HEAD_CATCH_MS if behind > K_MAX + 1 else 0.0)
+            if behind > K_MAX + 1:  # read in the background: what is left waits for its next draft
+                behind = behind % (K_MAX + 1) or K_MAX + 1
+            controller.observe(d, 0, 0, 0.0, H200_VERIFY_MS[1], wall)
             return 1, wall
         accepted = 0
         while accepted < d.k and rng.random() < text[min(t + accepted, len(text) - 1)]:
             accepted += 1
         tree = d.k in H200_TREE_MS
         extra = tree and accepted < d.k and rng.random() < rescue
-        draft_ms = HEAD_MS * d.k + HEAD_CATCH_MS * (-(-behind // (K_MAX + 1)) - 1)
+        draft_ms = 0.1 + HEAD_MS * d.k
         verify_ms = H200_TREE_MS[d.k] if tree else H200_VERIFY_MS[d.k + 1]
         wall = draft_ms + verify_ms + 0.3
         controller.observe(d, d.k, accepted, draft_ms, verify_ms, wall, tree=tree, extra=extra)
@@ -630,12 +630,12 @@ def _tree_head_tokens_per_ms(make_controller, answers: list[list[float]], seed: 
     return _replay(make_controller, answers, play)
 
 
-def test_auto_credits_the_trees_alternatives_and_prices_catch_up_apart():
+def test_auto_credits_the_alternatives_of_a_tree():
     """At T = 0.7 on the H200 auto with the head (trees of 2 alternatives) measured 1.15x against the
-    fixed head's 1.43x, standard for 1,482 of 2,464 steps (bench/results/h200_auto_trace_t07_head.json):
-    it counted the chain's tokens only (the alternatives added 0.3 a round), and the longer catch-up
-    after a standard stretch went into the head's drafting ratio (1.5-2.0x its load-time cost), so
-    the head looked worth 0.99x where it paid. Replayed here on acceptance near the head's at T = 0.7."""
+    fixed head's 1.43x, standard for 1,482 of 2,464 steps (bench/results/h200_auto_trace_t07_head_before.json):
+    it counted the chain's tokens only, where the alternatives added 0.3 a round, so the head looked
+    worth 0.99x where it paid. Replayed here on acceptance near the head's at T = 0.7: auto 0.96 of
+    the best fixed K, 0.90 without the credit."""
     tree_costs = StepCosts(H200_VERIFY_MS, {"head": ProposerCost("head", HEAD_MS, 0.1)}, H200_TREE_MS)
     rng = random.Random(2)
     answers = [[max(a - 0.15, 0.1) for a in _head_answer(rng, 256)] for _ in range(20)]
@@ -645,4 +645,4 @@ def test_auto_credits_the_trees_alternatives_and_prices_catch_up_apart():
     auto = _tree_head_tokens_per_ms(lambda memory: AdaptiveK(tree_costs, memory), answers, 7, 0.35) / standard
     best_k = max(fixed, key=fixed.get)
     assert fixed[best_k] > 1.3, "the pattern is not the head's at T = 0.7 on the H200"
-    assert auto >= 0.95 * fixed[best_k], f"auto {auto:.3f}x against K={best_k} {fixed[best_k]:.3f}x"
+    assert auto >= 0.93 * fixed[best_k], f"auto {auto:.3f}x against K={best_k} {fixed[best_k]:.3f}x"

@@ -296,6 +296,50 @@ def test_any_k_sequence_and_auto_mode_with_the_head_are_lossless(engine, lookahe
     assert drafted > 0, "no head draft was accepted: the test would not exercise the catch-up"
 
 
+def test_standard_stretches_do_not_leave_the_head_behind(engine):
+    """The head reads the rows of rounds it does not draft as they come, a widest catch-up at a time:
+    after a long standard stretch its next draft catches up on a few rows, not on the whole stretch
+    (which kept auto on standard steps on the H200), and the output stays the target's."""
+    from engine.types import Decision
+
+    class Stretches:  # 30 standard steps, then the head drafts 3, again and again
+        def __init__(self) -> None:
+            self.n = 0
+
+        def choose(self, offers, room):
+            self.n += 1
+            return Decision(min(3, room), "head", "best") if self.n % 31 == 0 else Decision(0, None, "no_gain")
+
+        def observe(self, *args, **kw):
+            pass
+
+        def finish(self):
+            pass
+
+    messages = _messages(44)  # an answer that runs to max_new_tokens
+    std, _ = _run(engine, messages=messages, mode="standard", max_new_tokens=90)
+    assert len(std.token_ids) == 90
+    widest = engine.head_runner.k_max + 1
+    sets, lags = [], []
+    make, saved = engine.make_proposers, engine.make_controller
+    engine.make_proposers = lambda request, generator: sets.append(make(request, generator)) or sets[-1]
+    engine.make_controller, engine.lookahead = lambda request: Stretches(), False
+    try:
+        gen = engine.generate(GenerationRequest(messages=messages, mode="speculative", proposer="head",
+                                                max_new_tokens=90))
+        drafted = 0
+        for step in gen:
+            head = sets[-1].parts[0]
+            lags.append(len(head.next_ids))
+            drafted += len(step.proposed)
+            assert engine.head_runner.length + len(head.next_ids) == engine.target_runner.length
+    finally:
+        engine.make_proposers, engine.make_controller, engine.lookahead = make, saved, None
+    assert gen.token_ids == std.token_ids
+    assert max(lags) <= widest < 30, lags
+    assert drafted >= 6, f"the head must draft after the stretches ({len(gen.token_ids)} tokens, {gen.summary})"
+
+
 def test_cli_head_on_a_target_packed_while_loading(tiny_head, tmp_path, capsys):
     """The CPU fast path packs the target inside load_pair; the head binds to its output rows first.
 

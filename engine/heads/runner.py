@@ -30,6 +30,10 @@ ALTERNATIVES = 3  # next-best draft tokens kept beside each greedy draft (a tree
 MIN_BUCKET = 512  # smallest attention span (as the target runner): one graph per (width, span)
 COMPILE_SPANS = 2  # compile_step: spans whose chain step is compiled (short and medium contexts)
 WARMUP_ITERS = 3  # eager runs on a side stream before each capture
+# Most captured replays one catch-up is split into; wider ones (a prompt's rows) run as one eager
+# forward. On an H200 catch-ups of a few replays cost 1.1-1.2 ms more than a round's own one
+# (bench/results/h200_auto_trace_t07.json, catch_up_ms): about 0.3 ms a replay.
+MAX_REPLAYS = 4
 
 
 class HeadRunner:
@@ -103,12 +107,13 @@ class HeadRunner:
         if self.length + width > self.max_length:
             raise GenerationError("The draft head's cache is full; shorten the prompt or max_new_tokens.")
         # Wider than one captured catch-up (rows of a stretch it did not draft: standard steps, another
-        # proposer's rounds): replays of captured widths, the last one drafting. Eagerly, such a
-        # catch-up cost milliseconds of kernel launches on an H200 (a head round after standard steps
-        # drafted in 1.65 ms against 0.8 for its tokens), which made auto hold on to standard steps.
+        # proposer's rounds): a few replays of captured widths, the last one drafting. Run eagerly, such
+        # catch-ups made the head's rounds in auto draft in 1.65 ms on an H200 against 0.8 for their
+        # tokens (bench/results/h200_auto_trace_t07_head_before.json); a prompt's hundreds of rows stay one
+        # eager forward.
         widest = self.k_max + 1
         sizes = [width % widest or widest] + [widest] * ((width - 1) // widest)
-        graphs = [self.graphs.get(("catch", w, span)) for w in sizes]
+        graphs = [self.graphs.get(("catch", w, span)) for w in sizes] if len(sizes) <= MAX_REPLAYS else [None]
         if width and all(graph is not None for graph in graphs):
             done = 0
             for w, graph in zip(sizes, graphs):
