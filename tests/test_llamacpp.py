@@ -405,3 +405,16 @@ def test_bad_gguf_is_one_line(tmp_path):
     with pytest.raises(ModelLoadError) as err:
         LlamaCppRunner(Path(bad), threads=1)
     assert "llama.cpp could not load" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_amx_repacking_stays_off_where_amx_is_advertised(monkeypatch):
+    """On the virtual Intel Xeon machines this is built on, llama.cpp's AMX matmuls died with an illegal
+    instruction (the real pair's first batched decode): its repacked buffers are off there unless asked for."""
+    monkeypatch.delenv(llamacpp_mod.AMX_ENV, raising=False)
+    monkeypatch.setattr(llamacpp_mod, "amx_advertised", lambda: True)
+    assert not llamacpp_mod.extra_buffers()
+    monkeypatch.setenv(llamacpp_mod.AMX_ENV, "1")
+    assert llamacpp_mod.extra_buffers()
+    monkeypatch.delenv(llamacpp_mod.AMX_ENV)
+    monkeypatch.setattr(llamacpp_mod, "amx_advertised", lambda: False)
+    assert llamacpp_mod.extra_buffers()

@@ -138,6 +138,34 @@ def physical_cores() -> int:
     return max(1, min(len(cores) or len(allowed), len(allowed)))
 
 
+# llama.cpp repacks weights for Intel AMX where the CPU advertises it. On the virtual Intel Xeon
+# machines this project is built on (amx_tile and amx_int8 in /proc/cpuinfo, the kernel granting the
+# tile state) its batched matmuls died with an illegal instruction, taking the app with them: a draft
+# verify of a few tokens was enough. Its extra buffer types (AMX, and the weight repacking of other
+# CPUs) stay off where AMX is advertised, unless this variable is 1.
+AMX_ENV = "SPECDEC_LLAMACPP_AMX"
+
+
+@lru_cache(maxsize=1)
+def amx_advertised() -> bool:
+    """The CPU says it has AMX tiles (Linux: /proc/cpuinfo)."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text(errors="replace")
+    except OSError:
+        return False
+    return " amx_tile" in flags
+
+
+def extra_buffers() -> bool:
+    """Whether llama.cpp may repack weights into its extra buffer types here (see AMX_ENV)."""
+    if os.environ.get(AMX_ENV) == "1":
+        return True
+    if amx_advertised():
+        log.info("llama.cpp: AMX advertised, its repacked weight buffers off (%s=1 turns them on)", AMX_ENV)
+        return False
+    return True
+
+
 def file_type_name(code: int) -> str:
     """'Q4_K_M' for llama.cpp's file type 15 (the GGUF's general.file_type)."""
     import gguf
@@ -179,6 +207,7 @@ class LlamaCppRunner:
         mparams = lib.llama_model_default_params()
         mparams.n_gpu_layers = 0  # this runner is the CPU runtime; GPUs run the torch path
         mparams.load_mode = lib.LLAMA_LOAD_MODE_MMAP if use_mmap else lib.LLAMA_LOAD_MODE_NONE
+        mparams.use_extra_bufts = extra_buffers()
         model = lib.llama_model_load_from_file(str(path).encode(), mparams)
         if not model:
             raise ModelLoadError(f"llama.cpp could not load {path}: {_last_error()}.")
