@@ -90,7 +90,7 @@ def _add_model_args(p: argparse.ArgumentParser, decoding: bool = True) -> None:
                    help="draft head folder for --proposer head; auto: the shipped head trained for this target "
                         "(if any); none: no head")
     g.add_argument("--tree", default="auto", choices=["auto", "0", "1", "2", "3"],
-                   help="next-best head tokens verified beside each greedy draft token as a tree (0: chains; "
+                   help="next-best head tokens verified beside each head draft token as a tree (0: chains; "
                         "auto: 2 on a GPU, 0 on a CPU, where a wider verify costs more)")
     g.add_argument("--fast-path", default="auto", choices=["auto", "eager", "static", "compiled"],
                    help="auto: static cache + CUDA graphs where possible, else eager; compiled: also "

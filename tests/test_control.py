@@ -633,7 +633,7 @@ def _tree_head_tokens_per_ms(make_controller, answers: list[list[float]], seed: 
 def test_auto_credits_the_alternatives_of_a_tree():
     """At T = 0.7 on the H200 auto with the head (trees of 2 alternatives) measured 1.15x against the
     fixed head's 1.43x, standard for 1,482 of 2,464 steps (bench/results/h200_auto_trace_t07_head_before.json):
-    it counted the chain's tokens only, where the alternatives added 0.3 a round, so the head looked
+    it counted the chain's tokens only, where the alternatives added 0.33 a round, so the head looked
     worth 0.99x where it paid. Replayed here on acceptance near the head's at T = 0.7: auto 0.96 of
     the best fixed K, 0.90 without the credit."""
     tree_costs = StepCosts(H200_VERIFY_MS, {"head": ProposerCost("head", HEAD_MS, 0.1)}, H200_TREE_MS)

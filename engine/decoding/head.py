@@ -40,7 +40,7 @@ class HeadProposer:
 
     def __init__(self, head: HeadRunner, target: Runner, sampling: Sampling, vocab: int,
                  generator: torch.Generator | None, alternatives: int = 0) -> None:
-        """alternatives: next-best tokens proposed beside each greedy draft (0: a chain)."""
+        """alternatives: next-best tokens proposed beside each draft (0: a chain)."""
         assert target.hidden_layers == head.config.feature_layers, "the target runner must keep the head's layers"
         self.head = head
         self.target = target

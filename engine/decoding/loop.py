@@ -121,7 +121,7 @@ class Engine:
         # so it would only delay each step's tokens. Tests force it on to check it changes no output.
         self.lookahead: bool | None = None
         self.tuning = TuningMemory()  # what adaptive K learned in this process; each answer starts from it
-        # Next-best head tokens verified beside each greedy draft as a tree (runners/tree.py); None:
+        # Next-best head tokens verified beside each head draft as a tree (runners/tree.py); None:
         # TREE_ALTERNATIVES where a tree pays (a GPU's verify costs nearly the same for a few more
         # rows), 0 on a CPU (forward cost grows with width) and on runners without tree forwards.
         self.tree_alternatives: int | None = None
@@ -240,7 +240,7 @@ class Engine:
         self.set_tree(self.tree_alternatives)  # the tree's graphs, where one pays
 
     def alternatives(self) -> int:
-        """Next-best tokens a greedy head proposal carries beside each draft (0: chains only)."""
+        """Next-best tokens a head proposal carries beside each draft (0: chains only)."""
         if self.head_runner is None or not hasattr(self.target_runner, "keep_path"):
             return 0
         if self.tree_alternatives is None:
@@ -427,7 +427,7 @@ class Generation(Iterator[Step]):
         self.cancel = cancel or threading.Event()
         self.summary: Summary | None = None
         self.token_ids: list[int] = []  # committed tokens, EOS included
-        self.tree_alternatives = 0  # alternatives beside each greedy draft of its proposer (0: chains)
+        self.tree_alternatives = 0  # alternatives beside each draft of its proposer (0: chains)
         self._steps: Iterator[Step] = self._run()
 
     def __next__(self) -> Step:

@@ -26,7 +26,7 @@ from engine.runners.lean import CACHE_ALIGN, PREFILL_CHUNK
 
 log = logging.getLogger(__name__)
 
-ALTERNATIVES = 3  # next-best draft tokens kept beside each greedy draft (a tree proposal reads up to these)
+ALTERNATIVES = 3  # next-best draft tokens kept beside each draft (a tree proposal reads up to these)
 MIN_BUCKET = 512  # smallest attention span (as the target runner): one graph per (width, span)
 COMPILE_SPANS = 2  # compile_step: spans whose chain step is compiled (short and medium contexts)
 WARMUP_ITERS = 3  # eager runs on a side stream before each capture
@@ -108,7 +108,7 @@ class HeadRunner:
             raise GenerationError("The draft head's cache is full; shorten the prompt or max_new_tokens.")
         # Wider than one captured catch-up (rows of a stretch it did not draft: standard steps, another
         # proposer's rounds): a few replays of captured widths, the last one drafting. Run eagerly, such
-        # catch-ups made the head's rounds in auto draft in 1.65 ms on an H200 against 0.8 for their
+        # catch-ups made the head's rounds in auto draft in 1.65 ms on an H200 against 0.9 for their
         # tokens (bench/results/h200_auto_trace_t07_head_before.json); a prompt's hundreds of rows stay one
         # eager forward.
         widest = self.k_max + 1

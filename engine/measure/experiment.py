@@ -128,7 +128,7 @@ class RunRecord:
     # Trees of drafts (engine/runners/tree.py): per draft position, steps that rejected the draft
     # there and kept one of the alternatives beside it (one token more from the same forward).
     position_alternative: tuple[int, ...] = ()
-    tree: int = 0  # alternatives beside each greedy draft token (0: chains)
+    tree: int = 0  # alternatives beside each head draft token (0: chains)
     temperature: float = 0.0  # the request's sampling temperature (0 = greedy): which measured costs price the run
 
 
