@@ -3,8 +3,9 @@
 Every round first catches the head up on the rows the target verified since it last drafted (their
 hidden states, which each verify pass leaves in the target runner's `hidden`, copied at commit, and
 the tokens committed after them): no extra target forward. Rounds it did not draft (a standard
-round, another proposer's) add their rows to the catch-up, so K = 0 rounds cost the head nothing. The last of those rows drafts token 1; K-1 chain steps
-draft the rest.
+round, another proposer's) add their rows to the catch-up, which the head reads a widest catch-up
+at a time as they gather (commit), so a long stretch of them costs it one captured replay every 13
+rows and its next draft a short catch-up. The last row drafts token 1; K-1 chain steps draft the rest.
 
 Drafts are the head's best tokens, greedy or sampling: they never leave the device (argmax, shown
 probability and the next input are written by the step itself, inside its CUDA graph). When
