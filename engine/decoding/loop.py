@@ -296,7 +296,7 @@ class Engine:
     def step_costs(self, sampled: bool = False) -> StepCosts:
         """The measured costs as the adaptive controller reads them (measured now if they are missing);
         sampled: those of sampled rounds (temperature > 0), where they were measured."""
-        from engine.measure.costmodel import costs_at
+        from engine.measure.costmodel import costs_at, tree_costs_at
 
         measured = {c.source for c in self.info.proposer_costs}
         if len(self.info.target_ms) < K_MAX + 1 or not set(self.proposer_sources()) <= measured:
@@ -304,10 +304,7 @@ class Engine:
         target, costs = costs_at(self.info, sampled)
         if len(target) < K_MAX + 1:
             raise GenerationError("Adaptive K needs the forward costs, which could not be measured; choose a fixed K.")
-        # Trees are timed greedy at load; a sampled one adds what sampling adds to a chain's verify.
-        greedy = costs_at(self.info, False)[0]
-        trees = {k: ms + target[k + 1] - greedy[k + 1] for k, ms in self.info.tree_ms
-                 if self.info.tree_alternatives == self.alternatives()}
+        trees = tree_costs_at(self.info, sampled) if self.info.tree_alternatives == self.alternatives() else {}
         return StepCosts((0.0, *(target[w] for w in range(1, K_MAX + 2))), costs, trees)
 
     # -- prompts ---------------------------------------------------------------------------

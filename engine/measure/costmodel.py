@@ -175,6 +175,13 @@ def costs_at(info: ModelInfo, sampled: bool) -> tuple[dict[int, float], dict[str
     return target, costs
 
 
+def tree_costs_at(info: ModelInfo, sampled: bool) -> dict[int, float]:
+    """K -> ms of a tree round's verify (ModelInfo.tree_ms; empty without trees). Trees are timed
+    greedy at load; a sampled one adds what sampling adds to a chain's verify of the same K."""
+    target, greedy = costs_at(info, sampled)[0], dict(info.target_ms)
+    return {k: ms + target[k + 1] - greedy[k + 1] for k, ms in info.tree_ms if k + 1 in target and k + 1 in greedy}
+
+
 class _Measurable(Protocol):
     def measure_costs(self, widths: Iterable[int], iters: int = ...) -> dict[int, float]: ...
 

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from engine.errors import InputError
 from engine.limits import K_MAX
-from engine.measure.costmodel import costs_at, expected_tokens
+from engine.measure.costmodel import costs_at, expected_tokens, tree_costs_at
 
 if TYPE_CHECKING:  # torch and transformers wait until something really runs
     from engine.decoding import Generation
@@ -338,11 +338,10 @@ def predicted_speedup(info: ModelInfo, runs: Sequence[RunRecord], standard_runs:
         return None
     per_position = position_acceptance(runs) or (0.0,)
     rescue = alternative_rates(runs)
-    tree_ms = dict(info.tree_ms)
-    greedy_target = costs_at(info, False)[0]
     tokens, seconds = 0.0, 0.0
     for r in runs:
         target, costs = costs_at(info, r.temperature > 0)
+        tree_ms = tree_costs_at(info, r.temperature > 0)
         lengths = r.drafted_steps
         tree = r.tree and r.tree == info.tree_alternatives
         for n, count in enumerate(lengths):
@@ -350,8 +349,7 @@ def predicted_speedup(info: ModelInfo, runs: Sequence[RunRecord], standard_runs:
                 continue
             if tree and n in tree_ms:  # verified as a tree: its own verify cost, and the alternatives' tokens
                 tokens += count * (expected_tokens(per_position, n) + alternative_tokens(per_position, rescue, n))
-                # The tree is timed greedy at load; a sampled one adds what sampling adds to a chain's verify.
-                seconds += count * (tree_ms[n] + target[n + 1] - greedy_target[n + 1]) / 1000
+                seconds += count * tree_ms[n] / 1000
             else:
                 tokens += count * expected_tokens(per_position, n)
                 seconds += count * target[n + 1] / 1000
