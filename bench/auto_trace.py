@@ -147,18 +147,29 @@ def print_summary(s: dict) -> None:
 
 
 def main() -> int:
+    from app import cli_options as opt
+    from engine.errors import EngineError
+
     ap = argparse.ArgumentParser()
     ap.add_argument("--target", default=None, help="a target folder (default: the packaged pair)")
     ap.add_argument("--head", default="auto")
     ap.add_argument("--prompts", default="assets/bench_prompts.jsonl")
-    ap.add_argument("--limit", type=int, default=20, help="first N prompts")
-    ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--temperature", type=float, default=0.0)
-    ap.add_argument("--proposer", default="ngram", help="auto's proposers besides the head ('head': the head alone)")
+    ap.add_argument("--limit", type=lambda t: opt.whole(t, 1, 10**6, "--limit"), default=20, help="first N prompts")
+    ap.add_argument("--max-new-tokens", type=lambda t: opt.whole(t, 1, 10**6, "--max-new-tokens"), default=64)
+    ap.add_argument("--temperature", type=opt.temperature, default=0.0)
+    ap.add_argument("--proposer", default="ngram", choices=["ngram", "draft", "draft+ngram", "head"],
+                    help="auto's proposers besides the head ('head': the head alone)")
     ap.add_argument("--fast-path", default="auto", choices=["auto", "eager", "static", "compiled"])
     ap.add_argument("--out", type=Path, default=None, help="the trace and its summary, as JSON")
     args = ap.parse_args()
+    try:
+        return run(args)
+    except EngineError as exc:  # bad input or a model that will not load: one line, as the app's CLI says it
+        print(f"auto_trace: {exc}", file=sys.stderr)
+        return 2
 
+
+def run(args: argparse.Namespace) -> int:
     from app.session import build_request
     from engine.decoding import Engine
     from engine.measure.bench import BenchContext, format_table, read_prompts, run_bench
