@@ -665,16 +665,10 @@ class Generation(Iterator[Step]):
             accept_prob = ok.float()
             accepted = torch.cumprod(ok.long(), 0).sum()
             added = best.index_select(0, accepted.view(1))  # [1]
-        else:
+        else:  # the chain's rule with point masses (q = None), on the chain's rows of the tree forward
             chain = process(logits[: n + 1], sampling)  # [n + 1, V]
-            accept_prob = chain[rows, draft]  # [n] p(x): a point mass is accepted with p(x) / 1
-            ok = torch.rand(n, device=eng.device, generator=generator) < accept_prob
-            accepted = torch.cumprod(ok.long(), 0).sum()
-            law = chain.index_select(0, accepted.view(1))  # [1, V] the row of the first rejection (or bonus)
-            rejected = torch.cat([draft, draft.new_full((1,), -1)]).index_select(0, accepted.view(1))  # [1]
-            residual = law.scatter(1, rejected.clamp_min(0).view(1, 1), 0.0)  # p without the rejected draft
-            residual = torch.where((rejected >= 0) & (residual.sum() > 0), residual, law)
-            added = draw(residual, generator)  # [1] (draw normalises)
+            accepted, added, accept_prob = accept_draft(draft, None, chain, False, generator)
+            added = added.view(1)  # [1]
         beside = torch.cat([alts, alts.new_full((1, s), -1)]).index_select(0, accepted.view(1))[0]  # [S]
         hit = beside == added  # [S] (no alternative after a fully accepted chain: -1 never matches)
         row = torch.where(hit.any(), 1 + n + accepted * s + hit.long().argmax(), torch.zeros_like(accepted))
