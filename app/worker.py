@@ -1,7 +1,6 @@
 """The engine worker: a QObject on a long-lived QThread that keeps the models resident and decodes."""
 from __future__ import annotations
 
-import gc
 import logging
 import sys
 import threading
@@ -13,7 +12,9 @@ from typing import Any, Protocol
 
 from PySide6.QtCore import QObject, Qt, QThread, Signal, Slot
 
+from app.collector import collector
 from app.session import LoadRequest, TrainRequest
+from engine import garbage
 from engine.errors import EngineError
 from engine.measure.stats import summarize
 from engine.types import GenerationRequest, ModelInfo, Step
@@ -425,9 +426,10 @@ def _generation_error_message(exc: BaseException) -> str:
 
 
 def _release_memory() -> None:
-    # The replaced engine's weights go now, not at some later collection, so a new pair fits.
-    gc.collect()
-    memory = sys.modules.get("engine.models.memory")
+    # The replaced engine's weights go now, not at some later collection, so a new pair fits. The
+    # collection itself runs on the GUI thread (app/collector.py): a cycle may hold Qt objects.
+    garbage.collect_garbage()
+    memory = sys.modules.get("engine.models.memory")  # loaded with torch; not for a scripted engine
     if memory is not None:
         memory.trim_heap()
     torch = sys.modules.get("torch")
@@ -446,20 +448,38 @@ class WorkerHost(QObject):
         self.thread.setObjectName("EngineWorker")
         self.worker.moveToThread(self.thread)
         _threads.add(self.thread)
+        # While the thread lives, cycles are collected on the GUI thread only (app/collector.py).
+        self._collector = collector()
+        self._collector.acquire()
+        self._holds_collector = True
         self.thread.start()
 
     def shutdown(self, timeout_s: float = SHUTDOWN_WAIT_S) -> bool:
         """Stops generation, cancels loading at its next stage, quits the thread; True if it ended."""
         if not self.thread.isRunning():
+            self._release_collector()
             return True
         self.worker.close()
         self.thread.quit()
-        if self.thread.wait(int(timeout_s * 1000)):
+        if self._wait(timeout_s):
             return True
         # A single from_pretrained call cannot be interrupted; the cancel lands at the next stage.
         log.warning("the engine is still busy (loading weights?); waiting for it to reach a stopping point")
-        if self.thread.wait(int(6 * timeout_s * 1000)):
+        if self._wait(6 * timeout_s):
             return True
         log.error("the engine thread did not stop; leaving it to the operating system")
         _orphans.append(self)  # destroying a running QThread aborts the process; keep it referenced
         return False
+
+    def _wait(self, timeout_s: float) -> bool:
+        # The worker must not wait for this thread to collect garbage while this thread waits for it.
+        with self._collector.blocked():
+            ended = self.thread.wait(int(timeout_s * 1000))
+        if ended:
+            self._release_collector()
+        return ended
+
+    def _release_collector(self) -> None:
+        if self._holds_collector:
+            self._holds_collector = False
+            self._collector.release()

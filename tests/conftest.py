@@ -62,10 +62,13 @@ def dialogs(monkeypatch) -> list[tuple[str, str, str]]:
 @pytest.fixture
 def no_dangling_threads():
     """Fails a test that leaves a worker QThread running (napari's fixture does the same)."""
+    import gc
+
     from app.worker import running_threads
 
     yield
     assert not running_threads(), f"dangling worker threads: {running_threads()}"
+    assert gc.isenabled(), "a worker host was not shut down: garbage is still collected on the GUI thread only"
 
 
 @pytest.fixture(scope="session")

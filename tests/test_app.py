@@ -410,6 +410,97 @@ def test_steps_are_batched_and_none_is_lost(qtbot, no_dangling_threads):
         assert host.shutdown()
 
 
+class _Cycle:
+    """A reference cycle holding a Qt object made on the GUI thread; records where it was collected."""
+
+    freed_on: list[str] = []
+
+    def __init__(self) -> None:
+        from PySide6.QtCore import QTimer
+
+        self.me = self
+        self.timer = QTimer()
+
+    def __del__(self) -> None:
+        _Cycle.freed_on.append(threading.current_thread().name)
+
+
+def test_garbage_is_collected_on_the_gui_thread_while_a_worker_lives(qtbot, no_dangling_threads):
+    # CI died with SIGSEGV in the worker's gc.collect() after a load: it collected earlier windows'
+    # Qt objects on the worker's thread. While a worker lives, every collection runs on the GUI thread.
+    import gc
+
+    from engine import garbage
+
+    def loads_making_cycles(_request, _progress):
+        for _ in range(20 * gc.get_threshold()[0]):  # enough to trigger automatic collections here
+            cycle: list[object] = []
+            cycle.append(cycle)
+        return FakeEngine()
+
+    collected_on: list[str] = []
+
+    def record(phase, _info):
+        if phase == "start":
+            collected_on.append(threading.current_thread().name)
+
+    _Cycle.freed_on.clear()
+    gui = threading.current_thread().name
+    host = WorkerHost(loads_making_cycles)
+    gc.callbacks.append(record)
+    try:
+        assert not gc.isenabled()
+        _Cycle()
+        loaded: list[ModelInfo] = []
+        host.worker.load_finished.connect(loaded.append)
+        host.worker.load_requested.emit(LoadRequest())
+        qtbot.waitUntil(lambda: bool(loaded), timeout=5000)
+        # Replacing the pair collects at once (the old weights must go before the next pair loads).
+        host.worker.load_requested.emit(LoadRequest())
+        qtbot.waitUntil(lambda: len(loaded) == 2, timeout=5000)
+        assert _Cycle.freed_on == [gui]
+        assert collected_on and set(collected_on) == {gui}
+    finally:
+        gc.callbacks.remove(record)
+        assert host.shutdown()
+    assert gc.isenabled() and garbage._collect is gc.collect
+
+
+def test_the_gui_thread_collects_when_python_would_have(qtbot, no_dangling_threads):
+    import gc
+
+    host = WorkerHost(lambda _r, _p: FakeEngine())
+    try:
+        _Cycle.freed_on.clear()
+        _Cycle()
+        for _ in range(3 * gc.get_threshold()[0]):
+            cycle: list[object] = []
+            cycle.append(cycle)
+        qtbot.waitUntil(lambda: bool(_Cycle.freed_on), timeout=3000)
+        assert _Cycle.freed_on == [threading.current_thread().name]
+    finally:
+        assert host.shutdown()
+
+
+def test_closing_while_the_worker_asks_for_a_collection_does_not_wait_for_it(qtbot, no_dangling_threads):
+    from engine import garbage
+
+    asking = threading.Event()
+
+    def collecting_load(_request, progress):
+        while True:  # a close lands at the next progress call
+            asking.set()
+            garbage.collect_garbage()
+            progress(type("P", (), {"stage": "convert", "fraction": 0.5, "message": "converting"})())
+
+    host = WorkerHost(collecting_load)
+    host.worker.load_requested.emit(LoadRequest())
+    assert asking.wait(5)
+    started = time.perf_counter()
+    assert host.shutdown()
+    assert time.perf_counter() - started < 5  # a worker waiting on this thread would hold it 10 s
+
+
 def test_generation_without_a_model_fails_cleanly(qtbot, no_dangling_threads):
     worker_host = WorkerHost(lambda _r, _p: FakeEngine())
     try:

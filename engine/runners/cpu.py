@@ -8,7 +8,6 @@ verify costs about 1.4 forwards and single-token decoding gets faster too.
 """
 from __future__ import annotations
 
-import gc
 import logging
 
 import torch
@@ -116,6 +115,8 @@ def pack_linears(model: nn.Module, dtype: torch.dtype | None = None) -> int:
 
 def _compact_embedding(model: nn.Module, to_be_packed: set[int]) -> None:
     """Before packing: a float32 input embedding nothing else will multiply by becomes exact bfloat16."""
+    from engine.garbage import collect_garbage
+
     get = getattr(model, "get_input_embeddings", None)
     embedding = get() if get is not None else None
     if type(embedding) is not nn.Embedding:
@@ -135,7 +136,7 @@ def _compact_embedding(model: nn.Module, to_be_packed: set[int]) -> None:
         return  # real float32 values: keep them exact
     model.set_input_embeddings(CompactEmbedding(embedding, compact))
     del embedding
-    gc.collect()  # the replaced module can sit in a reference cycle: free its float32 weight before packing
+    collect_garbage()  # the replaced module can sit in a reference cycle: free its float32 weight before packing
     log.info("input embedding kept in bfloat16 (exact): %.0f MB saved", compact.numel() * 2 / 2**20)
 
 
