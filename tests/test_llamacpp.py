@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -408,8 +409,8 @@ def test_bad_gguf_is_one_line(tmp_path):
 
 
 def test_amx_repacking_stays_off_where_amx_is_advertised(monkeypatch):
-    """On the virtual Intel Xeon machines this is built on, llama.cpp's AMX matmuls died with an illegal
-    instruction (the real pair's first batched decode): its repacked buffers are off there unless asked for."""
+    """A runner made without a verdict (repack=None) keeps llama.cpp's repacked buffers off where AMX is
+    advertised (its AMX matmuls died on this project's virtual Xeons) unless the variable asks for them."""
     monkeypatch.delenv(llamacpp_mod.AMX_ENV, raising=False)
     monkeypatch.setattr(llamacpp_mod, "amx_advertised", lambda: True)
     assert not llamacpp_mod.extra_buffers()
@@ -418,3 +419,61 @@ def test_amx_repacking_stays_off_where_amx_is_advertised(monkeypatch):
     monkeypatch.delenv(llamacpp_mod.AMX_ENV)
     monkeypatch.setattr(llamacpp_mod, "amx_advertised", lambda: False)
     assert llamacpp_mod.extra_buffers()
+
+
+def test_amx_kernels_are_tried_once_per_model_and_the_verdict_is_kept(ggufs, monkeypatch):
+    """Where AMX is advertised, a child process tries llama.cpp's AMX kernels on the model: a death by a
+    signal (SIGILL on this project's virtual Xeons) keeps them off for that file, a clean run keeps
+    them on; the verdict is kept in the cache, and other failures are tried again next time."""
+    from engine.runners import llamacpp_probe as probe
+
+    monkeypatch.delenv(probe.AMX_ENV, raising=False)
+    monkeypatch.setattr(probe, "amx_advertised", lambda: True)
+    trials: list[Path] = []
+
+    def child(status):
+        def run(path):
+            trials.append(path)
+            return status
+        return run
+
+    said: list[str] = []
+    assert probe.amx_runs(ggufs[0], said.append, child=child(-4)) is False
+    assert probe.amx_runs(ggufs[0], said.append, child=child(0)) is False  # kept: not tried again
+    assert trials == [ggufs[0]] and len(said) == 1 and "AMX" in said[0]
+    assert probe.amx_runs(ggufs[1], child=child(0)) is True  # another file, its own trial
+    assert probe.amx_runs(ggufs[1], child=child(-4)) is True
+    assert len(trials) == 2
+    kept = json.loads((Path(os.environ["SPECDEC_CACHE_DIR"]) / probe.VERDICTS).read_text())
+    assert sorted(kept.values()) == [False, True]
+    # A trial that failed for another reason (exit 1: memory, a broken file) is not kept.
+    (Path(os.environ["SPECDEC_CACHE_DIR"]) / probe.VERDICTS).unlink()
+    assert probe.amx_runs(ggufs[0], child=child(1)) is False
+    assert probe.amx_runs(ggufs[0], child=child(0)) is True and len(trials) == 4
+    # The variable decides without a trial; a CPU without AMX never tries.
+    monkeypatch.setenv(probe.AMX_ENV, "0")
+    assert probe.amx_runs(ggufs[1], child=child(0)) is False
+    monkeypatch.setenv(probe.AMX_ENV, "1")
+    assert probe.amx_runs(ggufs[1], child=child(-4)) is True
+    monkeypatch.delenv(probe.AMX_ENV)
+    monkeypatch.setattr(probe, "amx_advertised", lambda: False)
+    assert probe.amx_runs(ggufs[1], child=child(-4)) is True
+    assert len(trials) == 4
+
+
+def test_the_amx_trial_child_loads_with_repacking_and_decodes(ggufs):
+    from engine.runners import llamacpp_probe as probe
+
+    assert probe.run_child(ggufs[0]) == 0  # the real child process, repacking on, on the tiny model
+
+
+def test_a_load_follows_the_amx_verdict_and_says_so(ggufs, monkeypatch):
+    from engine.runners import llamacpp_probe as probe
+
+    monkeypatch.delenv(probe.AMX_ENV, raising=False)
+    monkeypatch.setattr(probe, "amx_advertised", lambda: True)
+    monkeypatch.setattr(probe, "run_child", lambda path: -4 if path == ggufs[0] else 0)
+    engine = runtime_mod.load_engine(str(ggufs[0]), str(ggufs[1]), runtime="llamacpp", threads=1)
+    assert (engine.target_runner.repack, engine.draft_runner.repack) == (False, True)
+    assert engine.info.fast_path_note == ("llama.cpp's AMX kernels off for tiny-target: they did not run on this "
+                                          "CPU in a trial")

@@ -160,6 +160,7 @@ def load_llamacpp(sources: list[ModelSource], *, threads: int | None = None, pro
     """Target (and draft) GGUFs on llama.cpp runners: tokenizers checked first, no weight conversion."""
     from engine.decoding import Engine
     from engine.runners.llamacpp import NAME, LlamaCppRunner, physical_cores
+    from engine.runners.llamacpp_probe import amx_note, amx_runs
     from engine.runners.llamacpp_tokenizer import LlamaCppTokenizer
 
     started = time.perf_counter()
@@ -170,11 +171,15 @@ def load_llamacpp(sources: list[ModelSource], *, threads: int | None = None, pro
     shared = check_compatible(infos[0], infos[1]) if len(infos) > 1 else infos[0].head_rows
     _emit(progress, "check", 1.0, f"Tokenizers match (shared vocabulary {shared:,})")
     threads = threads or physical_cores()
-    runners = []
+    runners, without_amx = [], []
     for i, (f, s) in enumerate(zip(files, sources)):
-        _emit(progress, "load", (i + 1) / (len(files) + 1),
-              f"Loading {s.name} ({s.role}) with llama.cpp, {threads} threads")
-        runners.append(LlamaCppRunner(f, threads=threads, label=s.name))
+        fraction = (i + 1) / (len(files) + 1)
+        # Where AMX is advertised, its kernels are tried once per model in a child process (they died here).
+        repack = amx_runs(f, lambda message, fraction=fraction: _emit(progress, "load", fraction, message))
+        if not repack:
+            without_amx.append(s.name)
+        _emit(progress, "load", fraction, f"Loading {s.name} ({s.role}) with llama.cpp, {threads} threads")
+        runners.append(LlamaCppRunner(f, threads=threads, label=s.name, repack=repack))
     shared = min(shared, *(r.vocab_size for r in runners))
     _emit(progress, "warmup", 0.4, f"Models loaded in {time.perf_counter() - started:.1f} s")
     target = runners[0]
@@ -188,6 +193,7 @@ def load_llamacpp(sources: list[ModelSource], *, threads: int | None = None, pro
         vocab_size=shared,
         runtime="llamacpp",
         threads=threads,
+        fast_path_note=amx_note(without_amx),
     )
     engine = Engine(None, tokenizer, info, vocab=shared, target_runner=target,
                     draft_runner=runners[1] if len(runners) > 1 else None, eos_ids=target.eog_ids)

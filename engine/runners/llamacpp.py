@@ -23,6 +23,7 @@ import torch
 
 from engine.errors import GenerationError, ModelLoadError
 from engine.limits import K_MAX
+from engine.runners.llamacpp_probe import AMX_ENV, amx_advertised
 
 log = logging.getLogger(__name__)
 
@@ -138,32 +139,14 @@ def physical_cores() -> int:
     return max(1, min(len(cores) or len(allowed), len(allowed)))
 
 
-# llama.cpp repacks weights for Intel AMX where the CPU advertises it. On the virtual Intel Xeon
-# machines this project is built on (amx_tile and amx_int8 in /proc/cpuinfo, the kernel granting the
-# tile state) its batched matmuls died with an illegal instruction, taking the app with them: a draft
-# verify of a few tokens was enough. Its extra buffer types (AMX, and the weight repacking of other
-# CPUs) stay off where AMX is advertised, unless this variable is 1.
-AMX_ENV = "SPECDEC_LLAMACPP_AMX"
-
-
-@lru_cache(maxsize=1)
-def amx_advertised() -> bool:
-    """The CPU says it has AMX tiles (Linux: /proc/cpuinfo)."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text(errors="replace")
-    except OSError:
-        return False
-    return " amx_tile" in flags
-
-
 def extra_buffers() -> bool:
-    """Whether llama.cpp may repack weights into its extra buffer types here (see AMX_ENV)."""
-    if os.environ.get(AMX_ENV) == "1":
-        return True
-    if amx_advertised():
-        log.info("llama.cpp: AMX advertised, its repacked weight buffers off (%s=1 turns them on)", AMX_ENV)
-        return False
-    return True
+    """Whether llama.cpp may repack weights into its extra buffer types here, without trying: off where
+    AMX is advertised (its kernels died on this project's virtual Xeons), unless AMX_ENV is 1. The
+    app's loads try them once per model instead (llamacpp_probe.amx_runs)."""
+    forced = os.environ.get(AMX_ENV)
+    if forced in ("0", "1"):
+        return forced == "1"
+    return not amx_advertised()
 
 
 def file_type_name(code: int) -> str:
@@ -196,7 +179,9 @@ class LlamaCppRunner:
     def __init__(self, path: Path, *, n_ctx: int = DEFAULT_N_CTX, threads: int | None = None,
                  n_batch: int = DEFAULT_N_BATCH, n_ubatch: int = DEFAULT_N_UBATCH, kv_type: str = KV_TYPE,
                  flash_attn: bool = FLASH_ATTN, use_mmap: bool = USE_MMAP, min_cells: int = MIN_CELLS,
-                 label: str | None = None) -> None:
+                 label: str | None = None, repack: bool | None = None) -> None:
+        """repack: let llama.cpp repack weights into its extra buffer types for this CPU (AMX, AVX-512
+        layouts); None: as extra_buffers() says."""
         lib = llama_cpp()
         self._lib = lib
         self.path = path
@@ -207,7 +192,8 @@ class LlamaCppRunner:
         mparams = lib.llama_model_default_params()
         mparams.n_gpu_layers = 0  # this runner is the CPU runtime; GPUs run the torch path
         mparams.load_mode = lib.LLAMA_LOAD_MODE_MMAP if use_mmap else lib.LLAMA_LOAD_MODE_NONE
-        mparams.use_extra_bufts = extra_buffers()
+        self.repack = extra_buffers() if repack is None else repack
+        mparams.use_extra_bufts = self.repack
         model = lib.llama_model_load_from_file(str(path).encode(), mparams)
         if not model:
             raise ModelLoadError(f"llama.cpp could not load {path}: {_last_error()}.")
