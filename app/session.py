@@ -90,7 +90,7 @@ def device_line(info: ModelInfo) -> str:
              info.fast_path_note]
     if eager:
         line += f" (no CUDA graphs for the {' and '.join(eager)})"
-    elif info.fast_path_note:
+    elif info.fast_path_note and info.runtime != "llamacpp":  # llama.cpp's notes are not about graphs
         line += " (eager)"
     return line
 
@@ -99,7 +99,8 @@ def runtime_label(info: ModelInfo) -> str:
     """What runs the pair, for the status bar and the CLI: 'llama.cpp · 2 threads', the torch fast
     path's name, and 'cpu-onednn (torch; llama.cpp unavailable (…))' when auto could not use llama.cpp."""
     if info.runtime == "llamacpp":
-        return f"{info.fast_path} · {info.threads} threads" if info.threads else info.fast_path
+        threads = f"{info.threads} thread{'s' if info.threads != 1 else ''}"
+        return f"{info.fast_path} · {threads}" if info.threads else info.fast_path
     return f"{info.fast_path} (torch; {info.runtime_note})" if info.runtime_note else info.fast_path
 
 

@@ -167,7 +167,8 @@ class ModelInfo:
     target_precision: str = ""  # "int8" / "nf4" / a float dtype; "" means `dtype`
     draft_precision: str = ""  # the same for the draft
     devices: tuple[str, ...] = ()  # every device holding target weights, when it is split over several
-    fast_path_note: str = ""  # why part of the pair runs without CUDA graphs ("" when nothing to say)
+    # torch: why part of the pair runs without CUDA graphs; llama.cpp: its kernels left off ("" when nothing to say)
+    fast_path_note: str = ""
     head_name: str | None = None  # the draft head loaded for this target (None: none fits or none asked)
     head_ms: float = 0.0  # measured ms per draft token of the head at load (0: not measured / no head)
     # The same costs for sampled rounds (temperature > 0), measured apart: sampled drafts and the sampled

@@ -477,3 +477,6 @@ def test_a_load_follows_the_amx_verdict_and_says_so(ggufs, monkeypatch):
     assert (engine.target_runner.repack, engine.draft_runner.repack) == (False, True)
     assert engine.info.fast_path_note == ("llama.cpp's AMX kernels off for tiny-target: they did not run on this "
                                           "CPU in a trial")
+    from app.session import device_line
+
+    assert device_line(engine.info) == "cpu · F32 · llama.cpp · 1 thread"  # not "(eager)": no graphs here
