@@ -47,10 +47,6 @@ class GuiThreadCollector(QObject):
         self._was_enabled = True
         self._previous = None
 
-    @property
-    def active(self) -> bool:
-        return self._users > 0
-
     def acquire(self) -> None:
         """One more worker thread: from now on only the GUI thread collects."""
         self._users += 1

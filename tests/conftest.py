@@ -41,6 +41,18 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True)
+def _qt_garbage_goes_on_the_gui_thread(request):
+    """After a test with Qt objects, their cycles are collected here, on the GUI thread: left for later,
+    a collection on another thread (a pool's, a worker's) would destroy them there, which crashes Qt
+    (app/collector.py guards the app's own worker; this covers the widgets' pools between tests)."""
+    yield
+    if "qtbot" in request.fixturenames:
+        import gc
+
+        gc.collect()
+
+
 @pytest.fixture
 def dialogs(monkeypatch) -> list[tuple[str, str, str]]:
     """Records QMessageBox calls instead of blocking on a modal dialog."""

@@ -20,6 +20,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Callable
+from functools import lru_cache
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -34,6 +35,7 @@ def amx_advertised() -> bool:
     return " amx_tile" in _cpuinfo()
 
 
+@lru_cache(maxsize=1)
 def _cpuinfo() -> str:
     try:
         return Path("/proc/cpuinfo").read_text(errors="replace")
