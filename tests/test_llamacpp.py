@@ -480,3 +480,12 @@ def test_a_load_follows_the_amx_verdict_and_says_so(ggufs, monkeypatch):
     from app.session import device_line
 
     assert device_line(engine.info) == "cpu · F32 · llama.cpp · 1 thread"  # not "(eager)": no graphs here
+
+
+def test_the_amx_trial_child_answers_bad_arguments_in_one_line(tmp_path, capsys):
+    from engine.runners import llamacpp_probe as probe
+
+    assert probe.main([]) == 2 and probe.main(["a", "b"]) == 2
+    assert "usage:" in capsys.readouterr().err
+    assert probe.main([str(tmp_path / "missing.gguf")]) == 1  # not a verdict: tried again next time
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith("llamacpp_probe: llama.cpp could not load")

@@ -156,5 +156,17 @@ def _child(path: Path) -> int:
     return 0
 
 
+def main(argv: list[str]) -> int:
+    """The child's command line: one line and a non-zero status for anything but a model that decodes."""
+    if len(argv) != 1:
+        print("usage: python -m engine.runners.llamacpp_probe MODEL.gguf", file=sys.stderr)
+        return 2
+    try:
+        return _child(Path(argv[0]))
+    except Exception as exc:  # the parent logs this line; exit 1 is not kept as a verdict
+        print(f"llamacpp_probe: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}", file=sys.stderr)
+        return 1
+
+
 if __name__ == "__main__":
-    sys.exit(_child(Path(sys.argv[1])))
+    sys.exit(main(sys.argv[1:]))
