@@ -116,7 +116,7 @@ class HeadProposer:
         # steps standard; priced as a catch-up, returning looked worth 0.98x). It reads them as they
         # come instead, a widest catch-up (one captured replay) each time that many have gathered,
         # keeping the last ones for its next draft: about 0.3 ms of an H200 every 13 standard steps.
-        widest = self.head.k_max + 1
+        widest = self.head.widest_catch_up
         n = len(self.next_ids)
         if n > widest:
             m = n - (n % widest or widest)

@@ -92,6 +92,11 @@ class HeadRunner:
     def reset(self) -> None:
         self.length = 0
 
+    @property
+    def widest_catch_up(self) -> int:
+        """The widest captured catch-up: a fully accepted round's K_max + 1 rows."""
+        return self.k_max + 1
+
     def span(self, end: int) -> int:
         """The smallest attention span holding `end` positions."""
         if end > self.buckets[-1]:
@@ -111,7 +116,7 @@ class HeadRunner:
         # catch-ups made the head's rounds in auto draft in 1.65 ms on an H200 against 0.9 for their
         # tokens (bench/results/h200_auto_trace_t07_head_before.json); a prompt's hundreds of rows stay one
         # eager forward.
-        widest = self.k_max + 1
+        widest = self.widest_catch_up
         sizes = [width % widest or widest] + [widest] * ((width - 1) // widest)
         graphs = [self.graphs.get(("catch", w, span)) for w in sizes] if len(sizes) <= MAX_REPLAYS else [None]
         if width and all(graph is not None for graph in graphs):
@@ -201,7 +206,7 @@ class HeadRunner:
         """Captures the catch-up widths 1..k_max+1 and the chain step, per span (about a second)."""
         report = progress or (lambda fraction, message: None)
         saved = self.length
-        todo = [("catch", w, s) for s in self.buckets for w in range(1, self.k_max + 2) if w <= s]
+        todo = [("catch", w, s) for s in self.buckets for w in range(1, self.widest_catch_up + 1) if w <= s]
         todo += [("step", 1, s) for s in self.buckets]
         if not self.use_graphs:
             feats = torch.zeros(2, self.config.features, device=self.device, dtype=self.dtype)

@@ -23,7 +23,7 @@ import torch
 
 from engine.errors import GenerationError, ModelLoadError
 from engine.limits import K_MAX
-from engine.runners.llamacpp_probe import AMX_ENV, amx_advertised
+from engine.runners.llamacpp_probe import AMX_ENV, amx_advertised, forced  # noqa: F401  (AMX_ENV: named here too)
 
 log = logging.getLogger(__name__)
 
@@ -143,10 +143,8 @@ def extra_buffers() -> bool:
     """Whether llama.cpp may repack weights into its extra buffer types here, without trying: off where
     AMX is advertised (its kernels died on this project's virtual Xeons), unless AMX_ENV is 1. The
     app's loads try them once per model instead (llamacpp_probe.amx_runs)."""
-    forced = os.environ.get(AMX_ENV)
-    if forced in ("0", "1"):
-        return forced == "1"
-    return not amx_advertised()
+    decided = forced()
+    return not amx_advertised() if decided is None else decided
 
 
 def file_type_name(code: int) -> str:

@@ -30,6 +30,12 @@ VERDICTS = "llamacpp-amx.json"  # in the model cache folder
 PROBE_TIMEOUT_S = 300.0  # loading and repacking a model of a few GB takes seconds; a hang is a no
 
 
+def forced() -> bool | None:
+    """What AMX_ENV decides (1: on, 0: off), or None where it does not say."""
+    value = os.environ.get(AMX_ENV)
+    return value == "1" if value in ("0", "1") else None
+
+
 def amx_advertised() -> bool:
     """The CPU says it has AMX tiles (Linux: /proc/cpuinfo)."""
     return " amx_tile" in _cpuinfo()
@@ -90,9 +96,8 @@ def amx_runs(path: Path, progress: Callable[[str], None] | None = None,
     trial that fails for another reason (exit status > 0: the file, the memory) says no for this
     run only and is tried again next time.
     """
-    forced = os.environ.get(AMX_ENV)
-    if forced in ("0", "1"):
-        return forced == "1"
+    if forced() is not None:
+        return bool(forced())
     if not amx_advertised():
         return True
     from engine.models.cache import cache_dir
@@ -120,7 +125,7 @@ def amx_note(names: list[str]) -> str:
     """What the status bar says of models loaded without their AMX kernels on an AMX CPU ("" if none)."""
     if not names or not amx_advertised():
         return ""
-    why = f"{AMX_ENV}=0" if os.environ.get(AMX_ENV) == "0" else "they did not run on this CPU in a trial"
+    why = f"{AMX_ENV}=0" if forced() is False else "they did not run on this CPU in a trial"
     return f"llama.cpp's AMX kernels off for {', '.join(names)}: {why}"
 
 
