@@ -233,3 +233,15 @@ def test_context_meter_levels(qtbot):
     assert meter.level() == "full" and "too long" in meter.label.text()
     meter.set_usage(30000, 32768, dropped=4)
     assert "4 oldest messages left out" in meter.label.text()
+
+
+def test_a_long_answer_header_wraps_inside_a_narrow_chat(chat, qtbot):
+    # On one line, the header (model · mode · proposer) set the bubble's minimum width, and a chat
+    # column narrower than it cut every answer off at its right edge (the real window at 1,480 px).
+    chat.resize(380, 500)
+    chat.begin_assistant_message(1, "Qwen2.5-Coder-1.5B-Instruct · auto: K and proposer chosen per step · "
+                                    "draft + n-gram · K auto")
+    qtbot.waitUntil(lambda: chat.viewport().width() <= 380, timeout=2000)
+    qtbot.wait(50)
+    assert chat.widget().minimumSizeHint().width() <= chat.viewport().width()
+    assert chat.widget().width() <= chat.viewport().width()

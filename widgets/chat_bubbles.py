@@ -217,9 +217,9 @@ class AssistantBubble(QFrame):
         layout = QVBoxLayout(self)
         layout.setContentsMargins(12, 8, 12, 8)
         layout.setSpacing(4)
-        self.header = QLabel(header, self)
-        self.header.setObjectName("bubbleHeader")
-        self.header.setTextFormat(Qt.TextFormat.PlainText)
+        # Wrapped: on one line, a long header (model, mode, proposer) set the bubble's minimum width,
+        # and a narrower chat column cut every answer off at its right edge.
+        self.header = plain_label(header, "bubbleHeader", self)
         self.header.setVisible(bool(header))
         layout.addWidget(self.header)
         self.view = TokenTextView(self, fit_content=True)
