@@ -2,14 +2,14 @@
 
 It loads real models, so run ONE configuration at a time, under the shared lock:
 
-    flock /tmp/specdec-real.lock .venv/bin/python bench/memory.py --dtype bfloat16 --phase load
-    flock /tmp/specdec-real.lock .venv/bin/python bench/memory.py --dtype float32 --phase load
-    flock /tmp/specdec-real.lock .venv/bin/python bench/memory.py --dtype bfloat16 --phase reload
+    flock /tmp/specdec-real.lock .venv/bin/python bench/cpu_memory_peaks.py --dtype bfloat16 --phase load
+    flock /tmp/specdec-real.lock .venv/bin/python bench/cpu_memory_peaks.py --dtype float32 --phase load
+    flock /tmp/specdec-real.lock .venv/bin/python bench/cpu_memory_peaks.py --dtype bfloat16 --phase reload
 
 `load`: load_pair + Engine.from_pair (the CPU fast path packs weights) and a 16-token speculative
 generation. `reload`: the app's worker loads the pair, then loads it again, as File > Load models
 does. Peaks come from the kernel's high-water mark (VmHWM), reset before each phase, so a brief
-spike counts. Prints one JSON object (GB = 10^9 bytes); --json also writes it to a file.
+spike counts. Prints one JSON object (GB = 10^9 bytes); --json also writes it as a bench record.
 Runs against whichever code is on PYTHONPATH (compare a branch with main by pointing it there).
 """
 from __future__ import annotations
@@ -21,6 +21,9 @@ import os
 import sys
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from record import write_record  # noqa: E402
 
 GB = 1e9
 
@@ -123,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", type=Path, default=None, help="also write the result here")
     args = p.parse_args(argv)
     if not os.path.exists("/proc/self/clear_refs"):
-        print("bench/memory.py reads Linux's /proc; it cannot run here", file=sys.stderr)
+        print("bench/cpu_memory_peaks.py reads Linux's /proc; it cannot run here", file=sys.stderr)
         return 2
     result = {"phase": args.phase, "dtype": args.dtype, "fast_path_asked": args.fast_path,
               "pythonpath": os.environ.get("PYTHONPATH", ""),
@@ -131,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     text = json.dumps(result)
     print(text)
     if args.json is not None:
-        args.json.write_text(text + "\n", encoding="utf-8")
+        write_record(args.json, {"phase": args.phase, "dtype": args.dtype, "fast_path": args.fast_path}, result)
     return 0
 
 

@@ -8,7 +8,7 @@ copied; the tensors the model still uses are counted, not the clean pages of wei
 repacked, which the kernel reclaims under pressure). The peak RSS with every mapped page is
 reported beside it.
 
-    flock /tmp/specdec-real.lock .venv/bin/python bench/plan_cpu.py            # ~2-3 min on 2 cores
+    flock /tmp/specdec-real.lock .venv/bin/python bench/cpu_memory_plan.py            # ~2-3 min on 2 cores
 """
 from __future__ import annotations
 
@@ -22,6 +22,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from record import write_record  # noqa: E402
+
 GiB = 2**30
 
 
@@ -94,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--context", type=int, default=512)
     p.add_argument("--new-tokens", type=int, default=24)
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
-    p.add_argument("--json", default=str(ROOT / "bench" / "results" / "plan_cpu.json"))
+    p.add_argument("--json", default=str(ROOT / "bench" / "results" / "cpu_memory_plan.json"))
     args = p.parse_args(argv)
     if args.child:
         print(json.dumps(child(args.child, args.context, args.new_tokens)))
@@ -113,7 +116,8 @@ def main(argv: list[str] | None = None) -> int:
               f"({100 * row['error']:+.1f}%); peak anon {row['peak_anon_gib']:.2f} + mapped weights "
               f"{row['file_backed_in_use_gib']:.2f}, peak RSS {row['peak_rss_beyond_libraries_gib']:.2f}, "
               f"start {row['baseline_anon_gib']:.2f} GiB; {row['fast_path']}, {row['seconds']} s", flush=True)
-    Path(args.json).write_text(json.dumps(rows, indent=2), encoding="utf-8")
+    write_record(Path(args.json), {"dtypes": args.dtypes, "context": args.context, "new_tokens": args.new_tokens},
+                 {"precisions": rows})
     return 0
 
 

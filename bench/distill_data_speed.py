@@ -4,26 +4,27 @@ The shipped head's training spent 5.3 of its 12.5 H200 minutes writing 790k answ
 (about 2.5k tokens/s) and then overfitted them (training agreement 0.85, held-out 0.55): data is
 what limits it. This measures, on the real target, the levers `distill --plan` can set:
 
-    python3 bench/h200_datagen.py --target /root/hf/target [--out $OUT]
+    python bench/distill_data_speed.py --target path/to/Qwen2.5-Coder-1.5B-Instruct --json distill_data_speed.json
 
 1. decode steps of one batched generate at 512, 1024 and 2048 rows (greedy, fixed length): if the
    step time grows with the rows the GPU is the limit, if not the host is (then bigger batches pay);
 2. where the GPU time goes at 1024 rows (torch.profiler, top kernels);
 3. answers of up to 320 tokens (as distill writes them) to 1024 questions in one generate vs in
    segments (rows that ended drop out between segments): seconds and answer tokens per second.
-Prints a table; writes datagen.json to --out. --recommend FILE writes the `distill --plan` options
+Prints a table; writes a bench record to --json. --recommend FILE writes the `distill --plan` options
 these figures favour: 2048 questions a round when 2048 rows decode at under 1.6x the step time of
 1024 (the host, not the GPU, is then the limit), answers in segments when that is 5% faster.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from record import write_record  # noqa: E402
 
 TOPICS = ["binary search trees", "the French revolution", "photosynthesis", "Python decorators", "compound interest",
           "TCP congestion control", "how vaccines work", "writing a cover letter", "SQL joins", "black holes",
@@ -45,7 +46,7 @@ def main() -> int:
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", required=True)
-    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--json", type=Path, default=None, help="write the figures as a bench record")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--rows", default="512,1024,2048")
     ap.add_argument("--steps", type=int, default=48)
@@ -61,9 +62,8 @@ def main() -> int:
     results: dict = {"steps": [], "answers": []}
 
     def save() -> None:
-        if args.out is not None:
-            args.out.mkdir(parents=True, exist_ok=True)
-            (args.out / "datagen.json").write_text(json.dumps(results, indent=2, ensure_ascii=False))
+        if args.json is not None:
+            write_record(args.json, {k: str(v) for k, v in vars(args).items()}, results)
 
     qs = questions(max(int(r) for r in args.rows.split(",")))
     prompts_all = [D.answer_prompt(tok, q, None) for q in qs]

@@ -3,23 +3,23 @@
 Run on a CUDA machine (about 3-5 minutes on an H200; each section is independent and a failure
 prints its traceback and moves on):
 
-    python bench/gpu_check.py --target /root/hf/target --draft /root/hf/draft
+    python bench/fast_path_vs_hf.py --target path/to/Qwen2.5-Coder-1.5B-Instruct \
+        --draft path/to/Qwen2.5-Coder-0.5B-Instruct --json fast_path_vs_hf.json
 
-Results go to stdout and, when $OUT is set, to $OUT/gpu_check.json (rewritten after every section).
+Results go to stdout and, with --json, to a bench record (rewritten after every section).
 """
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 import time
 import traceback
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
+from record import write_record  # noqa: E402
 
 PROMPT = (
     "Write a Python function `quicksort(items: list[int]) -> list[int]` with a docstring and type hints, "
@@ -34,11 +34,13 @@ def elapsed() -> float:
     return time.perf_counter() - T0
 
 
+JSON_PATH: list[Path] = []  # --json, once parsed
+
+
 def save() -> None:
-    out = os.environ.get("OUT")
-    if out:
-        Path(out).mkdir(parents=True, exist_ok=True)
-        Path(out, "gpu_check.json").write_text(json.dumps(RESULTS, indent=2, default=str))
+    if JSON_PATH:
+        write_record(JSON_PATH[0], RESULTS.get("environment", {}),
+                     {k: v for k, v in RESULTS.items() if k != "environment"})
 
 
 def section(name: str, deadline: float | None = None):
@@ -183,7 +185,10 @@ def main() -> None:
     ap.add_argument("--skip-hf-static", action="store_true", help="skip the torch.compile baseline (slow to compile)")
     ap.add_argument("--skip-compile", action="store_true", help="skip the compiled lean-forward experiment")
     ap.add_argument("--device", default="cuda", help="cpu: smoke-test this script on small models")
+    ap.add_argument("--json", type=Path, default=None, help="write the figures as a bench record")
     args = ap.parse_args()
+    if args.json is not None:
+        JSON_PATH.append(args.json)
     global DEVICE
     DEVICE = args.device
     n_new = args.new_tokens

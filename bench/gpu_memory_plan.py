@@ -10,10 +10,10 @@ in bf16 and nf4 with the real 0.5B draft: plan vs measured peak, standard and sp
 (a random target agrees with no draft: speculative shows the cost of drafting, not its gain).
 Last, in a subprocess, whether bitsandbytes' int8 and nf4 layers can be captured in a CUDA graph.
 
-    python3 bench/h200_quant.py --target /root/hf/target --draft /root/hf/draft   # ~4-5 min, one H200
-    python3 bench/h200_quant.py --tiny                                             # CPU dry run, tiny shapes
+    python3 bench/gpu_memory_plan.py --target path/to/Qwen2.5-Coder-1.5B-Instruct --draft path/to/Qwen2.5-Coder-0.5B-Instruct --json gpu_memory_plan.json   # ~4-5 min, one H200
+    python3 bench/gpu_memory_plan.py --tiny                                             # CPU dry run, tiny shapes
 
-Writes $OUT/h200_quant.json (or bench/results/h200_quant.json) after every run.
+Writes a bench record (bench/record.py) to --json after every run.
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import quant_common as qc  # noqa: E402
+import gpu_probes as qc  # noqa: E402
 import torch  # noqa: E402
 
 TINY = {"model_type": "qwen2", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
@@ -171,8 +171,8 @@ def probe_capture(results: qc.Results, deadline: float) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--target", default="/root/hf/target")
-    p.add_argument("--draft", default="/root/hf/draft")
+    p.add_argument("--target", default=None, help="a bf16 model folder (not needed with --tiny)")
+    p.add_argument("--draft", default=None, help="a bf16 model folder (not needed with --tiny)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--prompts", type=int, default=3)
@@ -180,12 +180,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--random-context", type=int, default=4096, help="part B's context (fewer graphs to capture)")
     p.add_argument("--budget-s", type=float, default=270, help="no new run starts after this many seconds")
     p.add_argument("--parts", default="a,b,probe")
+    p.add_argument("--json", type=Path, default=Path("gpu_memory_plan.json"), help="the bench record")
     p.add_argument("--tiny", action="store_true", help="CPU dry run: tiny random pair, tiny 'big' targets")
     args = p.parse_args(argv)
+    if not args.tiny and not (args.target and args.draft):
+        p.error("--target and --draft are needed (or --tiny)")
     from engine.models.quant import bitsandbytes_problem
 
     args.no_bnb = bitsandbytes_problem() is not None
-    results = qc.Results("h200_quant.json")
+    results = qc.Results(args.json)
     if args.tiny:
         import tempfile
 

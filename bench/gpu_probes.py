@@ -1,4 +1,4 @@
-"""Shared by bench/h200_quant.py and bench/h200_split.py: memory probes, random-weight models, runs, comparisons.
+"""Shared by bench/gpu_memory_plan.py and bench/gpu_split_plan.py: memory probes, random-weight models, runs, comparisons.
 
 No PySide6, gguf or platformdirs needed (the GPU machine has none of them).
 """
@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import gc
 import json
-import os
 import sys
 import threading
 import time
@@ -16,8 +15,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 
 import torch  # noqa: E402
+from record import write_record  # noqa: E402
 from torch import nn  # noqa: E402
 
 GiB = 2**30
@@ -36,16 +37,16 @@ def prompts(n: int) -> list[str]:
 
 
 class Results:
-    """A JSON file under $OUT (or bench/results) rewritten after every run, so a timeout keeps what finished."""
+    """A bench record (bench/record.py) rewritten after every run, so a timeout keeps what finished.
 
-    def __init__(self, name: str) -> None:
-        out = os.environ.get("OUT")
-        self.path = Path(out) / name if out else ROOT / "bench" / "results" / name
+    The environment is its config, every measurement one of its runs."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
         self.data: dict = {"runs": []}
 
     def save(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.path.write_text(json.dumps(self.data, indent=2, default=str), encoding="utf-8")
+        write_record(self.path, self.data.get("environment", {}), {"runs": len(self.data["runs"])}, self.data["runs"])
 
 
 def guarded(results: Results, name: str, fn: Callable[[], dict], deadline: float) -> dict | None:

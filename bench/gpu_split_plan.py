@@ -9,10 +9,10 @@ download) split as the memory plan places it, with the real 0.5B draft: it runs 
 eager path (accelerate's hooks) for comparison, then the same weights moved onto one GPU: greedy
 outputs identical or their first divergences (bf16).
 
-    python3 bench/h200_split.py --target /root/hf/target --draft /root/hf/draft   # ~3 min, nvidia-h200-x2
-    python3 bench/h200_split.py --tiny                                             # CPU dry run (one device)
+    python3 bench/gpu_split_plan.py --target path/to/Qwen2.5-Coder-1.5B-Instruct --draft path/to/Qwen2.5-Coder-0.5B-Instruct --json gpu_split_plan.json   # ~3 min, nvidia-h200-x2
+    python3 bench/gpu_split_plan.py --tiny                                             # CPU dry run (one device)
 
-Writes $OUT/h200_split.json (or bench/results/h200_split.json) after every run.
+Writes a bench record (bench/record.py) to --json after every run.
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import quant_common as qc  # noqa: E402
+import gpu_probes as qc  # noqa: E402
 import torch  # noqa: E402
 
 TINY = {"model_type": "qwen2", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
@@ -156,8 +156,8 @@ def part_b(args, results: qc.Results, texts: list[str]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--target", default="/root/hf/target")
-    p.add_argument("--draft", default="/root/hf/draft")
+    p.add_argument("--target", default=None, help="a bf16 model folder (not needed with --tiny)")
+    p.add_argument("--draft", default=None, help="a bf16 model folder (not needed with --tiny)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--gpus", type=int, default=2)
     p.add_argument("--max-new-tokens", type=int, default=64)
@@ -165,9 +165,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--random-context", type=int, default=4096)
     p.add_argument("--budget-s", type=float, default=170, help="no new run starts after this many seconds")
     p.add_argument("--parts", default="a,b")
+    p.add_argument("--json", type=Path, default=Path("gpu_split_plan.json"), help="the bench record")
     p.add_argument("--tiny", action="store_true", help="CPU dry run: tiny random pair, one device")
     args = p.parse_args(argv)
-    results = qc.Results("h200_split.json")
+    if not args.tiny and not (args.target and args.draft):
+        p.error("--target and --draft are needed (or --tiny)")
+    results = qc.Results(args.json)
     if args.tiny:
         import tempfile
 

@@ -23,7 +23,7 @@ target forward = 1 + the run of kept steps (rows where all K steps exist).
 
 CPU, real default pair and shipped head:
 
-    flock /tmp/specdec-real.lock .venv/bin/python bench/head_gap.py --prompts 20 --max-new-tokens 64
+    flock /tmp/specdec-real.lock .venv/bin/python bench/head_acceptance_gap.py --prompts 20 --max-new-tokens 64
 """
 from __future__ import annotations
 
@@ -33,6 +33,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from record import write_record  # noqa: E402
 
 
 def main() -> int:
@@ -157,7 +159,7 @@ def main() -> int:
                                              for name, steps in priced.items()}
     print(json.dumps(result, indent=1))
     if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1) + "\n", "utf-8")
+        write_record(Path(args.json), vars(args), result)
     return 0
 
 

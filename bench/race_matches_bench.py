@@ -5,7 +5,7 @@ prompt of assets/bench_prompts.jsonl (standard, then speculative, each alone on 
 sums tokens and seconds per mode exactly as bench does. Compare with a bench JSON of the same
 settings:
 
-    .venv/bin/python bench/race_vs_bench.py --bench-json bench/results/cpu_fp32.json --max-new-tokens 64
+    .venv/bin/python bench/race_matches_bench.py --bench-json bench/results/cpu_fp32.json --max-new-tokens 64
 """
 from __future__ import annotations
 
@@ -17,6 +17,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from record import write_record  # noqa: E402
+
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 
 
@@ -93,7 +96,7 @@ def main() -> int:
         print(f"bench: speedup {bench['speedup']:.3f}x -> race / bench = {out['race_over_bench']:.3f} "
               f"({'within' if abs(out['race_over_bench'] - 1) <= 0.10 else 'NOT within'} 10%)")
     if args.json:
-        args.json.write_text(json.dumps(out, indent=2))
+        write_record(args.json, {k: str(v) for k, v in vars(args).items()}, out)
     window.close()
     app.processEvents()
     return 0

@@ -1,22 +1,23 @@
 """Why does auto decode the way it does? Every choice of the K controller, with what it weighed.
 
-Auto mode against standard decoding, side by side (engine.measure.bench.run_bench), with the
-adaptive controller of every auto answer wrapped: each choice records its reason, the K and
-proposer chosen, and for every offer the controller's predicted speedup, K and acceptance by
-position, with the online timing corrections it used (standard step cost, speculative overhead,
-verify and drafting ratios, catch-up); each observed round records what was drafted, accepted and
-what it cost. The summary counts standard steps by reason and shows what the best offer was
-predicted to pay when auto stood still, so a pessimistic estimate (costs or acceptance) shows.
+A thin shell over `specdec-studio bench --modes standard,auto`: the engine's controllers for auto
+answers are wrapped before the bench runs, so each choice records its reason, the K and proposer
+chosen, and for every offer the controller's predicted speedup, K and acceptance by position, with
+the online timing corrections it used (standard step cost, speculative overhead, verify and
+drafting ratios, catch-up); each observed round records what was drafted, accepted and what it
+cost. The summary counts standard steps by reason and shows what the best offer was predicted to
+pay when auto stood still, so a pessimistic estimate (costs or acceptance) shows. The bench record
+goes to --json with the trace's summary under summary.trace_summary; the step-by-step trace (large)
+to --trace.
 
-CPU, real default pair and its shipped head, T = 0.7:
+CPU, the packaged pair and its shipped head on torch, T = 0.7:
 
-    flock /tmp/specdec-real.lock .venv/bin/python bench/auto_trace.py --max-new-tokens 64 \
-        --temperature 0.7 --out /tmp/auto_trace.json
+    python bench/why_auto_decides.py --runtime torch --max-new-tokens 64 --temperature 0.7 --json auto_t07.json
 
-On the H200 (bf16, CUDA graphs) with a converted target folder:
+A GPU with a converted target folder (bf16, CUDA graphs):
 
-    python3 bench/auto_trace.py --target /root/hf/target --head assets/heads/qwen2.5-coder-1.5b-instruct \
-        --max-new-tokens 256 --temperature 0.7 --out $OUT/h200_auto_trace_t07.json
+    python bench/why_auto_decides.py --target path/to/Qwen2.5-Coder-1.5B-Instruct --max-new-tokens 256 \
+        --temperature 0.7 --json auto_t07.json
 """
 from __future__ import annotations
 
@@ -24,11 +25,15 @@ import argparse
 import json
 import statistics
 import sys
+import tempfile
 from collections import Counter
-from dataclasses import asdict
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from record import read_record, write_record  # noqa: E402
 
 
 def _r(x: float | None) -> float | None:
@@ -80,19 +85,21 @@ class TracedController:
         self.inner.finish()
 
 
-def trace(engine, log: list[dict], modes: tuple[str, ...] = ("auto",)) -> None:
-    """Wraps every controller the engine makes for `modes` (the instance's make_controller)."""
-    make = type(engine).make_controller
+def trace(log: list[dict], modes: tuple[str, ...] = ("auto",)) -> None:
+    """Wraps every controller any engine makes for `modes` (Engine.make_controller, for this process)."""
+    from engine.decoding import Engine
+
+    make = Engine.make_controller
     count = Counter()
 
-    def traced(request):
+    def traced(engine, request):
         inner = make(engine, request)
         if request.mode not in modes:
             return inner
         count[request.mode] += 1
         return TracedController(inner, log, f"{request.mode}#{count[request.mode]}")
 
-    engine.make_controller = traced
+    Engine.make_controller = traced
 
 
 def summarize_trace(log: list[dict]) -> dict:
@@ -147,62 +154,47 @@ def print_summary(s: dict) -> None:
 
 
 def main() -> int:
-    from app import cli_options as opt
-    from engine.errors import EngineError
-
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--target", default=None, help="a target folder (default: the packaged pair)")
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--target", default=None, help="the target (default: the packaged pair's)")
     ap.add_argument("--head", default="auto")
-    ap.add_argument("--prompts", default="assets/bench_prompts.jsonl")
-    ap.add_argument("--limit", type=lambda t: opt.whole(t, 1, 10**6, "--limit"), default=20, help="first N prompts")
-    ap.add_argument("--max-new-tokens", type=lambda t: opt.whole(t, 1, 10**6, "--max-new-tokens"), default=64)
-    ap.add_argument("--temperature", type=opt.temperature, default=0.0)
+    ap.add_argument("--prompts", type=Path, default=Path("assets/bench_prompts.jsonl"))
+    ap.add_argument("--limit", type=int, default=0, help="only the first N prompts (0: all)")
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--temperature", default="0")
     ap.add_argument("--proposer", default="ngram", choices=["ngram", "draft", "draft+ngram", "head"],
                     help="auto's proposers besides the head ('head': the head alone)")
     ap.add_argument("--fast-path", default="auto", choices=["auto", "eager", "static", "compiled"])
-    ap.add_argument("--out", type=Path, default=None, help="the trace and its summary, as JSON")
+    ap.add_argument("--runtime", default="auto", choices=["auto", "torch", "llamacpp"])
+    ap.add_argument("--json", type=Path, required=True, help="the bench record, with the trace's summary")
+    ap.add_argument("--trace", type=Path, default=None, help="every choice and round, as JSON (large)")
     args = ap.parse_args()
-    try:
-        return run(args)
-    except EngineError as exc:  # bad input or a model that will not load: one line, as the app's CLI says it
-        print(f"auto_trace: {exc}", file=sys.stderr)
-        return 2
 
+    from app.main import main as cli
 
-def run(args: argparse.Namespace) -> int:
-    from app.session import build_request
-    from engine.decoding import Engine
-    from engine.measure.bench import BenchContext, format_table, read_prompts, run_bench
-    from engine.models.loader import load_pair
-    from engine.settings import GenerationSettings
-    from engine.types import Message
-
-    prompts = read_prompts(Path(args.prompts))[: args.limit]
-    pair = load_pair(args.target, None, with_draft=False)
-    engine = Engine.from_pair(pair, head=args.head, fast_path=args.fast_path)
-    info = engine.info
-    print(f"{info.target_name} on {info.device} ({info.dtype}, {info.fast_path}); head {info.head_name}, "
-          f"{info.head_ms:.3f} ms a draft token; T = {args.temperature}", flush=True)
-
-    def request(prompt: str, mode: str, max_new: int):
-        settings = GenerationSettings(mode=mode, proposer=args.proposer, k=5, temperature=args.temperature, seed=0,
-                                      max_new_tokens=max_new, system_prompt="")
-        return build_request(settings, (Message("user", prompt),))
-
+    prompts = args.prompts
+    if args.limit:
+        lines = prompts.read_text(encoding="utf-8").splitlines()[: args.limit]
+        prompts = Path(tempfile.mkdtemp(prefix="specdec-trace-")) / prompts.name
+        prompts.write_text("\n".join(lines) + "\n", encoding="utf-8")
     log: list[dict] = []
-    trace(engine, log)
-    ctx = BenchContext(pair, engine, make_request=request, reload_pair=lambda: pair)
-    result = run_bench(ctx, prompts, ("standard", "auto"), max_new_tokens=args.max_new_tokens, warmup=1,
-                       proposer="head")
-    print(format_table(result.summary, result.modes))
+    trace(log)
+    argv = ["bench", "--prompts", str(prompts), "--modes", "standard,auto", "--proposer", args.proposer,
+            "--head", args.head, "--temperature", args.temperature, "--max-new-tokens", str(args.max_new_tokens),
+            "--fast-path", args.fast_path, "--runtime", args.runtime, "--json", str(args.json)]
+    if args.target:
+        argv += ["--target", args.target]
+    code = cli(argv)
+    if code != 0:
+        return code
     timed = [r for r in log if not r["label"].endswith("#1")]  # the first auto answer is the warm-up
     summary = summarize_trace(timed)
     print_summary(summary)
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"config": vars(args) | {"out": str(args.out)}, "info": asdict(info),
-                                        "bench": result.summary, "trace_summary": summary, "trace": timed},
-                                       default=str, ensure_ascii=False))
+    record = read_record(args.json)
+    record["summary"]["trace_summary"] = summary
+    write_record(args.json, record["config"], record["summary"], record["runs"])
+    if args.trace is not None:
+        args.trace.parent.mkdir(parents=True, exist_ok=True)
+        args.trace.write_text(json.dumps(timed, ensure_ascii=False), encoding="utf-8")
     return 0
 
 

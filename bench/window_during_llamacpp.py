@@ -6,12 +6,11 @@ ticks; the same answers are then decoded headless on the same engine, so the cos
 the decode is measured too. llama.cpp's calls release the GIL, so the UI thread only competes
 for a core. Run under the real-model lock:
 
-    flock /tmp/specdec-real.lock .venv/bin/python bench/ui_llamacpp.py --threads 2,1
+    flock /tmp/specdec-real.lock .venv/bin/python bench/window_during_llamacpp.py --threads 2,1
 """
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -20,6 +19,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from record import write_record  # noqa: E402
+
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 
 TARGET_MAX_GAP_MS = 50.0
@@ -133,7 +135,7 @@ def main() -> int:
         results.append(measure(threads, args.max_new_tokens, args.target, args.draft))
         time.sleep(1)
     if args.json is not None:
-        args.json.write_text(json.dumps(results, indent=2), encoding="utf-8")
+        write_record(args.json, {k: str(v) for k, v in vars(args).items()}, results)
     return 0
 
 

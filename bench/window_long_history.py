@@ -1,6 +1,6 @@
 """UI-thread gaps and memory with a long history: 100 saved conversations of 100 long messages (prints figures).
 
-Run through bench/ui_responsiveness.py (`--only history`), or alone: python bench/ui_history.py.
+Run through bench/window_responsiveness.py (`--only history`), or alone: python bench/window_long_history.py.
 """
 from __future__ import annotations
 
@@ -23,9 +23,13 @@ OPEN_CYCLES = 6  # conversations opened (and scrolled through) one after another
 
 
 def long_answer(tokens: int = 500) -> str:
-    from bench.ui_responsiveness import long_text
+    """The demo answer repeated until it has at least `tokens` pieces, then cut to exactly that many."""
+    from app.demo import DEMO_ANSWER, split_tokens
 
-    return long_text(tokens)
+    pieces: list[str] = []
+    while len(pieces) < tokens:
+        pieces += split_tokens(DEMO_ANSWER + "\n\n")
+    return "".join(pieces[:tokens])
 
 
 def rss_mib() -> float:

@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{'' if f['rendered'] else ' NOT RENDERED'}", flush=True)
             ok &= bool(f["rendered"])
     if args.only in (None, "history"):
-        from bench.ui_history import run_history
+        from bench.window_long_history import run_history
 
         ok &= run_history(args.conversations, args.messages, TARGET_MAX_GAP_MS)
     return 0 if ok else 1

@@ -1,8 +1,8 @@
 """Saves a screenshot of the main window after one streamed answer, a race or a sweep (scripted engine or real models),
 or of the "Train a draft head" dialog showing the training log of the head in use.
 
-    .venv/bin/python bench/screenshot.py --real --tune --tune-prompts 2 --max-new-tokens 16 --out assets/screenshot-tune.png
-    .venv/bin/python bench/screenshot.py --real --runtime torch --train-dialog --out assets/screenshot-train.png
+    .venv/bin/python tools/screenshot.py --real --tune --tune-prompts 2 --max-new-tokens 16 --out assets/screenshot-tune.png
+    .venv/bin/python tools/screenshot.py --real --runtime torch --train-dialog --out assets/screenshot-train.png
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Saves a screenshot of the Models dialog planning a pair that does not fit, with the cheapest change.
 
 Offline: the plan reads the preset's shipped config; nothing loads. Run under a display, e.g.
-`Xvfb :99 & DISPLAY=:99 .venv/bin/python bench/screenshot_plan.py`.
+`Xvfb :99 & DISPLAY=:99 .venv/bin/python tools/screenshot_plan.py`.
 """
 from __future__ import annotations
 
