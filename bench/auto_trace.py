@@ -171,15 +171,16 @@ def main() -> int:
 
 def run(args: argparse.Namespace) -> int:
     from app.session import build_request
-    from engine.decoding import Engine
+    from engine.assemble import engine_for_pair
     from engine.measure.bench import BenchContext, format_table, read_prompts, run_bench
+    from engine.loadspec import LoadSpec
     from engine.models.loader import load_pair
     from engine.settings import GenerationSettings
     from engine.types import Message
 
     prompts = read_prompts(Path(args.prompts))[: args.limit]
-    pair = load_pair(args.target, None, with_draft=False)
-    engine = Engine.from_pair(pair, head=args.head, fast_path=args.fast_path)
+    pair = load_pair(LoadSpec(args.target, None, with_draft=False))
+    engine = engine_for_pair(pair, LoadSpec(head=args.head, fast_path=args.fast_path))
     info = engine.info
     print(f"{info.target_name} on {info.device} ({info.dtype}, {info.fast_path}); head {info.head_name}, "
           f"{info.head_ms:.3f} ms a draft token; T = {args.temperature}", flush=True)

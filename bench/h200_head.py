@@ -81,8 +81,9 @@ def main() -> int:
 
 
     from app.session import build_request
-    from engine.decoding import Engine
+    from engine.assemble import engine_for_pair
     from engine.measure.bench import BenchContext, format_table, read_prompts, run_bench
+    from engine.loadspec import LoadSpec
     from engine.models.loader import load_pair
     from engine.settings import GenerationSettings
     from engine.types import Message
@@ -93,8 +94,8 @@ def main() -> int:
     @section("load", args.out)
     def _():
         t = time.perf_counter()
-        pair = load_pair(args.target, None, device=args.device, dtype=args.dtype, with_draft=False)
-        engine = Engine.from_pair(pair, head=args.head, fast_path=args.fast_path, compile_k=args.k)
+        pair = load_pair(LoadSpec(args.target, None, device=args.device, dtype=args.dtype, with_draft=False))
+        engine = engine_for_pair(pair, LoadSpec(head=args.head, fast_path=args.fast_path, compile_k=args.k))
         if args.tree != "auto":
             engine.set_tree(int(args.tree))
         state.update(pair=pair, engine=engine)

@@ -47,13 +47,14 @@ def _memory_mb() -> dict[str, float]:
 def child_start(target: str | None, draft: str | None, threads: int | None, max_new_tokens: int) -> None:
     """Runs in a fresh process (SPECDEC_CACHE_DIR set by the parent): load, answer once, report as JSON."""
     started = time.perf_counter()
-    from engine.models.runtime import load_engine
-    from engine.models.store import DEFAULT_MODELS
+    from engine.assemble import build_engine
+    from engine.loadspec import LoadSpec
+    from engine.models.packaged import DEFAULT_MODELS
     from engine.types import GenerationRequest, Message
 
     stages: list[tuple[float, str]] = []
-    engine = load_engine(target, draft, runtime="llamacpp", threads=threads,
-                         progress=lambda p: stages.append((round(time.perf_counter() - started, 2), p.message)))
+    engine = build_engine(LoadSpec(target, draft, runtime="llamacpp", threads=threads),
+                          lambda p: stages.append((round(time.perf_counter() - started, 2), p.message)))
     ready = time.perf_counter() - started
     loaded = _memory_mb()
     for mode in ("standard", "speculative"):
@@ -122,13 +123,14 @@ def main() -> int:
     from app.cli import _environment, _request, build_parser
     from engine.measure.bench import BenchContext, format_table, read_prompts, run_bench
     from engine.measure.costmodel import CostModel, alpha_from_mean_accepted
+    from engine.assemble import build_engine
+    from engine.loadspec import LoadSpec
     from engine.models.loader import load_pair
-    from engine.models.runtime import load_engine
 
     prompts = read_prompts(args.prompts)[: args.limit or None]
     cli_args = build_parser().parse_args(["bench", "--prompts", str(args.prompts), "--k", str(args.k)])
     t0 = time.perf_counter()
-    engine = load_engine(args.target, args.draft, runtime="llamacpp", threads=args.threads)
+    engine = build_engine(LoadSpec(args.target, args.draft, runtime="llamacpp", threads=args.threads))
     print(f"llama.cpp engine ready in {time.perf_counter() - t0:.1f} s: {engine.info}", flush=True)
     def make_request(prompt: str, mode: str, max_new: int):
         request = _request(cli_args, prompt, mode, max_new)
@@ -138,8 +140,8 @@ def main() -> int:
     ctx = BenchContext(
         None, engine,
         make_request=make_request,
-        reload_pair=lambda: load_pair(args.target, args.draft),
-        load_runtime=lambda runtime: load_engine(args.target, None, runtime=runtime, with_draft=False),
+        reload_pair=lambda: load_pair(LoadSpec(args.target, args.draft)),
+        load_runtime=lambda runtime: build_engine(LoadSpec(args.target, None, with_draft=False, runtime=runtime)),
     )
     modes = ["standard", "llamacpp-plain", "speculative", "speculative-ngram", "auto"] + (
         [] if args.skip_torch else ["torch-standard"])

@@ -12,6 +12,8 @@ import logging
 
 import torch
 from torch import nn
+from engine.models.memory import MappedFiles, release_pages, trim_heap
+from engine.garbage import collect_garbage
 
 log = logging.getLogger(__name__)
 
@@ -95,8 +97,6 @@ def pack_linears(model: nn.Module, dtype: torch.dtype | None = None) -> int:
     trimmed after every layer (see trim_heap). With `dtype`, weights still in another dtype (left
     mapped by load_pair for this) are cast as each is packed.
     """
-    from engine.models.memory import MappedFiles, release_pages, trim_heap
-
     mapped = MappedFiles()
     linears = [(name, m.weight.numel()) for name, m in model.named_modules() if type(m) is nn.Linear]
     names = [name for name, _ in sorted(linears, key=lambda nm: -nm[1])]
@@ -115,8 +115,6 @@ def pack_linears(model: nn.Module, dtype: torch.dtype | None = None) -> int:
 
 def _compact_embedding(model: nn.Module, to_be_packed: set[int]) -> None:
     """Before packing: a float32 input embedding nothing else will multiply by becomes exact bfloat16."""
-    from engine.garbage import collect_garbage
-
     get = getattr(model, "get_input_embeddings", None)
     embedding = get() if get is not None else None
     if type(embedding) is not nn.Embedding:
