@@ -84,9 +84,9 @@ def test_dialog_offers_presets_and_round_trips_the_new_fields(qtbot):
 def test_selection_to_load_request_carries_precision_context_memory_and_force():
     sel = ModelSelection(target_precision="nf4", draft_precision="int8", context=2048, memory_gib=24.0)
     r = load_request_for(sel, force=True)
-    assert (r.target_dtype, r.draft_dtype, r.context, r.memory, r.force) == ("nf4", "int8", 2048, 24 * GiB, True)
+    assert (r.target_precision, r.draft_precision, r.context, r.memory, r.force) == ("nf4", "int8", 2048, 24 * GiB, True)
     r = load_request_for(ModelSelection())
-    assert (r.target_dtype, r.context, r.memory, r.force) == ("auto", None, None, False)
+    assert (r.target_precision, r.context, r.memory, r.force) == ("auto", None, None, False)
     bad = ModelSelection.from_dict({"target_precision": "int3", "context": -4, "memory_gib": float("nan")})
     assert (bad.target_precision, bad.context, bad.memory_gib) == ("auto", 0, 0.0)
 

@@ -12,8 +12,8 @@ import logging
 
 import torch
 from torch import nn
-from engine.models.memory import MappedFiles, release_pages, trim_heap
 from engine.garbage import collect_garbage
+from engine.models import memory  # memory.trim_heap: looked up per call (tests count the trims)
 
 log = logging.getLogger(__name__)
 
@@ -97,19 +97,19 @@ def pack_linears(model: nn.Module, dtype: torch.dtype | None = None) -> int:
     trimmed after every layer (see trim_heap). With `dtype`, weights still in another dtype (left
     mapped by load_pair for this) are cast as each is packed.
     """
-    mapped = MappedFiles()
+    mapped = memory.MappedFiles()
     linears = [(name, m.weight.numel()) for name, m in model.named_modules() if type(m) is nn.Linear]
     names = [name for name, _ in sorted(linears, key=lambda nm: -nm[1])]
-    release_pages([model.get_submodule(name).weight for name in names], mapped)
+    memory.release_pages([model.get_submodule(name).weight for name in names], mapped)
     _compact_embedding(model, {id(model.get_submodule(name).weight) for name in names})
     for name in names:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         linear = getattr(parent, child)
         setattr(parent, child, PackedLinear(linear, dtype))
-        release_pages([linear.weight], mapped)
+        memory.release_pages([linear.weight], mapped)
         del linear
-        trim_heap()  # the cast copy just freed sits between packed weights: glibc keeps it resident
+        memory.trim_heap()  # the cast copy just freed sits between packed weights: glibc keeps it resident
     return len(names)
 
 
