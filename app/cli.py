@@ -8,7 +8,7 @@ import json
 import logging
 import platform
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn, TextIO
 
@@ -17,6 +17,7 @@ from app.export import cell
 from app.session import build_request, runtime_label
 from engine.errors import EngineError, ModelWontFitError
 from engine.limits import DEFAULT_K, K_AUTO, K_MAX, MAX_NEW_TOKENS
+from engine.loadspec import LoadSpec
 from engine.measure.bench import MODE_RUNNERS
 from engine.settings import GenerationSettings
 from engine.types import MODES, PROPOSERS, GenerationRequest, Message, Summary
@@ -24,7 +25,7 @@ from engine.types import MODES, PROPOSERS, GenerationRequest, Message, Summary
 if TYPE_CHECKING:  # heavy imports (torch, transformers) wait until a command really runs
     from engine.decoding import Engine
     from engine.models.loader import LoadedPair
-    from engine.models.store import LoadProgress
+    from engine.loadspec import LoadProgress
 
 PROG = "specdec-studio"
 log = logging.getLogger(__name__)
@@ -243,35 +244,34 @@ def _load(args: argparse.Namespace, needs_draft: bool, runtime: str | None = Non
           needs_head: bool | None = None) -> Engine:
     """needs_head: a draft head will propose (default: --proposer head outside standard mode); the
     head reads the target's hidden states, which llama.cpp does not give, so auto then picks torch."""
-    from engine.models.runtime import load_engine
+    from engine.assemble import build_engine
 
-    reporter = _LoadReporter(sys.stderr, args.verbose)
-    compile_k = getattr(args, "k", DEFAULT_K) or DEFAULT_K  # K auto: compile the default K's widths
-    head = None if args.head == "none" else args.head
     if needs_head is None:
         needs_head = getattr(args, "mode", "standard") != "standard" and getattr(args, "proposer", None) == "head"
-    target, draft = _pair_specs(args)
-    engine = load_engine(target, draft, runtime=runtime or args.runtime, device=args.device, dtype=args.dtype,
-                         with_draft=needs_draft, fast_path=args.fast_path, threads=args.threads, progress=reporter,
-                         compile_k=compile_k, head=head, needs_head=needs_head, target_dtype=args.target_dtype,
-                         draft_dtype=args.draft_dtype, context=args.context, gpus=args.gpus, memory=args.memory,
-                         force=args.force)
+    spec = replace(load_spec(args, needs_draft), runtime=runtime or args.runtime, needs_head=needs_head)
+    engine = build_engine(spec, _LoadReporter(sys.stderr, args.verbose))
     tree = getattr(args, "tree", "auto")
     if tree != "auto" and engine.head_runner is not None:
         engine.set_tree(int(tree))
     return engine
 
 
-def _load_pair(args: argparse.Namespace, needs_draft: bool, progress=None, *, pack_cpu: bool = False,
-               head: str | None = "auto") -> LoadedPair:
-    """pack_cpu / head: see load_pair (the engine's own pair packs while loading; hf baselines do not)."""
+def load_spec(args: argparse.Namespace, needs_draft: bool) -> LoadSpec:
+    """The one LoadSpec the command's options say (the same value the Models dialog makes)."""
+    target, draft = _pair_specs(args)
+    return LoadSpec(target=target, draft=draft, with_draft=needs_draft, runtime=args.runtime, device=args.device,
+                    dtype=args.dtype, target_precision=args.target_dtype, draft_precision=args.draft_dtype,
+                    fast_path=args.fast_path,
+                    compile_k=getattr(args, "k", DEFAULT_K) or DEFAULT_K,  # K auto: compile the default K's widths
+                    head=None if args.head == "none" else args.head, threads=args.threads, context=args.context,
+                    gpus=args.gpus, memory=args.memory, force=args.force)
+
+
+def _load_pair(args: argparse.Namespace, needs_draft: bool) -> LoadedPair:
+    """The pair as Hugging Face ships it (the hf baselines; the engine's own pair packs while loading)."""
     from engine.models.loader import load_pair
 
-    target, draft = _pair_specs(args)
-    return load_pair(target, draft, device=args.device, dtype=args.dtype, target_dtype=args.target_dtype,
-                     draft_dtype=args.draft_dtype, progress=progress, with_draft=needs_draft,
-                     context=args.context, gpus=args.gpus, memory=args.memory, force=args.force,
-                     pack_cpu=pack_cpu, head=head)
+    return load_pair(load_spec(args, needs_draft))
 
 
 def _settings(args: argparse.Namespace, mode: str, max_new_tokens: int) -> GenerationSettings:

@@ -13,30 +13,12 @@ from app.chat_tree import Conversation, ConversationFormatError, StoredTokens, T
 from app.conversations import BackgroundWriter, ConversationHeader, ConversationStore
 from app.export import AnswerRecord, now_iso
 from engine.limits import K_AUTO
+from engine.loadspec import LoadSpec
 from engine.measure.costmodel import CostModel, estimate_alpha
 from engine.settings import GenerationSettings, ModelSelection
 from engine.types import GenerationRequest, MemoryPlan, Message, ModelInfo, Sampling, Step, Summary
 
 PROPOSER_LABELS = {"draft": "draft", "ngram": "n-gram", "draft+ngram": "draft + n-gram", "head": "draft head"}
-
-
-@dataclass(frozen=True)
-class LoadRequest:
-    """Which pair to load and how; `None` model specs mean the packaged default."""
-
-    target: str | None = None  # folder, .gguf file, hub id, or None for the default target
-    draft: str | None = None  # same for the draft; ignored when with_draft is False
-    device: str = "auto"  # auto / cpu / cuda / cuda:N
-    dtype: str = "auto"  # auto / bfloat16 / float16 / float32
-    with_draft: bool = True  # False: target only (n-gram proposer or standard decoding)
-    fast_path: str = "auto"  # auto / eager / static / compiled, passed to Engine.from_pair
-    target_dtype: str = "auto"  # the target's precision: auto / a float dtype / int8 / nf4
-    draft_dtype: str = "auto"  # the draft's precision
-    context: int | None = None  # positions each KV cache holds (None: the default)
-    force: bool = False  # load even when the memory plan says it will not fit (a person said so)
-    memory: int | None = None  # memory budget per device in bytes (None: what the device has free)
-    runtime: str = "auto"  # auto / torch / llamacpp (engine.models.runtime.choose_runtime)
-    threads: int | None = None  # CPU threads per llama.cpp decode; None = the physical cores
 
 
 @dataclass(frozen=True)
@@ -51,16 +33,16 @@ class TrainRequest:
     out: str  # folder for the head; its work folder (data, checkpoints, log) is out/work
 
 
-def load_request_for(selection: ModelSelection, *, force: bool = False) -> LoadRequest:
-    """The one conversion from what the Models dialog (or the command line) chose to a load."""
-    return LoadRequest(
+def load_request_for(selection: ModelSelection, *, force: bool = False) -> LoadSpec:
+    """The one conversion from what the Models dialog chose to a load (engine.assemble.build_engine's)."""
+    return LoadSpec(
         target=selection.target.spec(),
         draft=None if selection.no_draft else selection.draft.spec(),
         device=selection.device,
         dtype=selection.dtype,
         with_draft=not selection.no_draft,
-        target_dtype=selection.target_precision,
-        draft_dtype=selection.draft_precision,
+        target_precision=selection.target_precision,
+        draft_precision=selection.draft_precision,
         context=selection.context or None,
         force=force,
         memory=int(selection.memory_gib * 2**30) or None,

@@ -31,7 +31,6 @@ from app.export import write_session_csv, write_trace_csv
 from app.race import RaceController
 from app.session import (
     ChatSession,
-    LoadRequest,
     answer_header,
     cost_verdict,
     device_line,
@@ -42,6 +41,7 @@ from app.settings import AppSettings
 from app.training import HeadTrainingController
 from app.tune import TuneController
 from app.worker import EngineFactory, HeadTrainer, WorkerHost, default_engine_factory, default_head_trainer
+from engine.loadspec import LoadSpec
 from engine.measure.diagnostics import AnswerFacts, category_speedups
 from engine.measure.explain import describe_decision
 from engine.settings import GenerationSettings, ModelSelection
@@ -399,7 +399,7 @@ class MainWindow(QMainWindow):
     def is_loading(self) -> bool:
         return self._loading_selection is not None
 
-    def _on_load_started(self, _request: LoadRequest) -> None:
+    def _on_load_started(self, _request: LoadSpec) -> None:
         self.load_bar.show()
 
     def _on_load_progress(self, progress) -> None:

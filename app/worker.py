@@ -13,9 +13,10 @@ from typing import Any, Protocol
 from PySide6.QtCore import QObject, Qt, QThread, Signal, Slot
 
 from app.collector import collector
-from app.session import LoadRequest, TrainRequest
+from app.session import TrainRequest
 from engine import garbage
 from engine.errors import EngineError
+from engine.loadspec import LoadSpec
 from engine.measure.stats import summarize
 from engine.types import GenerationRequest, ModelInfo, Step
 
@@ -41,16 +42,16 @@ class EngineLike(Protocol):
 
 
 ProgressCallback = Callable[[Any], None]
-EngineFactory = Callable[[LoadRequest, ProgressCallback], EngineLike]
+EngineFactory = Callable[[LoadSpec, ProgressCallback], EngineLike]
 # (request, engine in use) -> (bytes the new pair will hold, bytes free for it beside the old one);
 # None where it cannot tell, and then the old pair is kept while the new one loads (off the CPU).
-RoomCheck = Callable[[LoadRequest, EngineLike], tuple[int | None, int | None]]
+RoomCheck = Callable[[LoadSpec, EngineLike], tuple[int | None, int | None]]
 RELEASE_STAGES = ("convert", "load")  # the first stages that need memory: checks and downloads come before
 
 
 @dataclass(frozen=True)
 class WorkerNotice:
-    """A load stage the worker itself reports (same fields as engine.models.store.LoadProgress)."""
+    """A load stage the worker itself reports (same fields as engine.loadspec.LoadProgress)."""
 
     stage: str  # "release"
     fraction: float  # 0..1
@@ -61,18 +62,14 @@ class LoadCancelled(Exception):
     """Raised from the progress callback between load stages when the app is closing."""
 
 
-def default_engine_factory(request: LoadRequest, progress: ProgressCallback) -> EngineLike:
+def default_engine_factory(request: LoadSpec, progress: ProgressCallback) -> EngineLike:
     """The engine on the runtime the request asks for (tokenizers checked first, then weights)."""
-    from engine.models.runtime import load_engine
+    from engine.assemble import build_engine
 
-    return load_engine(request.target, request.draft, runtime=request.runtime, device=request.device,
-                       dtype=request.dtype, with_draft=request.with_draft, fast_path=request.fast_path,
-                       threads=request.threads, progress=progress, target_dtype=request.target_dtype,
-                       draft_dtype=request.draft_dtype, context=request.context, force=request.force,
-                       memory=request.memory)
+    return build_engine(request, progress)
 
 
-def measure_room(request: LoadRequest, engine: EngineLike) -> tuple[int | None, int | None]:
+def measure_room(request: LoadSpec, engine: EngineLike) -> tuple[int | None, int | None]:
     """The new pair's size from its files' headers, and the memory free beside the pair in use."""
     from engine.models import memory
 
@@ -88,11 +85,11 @@ def measure_room(request: LoadRequest, engine: EngineLike) -> tuple[int | None, 
     return need, None if free is None else free - memory.headroom_bytes()
 
 
-def _no_room_check(_request: LoadRequest, _engine: EngineLike) -> tuple[None, None]:
+def _no_room_check(_request: LoadSpec, _engine: EngineLike) -> tuple[None, None]:
     return None, None
 
 
-def _both_on_cpu(request: LoadRequest, engine: EngineLike) -> bool:
+def _both_on_cpu(request: LoadSpec, engine: EngineLike) -> bool:
     """The pair in use and the new one both live in host memory (loading one beside the other doubles it)."""
     if not str(engine.info.device).startswith("cpu"):
         return False
@@ -144,11 +141,11 @@ class EngineWorker(QObject):
     """
 
     # UI -> worker (queued: emitted on the UI thread, run on the worker thread)
-    load_requested = Signal(object)  # LoadRequest
+    load_requested = Signal(object)  # LoadSpec
     generate_requested = Signal(object)  # GenerationRequest (request_id set)
     # worker -> UI
-    load_started = Signal(object)  # LoadRequest
-    load_progress = Signal(object)  # engine.models.store.LoadProgress
+    load_started = Signal(object)  # LoadSpec
+    load_progress = Signal(object)  # engine.loadspec.LoadProgress
     load_finished = Signal(object)  # ModelInfo of the pair now in use
     load_failed = Signal(str)  # one-line message; the previous engine stays in use (or was loaded again)
     engine_released = Signal(str)  # the pair in use was released to make room for a new one; says why
@@ -184,7 +181,7 @@ class EngineWorker(QObject):
         self._room = room or (measure_room if real else _no_room_check)
         self._release_on_cpu = real if release_on_cpu is None else release_on_cpu
         self.engine: EngineLike | None = None
-        self._engine_request: LoadRequest | None = None  # how the engine in use was loaded (to load it again)
+        self._engine_request: LoadSpec | None = None  # how the engine in use was loaded (to load it again)
         self.stop_event = threading.Event()  # set from the UI thread; checked between steps
         self.sweep_stop = threading.Event()  # set from the UI thread; checked between a sweep's runs
         self._cancel_upto = 0  # requests with an id <= this are cancelled (even before they start)
@@ -219,7 +216,7 @@ class EngineWorker(QObject):
     # --- slots (worker thread) -----------------------------------------------------------------
 
     @Slot(object)
-    def _on_load_requested(self, request: LoadRequest) -> None:
+    def _on_load_requested(self, request: LoadSpec) -> None:
         if self._closing.is_set():
             return
         self.load_started.emit(request)
@@ -261,7 +258,7 @@ class EngineWorker(QObject):
         _release_memory()
         self.load_finished.emit(engine.info)
 
-    def _release_note(self, request: LoadRequest) -> str | None:
+    def _release_note(self, request: LoadSpec) -> str | None:
         """What to say when the pair in use goes before the new one loads; None when it stays."""
         if self.engine is None:
             return None

@@ -6,7 +6,7 @@ It loads real models, so run ONE configuration at a time, under the shared lock:
     flock /tmp/specdec-real.lock .venv/bin/python bench/cpu_memory_peaks.py --dtype float32 --phase load
     flock /tmp/specdec-real.lock .venv/bin/python bench/cpu_memory_peaks.py --dtype bfloat16 --phase reload
 
-`load`: load_pair + Engine.from_pair (the CPU fast path packs weights) and a 16-token speculative
+`load`: engine.assemble.load_pair_packed + engine_for_pair (the CPU fast path packs weights) and a 16-token speculative
 generation. `reload`: the app's worker loads the pair, then loads it again, as File > Load models
 does. Peaks come from the kernel's high-water mark (VmHWM), reset before each phase, so a brief
 spike counts. Prints one JSON object (GB = 10^9 bytes); --json also writes it as a bench record.
@@ -15,7 +15,6 @@ Runs against whichever code is on PYTHONPATH (compare a branch with main by poin
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import os
 import sys
@@ -51,8 +50,8 @@ def _round(d: dict[str, float]) -> dict[str, float]:
 def phase_load(args: argparse.Namespace) -> dict:
     import torch
 
-    from engine.decoding import Engine
-    from engine.models.loader import load_pair
+    from engine.assemble import engine_for_pair, load_pair_packed
+    from engine.loadspec import LoadSpec
     from engine.types import GenerationRequest, Message
 
     torch.set_num_threads(args.threads)
@@ -60,10 +59,10 @@ def phase_load(args: argparse.Namespace) -> dict:
     _reset_peak()
     started = time.perf_counter()
     # As the CLI and the app load: packed as each model loads (where this code can), then the engine.
-    packs = "pack_cpu" in inspect.signature(load_pair).parameters and args.fast_path == "auto"
-    pair = load_pair(args.target, args.draft, device="cpu", dtype=args.dtype, **({"pack_cpu": True} if packs else {}))
+    spec = LoadSpec(args.target, args.draft, device="cpu", dtype=args.dtype, fast_path=args.fast_path)
+    pair = load_pair_packed(spec)
     out["after_load_pair"] = _round(_status())
-    engine = Engine.from_pair(pair, fast_path=args.fast_path)
+    engine = engine_for_pair(pair, spec)
     del pair
     out["after_engine"] = _round(_status())
     out["load_s"] = round(time.perf_counter() - started, 1)

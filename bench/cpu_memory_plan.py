@@ -42,7 +42,8 @@ def child(dtype: str, context: int, new_tokens: int) -> dict:
     import torch  # noqa: F401  # the runtime the plan counts: Python with torch and transformers imported
     import transformers  # noqa: F401
 
-    from engine.decoding import Engine
+    from engine.assemble import engine_for_pair
+    from engine.loadspec import LoadSpec
     from engine.models.loader import load_pair
     from engine.types import GenerationRequest
 
@@ -60,8 +61,8 @@ def child(dtype: str, context: int, new_tokens: int) -> dict:
     thread = threading.Thread(target=sample, daemon=True)
     thread.start()
     t0 = time.perf_counter()
-    pair = load_pair(None, None, device="cpu", dtype=dtype, context=context)
-    engine = Engine.from_pair(pair, head=None)
+    pair = load_pair(LoadSpec(None, None, device="cpu", dtype=dtype, context=context))
+    engine = engine_for_pair(pair, LoadSpec(head=None))
     prompt = ("def quicksort(items):\n    " * 200)  # a long raw prompt: the cache fills towards the context
     ids = engine.tokenizer(prompt, add_special_tokens=False)["input_ids"][: context - new_tokens - 8]
     text = engine.tokenizer.decode(ids)

@@ -41,7 +41,9 @@ def measure(device: str) -> list[dict]:
 
 
 def part_a(args, results: qc.Results, texts: list[str], reference: dict) -> None:
+    from engine.assemble import engine_for_pair
     from engine.decoding import Engine
+    from engine.loadspec import LoadSpec
     from engine.models.loader import load_pair
 
     runs = [("bfloat16", "bfloat16"), ("int8", "bfloat16"), ("nf4", "bfloat16"), ("int8", "int8"), ("nf4", "int8")]
@@ -53,12 +55,12 @@ def part_a(args, results: qc.Results, texts: list[str], reference: dict) -> None
             cpu = qc.CpuPeak() if args.device == "cpu" else None
             if cpu:
                 cpu.__enter__()
-            pair = load_pair(args.target, args.draft, device=args.device, target_dtype=target_p,
-                             draft_dtype=draft_p, context=args.context, force=True)
+            pair = load_pair(LoadSpec(args.target, args.draft, device=args.device, target_precision=target_p,
+                                      draft_precision=draft_p, context=args.context, force=True))
             measure_costs = Engine.measure_costs
             Engine.measure_costs = lambda self, *a, **k: None  # seconds per int8 run; part B measures them
             try:
-                engine = Engine.from_pair(pair, head=None)
+                engine = engine_for_pair(pair, LoadSpec(head=None))
             finally:
                 Engine.measure_costs = measure_costs
             out = qc.run_prompts(engine, texts, args.max_new_tokens)
@@ -87,7 +89,8 @@ def part_a(args, results: qc.Results, texts: list[str], reference: dict) -> None
 def part_b(args, results: qc.Results, texts: list[str]) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from engine.decoding import Engine
+    from engine.assemble import engine_for_pair
+    from engine.loadspec import LoadSpec
     from engine.models.census import census_from_config, census_from_folder
     from engine.models.loader import LoadedPair
     from engine.models.planner import ModelFigures, plan_models
@@ -116,7 +119,7 @@ def part_b(args, results: qc.Results, texts: list[str]) -> None:
                                  draft_precision="bfloat16")
                 pair = LoadedPair(target, draft, tokenizer, info, vocab, plan)
                 qc.reset_peaks()  # building random weights is not loading: the peak starts here
-                engine = Engine.from_pair(pair, head=None)
+                engine = engine_for_pair(pair, LoadSpec(head=None))
                 out = qc.run_prompts(engine, texts[:2], args.max_new_tokens)
                 rows = qc.compare_plan(plan, measure(args.device)) if args.device != "cpu" else []
                 print(f"    {engine.info.fast_path} ({engine.info.fast_path_note or 'graphs for both'})\n"

@@ -41,14 +41,15 @@ def measure_all(devices: list[str]) -> list[dict]:
 
 
 def part_a(args, results: qc.Results, texts: list[str]) -> None:
-    from engine.decoding import Engine
+    from engine.assemble import engine_for_pair
+    from engine.loadspec import LoadSpec
     from engine.models.loader import load_pair
 
     runs: dict = {}
     for gpus in (args.gpus, 1):
         def run(gpus=gpus) -> dict:
-            pair = load_pair(args.target, args.draft, device=args.device, gpus=gpus, force=True)
-            engine = Engine.from_pair(pair, head=None)
+            pair = load_pair(LoadSpec(args.target, args.draft, device=args.device, gpus=gpus, force=True))
+            engine = engine_for_pair(pair, LoadSpec(head=None))
             out = qc.run_prompts(engine, texts, args.max_new_tokens)
             devices = [d.device for d in pair.plan.devices]
             rows = qc.compare_plan(pair.plan, measure_all(devices)) if args.device != "cpu" else []
@@ -70,7 +71,8 @@ def part_b(args, results: qc.Results, texts: list[str]) -> None:
     from accelerate.hooks import remove_hook_from_module
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from engine.decoding import Engine
+    from engine.assemble import engine_for_pair
+    from engine.loadspec import LoadSpec
     from engine.models.census import census_from_config, census_from_folder
     from engine.models.loader import LoadedPair
     from engine.models.planner import ModelFigures, device_maps, plan_models
@@ -101,8 +103,7 @@ def part_b(args, results: qc.Results, texts: list[str]) -> None:
                          fast_path="eager", vocab_size=vocab,
                          devices=tuple(dict.fromkeys(d.device for d in plan.devices)))
         qc.reset_peaks()  # building random weights is not loading: peaks count from here
-        return Engine.from_pair(LoadedPair(target, draft, tokenizer, info, vocab, plan), fast_path=fast_path,
-                               head=None)
+        return engine_for_pair(LoadedPair(target, draft, tokenizer, info, vocab, plan), LoadSpec(fast_path=fast_path, head=None))
 
     def split() -> dict:
         plan = plan_for(args.gpus)

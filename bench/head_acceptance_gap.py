@@ -52,12 +52,12 @@ def main() -> int:
 
     import torch
 
-    from engine.decoding.loop import Engine
+    from engine.assemble import engine_for_pair, load_pair_packed
     from engine.heads.train import Teacher, greedy_acceptance, step_mask, unrolled_states
-    from engine.models.loader import load_pair
+    from engine.loadspec import LoadSpec
     from engine.types import GenerationRequest, Message, Sampling
 
-    engine = Engine.from_pair(load_pair(args.target, None, with_draft=False, pack_cpu=True, head=args.head))
+    engine = engine_for_pair(load_pair_packed(LoadSpec(args.target, None, with_draft=False, head=args.head)), LoadSpec())
     engine.set_tree(0)
     head = engine.head_runner.head
     depth = args.k

@@ -27,12 +27,12 @@ def main() -> int:
     import torch
 
     from engine.decoding.head import HeadProposer
-    from engine.decoding.loop import Engine
+    from engine.assemble import engine_for_pair, load_pair_packed
     from engine.heads.runner import HeadRunner
-    from engine.models.loader import load_pair
+    from engine.loadspec import LoadSpec
     from engine.types import GenerationRequest, Message, Sampling
 
-    engine = Engine.from_pair(load_pair(None, None, with_draft=False, pack_cpu=True, head="auto"))
+    engine = engine_for_pair(load_pair_packed(LoadSpec(None, None, with_draft=False, head="auto")), LoadSpec())
     engine.set_tree(0)  # chains: the question is what a tree would have won
     ranked: list[list[int]] = []  # the head's best 8 draft rows at each position of the proposal in flight
     per_proposal: list[list[list[int]]] = []

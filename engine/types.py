@@ -2,7 +2,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Literal
+
+from engine.errors import GenerationError
 
 # auto: speculative decoding whose controller picks the proposer and K (0 = a standard step) per step.
 Mode = Literal["speculative", "standard", "auto"]
@@ -10,7 +13,6 @@ Mode = Literal["speculative", "standard", "auto"]
 TokenStatus = Literal["accepted", "rejected", "corrected", "bonus", "target"]
 # Which proposer produced a draft token.
 DraftSource = Literal["draft", "ngram", "head"]
-Proposer = Literal["draft", "ngram", "draft+ngram", "head"]
 StopReason = Literal["eos", "stop_string", "max_new_tokens", "cancelled", "context_full"]
 MODES: tuple[Mode, ...] = ("auto", "speculative", "standard")
 # Why a step drafted the K it did (engine/decoding/control.py); engine/measure/explain.py words it.
@@ -22,7 +24,27 @@ KReason = Literal[
     "no_match",  # nothing to propose (no n-gram match), so a standard step
     "probe",  # a short draft after standard steps, to measure the acceptance again
 ]
-PROPOSERS: tuple[Proposer, ...] = ("draft", "ngram", "draft+ngram", "head")
+
+
+class ProposerChoice(StrEnum):
+    """Where a request's drafts come from; a str, so the settings' and the CLI's words compare equal."""
+
+    DRAFT = "draft"  # the draft model
+    NGRAM = "ngram"  # prompt lookup
+    DRAFT_NGRAM = "draft+ngram"  # prompt lookup where the text repeats, the draft model otherwise
+    HEAD = "head"  # the draft head trained on the target's hidden states
+
+    @property
+    def kinds(self) -> tuple[DraftSource, ...]:
+        """The proposers it is made of, in the order auto mode offers them."""
+        return _KINDS[self]
+
+
+_KINDS: dict[ProposerChoice, tuple[DraftSource, ...]] = {
+    ProposerChoice.DRAFT: ("draft",), ProposerChoice.NGRAM: ("ngram",),
+    ProposerChoice.DRAFT_NGRAM: ("draft", "ngram"), ProposerChoice.HEAD: ("head",),
+}
+PROPOSERS: tuple[str, ...] = tuple(p.value for p in ProposerChoice)  # the words settings and the CLI accept
 
 
 @dataclass(frozen=True)
@@ -52,8 +74,14 @@ class GenerationRequest:
     sampling: Sampling = field(default_factory=Sampling)  # temperature / top-k / top-p / seed
     max_new_tokens: int = 128  # hard cap on generated tokens
     stop_strings: tuple[str, ...] = ()  # generation ends once the text contains one of these
-    proposer: Proposer = "draft"  # where drafts come from (speculative only)
+    proposer: ProposerChoice = ProposerChoice.DRAFT  # where drafts come from; a word of PROPOSERS is converted
     request_id: int = 0  # set by the app so that every signal can name its request
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.proposer, ProposerChoice):
+            if self.proposer not in PROPOSERS:
+                raise GenerationError(f"Unknown proposer {self.proposer!r}: use {', '.join(PROPOSERS)}.")
+            object.__setattr__(self, "proposer", ProposerChoice(self.proposer))
 
 
 @dataclass(frozen=True)
@@ -189,7 +217,7 @@ class SweepRow:
     """One configuration of a sweep, measured over every prompt of it (engine.measure.sweep)."""
 
     mode: Mode  # "standard" (the baseline row of its temperature), "speculative" or "auto"
-    proposer: Proposer | None  # where drafts came from; None for standard
+    proposer: str | None  # where drafts came from (a word of PROPOSERS); None for standard
     k: int  # the fixed K; K_AUTO (0) when chosen per step; 0 for standard
     temperature: float  # sampling temperature (0 = greedy)
     tokens_per_s: float  # total tokens / total seconds over the prompts

@@ -17,13 +17,13 @@ from app.settings import AppSettings
 from app.window import MainWindow
 from app.worker import (
     EngineWorker,
-    LoadRequest,
     WorkerHost,
     default_engine_factory,
     running_threads,
 )
 from engine.errors import GenerationError
 from engine.limits import K_AUTO
+from engine.loadspec import LoadSpec
 from engine.measure.stats import summarize
 from engine.settings import GenerationSettings, ModelChoice, ModelSelection
 from engine.types import GenerationRequest, Message, ModelInfo, Step, Summary, TokenView
@@ -375,7 +375,7 @@ def test_stop_before_the_worker_starts_still_ends_once(qtbot, no_dangling_thread
     try:
         loaded: list[ModelInfo] = []
         host.worker.load_finished.connect(loaded.append)
-        host.worker.load_requested.emit(LoadRequest())
+        host.worker.load_requested.emit(LoadSpec())
         qtbot.waitUntil(lambda: bool(loaded), timeout=5000)
         ends: list[object] = []
         host.worker.generation_finished.connect(lambda rid, s: ends.append((rid, s)))
@@ -394,7 +394,7 @@ def test_steps_are_batched_and_none_is_lost(qtbot, no_dangling_threads):
     try:
         loaded: list[ModelInfo] = []
         host.worker.load_finished.connect(loaded.append)
-        host.worker.load_requested.emit(LoadRequest())
+        host.worker.load_requested.emit(LoadSpec())
         qtbot.waitUntil(lambda: bool(loaded), timeout=5000)
         batches: list[tuple[Step, ...]] = []
         host.worker.steps.connect(lambda rid, b: batches.append(b))
@@ -453,10 +453,10 @@ def test_garbage_is_collected_on_the_gui_thread_while_a_worker_lives(qtbot, no_d
         _Cycle()
         loaded: list[ModelInfo] = []
         host.worker.load_finished.connect(loaded.append)
-        host.worker.load_requested.emit(LoadRequest())
+        host.worker.load_requested.emit(LoadSpec())
         qtbot.waitUntil(lambda: bool(loaded), timeout=5000)
         # Replacing the pair collects at once (the old weights must go before the next pair loads).
-        host.worker.load_requested.emit(LoadRequest())
+        host.worker.load_requested.emit(LoadSpec())
         qtbot.waitUntil(lambda: len(loaded) == 2, timeout=5000)
         assert _Cycle.freed_on == [gui]
         assert collected_on and set(collected_on) == {gui}
@@ -494,7 +494,7 @@ def test_closing_while_the_worker_asks_for_a_collection_does_not_wait_for_it(qtb
             progress(type("P", (), {"stage": "convert", "fraction": 0.5, "message": "converting"})())
 
     host = WorkerHost(collecting_load)
-    host.worker.load_requested.emit(LoadRequest())
+    host.worker.load_requested.emit(LoadSpec())
     assert asking.wait(5)
     started = time.perf_counter()
     assert host.shutdown()

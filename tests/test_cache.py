@@ -15,9 +15,10 @@ import torch
 
 from app.cli import main
 from engine.errors import ModelLoadError
+from engine.loadspec import LoadProgress, LoadSpec
 from engine.models import cache, cache_space, store
 from engine.models.loader import load_pair
-from engine.models.store import LoadProgress, PackagedModel
+from engine.models.packaged import PackagedModel
 from tests.test_store import _fake_packages
 from tests.tiny import build_model, build_tokenizer, write_tiny_gguf
 
@@ -51,8 +52,8 @@ def packaged(tmp_path, monkeypatch, gguf_file):
 
 
 def _load(spec, events=None):
-    return load_pair(spec, None, device="cpu", dtype="float32", with_draft=False,
-                     progress=None if events is None else events.append)
+    return load_pair(LoadSpec(spec, None, device="cpu", dtype="float32", with_draft=False),
+                     None if events is None else events.append)
 
 
 def _entry(tmp_path) -> Path:
@@ -209,7 +210,7 @@ def test_interrupt_during_assembly_leaves_no_partial(packaged, tmp_path):
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        load_pair(None, None, device="cpu", with_draft=False, progress=progress)
+        load_pair(LoadSpec(None, None, device="cpu", with_draft=False), progress)
     assert not list((tmp_path / "cache" / "gguf").glob("*.partial"))
 
 
@@ -268,6 +269,7 @@ def test_cache_clean_frees_space_and_waits_for_no_one(packaged, tmp_path, capsys
 _WORKER = """
 import json, os, sys, time
 sys.path[:0] = [{root!r}, {pkgs!r}]
+from engine.loadspec import LoadSpec
 from engine.models import loader, store
 store.DEFAULT_MODELS["target"] = store.PackagedModel("Fake-Target", {names!r}, {sha!r}, {size!r})
 slow = sys.argv[1] == "slow"
@@ -284,7 +286,7 @@ def progress(p):
             time.sleep(0.1)
         time.sleep(3)
 
-pair = loader.load_pair(None, None, device="cpu", dtype="float32", with_draft=False, progress=progress)
+pair = loader.load_pair(LoadSpec(None, None, device="cpu", dtype="float32", with_draft=False), progress)
 print(json.dumps(["done", pair.info.target_name]), flush=True)
 """
 

@@ -13,7 +13,7 @@ from transformers import (
 )
 
 from engine.decoding.ngram import CombinedProposer, NgramProposer
-from engine.decoding.proposers import Proposal
+from engine.decoding.proposers import Proposal, Proposer
 from engine.errors import GenerationError
 from engine.measure.costmodel import (
     CostModel,
@@ -297,7 +297,7 @@ def test_ngram_no_match_cap_and_commit():
     assert p.propose(0).tokens.numel() == 0
 
 
-class FakeDraft:
+class FakeDraft(Proposer):
     """Records what the combined proposer tells the draft model."""
 
     def __init__(self) -> None:

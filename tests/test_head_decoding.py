@@ -195,15 +195,16 @@ def test_a_head_on_a_target_split_over_gpus_is_refused_in_one_line(tiny_head):
     """Its embeddings and output rows sit on different GPUs: refused when named, skipped for "auto"."""
     from dataclasses import replace
 
-    from engine.decoding import Engine
+    from engine.assemble import engine_for_pair
     from engine.errors import IncompatibleModelsError
+    from engine.loadspec import LoadSpec
     from engine.models.loader import load_pair
 
-    pair = load_pair(str(tiny_head.target), None, device="cpu", dtype="float32", with_draft=False)
+    pair = load_pair(LoadSpec(str(tiny_head.target), None, device="cpu", dtype="float32", with_draft=False))
     split = replace(pair, info=replace(pair.info, devices=("cuda:0", "cuda:1")))
     with pytest.raises(IncompatibleModelsError, match="split over cuda:0, cuda:1"):
-        Engine.from_pair(split, fast_path="eager", head=str(tiny_head.head))
-    assert Engine.from_pair(split, fast_path="eager", head="auto").head_runner is None
+        engine_for_pair(split, LoadSpec(fast_path="eager", head=str(tiny_head.head)))
+    assert engine_for_pair(split, LoadSpec(fast_path="eager", head="auto")).head_runner is None
 
 
 def test_standard_steps_inside_a_head_generation_keep_it_in_step(engine):

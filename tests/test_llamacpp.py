@@ -10,7 +10,8 @@ import torch
 
 from engine.errors import GenerationError, ModelLoadError
 from engine.limits import K_AUTO, K_MAX
-from engine.models import runtime as runtime_mod
+from engine import assemble
+from engine.loadspec import LoadSpec
 from engine.models.store import resolve_source
 from engine.runners import llamacpp as llamacpp_mod
 from engine.types import GenerationRequest, Message, Sampling
@@ -38,7 +39,7 @@ def engine(ggufs, tmp_path_factory):
     import os
 
     os.environ["SPECDEC_CACHE_DIR"] = str(tmp_path_factory.mktemp("cache"))
-    return runtime_mod.load_engine(str(ggufs[0]), str(ggufs[1]), runtime="llamacpp", threads=1)
+    return assemble.build_engine(LoadSpec(str(ggufs[0]), str(ggufs[1]), runtime="llamacpp", threads=1))
 
 
 def _ids(n: int, vocab: int, seed: int = 0) -> torch.Tensor:
@@ -258,8 +259,8 @@ def test_draft_head_is_refused_in_one_line_on_llamacpp(engine, ggufs):
     # Asked for explicitly: refused before loading; under auto a head means torch, saying why.
     gguf = [resolve_source(str(ggufs[0]), "target")]
     with pytest.raises(ModelLoadError, match="hidden states"):
-        runtime_mod.choose_runtime("llamacpp", "cpu", gguf, needs_head=True)
-    choice = runtime_mod.choose_runtime("auto", "cpu", gguf, needs_head=True)
+        assemble.choose_runtime(LoadSpec(runtime="llamacpp", device="cpu", needs_head=True), gguf)
+    choice = assemble.choose_runtime(LoadSpec(runtime="auto", device="cpu", needs_head=True), gguf)
     assert choice.runtime == "torch" and "hidden states" in choice.note
 
 
@@ -290,16 +291,16 @@ def test_verdict_names_a_linear_verify():
 def test_auto_picks_llamacpp_for_gguf_on_cpu_and_torch_for_folders(ggufs):
     gguf = [resolve_source(str(ggufs[0]), "target")]
     folder = [resolve_source(str(ggufs[2]), "target")]
-    assert runtime_mod.choose_runtime("auto", "cpu", gguf).runtime == "llamacpp"
-    assert runtime_mod.choose_runtime("auto", "cpu", folder) == runtime_mod.RuntimeChoice("torch")
-    assert runtime_mod.choose_runtime("torch", "cpu", gguf).runtime == "torch"
+    assert assemble.choose_runtime(LoadSpec(runtime="auto", device="cpu"), gguf).runtime == "llamacpp"
+    assert assemble.choose_runtime(LoadSpec(runtime="auto", device="cpu"), folder) == assemble.RuntimeChoice("torch")
+    assert assemble.choose_runtime(LoadSpec(runtime="torch", device="cpu"), gguf).runtime == "torch"
     # A torch setting asked for explicitly means torch.
-    assert runtime_mod.choose_runtime("auto", "cpu", gguf, dtype="float32").runtime == "torch"
-    assert runtime_mod.choose_runtime("auto", "cpu", gguf, fast_path="eager").runtime == "torch"
+    assert assemble.choose_runtime(LoadSpec(runtime="auto", device="cpu", dtype="float32"), gguf).runtime == "torch"
+    assert assemble.choose_runtime(LoadSpec(runtime="auto", device="cpu", fast_path="eager"), gguf).runtime == "torch"
     with pytest.raises(ModelLoadError, match="loads .gguf files"):
-        runtime_mod.choose_runtime("llamacpp", "cpu", folder)
+        assemble.choose_runtime(LoadSpec(runtime="llamacpp", device="cpu"), folder)
     with pytest.raises(ModelLoadError, match="runs on the CPU"):
-        runtime_mod.choose_runtime("llamacpp", "cuda", gguf)
+        assemble.choose_runtime(LoadSpec(runtime="llamacpp", device="cuda"), gguf)
 
 
 def test_missing_module_falls_back_to_torch_and_says_why(ggufs, monkeypatch):
@@ -320,11 +321,11 @@ def test_missing_module_falls_back_to_torch_and_says_why(ggufs, monkeypatch):
         reason = llamacpp_mod.unavailable_reason()
         assert reason == "ImportError: No module named 'llama_cpp'"
         gguf = [resolve_source(str(ggufs[0]), "target")]
-        choice = runtime_mod.choose_runtime("auto", "cpu", gguf)
+        choice = assemble.choose_runtime(LoadSpec(runtime="auto", device="cpu"), gguf)
         assert choice.runtime == "torch" and "llama.cpp unavailable" in choice.note and "\n" not in choice.note
         with pytest.raises(llamacpp_mod.RuntimeUnavailable, match="pip install"):
-            runtime_mod.choose_runtime("llamacpp", "cpu", gguf)
-        engine = runtime_mod.load_engine(str(ggufs[0]), None, with_draft=False, device="cpu")
+            assemble.choose_runtime(LoadSpec(runtime="llamacpp", device="cpu"), gguf)
+        engine = assemble.build_engine(LoadSpec(str(ggufs[0]), None, with_draft=False, device="cpu"))
         assert engine.info.runtime == "torch" and engine.info.runtime_note == choice.note
         from app.session import runtime_label
 
@@ -369,7 +370,7 @@ def test_load_builds_no_tokenizer_and_converts_nothing(ggufs, tmp_path, monkeypa
     monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path / "fresh"))
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", refuse)
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", refuse)
-    engine = runtime_mod.load_engine(str(ggufs[0]), str(ggufs[1]), runtime="llamacpp", threads=1)
+    engine = assemble.build_engine(LoadSpec(str(ggufs[0]), str(ggufs[1]), runtime="llamacpp", threads=1))
     generation = engine.generate(_request("speculative"))
     assert "".join(step.text for step in generation) == generation.summary.text
     assert not (tmp_path / "fresh").exists() or not any((tmp_path / "fresh").rglob("*.safetensors"))
@@ -473,7 +474,7 @@ def test_a_load_follows_the_amx_verdict_and_says_so(ggufs, monkeypatch):
     monkeypatch.delenv(probe.AMX_ENV, raising=False)
     monkeypatch.setattr(probe, "amx_advertised", lambda: True)
     monkeypatch.setattr(probe, "run_child", lambda path: -4 if path == ggufs[0] else 0)
-    engine = runtime_mod.load_engine(str(ggufs[0]), str(ggufs[1]), runtime="llamacpp", threads=1)
+    engine = assemble.build_engine(LoadSpec(str(ggufs[0]), str(ggufs[1]), runtime="llamacpp", threads=1))
     assert (engine.target_runner.repack, engine.draft_runner.repack) == (False, True)
     assert engine.info.fast_path_note == ("llama.cpp's AMX kernels off for tiny-target: they did not run on this "
                                           "CPU in a trial")
@@ -483,7 +484,7 @@ def test_a_load_follows_the_amx_verdict_and_says_so(ggufs, monkeypatch):
 
 
 def test_the_amx_trial_child_answers_bad_arguments_in_one_line(tmp_path, capsys):
-    from engine.runners import llamacpp_probe as probe
+    from engine.runners import llamacpp_trial as probe
 
     assert probe.main([]) == 2 and probe.main(["a", "b"]) == 2
     assert "usage:" in capsys.readouterr().err

@@ -10,7 +10,8 @@ import pytest
 import torch
 from torch import nn
 
-from engine.decoding import Engine
+from engine.assemble import engine_for_pair, load_pair_packed
+from engine.loadspec import LoadSpec
 from engine.models.loader import load_pair
 from engine.models.memory import MappedFiles
 from engine.runners import cpu
@@ -96,12 +97,12 @@ def test_packing_trims_the_heap_after_every_layer(tiny_pair, monkeypatch):
 
 
 def test_bfloat16_pages_of_packed_weights_are_given_back(bf16_folder):
-    pair = load_pair(str(bf16_folder), None, device="cpu", dtype="bfloat16", with_draft=False)
+    pair = load_pair(LoadSpec(str(bf16_folder), None, device="cpu", dtype="bfloat16", with_draft=False))
     size = _weights(bf16_folder).stat().st_size
     with torch.no_grad():
         pair.target(torch.tensor([[1, 2, 3]]))  # every weight touched: all pages resident
     assert _mapped_rss(_weights(bf16_folder)) > 0.9 * size
-    engine = Engine.from_pair(pair, fast_path="auto")
+    engine = engine_for_pair(pair, LoadSpec(fast_path="auto"))
     assert engine.info.fast_path == "cpu-onednn"
     assert _mapped_rss(_weights(bf16_folder)) < 0.1 * size, "packed weights' file pages must not stay resident"
     list(engine.generate(GenerationRequest(prompt="def add(a, b):", mode="standard", max_new_tokens=4)))
@@ -111,20 +112,20 @@ def test_float32_from_a_bfloat16_file_is_exact_and_keeps_no_pages(bf16_folder):
     from transformers import AutoModelForCausalLM
 
     reference = AutoModelForCausalLM.from_pretrained(str(bf16_folder), dtype=torch.float32).eval()
-    pair = load_pair(str(bf16_folder), None, device="cpu", dtype="float32", with_draft=False)
+    pair = load_pair(LoadSpec(str(bf16_folder), None, device="cpu", dtype="float32", with_draft=False))
     assert pair.target.dtype == torch.float32 and all(p.dtype == torch.float32 for p in pair.target.parameters())
     assert _mapped_rss(_weights(bf16_folder)) < 0.1 * _weights(bf16_folder).stat().st_size
     ids = torch.tensor([[5, 6, 7, 8, 9]])
     with torch.no_grad():
         assert torch.equal(pair.target(ids).logits, reference(ids).logits)  # bf16 -> fp32 is exact either way
-    engine = Engine.from_pair(pair, fast_path="auto")
+    engine = engine_for_pair(pair, LoadSpec(fast_path="auto"))
     embedding = engine.target.get_input_embeddings()
     # Only looked up now (the head is packed): an exact bfloat16 copy instead of float32 rows.
     assert isinstance(embedding, cpu.CompactEmbedding) and embedding.weight.dtype == torch.bfloat16
     assert engine.target.dtype == torch.float32
     assert not any(p.dtype != torch.float32 for p in engine.target.parameters())
-    eager = Engine.from_pair(load_pair(str(bf16_folder), None, device="cpu", dtype="float32", with_draft=False),
-                             fast_path="eager")
+    eager = engine_for_pair(load_pair(LoadSpec(str(bf16_folder), None, device="cpu", dtype="float32", with_draft=False)),
+                            LoadSpec(fast_path="eager"))
     request = GenerationRequest(prompt="def add(a, b):", mode="standard", max_new_tokens=12)
     fast_run, eager_run = engine.generate(request), eager.generate(request)
     list(fast_run), list(eager_run)
@@ -145,13 +146,14 @@ def test_pack_cpu_packs_each_model_before_the_next_loads(tiny_pair, monkeypatch)
         return model
 
     monkeypatch.setattr(loader, "_load_model", recording)
-    pair = loader.load_pair(str(tiny_pair[0]), str(tiny_pair[1]), device="cpu", dtype="float32", pack_cpu=True)
+    packed = load_pair_packed(LoadSpec(str(tiny_pair[0]), str(tiny_pair[1]), device="cpu", dtype="float32"))
+    pair = packed.pair
     assert unpacked_when_loading == [0, 0]  # the draft loaded beside an already packed target
     assert not any(type(m) is nn.Linear for model in (pair.target, pair.draft) for m in model.modules())
-    engine = Engine.from_pair(pair, fast_path="auto")
+    engine = engine_for_pair(packed, LoadSpec(fast_path="auto"))
     assert engine.info.fast_path == "cpu-onednn"
-    plain = Engine.from_pair(loader.load_pair(str(tiny_pair[0]), str(tiny_pair[1]), device="cpu", dtype="float32"),
-                             fast_path="eager")
+    plain = engine_for_pair(loader.load_pair(LoadSpec(str(tiny_pair[0]), str(tiny_pair[1]), device="cpu",
+                                                      dtype="float32")), LoadSpec(fast_path="eager"))
     request = GenerationRequest(prompt="def add(a, b):", mode="speculative", k=3, max_new_tokens=12)
     a, b = engine.generate(request), plain.generate(request)
     list(a), list(b)
@@ -169,7 +171,8 @@ def test_float32_pack_cpu_casts_each_weight_as_it_packs(bf16_folder, monkeypatch
         real(self, linear, dtype)
 
     monkeypatch.setattr(cpu.PackedLinear, "__init__", recording)
-    pair = loader.load_pair(str(bf16_folder), None, device="cpu", dtype="float32", with_draft=False, pack_cpu=True)
+    packed = load_pair_packed(LoadSpec(str(bf16_folder), None, device="cpu", dtype="float32", with_draft=False))
+    pair = packed.pair
     assert seen[1:] and set(seen[1:]) == {torch.bfloat16}  # after the 8x8 float32 probe of try_pack
     assert all(t.dtype == torch.float32 for t in pair.target.parameters())
     embedding = pair.target.get_input_embeddings()
@@ -177,9 +180,9 @@ def test_float32_pack_cpu_casts_each_weight_as_it_packs(bf16_folder, monkeypatch
     # The file's own tensor, memory-mapped: only rows looked up become resident, no 2-byte copy of it all.
     assert MappedFiles().contains(embedding.weight)
     monkeypatch.setattr(cpu.PackedLinear, "__init__", real)
-    reference = Engine.from_pair(loader.load_pair(str(bf16_folder), None, device="cpu", dtype="float32",
-                                                 with_draft=False), fast_path="eager")
-    engine = Engine.from_pair(pair, fast_path="auto")
+    reference = engine_for_pair(loader.load_pair(LoadSpec(str(bf16_folder), None, device="cpu", dtype="float32",
+                                                          with_draft=False)), LoadSpec(fast_path="eager"))
+    engine = engine_for_pair(packed, LoadSpec(fast_path="auto"))
     request = GenerationRequest(prompt="def add(a, b):", mode="standard", max_new_tokens=12)
     a, b = engine.generate(request), reference.generate(request)
     list(a), list(b)
@@ -190,7 +193,7 @@ def test_without_onednn_pack_cpu_still_gives_a_float32_model(bf16_folder, monkey
     from engine.models import loader
 
     monkeypatch.setattr(cpu, "onednn_available", lambda: False)
-    pair = loader.load_pair(str(bf16_folder), None, device="cpu", dtype="float32", with_draft=False, pack_cpu=True)
+    pair = load_pair_packed(LoadSpec(str(bf16_folder), None, device="cpu", dtype="float32", with_draft=False)).pair
     assert all(t.dtype == torch.float32 for t in pair.target.parameters())
     assert any(type(m) is nn.Linear for m in pair.target.modules())
     assert not hasattr(pair.target.get_input_embeddings(), "file_weight")  # kept for a packer that did not run
@@ -210,7 +213,7 @@ def test_a_weight_cast_on_its_way_in_packs_to_the_same_layer():
 def test_float32_pack_cpu_keeps_no_float32_embedding_for_the_head(tiny_head, tmp_path, monkeypatch):
     """The head binds to the target before packing; packing then keeps the input embedding in exact
     bfloat16, and the float32 one must go at once, not live on in the head while the draft loads
-    (until Engine.from_pair rebinds it): for the default pair, 0.9 GB of the float32 load peak."""
+    (until the engine is built and rebinds it): for the default pair, 0.9 GB of the float32 load peak."""
     from torch.multiprocessing.reductions import StorageWeakRef
 
     from engine.models import loader
@@ -229,11 +232,11 @@ def test_float32_pack_cpu_keeps_no_float32_embedding_for_the_head(tiny_head, tmp
         real(target, to_be_packed)
 
     monkeypatch.setattr(cpu, "_compact_embedding", recording)
-    pair = loader.load_pair(str(folder), None, device="cpu", dtype="float32", with_draft=False, pack_cpu=True,
-                            head=str(tiny_head.head))
-    embedding = pair.target.get_input_embeddings()
-    assert isinstance(embedding, cpu.CompactEmbedding) and pair.head is not None
-    head = pair.head[0]
+    packed = load_pair_packed(LoadSpec(str(folder), None, device="cpu", dtype="float32", with_draft=False,
+                                       head=str(tiny_head.head)))
+    embedding = packed.pair.target.get_input_embeddings()
+    assert isinstance(embedding, cpu.CompactEmbedding) and packed.head is not None
+    head = packed.head[0]
     assert head.embed.dtype == torch.bfloat16 and head.embed.data_ptr() == embedding.weight.data_ptr()
     gc.collect()
     assert len(replaced) == 1 and replaced[0].expired(), "the float32 embedding packing replaced is still alive"

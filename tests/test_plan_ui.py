@@ -84,9 +84,9 @@ def test_dialog_offers_presets_and_round_trips_the_new_fields(qtbot):
 def test_selection_to_load_request_carries_precision_context_memory_and_force():
     sel = ModelSelection(target_precision="nf4", draft_precision="int8", context=2048, memory_gib=24.0)
     r = load_request_for(sel, force=True)
-    assert (r.target_dtype, r.draft_dtype, r.context, r.memory, r.force) == ("nf4", "int8", 2048, 24 * GiB, True)
+    assert (r.target_precision, r.draft_precision, r.context, r.memory, r.force) == ("nf4", "int8", 2048, 24 * GiB, True)
     r = load_request_for(ModelSelection())
-    assert (r.target_dtype, r.context, r.memory, r.force) == ("auto", None, None, False)
+    assert (r.target_precision, r.context, r.memory, r.force) == ("auto", None, None, False)
     bad = ModelSelection.from_dict({"target_precision": "int3", "context": -4, "memory_gib": float("nan")})
     assert (bad.target_precision, bad.context, bad.memory_gib) == ("auto", 0, 0.0)
 
@@ -161,9 +161,9 @@ def test_cli_plan_presets_table(capsys):
 
 
 def test_cli_fails_with_the_plan_before_loading(tiny_pair, capsys, monkeypatch):
-    from engine.models import loader
+    import transformers
 
-    monkeypatch.setattr(loader.AutoModelForCausalLM, "from_pretrained",
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained",
                         lambda *a, **k: pytest.fail("weights loaded although the plan said no"))
     code = cli_main(["generate", "--prompt", "hi", "--target", str(tiny_pair[0]), "--draft", str(tiny_pair[1]),
                      "--device", "cpu", "--memory", "1MiB"])
@@ -179,10 +179,11 @@ def test_cli_rejects_preset_with_target():
 def test_a_hub_preset_without_network_says_so_plainly(monkeypatch):
     """HF_HUB_OFFLINE is set for tests: a preset's hub id that is not cached cannot be fetched."""
     from engine.errors import ModelLoadError
+    from engine.loadspec import LoadSpec
     from engine.models.loader import load_pair
 
     with pytest.raises(ModelLoadError) as e:
-        load_pair("Qwen/Qwen3-32B", "Qwen/Qwen3-0.6B", device="cpu")
+        load_pair(LoadSpec("Qwen/Qwen3-32B", "Qwen/Qwen3-0.6B", device="cpu"))
     message = str(e.value)
     assert "\n" not in message and "no network" in message and "packaged default pair" in message
 
@@ -191,9 +192,10 @@ def test_a_preset_in_the_local_hub_cache_loads(tiny_pair, tmp_path, monkeypatch)
     """A preset's hub id that is in the local cache loads from there (here the cache is a fake snapshot)."""
     import huggingface_hub
 
+    from engine.loadspec import LoadSpec
     from engine.models.loader import load_pair
 
     folders = {"Qwen/Qwen2.5-0.5B-Instruct": tiny_pair[1], "Qwen/Qwen2.5-14B-Instruct": tiny_pair[0]}
     monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda repo_id, **k: str(folders[repo_id]))
-    pair = load_pair("Qwen/Qwen2.5-14B-Instruct", "Qwen/Qwen2.5-0.5B-Instruct", device="cpu", dtype="float32")
+    pair = load_pair(LoadSpec("Qwen/Qwen2.5-14B-Instruct", "Qwen/Qwen2.5-0.5B-Instruct", device="cpu", dtype="float32"))
     assert pair.info.target_name == "Qwen/Qwen2.5-14B-Instruct" and pair.plan.fits

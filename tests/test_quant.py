@@ -16,7 +16,8 @@ import torch
 from engine.errors import ModelLoadError
 from engine.models import quant
 from engine.models.census import census_from_folder
-from engine.models.quant import checkpoint_quantization, normalize_precision
+from engine.loadspec import normalize_precision
+from engine.models.quant import checkpoint_quantization
 from tests.tiny import build_model
 
 
@@ -65,13 +66,14 @@ def test_without_bitsandbytes_quantizing_is_one_clear_line(monkeypatch, tiny_pai
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name == "bitsandbytes" else real(name, *a))
+    from engine.loadspec import LoadSpec
     from engine.models.loader import load_pair
 
     with pytest.raises(ModelLoadError) as e:
-        load_pair(str(tiny_pair[0]), str(tiny_pair[1]), device="cpu", target_dtype="nf4")
+        load_pair(LoadSpec(str(tiny_pair[0]), str(tiny_pair[1]), device="cpu", target_precision="nf4"))
     message = str(e.value)
     assert "\n" not in message and "pip install" in message and "bitsandbytes" in message
-    load_pair(str(tiny_pair[0]), str(tiny_pair[1]), device="cpu", dtype="float32")  # float still loads
+    load_pair(LoadSpec(str(tiny_pair[0]), str(tiny_pair[1]), device="cpu", dtype="float32"))  # float still loads
 
 
 # --------------------------------------------------------------------------- loading (needs bitsandbytes)
@@ -100,10 +102,11 @@ def _bytes(model: torch.nn.Module) -> int:
 @needs_bnb
 @pytest.mark.parametrize("precision", ["int8", "nf4"])
 def test_quantized_target_loads_and_the_plan_counts_its_bytes(tiny_pair, precision):
+    from engine.loadspec import LoadSpec
     from engine.models.loader import load_pair
     from engine.models.quant import quantized_kind
 
-    pair = load_pair(str(tiny_pair[0]), str(tiny_pair[1]), device=DEVICE, dtype="float32", target_dtype=precision)
+    pair = load_pair(LoadSpec(str(tiny_pair[0]), str(tiny_pair[1]), device=DEVICE, dtype="float32", target_precision=precision))
     assert quantized_kind(pair.target) == precision and quantized_kind(pair.draft) is None
     assert pair.info.target_precision == precision and pair.info.draft_precision == "float32"
     planned = next(i.bytes for i in pair.plan.devices[0].items if i.kind == "weights" and i.model == "target")
@@ -115,6 +118,7 @@ def test_quantized_target_loads_and_the_plan_counts_its_bytes(tiny_pair, precisi
 def test_a_prequantized_checkpoint_loads_as_it_is(tiny_pair, tmp_path):
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
+    from engine.loadspec import LoadSpec
     from engine.models.loader import load_pair
     from engine.models.quant import quantized_kind
 
@@ -131,7 +135,7 @@ def test_a_prequantized_checkpoint_loads_as_it_is(tiny_pair, tmp_path):
     census = census_from_folder(folder, "pre")
     assert census.prequantized == "nf4" and census.layers[0].stored_bytes > 0
     assert json.loads((folder / "config.json").read_text())["quantization_config"]["load_in_4bit"]
-    pair = load_pair(str(folder), str(tiny_pair[1]), device=DEVICE, dtype="float32")
+    pair = load_pair(LoadSpec(str(folder), str(tiny_pair[1]), device=DEVICE, dtype="float32"))
     assert quantized_kind(pair.target) == "nf4"
     assert "pre-quantized" in pair.plan.target_precision
 
@@ -139,12 +143,12 @@ def test_a_prequantized_checkpoint_loads_as_it_is(tiny_pair, tmp_path):
 @needs_bnb
 @pytest.mark.parametrize("precision", ["int8", "nf4"])
 def test_lean_forward_over_quantized_layers_matches_transformers(tiny_pair, precision):
+    from engine.loadspec import LoadSpec
     from engine.models.loader import load_pair
     from engine.runners import EagerRunner
     from engine.runners.graphs import StaticGraphRunner, capture_problem
 
-    pair = load_pair(str(tiny_pair[0]), None, device=DEVICE, dtype="float32", target_dtype=precision,
-                     with_draft=False)
+    pair = load_pair(LoadSpec(str(tiny_pair[0]), None, device=DEVICE, dtype="float32", target_precision=precision, with_draft=False))
     model = pair.target
     assert (capture_problem(model) is None) == (precision == "nf4")  # LLM.int8() cannot be captured
     runner = StaticGraphRunner(model, max_length=128, graph_widths=(1, 4))
@@ -165,11 +169,13 @@ def test_lean_forward_over_quantized_layers_matches_transformers(tiny_pair, prec
 @needs_bnb
 def test_greedy_speculative_equals_standard_with_an_nf4_target(tiny_pair):
     from engine.decoding import Engine
+    from engine.loadspec import LoadSpec
     from engine.models.loader import load_pair
     from engine.runners.graphs import build_runners
     from engine.types import GenerationRequest
 
-    pair = load_pair(str(tiny_pair[0]), str(tiny_pair[1]), device=DEVICE, dtype="float32", target_dtype="nf4")
+    pair = load_pair(LoadSpec(str(tiny_pair[0]), str(tiny_pair[1]), device=DEVICE, dtype="float32",
+                              target_precision="nf4"))
     t, d, _ = build_runners(pair.target, pair.draft, max_length=256, k_max=6)
     engine = Engine(pair.target, pair.tokenizer, pair.info, draft=pair.draft, target_runner=t, draft_runner=d)
     prompt = "def add(a, b):\n    return a + b\ndef add(a, b):"
@@ -182,11 +188,12 @@ def test_greedy_speculative_equals_standard_with_an_nf4_target(tiny_pair):
 
 @needs_bnb
 def test_engine_reports_why_int8_runs_without_graphs(tiny_pair):
-    from engine.decoding import Engine
+    from engine.assemble import engine_for_pair
+    from engine.loadspec import LoadSpec
     from engine.models.loader import load_pair
 
-    pair = load_pair(str(tiny_pair[0]), str(tiny_pair[1]), device=DEVICE, dtype="float32", target_dtype="int8")
-    engine = Engine.from_pair(pair)
+    pair = load_pair(LoadSpec(str(tiny_pair[0]), str(tiny_pair[1]), device=DEVICE, dtype="float32", target_precision="int8"))
+    engine = engine_for_pair(pair, LoadSpec())
     if DEVICE == "cuda":
         assert engine.info.fast_path == "static-eager" and "int8" in engine.info.fast_path_note
     else:
@@ -196,20 +203,24 @@ def test_engine_reports_why_int8_runs_without_graphs(tiny_pair):
 @pytest.mark.gpu
 @needs_bnb
 def test_nf4_is_captured_in_cuda_graphs(tiny_pair):
+    from engine.loadspec import LoadSpec
     from engine.models.loader import load_pair
     from engine.runners.graphs import build_runners
 
-    pair = load_pair(str(tiny_pair[0]), str(tiny_pair[1]), device="cuda", dtype="bfloat16", target_dtype="nf4")
+    pair = load_pair(LoadSpec(str(tiny_pair[0]), str(tiny_pair[1]), device="cuda", dtype="bfloat16", target_precision="nf4"))
     t, d, name = build_runners(pair.target, pair.draft, max_length=256, k_max=4)
     assert name == "cuda-graphs", t.fallback_reason
 
 
 def test_bnb_model_is_never_moved_with_to(tiny_pair, monkeypatch):
     """transformers refuses .to() on 8-bit models: loading must place weights with device_map instead."""
+    import transformers
+
+    from engine.loadspec import LoadSpec
     from engine.models import loader
 
     calls = []
-    real = loader.AutoModelForCausalLM.from_pretrained
+    real = transformers.AutoModelForCausalLM.from_pretrained
 
     def spy(*args, **kwargs):
         calls.append(kwargs)
@@ -217,8 +228,8 @@ def test_bnb_model_is_never_moved_with_to(tiny_pair, monkeypatch):
         monkeypatch.setattr(model, "to", lambda *a, **k: pytest.fail(".to() called on a loaded model"))
         return model
 
-    monkeypatch.setattr(loader.AutoModelForCausalLM, "from_pretrained", spy)
-    loader.load_pair(str(tiny_pair[0]), None, device="cpu", dtype="float32", with_draft=False)
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", spy)
+    loader.load_pair(LoadSpec(str(tiny_pair[0]), None, device="cpu", dtype="float32", with_draft=False))
     assert calls and calls[0]["dtype"] == torch.float32
 
 
@@ -228,12 +239,13 @@ def test_tiny_model_sizes_match_the_census(tmp_path):
 
 
 def test_without_accelerate_float_loads_still_work_and_quantized_ones_say_why(monkeypatch, tiny_pair):
+    from engine.loadspec import LoadSpec
     from engine.models.loader import load_pair
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name == "accelerate" else real(name, *a))
-    load_pair(str(tiny_pair[0]), None, device="cpu", dtype="float32", with_draft=False)
+    load_pair(LoadSpec(str(tiny_pair[0]), None, device="cpu", dtype="float32", with_draft=False))
     if _bnb_problem() is None:
         with pytest.raises(ModelLoadError, match="needs the accelerate package"):
-            load_pair(str(tiny_pair[0]), None, device="cpu", dtype="float32", target_dtype="nf4", with_draft=False)
+            load_pair(LoadSpec(str(tiny_pair[0]), None, device="cpu", dtype="float32", target_precision="nf4", with_draft=False))

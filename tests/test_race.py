@@ -25,8 +25,9 @@ from app.race_logic import (
     summarize_race,
     write_race_csv,
 )
-from app.worker import LoadRequest, WorkerHost, running_threads
+from app.worker import WorkerHost, running_threads
 from engine.limits import K_AUTO
+from engine.loadspec import LoadSpec
 from engine.measure.stats import summarize
 from engine.settings import GenerationSettings
 from engine.types import (
@@ -146,7 +147,7 @@ def race_setup(qtbot):
     def make(engine: RaceEngine, settings: GenerationSettings | None = None):
         host = WorkerHost(lambda _req, _progress: engine)
         hosts.append(host)
-        host.worker.load_requested.emit(LoadRequest())
+        host.worker.load_requested.emit(LoadSpec())
         # Not waitSignal on a worker signal: its blocker would run (and stop its timer) on the worker thread.
         qtbot.waitUntil(lambda: host.worker.engine is not None, timeout=5000)
         view = RaceView()

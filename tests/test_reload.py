@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from app.demo import DEMO_INFO
-from app.session import LoadRequest
+from engine.loadspec import LoadSpec
 from app.worker import EngineWorker
 from engine.errors import ModelLoadError
 from engine.models import memory
@@ -32,7 +32,7 @@ class Factory:
         self.engine_at_load: list[object] = []  # the worker's engine when each load reached its weights
         self.calls: list[str] = []
 
-    def __call__(self, request: LoadRequest, progress):
+    def __call__(self, request: LoadSpec, progress):
         name = request.target or "default"
         self.calls.append(name)
         progress(Stage("check", 0.0, "Checking tokenizers"))
@@ -59,7 +59,7 @@ def make_worker(qapp):
         worker.engine_released.connect(lambda m: events.append(("released", m)))
         worker.load_progress.connect(lambda p: events.append((p.stage, p.message)) if p.stage in ("release", "reload")
                                      else None)
-        worker._on_load_requested(LoadRequest(target="first", device=device))
+        worker._on_load_requested(LoadSpec(target="first", device=device))
         events.clear()
         return worker, factory, events
 
@@ -69,14 +69,14 @@ def make_worker(qapp):
 def test_pairs_that_fit_together_keep_the_old_one_until_the_new_is_ready(make_worker):
     worker, factory, events = make_worker(fits=True)
     old = worker.engine
-    worker._on_load_requested(LoadRequest(target="second"))
+    worker._on_load_requested(LoadSpec(target="second"))
     assert factory.engine_at_load[-1] is old  # still answering while the new weights load
     assert events == [("finished", "second")] and worker.engine.info.target_name == "second"
 
 
 def test_pairs_that_do_not_fit_release_the_old_one_first_and_say_so(make_worker):
     worker, factory, events = make_worker(fits=False)
-    worker._on_load_requested(LoadRequest(target="second"))
+    worker._on_load_requested(LoadSpec(target="second"))
     assert factory.engine_at_load[-1] is None  # released before the new weights came in
     (kind, note), status, finished = events
     assert kind == "released" and note.startswith("Released the old pair to make room: the new pair needs about")
@@ -86,7 +86,7 @@ def test_pairs_that_do_not_fit_release_the_old_one_first_and_say_so(make_worker)
 
 def test_a_failed_load_after_release_loads_the_old_pair_again(make_worker):
     worker, factory, events = make_worker(fits=False, fail={"second": "load"})
-    worker._on_load_requested(LoadRequest(target="second"))
+    worker._on_load_requested(LoadSpec(target="second"))
     kinds = [k for k, _ in events]
     assert kinds == ["released", "release", "reload", "failed", "finished"]
     assert "loading the old pair again" in events[2][1]
@@ -98,14 +98,14 @@ def test_a_failed_load_after_release_loads_the_old_pair_again(make_worker):
 def test_a_failure_before_the_weights_keeps_the_old_pair(make_worker):
     worker, factory, events = make_worker(fits=False, fail={"second": "check"})
     old = worker.engine
-    worker._on_load_requested(LoadRequest(target="second"))
+    worker._on_load_requested(LoadSpec(target="second"))
     assert events == [("failed", "second: different tokenizers")] and worker.engine is old
 
 
 def test_when_the_old_pair_cannot_come_back_either(make_worker):
     worker, factory, events = make_worker(fits=False, fail={"second": "load"})
     factory.fail["first"] = "load"
-    worker._on_load_requested(LoadRequest(target="second"))
+    worker._on_load_requested(LoadSpec(target="second"))
     assert [k for k, _ in events] == ["released", "release", "reload", "failed"]
     assert "could not be loaded again" in events[3][1] and "no models are loaded" in events[3][1]
     assert worker.engine is None
@@ -113,7 +113,7 @@ def test_when_the_old_pair_cannot_come_back_either(make_worker):
 
 def test_on_the_cpu_the_old_pair_goes_first_although_both_fit(make_worker):
     worker, factory, events = make_worker(fits=True, release_on_cpu=True)
-    worker._on_load_requested(LoadRequest(target="second", device="cpu"))
+    worker._on_load_requested(LoadSpec(target="second", device="cpu"))
     assert factory.engine_at_load[-1] is None
     (kind, note), _status, finished = events
     assert kind == "released" and note.startswith("Released the old pair to make room: on the CPU")
@@ -122,7 +122,7 @@ def test_on_the_cpu_the_old_pair_goes_first_although_both_fit(make_worker):
 
 def test_on_the_cpu_a_failed_load_brings_the_old_pair_back(make_worker):
     worker, factory, events = make_worker(fits=True, fail={"second": "load"}, release_on_cpu=True)
-    worker._on_load_requested(LoadRequest(target="second", device="cpu"))
+    worker._on_load_requested(LoadSpec(target="second", device="cpu"))
     assert [k for k, _ in events] == ["released", "release", "reload", "failed", "finished"]
     assert worker.engine.info.target_name == "first" and factory.calls == ["first", "second", "first"]
 
@@ -131,7 +131,7 @@ def test_a_pair_off_the_cpu_stays_while_the_next_loads_when_both_fit(make_worker
     worker, factory, events = make_worker(fits=True, release_on_cpu=True)
     worker.engine = type("E", (), {"info": replace(DEMO_INFO, device="cuda:0"), "generate": None})()
     old = worker.engine
-    worker._on_load_requested(LoadRequest(target="second", device="cpu"))
+    worker._on_load_requested(LoadSpec(target="second", device="cpu"))
     assert factory.engine_at_load[-1] is old and events == [("finished", "second")]
 
 
@@ -171,7 +171,7 @@ def test_pair_bytes_from_headers(tiny_pair):
 def test_measure_room_compares_the_headers_with_free_memory(tiny_pair, monkeypatch):
     from app.worker import measure_room
 
-    request = LoadRequest(target=str(tiny_pair[0]), draft=str(tiny_pair[1]), device="cpu", dtype="float32")
+    request = LoadSpec(target=str(tiny_pair[0]), draft=str(tiny_pair[1]), device="cpu", dtype="float32")
     monkeypatch.setattr(memory, "available_bytes", lambda: 64 << 30)
     monkeypatch.setattr(memory, "total_bytes", lambda: 64 << 30)
     need, free = measure_room(request, object())
@@ -186,11 +186,11 @@ def test_measure_room_compares_the_headers_with_free_memory(tiny_pair, monkeypat
 
 def _at_weights(monkeypatch, check) -> None:
     """Runs check() on the worker thread when each load reaches its weights, after the worker's own progress."""
-    from engine.models import runtime
+    from engine import assemble
 
-    real = runtime.load_engine
+    real = assemble.build_engine
 
-    def spying(*args, progress, **kwargs):
+    def spying(spec, progress):
         first = [True]
 
         def spy(p):
@@ -199,9 +199,9 @@ def _at_weights(monkeypatch, check) -> None:
                 first[0] = False
                 check()
 
-        return real(*args, progress=spy, **kwargs)
+        return real(spec, spy)
 
-    monkeypatch.setattr(runtime, "load_engine", spying)
+    monkeypatch.setattr(assemble, "build_engine", spying)
 
 
 def _tiny_window(qtbot, tmp_path, tiny_pair):

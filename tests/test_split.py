@@ -88,7 +88,8 @@ def _untied_target(tmp_path, tiny_pair):
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_split_target_decodes_like_one_gpu(tiny_pair, tmp_path):
-    from engine.decoding import Engine
+    from engine.assemble import engine_for_pair
+    from engine.loadspec import LoadSpec
     from engine.models.loader import load_pair
     from engine.types import GenerationRequest
 
@@ -96,8 +97,8 @@ def test_split_target_decodes_like_one_gpu(tiny_pair, tmp_path):
     prompt = "def add(a, b):\n    return a + b\ndef add(a, b):"
     texts = []
     for gpus in (2, 1):
-        pair = load_pair(str(target), str(tiny_pair[1]), device="cuda", dtype="float32", gpus=gpus, force=True)
-        engine = Engine.from_pair(pair)
+        pair = load_pair(LoadSpec(str(target), str(tiny_pair[1]), device="cuda", dtype="float32", gpus=gpus, force=True))
+        engine = engine_for_pair(pair, LoadSpec())
         if gpus == 2:
             assert len(pair.info.devices) == 2 and engine.info.fast_path == "cuda-graphs", engine.info.fast_path_note
         texts.append("".join(s.text for s in engine.generate(

@@ -12,17 +12,12 @@ import transformers
 
 from engine.errors import IncompatibleModelsError, ModelLoadError
 from engine.models import device as device_mod
+from engine.loadspec import LoadProgress, LoadSpec
 from engine.models import store
 from engine.models.loader import load_pair, load_tokenizer
-from engine.models.store import (
-    LoadProgress,
-    PackagedModel,
-    check_compatible,
-    pick_device,
-    pick_dtype,
-    resolve_source,
-    tokenizer_info,
-)
+from engine.models.packaged import PackagedModel
+from engine.models.store import pick_device, pick_dtype, resolve_source
+from engine.models.tokenizers import check_compatible, tokenizer_info
 from tests.tiny import build_model, build_tokenizer, save_pair, write_tiny_gguf
 
 
@@ -76,7 +71,7 @@ def test_missing_path_is_a_load_error(spec):
 
 def test_hub_id_offline_is_one_line(tiny_pair, no_weights):
     with pytest.raises(ModelLoadError) as err:
-        load_pair("someone/not-a-cached-model", str(tiny_pair[1]), device="cpu")
+        load_pair(LoadSpec("someone/not-a-cached-model", str(tiny_pair[1]), device="cpu"))
     message = str(err.value)
     assert "is not a local path and could not be loaded from the Hugging Face cache" in message
     assert "\n" not in message and "Traceback" not in message
@@ -96,10 +91,10 @@ def test_hub_id_fetches_weights_only_after_the_check(tmp_path, tiny_pair, monkey
 
     monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot)
     with pytest.raises(IncompatibleModelsError):
-        load_pair("org/tiny", "org/foreign", device="cpu")
+        load_pair(LoadSpec("org/tiny", "org/foreign", device="cpu"))
     assert calls == [("org/tiny", False), ("org/foreign", False)]
     calls.clear()
-    pair = load_pair("org/tiny", str(tiny_pair[1]), device="cpu", dtype="float32")
+    pair = load_pair(LoadSpec("org/tiny", str(tiny_pair[1]), device="cpu", dtype="float32"))
     assert calls == [("org/tiny", False), ("org/tiny", True)] and pair.info.target_name == "org/tiny"
 
 
@@ -116,7 +111,7 @@ def test_incompatible_tokenizers_raise_before_weights(tmp_path, tiny_pair, no_we
     other = build_tokenizer(seed_corpus=["completely different words 12345 zzz", "other text, other merges"])
     _, foreign_draft = save_pair(tmp_path / "foreign", tokenizer=other)
     with pytest.raises(IncompatibleModelsError) as err:
-        load_pair(str(tiny_pair[0]), str(foreign_draft), device="cpu")
+        load_pair(LoadSpec(str(tiny_pair[0]), str(foreign_draft), device="cpu"))
     message = str(err.value)
     assert "draft" in message and "target" in message and "vocabulary" in message
 
@@ -129,7 +124,7 @@ def test_same_tokenizer_bigger_embedding_is_allowed(tmp_path, tiny_pair):
     t = tokenizer_info(str(tmp_path / "big"), "target")
     d = tokenizer_info(str(tiny_pair[1]), "draft")
     assert check_compatible(t, d) == len(tok)
-    pair = load_pair(str(tmp_path / "big"), str(tiny_pair[1]), device="cpu", dtype="float32")
+    pair = load_pair(LoadSpec(str(tmp_path / "big"), str(tiny_pair[1]), device="cpu", dtype="float32"))
     assert pair.shared_vocab == len(tok)
     assert pair.info.vocab_size == len(tok)
 
@@ -144,8 +139,7 @@ def test_gguf_and_folder_of_one_tokenizer_are_compatible(tiny_pair, tiny_gguf, n
 
 def test_load_pair_from_folders_reports_progress(tiny_pair):
     events: list[LoadProgress] = []
-    pair = load_pair(str(tiny_pair[0]), str(tiny_pair[1]), device="cpu", dtype="float32",
-                     progress=events.append)
+    pair = load_pair(LoadSpec(str(tiny_pair[0]), str(tiny_pair[1]), device="cpu", dtype="float32"), events.append)
     assert pair.info.fast_path == "eager" and pair.info.device == "cpu" and pair.info.dtype == "float32"
     assert pair.draft is not None and pair.draft.device == pair.target.device
     assert not pair.target.training and not any(p.requires_grad for p in pair.target.parameters())
@@ -153,7 +147,7 @@ def test_load_pair_from_folders_reports_progress(tiny_pair):
     stages = [e.stage for e in events]
     assert stages[0] == "check" and "load" in stages and stages[-1] == "warmup"
     assert all(0.0 <= e.fraction <= 1.0 for e in events)
-    solo = load_pair(str(tiny_pair[0]), None, device="cpu", dtype="float32", with_draft=False)
+    solo = load_pair(LoadSpec(str(tiny_pair[0]), None, device="cpu", dtype="float32", with_draft=False))
     assert solo.draft is None and solo.info.draft_name is None
 
 
@@ -165,12 +159,12 @@ def test_out_of_memory_while_loading(tiny_pair, monkeypatch, error):
 
     monkeypatch.setattr(store.AutoModelForCausalLM, "from_pretrained", oom)
     with pytest.raises(ModelLoadError, match="Out of memory loading target"):
-        load_pair(str(tiny_pair[0]), str(tiny_pair[1]), device="cpu")
+        load_pair(LoadSpec(str(tiny_pair[0]), str(tiny_pair[1]), device="cpu"))
 
 
 def test_gguf_converted_once_then_cached(tiny_gguf, tiny_pair, monkeypatch, tmp_path):
     path, hf_model, tok = tiny_gguf
-    pair = load_pair(str(path), str(tiny_pair[1]), device="cpu", dtype="float32")
+    pair = load_pair(LoadSpec(str(path), str(tiny_pair[1]), device="cpu", dtype="float32"))
     entries = list((tmp_path / "cache" / "models").iterdir())
     assert len(entries) == 1
     meta = json.loads((entries[0] / store.MARKER).read_text())
@@ -189,22 +183,22 @@ def test_gguf_converted_once_then_cached(tiny_gguf, tiny_pair, monkeypatch, tmp_
         raise AssertionError("converted again although the cache is warm")
 
     monkeypatch.setattr(store, "_convert", no_convert)
-    load_pair(str(path), str(tiny_pair[1]), device="cpu", dtype="float32")
+    load_pair(LoadSpec(str(path), str(tiny_pair[1]), device="cpu", dtype="float32"))
     os.utime(path)  # touched, same content: re-hash, no reconversion
-    load_pair(str(path), None, device="cpu", dtype="float32", with_draft=False)
+    load_pair(LoadSpec(str(path), None, device="cpu", dtype="float32", with_draft=False))
 
 
 def test_changed_gguf_is_reconverted(tiny_gguf, tmp_path, monkeypatch):
     src, model, tok = tiny_gguf
     path = tmp_path / "m.gguf"
     path.write_bytes(src.read_bytes())
-    load_pair(str(path), None, device="cpu", dtype="float32", with_draft=False)
+    load_pair(LoadSpec(str(path), None, device="cpu", dtype="float32", with_draft=False))
     first = json.loads(next((tmp_path / "cache" / "models").iterdir()).joinpath(store.MARKER).read_text())
     write_tiny_gguf(path, tok, build_model(len(tok), seed=11))
     calls = []
     real = store._convert
     monkeypatch.setattr(store, "_convert", lambda *a, **k: calls.append(1) or real(*a, **k))
-    load_pair(str(path), None, device="cpu", dtype="float32", with_draft=False)
+    load_pair(LoadSpec(str(path), None, device="cpu", dtype="float32", with_draft=False))
     second = json.loads(next((tmp_path / "cache" / "models").iterdir()).joinpath(store.MARKER).read_text())
     assert calls == [1] and first["sha256"] != second["sha256"]
 
@@ -218,7 +212,7 @@ def test_cancel_from_progress_passes_through_and_leaves_no_files(tiny_gguf, tmp_
             raise Cancelled()
 
     with pytest.raises(Cancelled):
-        load_pair(str(tiny_gguf[0]), None, device="cpu", with_draft=False, progress=progress)
+        load_pair(LoadSpec(str(tiny_gguf[0]), None, device="cpu", with_draft=False), progress)
     assert not list((tmp_path / "cache" / "models").iterdir())
 
 
@@ -227,7 +221,7 @@ def test_half_written_cache_is_not_used(tiny_gguf, tmp_path):
     entry = store._cache_entry(resolve_source(str(path), "target"))
     entry.mkdir(parents=True)
     (entry / "config.json").write_text("{}")  # no marker: an interrupted conversion
-    pair = load_pair(str(path), None, device="cpu", dtype="float32", with_draft=False)
+    pair = load_pair(LoadSpec(str(path), None, device="cpu", dtype="float32", with_draft=False))
     assert (entry / store.MARKER).exists() and pair.target is not None
 
 
@@ -266,7 +260,7 @@ def test_corrupted_gguf_file_is_a_load_error(tmp_path):
     path = tmp_path / "broken.gguf"
     path.write_bytes(b"GGUF\x03\x00\x00\x00" + b"\xff" * 64)
     with pytest.raises(ModelLoadError, match="not a readable GGUF"):
-        load_pair(str(path), None, device="cpu", with_draft=False)
+        load_pair(LoadSpec(str(path), None, device="cpu", with_draft=False))
 
 
 # --------------------------------------------------------------------------- device and dtype
@@ -317,7 +311,7 @@ def test_real_default_pair_loads_from_cache(monkeypatch):
     except ModelLoadError as e:
         pytest.skip(f"default pair not installed: {e}")
     assert check_compatible(t, d) == 151936
-    pair = load_pair(None, None, device="cpu")
+    pair = load_pair(LoadSpec(None, None, device="cpu"))
     assert pair.info.target_name == "Qwen2.5-Coder-1.5B-Instruct"
     ids = pair.tokenizer.apply_chat_template(
         [{"role": "user", "content": "Say hi"}], add_generation_prompt=True, return_dict=False

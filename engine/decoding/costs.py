@@ -1,6 +1,6 @@
 """What decoding costs on this machine, measured at load: every verify width as the loop runs it, each proposer's own cost.
 
-The target side is timed through the loop's own round (Generation._launch / _collect) with drafts
+The target side is timed through the loop's own round (Generation._launch / outcome.read_outcome) with drafts
 that cost nothing, so a width's figure is what a step of the loop spends verifying: the forward,
 the acceptance math and the outcome's copy to the host, timed like Step.verify_ms (CUDA events on
 a GPU, the host clock on a CPU). Proposers are timed through their own propose() (proposers.py);
@@ -25,13 +25,16 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.decoding.proposers import Offer, Proposal, ProposerSet, measure_proposer
+from engine.decoding.loop import Generation
+from engine.decoding.outcome import read_outcome
+from engine.decoding.proposers import Offer, Proposal, Proposer, ProposerSet, measure_proposer
 from engine.limits import K_MAX, TREE_K_MAX
+from engine.loadspec import LoadProgress
 from engine.runners import ids_tensor
 from engine.types import Decision, GenerationRequest, ProposerCost, Sampling
 
-if TYPE_CHECKING:
-    from engine.decoding.loop import Engine
+if TYPE_CHECKING:  # annotations only: the Engine measures its costs through here
+    from engine.decoding.engine import Engine
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +44,7 @@ CPU_FILL = 64  # tokens in the target's cache while its widths are timed on a CP
 SAMPLED = Sampling(temperature=1.0)
 
 
-class _CannedDrafts:
+class _CannedDrafts(Proposer):
     """A proposer whose drafts cost nothing (fixed random tokens): the round then times the verify alone."""
 
     def __init__(self, vocab: int, device: torch.device, alternatives: int = 0) -> None:
@@ -68,8 +71,6 @@ def measure_rounds(engine: Engine, widths: Iterable[int], iters: int, warm: bool
     """Verify ms of `iters` rounds per width (K = width - 1 canned drafts; width 1 is a standard round),
     greedy unless `sampling` says otherwise. alternatives > 0: greedy tree rounds of K = width - 1
     drafts with that many alternatives beside each (keyed by K + 1 all the same)."""
-    from engine.decoding.loop import Generation
-
     request = GenerationRequest(prompt="x", max_new_tokens=1, sampling=sampling or Sampling())
     generation = Generation(engine, request, [1], None)
     proposers = ProposerSet((_CannedDrafts(engine.vocab, engine.device, alternatives),), engine.device)
@@ -82,7 +83,7 @@ def measure_rounds(engine: Engine, widths: Iterable[int], iters: int, warm: bool
         decision = Decision(width - 1, "canned" if width > 1 else None, "fixed")  # type: ignore[arg-type]
         times[width] = []
         for i in range(iters + 1 if warm else iters):
-            result, _ = generation._collect(generation._launch(proposers, decision, 1, generator))
+            result = read_outcome(generation._launch(proposers, decision, 1, generator))
             target.rollback(saved)
             if i or not warm:
                 times[width].append(result.draft_ms + result.verify_ms)
@@ -103,7 +104,7 @@ def _measurable_sources(engine: Engine) -> list[str]:
 def _proposers(engine: Engine, iters: int, warm: bool) -> dict[str, ProposerCost]:
     greedy = GenerationRequest().sampling
     prompt = _pattern(engine, 24)
-    return {s: measure_proposer(engine._part(s, greedy, None), s, prompt, engine.device, iters=iters, warm=warm)
+    return {s: measure_proposer(engine.proposer(s, greedy, None), s, prompt, engine.device, iters=iters, warm=warm)
             for s in _measurable_sources(engine)}
 
 
@@ -117,7 +118,7 @@ def _sampled_proposers(engine: Engine, iters: int, warm: bool) -> dict[str, Prop
         # n-gram lookup needs a repeating context to find matches.
         prompt = _pattern(engine, 3 if source == "head" else 24)
         try:
-            proposer = engine._part(source, SAMPLED, generator)
+            proposer = engine.proposer(source, SAMPLED, generator)
             costs[source] = measure_proposer(proposer, source, prompt, engine.device, iters=iters, warm=warm)
         except Exception as exc:  # advice, as every cost
             log.warning("could not measure the sampled cost of %s: %s", source, exc)
@@ -183,8 +184,6 @@ def measure_costs(engine: Engine, progress=None, rounds: int = 3) -> None:
     """Engine.measure_costs: fills ModelInfo.target_ms (every verify width 1..K_MAX+1), proposer_costs,
     draft_ms (the draft model's per-token cost) and measure_s."""
     if progress is not None:
-        from engine.models.store import LoadProgress
-
         progress(LoadProgress("warmup", 0.95, "Measuring forward costs for the cost model"))
     started = time.perf_counter()
     try:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.decoding.proposers import Offer, Proposal
+from engine.decoding.proposers import Offer, Proposal, Proposer
 from engine.decoding.sampling import draw, process
 from engine.heads.runner import HeadRunner
 from engine.runners import Runner, ids_tensor
@@ -32,7 +32,7 @@ from engine.types import Sampling
 SAMPLED_DRAFTS = False  # when sampling: draw drafts from the head's law (True) or propose its best tokens
 
 
-class HeadProposer:
+class HeadProposer(Proposer):
     """Proposer over a HeadRunner; reads the target runner's hidden rows after each verify."""
 
     # It reads the target's rows of every round at commit: the loop must not queue the next round

@@ -13,7 +13,7 @@ from engine.decoding.proposers import Offer, Proposal, Proposer
 from engine.runners import ids_tensor
 
 
-class NgramProposer:
+class NgramProposer(Proposer):
     """Matches the last n tokens (n = max_ngram down to min_ngram; longest, then most recent wins).
 
     An index from each n-gram to the end of its latest occurrence is updated as tokens are
@@ -76,7 +76,7 @@ class NgramProposer:
         self._update_index()
 
 
-class CombinedProposer:
+class CombinedProposer(Proposer):
     """N-gram lookup when the context repeats (a match of at least `min_match` tokens), the draft model otherwise.
 
     Both are told every step's committed tokens. The draft model is told with an empty proposal
@@ -101,8 +101,7 @@ class CombinedProposer:
 
     def prepare(self, source: str) -> bool:
         """The draft model's one-off prompt prefill, when it is the one about to propose."""
-        prepare = getattr(self.draft, "prepare", None)
-        return bool(prepare(source)) if source == "draft" and prepare is not None else False
+        return self.draft.prepare(source) if source == "draft" else False
 
     def propose(self, k: int) -> Proposal:
         tokens, n = self.ngram.match(k)

@@ -4,8 +4,6 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
-
 import torch
 
 from engine.decoding.sampling import draw, process
@@ -42,15 +40,29 @@ class Offer:
             object.__setattr__(self, "key", self.source)
 
 
-class Proposer(Protocol):
+class Proposer:
+    """Where drafts come from (HF's CandidateGenerator): one subclass per strategy.
+
+    Four methods every proposer has; its optional capabilities are declared here with their
+    defaults, and a proposer that has one overrides it.
+    """
+
+    # It reads the target's outputs of every round at commit (a head reading hidden rows): the loop
+    # then never queues a standard round ahead of that commit (ProposerSet.queue_standard).
+    reads_target: bool = False
+    alternatives: int = 0  # next-best tokens proposed beside each draft, verified as a tree (0: chains)
+
     def start(self, prompt: list[int]) -> None:
         """A new generation begins with these prompt ids."""
+        raise NotImplementedError
 
     def offer(self, k: int) -> Offer:
         """What it could draft now, at most k tokens (no device work: the controller asks every step)."""
+        raise NotImplementedError
 
     def propose(self, k: int) -> Proposal:
         """Up to k draft tokens continuing the committed text."""
+        raise NotImplementedError
 
     def commit(self, proposal: Proposal, accepted: int, new_tokens: list[int]) -> None:
         """The step kept `accepted` proposed tokens; `new_tokens` is everything it committed.
@@ -58,11 +70,14 @@ class Proposer(Protocol):
         A step it did not draft (a standard step, or another proposer's) comes with an empty
         proposal: its caches must then take `new_tokens` on its next proposal.
         """
+        raise NotImplementedError
 
-    # Optional: `prepare(source) -> bool` does the one-off work a proposer defers to its first
-    # proposal of a generation (the draft model's prompt prefill) and says whether there was any.
-    # The loop calls it just before propose() and books its time as prefill, not drafting: it is
-    # paid once per answer, so costing it per proposal or per token would mispredict every step.
+    def prepare(self, source: str) -> bool:
+        """The one-off work it defers to its first proposal of a generation (the draft model's prompt
+        prefill); says whether there was any. The loop calls it just before propose() and books its
+        time as prefill, not drafting: it is paid once per answer, so costing it per proposal or per
+        token would mispredict every step. Default: nothing to do."""
+        return False
 
 
 def empty_proposal(device: torch.device) -> Proposal:
@@ -70,7 +85,7 @@ def empty_proposal(device: torch.device) -> Proposal:
     return Proposal(tokens=torch.zeros(0, dtype=torch.long, device=device), q=None, sources=(), forwards=0)
 
 
-class DraftModelProposer:
+class DraftModelProposer(Proposer):
     """The draft model proposes autoregressively, one 1-token forward per draft token.
 
     Its cache holds every committed token except the ones in `pending`, which the next proposal
@@ -161,9 +176,8 @@ class ProposerSet:
     def __init__(self, parts: Sequence[Proposer], device: torch.device) -> None:
         self.parts = tuple(parts)
         self._empty = empty_proposal(device)  # made once: no allocation per standard step
-        # A proposer that reads the target's outputs of every round (a head reading hidden rows)
-        # declares `reads_target = True`: standard rounds are then not queued ahead of its commit.
-        self.queue_standard = not any(getattr(p, "reads_target", False) for p in self.parts)
+        # Standard rounds are not queued ahead of the commit of a proposer that reads the target's rows.
+        self.queue_standard = not any(p.reads_target for p in self.parts)
         self._offered: dict[str, Proposer] = {}  # source -> the part that offered it last
         self._drafter: Proposer | None = None  # the part that drafted the round in flight
 
@@ -178,8 +192,7 @@ class ProposerSet:
 
     def prepare(self, source: str) -> bool:
         """The one-off work of the part that will propose for `source` (see Proposer); True if there was any."""
-        prepare = getattr(self._offered[source], "prepare", None)
-        return bool(prepare(source)) if prepare is not None else False
+        return self._offered[source].prepare(source)
 
     def propose(self, source: str, k: int) -> Proposal:
         self._drafter = self._offered[source]
@@ -214,9 +227,7 @@ def measure_proposer(proposer: Proposer, source: DraftSource, prompt: list[int],
     for i in range(iters + 1 if warm else iters):
         for n in (1, k):
             proposer.start(prompt)
-            prepare = getattr(proposer, "prepare", None)
-            if prepare is not None:
-                prepare(source)
+            proposer.prepare(source)
             sync()
             t0 = time.perf_counter()
             proposal = proposer.propose(n)

@@ -30,6 +30,8 @@ from engine.heads.model import DraftHead
 from engine.heads.shards import HeadFiles, open_head
 from engine.heads.train import TrainConfig
 from engine.types import TrainingProgress
+from engine.loadspec import LoadSpec
+from engine.models.loader import load_pair
 
 log = logging.getLogger(__name__)
 
@@ -347,11 +349,9 @@ def prepare(target: str | None, out: Path, *, minutes: float, work: Path | None 
     (refused, as at load, when it was trained for another target). plan_changes: see plan_with.
     """
     started = time.perf_counter()
-    from engine.models.loader import load_pair
-
     report = progress or (lambda p: None)
     report(DistillProgress("load", 0.0, minutes * 60, "loading the target"))
-    pair = load_pair(target, None, device=device, dtype=dtype, with_draft=False)
+    pair = load_pair(LoadSpec(target, None, with_draft=False, device=device, dtype=dtype))
     if plan is None and pair.target.device.type == "cpu":
         log.warning("distilling on the CPU: data and training are slow; expect a weak head in a short budget")
         plan = CPU_PLAN  # small rounds and batches, so progress shows every few minutes at least

@@ -9,11 +9,12 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from engine.errors import EngineError, InputError
+from engine.measure.context import BenchContext, ModeSpec, engine_run
 from engine.measure.experiment import (
     BenchPrompt,
     RunRecord,
@@ -23,103 +24,33 @@ from engine.measure.experiment import (
     position_acceptance,
     predicted_speedup,
     read_prompts,
-    record_run,
     run_tasks,
     schedule,
     speedup,
     spread,
     totals,
 )
-from engine.types import GenerationRequest
+from engine.measure.runtimes import RUNTIME_MODES
+from engine.measure.costmodel import CostModel, alpha_from_per_position
 
 if TYPE_CHECKING:  # heavy imports (torch, transformers) wait until a bench really runs
     from engine.decoding import Engine
-    from engine.models.loader import LoadedPair
 
-__all__ = ["BenchPrompt", "RunRecord", "read_prompts"]  # re-exported: the CLI and tests import them from here
+# Re-exported: the CLI, the bench scripts and tests import them from here.
+__all__ = ["BenchContext", "BenchPrompt", "RunRecord", "read_prompts"]
 
 log = logging.getLogger(__name__)
 ENGINE_MODES = ("standard", "speculative", "auto")  # the modes our own loop runs (the rest are hf-* baselines)
 
 
-# (prompt text, mode, max_new_tokens) -> the request; the caller owns the settings → request conversion.
-RequestFactory = Callable[[str, str, int], GenerationRequest]
-
-
-@dataclass
-class BenchContext:
-    """What every mode runner may use: the loaded pair, the engine and how requests are made."""
-
-    pair: LoadedPair | None  # torch models and tokenizer as the engine runs them (None on llama.cpp)
-    engine: Engine  # our decoding loop
-    make_request: RequestFactory  # the request for one prompt in one mode
-    reload_pair: Callable[[], LoadedPair]  # loads the same pair again, as Hugging Face ships it
-    # Loads the same pair on another runtime ("torch" / "llamacpp") for side-by-side modes.
-    load_runtime: Callable[[str], Engine] | None = None
-    _baseline: LoadedPair | None = None  # unmodified models for the hf-* modes, loaded on first use
-    _engines: dict[str, Engine] = field(default_factory=dict)  # other runtimes, loaded on first use
-
-    def baseline_pair(self) -> LoadedPair:
-        """The models as Hugging Face ships them: the CPU fast path repacks the engine's in place."""
-        if self.pair is not None and self.engine.info.fast_path != "cpu-onednn":
-            return self.pair
-        if self._baseline is None:
-            self._baseline = self.reload_pair()
-        return self._baseline
-
-    def engine_on(self, runtime: str) -> Engine:
-        """The engine on `runtime`: this one if it already runs there, else the same pair loaded beside it."""
-        if self.engine.info.runtime == runtime:
-            return self.engine
-        if runtime not in self._engines:
-            if self.load_runtime is None:
-                raise InputError(f"this bench cannot load the {runtime} runtime beside the {self.engine.info.runtime} one")
-            self._engines[runtime] = self.load_runtime(runtime)
-        return self._engines[runtime]
-
-
-ModeRunner = Callable[[BenchContext, BenchPrompt, int], RunRecord]
-
-
-@dataclass(frozen=True)
-class ModeSpec:
-    run: ModeRunner  # (context, prompt, max_new_tokens) -> RunRecord
-    needs_draft: bool  # load the draft model for this mode
-
-
-MODE_RUNNERS: dict[str, ModeSpec] = {}
-
-
-def register_mode(name: str, *, needs_draft: bool) -> Callable[[ModeRunner], ModeRunner]:
-    """Adds a bench mode; later modes (hf, hf-static, hf-assisted) register the same way."""
-
-    def wrap(fn: ModeRunner) -> ModeRunner:
-        MODE_RUNNERS[name] = ModeSpec(fn, needs_draft)
-        return fn
-
-    return wrap
-
-
-def engine_run(ctx: BenchContext, prompt: BenchPrompt, max_new_tokens: int, mode: str, repeat: int = 0, *,
-               engine: Engine | None = None, request: GenerationRequest | None = None) -> RunRecord:
-    """One timed generation on `engine` (the bench's own by default) of `request` (made from the mode)."""
-    engine = engine or ctx.engine
-    generation = engine.generate(request or ctx.make_request(prompt.prompt, mode, max_new_tokens))
-    steps = list(generation)
-    return record_run(generation, steps, prompt, mode, repeat)
-
-
-@register_mode("standard", needs_draft=False)
 def run_standard(ctx: BenchContext, prompt: BenchPrompt, max_new_tokens: int) -> RunRecord:
     return engine_run(ctx, prompt, max_new_tokens, "standard")
 
 
-@register_mode("speculative", needs_draft=True)
 def run_speculative(ctx: BenchContext, prompt: BenchPrompt, max_new_tokens: int) -> RunRecord:
     return engine_run(ctx, prompt, max_new_tokens, "speculative")
 
 
-@register_mode("auto", needs_draft=True)
 def run_auto(ctx: BenchContext, prompt: BenchPrompt, max_new_tokens: int) -> RunRecord:
     return engine_run(ctx, prompt, max_new_tokens, "auto")
 
@@ -143,19 +74,27 @@ def _hf_run(ctx: BenchContext, prompt: BenchPrompt, max_new_tokens: int, variant
     )
 
 
-@register_mode("hf", needs_draft=False)
 def run_hf_plain(ctx: BenchContext, prompt: BenchPrompt, max_new_tokens: int) -> RunRecord:
     return _hf_run(ctx, prompt, max_new_tokens, "hf")
 
 
-@register_mode("hf-static", needs_draft=False)
 def run_hf_static(ctx: BenchContext, prompt: BenchPrompt, max_new_tokens: int) -> RunRecord:
     return _hf_run(ctx, prompt, max_new_tokens, "hf-static")
 
 
-@register_mode("hf-assisted", needs_draft=True)
 def run_hf_assisted(ctx: BenchContext, prompt: BenchPrompt, max_new_tokens: int) -> RunRecord:
     return _hf_run(ctx, prompt, max_new_tokens, "hf-assisted")
+
+
+MODE_RUNNERS: dict[str, ModeSpec] = {  # every mode the bench runs, in the order --modes lists them
+    "standard": ModeSpec(run_standard, needs_draft=False),
+    "speculative": ModeSpec(run_speculative, needs_draft=True),
+    "auto": ModeSpec(run_auto, needs_draft=True),
+    "hf": ModeSpec(run_hf_plain, needs_draft=False),
+    "hf-static": ModeSpec(run_hf_static, needs_draft=False),
+    "hf-assisted": ModeSpec(run_hf_assisted, needs_draft=True),
+    **RUNTIME_MODES,
+}
 
 
 def parse_modes(text: str) -> list[str]:
@@ -284,8 +223,6 @@ def format_table(summary: dict[str, Any], modes: Sequence[str]) -> str:
 def cost_model_summary(engine: Engine, runs: Sequence[RunRecord], summary: dict[str, Any],
                        proposer: str = "draft") -> dict[str, Any]:
     """Measured forward costs and what they predict for the measured acceptance (the bench's check)."""
-    from engine.measure.costmodel import CostModel, alpha_from_per_position
-
     standard = [r for r in runs if r.mode == "standard"]
     drafting = [m for m in ENGINE_MODES if m != "standard" and m in summary]
     predicted = {m: predicted_speedup(engine.info, [r for r in runs if r.mode == m], standard) for m in drafting}
@@ -389,7 +326,3 @@ def result_json(result: BenchResult, config: dict[str, Any]) -> str:
 
     return json.dumps({"config": config, "runs": [{**asdict(r), "token_ids": list(r.token_ids)} for r in result.runs],
                        "summary": result.summary}, indent=2, ensure_ascii=False)
-
-
-# The runtime-comparison modes (llamacpp-plain, torch-standard, ...) register themselves on import.
-from engine.measure import runtimes as _runtimes  # noqa: E402,F401

@@ -17,7 +17,8 @@ from dataclasses import replace
 from typing import Any
 
 from engine.errors import InputError
-from engine.measure.bench import BenchContext, BenchPrompt, RunRecord, engine_run, register_mode
+from engine.measure.context import BenchContext, ModeSpec, engine_run
+from engine.measure.experiment import BenchPrompt, RunRecord
 
 # engine -> its llama_cpp.Llama, loaded once and dropped with the engine.
 _plain: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
@@ -64,7 +65,6 @@ def run_plain(llm: Any, prompt_ids: list[int], max_new_tokens: int, eog) -> tupl
     return out, time.perf_counter() - t0
 
 
-@register_mode("llamacpp-plain", needs_draft=False)
 def run_llamacpp_plain(ctx: BenchContext, prompt: BenchPrompt, max_new_tokens: int) -> RunRecord:
     engine = ctx.engine
     llm = plain_llama(engine)
@@ -84,18 +84,24 @@ def _other_runtime(ctx: BenchContext, prompt: BenchPrompt, max_new_tokens: int, 
     return replace(record, mode=f"{runtime}-standard")
 
 
-@register_mode("torch-standard", needs_draft=False)
 def run_torch_standard(ctx: BenchContext, prompt: BenchPrompt, max_new_tokens: int) -> RunRecord:
     return _other_runtime(ctx, prompt, max_new_tokens, "torch")
 
 
-@register_mode("llamacpp-standard", needs_draft=False)
 def run_llamacpp_standard(ctx: BenchContext, prompt: BenchPrompt, max_new_tokens: int) -> RunRecord:
     return _other_runtime(ctx, prompt, max_new_tokens, "llamacpp")
 
 
-@register_mode("speculative-ngram", needs_draft=False)
 def run_speculative_ngram(ctx: BenchContext, prompt: BenchPrompt, max_new_tokens: int) -> RunRecord:
     request = replace(ctx.make_request(prompt.prompt, "speculative", max_new_tokens), proposer="ngram")
     record = engine_run(ctx, prompt, max_new_tokens, "speculative", request=request)
     return replace(record, mode="speculative-ngram")
+
+
+# The modes engine/measure/bench.py adds to its own (bench.MODE_RUNNERS).
+RUNTIME_MODES: dict[str, ModeSpec] = {
+    "llamacpp-plain": ModeSpec(run_llamacpp_plain, needs_draft=False),
+    "torch-standard": ModeSpec(run_torch_standard, needs_draft=False),
+    "llamacpp-standard": ModeSpec(run_llamacpp_standard, needs_draft=False),
+    "speculative-ngram": ModeSpec(run_speculative_ngram, needs_draft=False),
+}

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from engine.errors import ModelLoadError
 from engine.models.quant import checkpoint_quantization
+from engine.models.gguf import read_gguf_header
 
 # safetensors dtype -> bytes per element
 _ST_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
@@ -222,8 +223,6 @@ def _census_from_tensors(name: str, f: dict, tensors: dict[str, tuple[str, tuple
 
 def census_from_gguf(path: Path, name: str) -> ModelCensus:
     """A .gguf file: shapes from its header; the weights load dequantized, so every tensor counts as float."""
-    from engine.models.gguf import read_gguf_header
-
     header = read_gguf_header(path)
     fields = header.fields
     arch = str(fields.get("general.architecture", "llama"))

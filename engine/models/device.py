@@ -96,3 +96,9 @@ def pick_dtype(device: torch.device, dtype: str = "auto") -> torch.dtype:
 def dtype_name(dtype: torch.dtype) -> str:
     """'bfloat16' for torch.bfloat16: the name ModelInfo and bench configs carry."""
     return str(dtype).removeprefix("torch.")
+
+
+def output_device(model: torch.nn.Module) -> torch.device:
+    """Where a model's logits come out: its output head's device (the last GPU of a split model)."""
+    weight = getattr(model.get_output_embeddings(), "weight", None)  # a packed CPU head has none
+    return weight.device if isinstance(weight, torch.Tensor) else next(model.parameters()).device

@@ -4,33 +4,45 @@ from __future__ import annotations
 import importlib.util
 import logging
 import time
+from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from engine.errors import ModelLoadError, ModelWontFitError
-from engine.models import memory as pages  # `memory` is load_pair's budget argument
+from engine.loadspec import LoadSpec, ProgressFn, emit
+from engine.models import memory as pages
 from engine.models.cache_space import sweep
-from engine.models.census import ModelCensus
-from engine.models.device import DTYPES, dtype_name, pick_device, pick_dtype
+from engine.models.census import ModelCensus, census_from_folder, census_from_gguf
+from engine.models.device import DTYPES, dtype_name, output_device, pick_device, pick_dtype
+from engine.models.plan import format_plan, gib
+from engine.models.planner import ModelFigures, device_maps, plan_models, resolve_precision
+from engine.models.presets import PACKAGED, preset_model
+from engine.models.quant import (
+    FLOATS,
+    checkpoint_quantization,
+    quantization_config,
+    quiet_int8_casts,
+    require_bitsandbytes,
+)
 from engine.models.store import (
     ModelSource,
-    ProgressFn,
     Role,
-    _emit,
     _ensure_folder,
     _first_line,
     _prepare,
     _Prepared,
     _read_json,
-    _tokenizer_info,
-    check_compatible,
     resolve_source,
 )
+from engine.models.tokenizers import _tokenizer_info, check_compatible
 from engine.types import MemoryPlan, ModelInfo
+
+if TYPE_CHECKING:  # transformers costs ~150 MB to import; the llama.cpp runtime never needs it
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 log = logging.getLogger(__name__)
 
@@ -43,10 +55,11 @@ class LoadedPair:  # not frozen: holds models
     info: ModelInfo  # names, device, dtype; fast_path="eager" here
     shared_vocab: int  # vocabulary size both models share (compare/slice logits to this)
     plan: MemoryPlan | None = None  # the memory plan it was loaded by
-    # The draft head load_pair found before packing the target (DraftHead, HeadFiles), or None;
-    # head_resolved says load_pair looked (a packed target has no plain output head left to bind to).
-    head: tuple | None = None
-    head_resolved: bool = False
+
+
+# Called on each float model on the CPU right after it loads (index 0: the target), with the dtype its
+# linear weights still need casting to: engine.assemble packs them for oneDNN there (load_pair, pack).
+Packer = Callable[[int, torch.nn.Module, torch.dtype], None]
 
 @dataclass(frozen=True)
 class _Placement:
@@ -62,10 +75,8 @@ def _load_model(folder: Path, name: str, place: _Placement, *, keep_linear_weigh
     """from_pretrained straight onto the device (no .to(): transformers refuses it for 8/4-bit models).
 
     keep_linear_weights: a float model on the CPU keeps its linear weights in the file's dtype, for
-    the packer to cast one at a time (load_pair, pack_cpu).
+    the packer to cast one at a time (load_pair, pack).
     """
-    from engine.models.quant import checkpoint_quantization, quantization_config, quiet_int8_casts
-
     prequantized = checkpoint_quantization(_read_json(folder / "config.json"))
     kwargs: dict = {"dtype": place.dtype}
     if prequantized is None:
@@ -92,6 +103,8 @@ def _load_model(folder: Path, name: str, place: _Placement, *, keep_linear_weigh
     narrow = {"BF16": torch.bfloat16, "F16": torch.float16}.get(next(iter(stored))) if len(stored) == 1 else None
     if narrow is not None and place.dtype == torch.float32:
         kwargs["dtype"] = narrow
+
+    from transformers import AutoModelForCausalLM
 
     def attempt(attn: str) -> PreTrainedModel:
         return AutoModelForCausalLM.from_pretrained(str(folder), attn_implementation=attn, **kwargs)
@@ -143,50 +156,26 @@ def _head_rows(model: PreTrainedModel) -> int:
     return int(model.get_output_embeddings().out_features)
 
 
-def load_pair(
-    target: str | None,
-    draft: str | None,
-    *,
-    device: str = "auto",
-    dtype: str = "auto",
-    target_dtype: str | None = None,
-    draft_dtype: str | None = None,
-    progress: ProgressFn | None = None,
-    with_draft: bool = True,
-    context: int | None = None,
-    gpus: int | None = None,
-    memory: int | None = None,
-    force: bool = False,
-    pack_cpu: bool = False,
-    head: str | None = "auto",
-) -> LoadedPair:
+def load_pair(spec: LoadSpec, progress: ProgressFn | None = None, *, pack: Packer | None = None) -> LoadedPair:
     """Resolves, checks (before any weights load), plans memory, converts if needed, loads target + draft.
 
-    dtype: the float dtype of both models (auto: bf16 on CUDA and on CPUs with native bf16);
-    target_dtype / draft_dtype: one model's precision, including "int8" and "nf4" (bitsandbytes).
-    A pair the memory plan says will not fit raises ModelWontFitError (with the plan) unless `force`.
-    gpus: GPUs to split the target over (None: one, or as many as the plan needs).
-    memory: bytes each device may use (None: what it has free).
-    pack_cpu: on the CPU, pack each float model's linear layers for oneDNN right after it loads (what
-    Engine.from_pair would do for the fast path), so the draft never loads beside an unpacked
-    target: the float32 peak stays near the final size. Leave False for models that must stay as
+    spec.dtype: the float dtype of both models (auto: bf16 on CUDA and on CPUs with native bf16);
+    spec.target_precision / draft_precision: one model's precision, including "int8" and "nf4" (bitsandbytes).
+    A pair the memory plan says will not fit raises ModelWontFitError (with the plan) unless spec.force.
+    pack: on the CPU, called on each float model right after it loads, its linear weights still in the
+    file's dtype (engine.assemble packs them for oneDNN there), so the draft never loads beside an
+    unpacked target: the float32 peak stays near the final size. None for models that must stay as
     Hugging Face ships them (the bench's hf baselines).
-    head: the draft head to use (engine.heads.shards.resolve_head: "auto", a folder, None). When the
-    target is packed here it is resolved first, as binding reads the target's unpacked output head;
-    Engine.from_pair then takes it from the pair.
     """
-    from engine.models.plan import format_plan, gib
-    from engine.models.planner import ModelFigures, device_maps, plan_models, resolve_precision
-    from engine.models.quant import require_bitsandbytes
-
     started = time.perf_counter()
-    _emit(progress, "check", 0.0, "Finding the models")
-    torch_device = pick_device(device)
+    emit(progress, "check", 0.0, "Finding the models")
+    with_draft, dtype = spec.with_draft, spec.dtype
+    torch_device = pick_device(spec.device)
     torch_dtype = pick_dtype(torch_device, dtype)
-    sources = [resolve_source(target, "target")]
+    sources = [resolve_source(spec.target, "target")]
     if with_draft:
-        sources.append(resolve_source(draft, "draft"))
-    asked = [target_dtype or "auto", draft_dtype or "auto"][: len(sources)]
+        sources.append(resolve_source(spec.draft, "draft"))
+    asked = [spec.target_precision, spec.draft_precision][: len(sources)]
     precisions = [resolve_precision(a, dtype, torch_device.type) for a in asked]  # (precision, compute)
     for source, (precision, _) in zip(sources, precisions):
         require_bitsandbytes(precision, source.name)
@@ -194,27 +183,28 @@ def load_pair(
     with ExitStack() as stack:  # holds the cache lock from assembling to the last conversion, if either runs
         prepared = [_prepare(s, progress, stack) for s in sources]
 
-        _emit(progress, "check", 0.4, "Checking that draft and target share a tokenizer")
+        emit(progress, "check", 0.4, "Checking that draft and target share a tokenizer")
         infos = [_tokenizer_info(p) for p in prepared]
         shared = check_compatible(infos[0], infos[1]) if with_draft else infos[0].head_rows
-        _emit(progress, "check", 0.7, f"Tokenizers match (shared vocabulary {shared:,})")
+        emit(progress, "check", 0.7, f"Tokenizers match (shared vocabulary {shared:,})")
 
         # Planned before anything is downloaded, converted or loaded: configs and headers only.
-        figures = [ModelFigures(_census(p), spec, _preset_id(p.source)) for p, spec in zip(prepared, (target, draft))]
+        figures = [ModelFigures(_census(p), given, _preset_id(p.source))
+                   for p, given in zip(prepared, (spec.target, spec.draft))]
         plan = plan_models(figures[0], figures[1] if with_draft else None, device=str(torch_device), dtype=dtype,
                            target_precision=asked[0], draft_precision=asked[-1] if with_draft else "auto",
-                           context=context, gpus=gpus, memory=memory)
+                           context=spec.context, gpus=spec.gpus, memory=spec.memory)
         busiest = max(plan.devices, key=lambda d: d.total - (d.capacity or 0))
         if not plan.fits:
             change = f" Cheapest change: {plan.suggestion.description[0].lower()}{plan.suggestion.description[1:]}." \
                 if plan.suggestion else ""
             message = (f"{plan.target_name} + {plan.draft_name or 'no draft'} needs {gib(busiest.total)} on "
                        f"{busiest.device}, which has {gib(busiest.capacity or 0)}: it will not fit.{change}")
-            if not force:
+            if not spec.force:
                 raise ModelWontFitError(message, plan)
             log.warning("loading although the plan says it will not fit:\n%s", format_plan(plan))
-        _emit(progress, "check", 1.0, f"Memory plan: {gib(busiest.total)} of {gib(busiest.capacity or 0)} on "
-                                      f"{busiest.device}" if busiest.capacity else "Memory plan made")
+        emit(progress, "check", 1.0, f"Memory plan: {gib(busiest.total)} of {gib(busiest.capacity or 0)} on "
+                                     f"{busiest.device}" if busiest.capacity else "Memory plan made")
         folders = [_ensure_folder(p, progress) for p in prepared]
     target_map, draft_device = device_maps(plan, str(torch_device))
     places = [_Placement(precisions[0][0], _dtype(precisions[0][1]),
@@ -223,45 +213,33 @@ def load_pair(
         places.append(_Placement(precisions[1][0], _dtype(precisions[1][1]), torch.device(draft_device), None))
 
     models: list[PreTrainedModel] = []
-    found_head = None
     for i, (p, folder, place) in enumerate(zip(prepared, folders, places)):
         where = ", ".join(dict.fromkeys(place.device_map.values())) if place.device_map else str(place.device)
-        _emit(progress, "load", i / len(folders), f"Loading {p.source.name} ({p.source.role}) on {where} "
-                                                  f"in {place.precision}")
-        packing = (pack_cpu and place.device.type == "cpu" and place.device_map is None
-                   and place.precision in ("bfloat16", "float16", "float32"))
+        emit(progress, "load", i / len(folders), f"Loading {p.source.name} ({p.source.role}) on {where} "
+                                                 f"in {place.precision}")
+        packing = (pack is not None and place.device.type == "cpu" and place.device_map is None
+                   and place.precision in FLOATS)
         model = _load_model(folder, p.source.name, place, keep_linear_weights=packing)
         if packing:
-            from engine.runners.cpu import try_pack
-
-            if i == 0:
-                from engine.heads.shards import resolve_head
-
-                found_head = resolve_head(model, head)
-            _emit(progress, "load", (i + 0.5) / len(folders), f"Packing {p.source.name} for the CPU fast path")
-            if try_pack(model, place.dtype) is None:  # no oneDNN here: the linear weights still need casting
-                pages.cast_releasing_pages(model, place.dtype)
-            model.get_input_embeddings().__dict__.pop("file_weight", None)  # not packed (no oneDNN): unused
-            if found_head is not None:
-                # Packing replaced a float32 input embedding by exact bfloat16 (CompactEmbedding); the
-                # head, bound before, still held the float32 one (0.9 GB for the default target) beside
-                # the draft's loading and packing: the float32 load peak. It reads the bfloat16 one now.
-                found_head[0].bind_inputs(model)
+            emit(progress, "load", (i + 0.5) / len(folders), f"Packing {p.source.name} for the CPU fast path")
+            pack(i, model, place.dtype)
         models.append(model)
         del model
-    _emit(progress, "load", 1.0, "Models loaded")
+    emit(progress, "load", 1.0, "Models loaded")
     if with_draft:
         # Real heads can differ from config.json (e.g. resized embeddings): trust the loaded weights.
         shared = min(shared, *(_head_rows(m) for m in models))
     else:
         shared = _head_rows(models[0])
 
+    from transformers import AutoTokenizer
+
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(folders[0]))
     except Exception as e:
         raise ModelLoadError(f"Could not load the tokenizer of {sources[0].name}: {_first_line(e)}") from None
 
-    _emit(progress, "warmup", 0.0, "Warming up")
+    emit(progress, "warmup", 0.0, "Warming up")
     with torch.inference_mode():
         for m, source, place in zip(models, sources, places):
             ids = torch.tensor([[tokenizer.eos_token_id or 0]], device=m.get_input_embeddings().weight.device)
@@ -280,9 +258,7 @@ def load_pair(
             except Exception as e:  # weights that load but cannot run (a damaged or odd config)
                 raise ModelLoadError(f"{source.name} loaded but cannot run: {_first_line(e)}") from None
     # The engine continues this stage (fast-path set-up, cost measurement) before the pair is ready.
-    _emit(progress, "warmup", 0.4, f"Models warmed up in {time.perf_counter() - started:.1f} s")
-
-    from engine.runners.base import output_device
+    emit(progress, "warmup", 0.4, f"Models warmed up in {time.perf_counter() - started:.1f} s")
 
     info = ModelInfo(
         target_name=sources[0].name,
@@ -296,13 +272,10 @@ def load_pair(
         devices=tuple(dict.fromkeys(target_map.values())) if target_map else (),
     )
     return LoadedPair(target=models[0], draft=models[1] if with_draft else None,
-                      tokenizer=tokenizer, info=info, shared_vocab=shared, plan=plan,
-                      head=found_head, head_resolved=pack_cpu and torch_device.type == "cpu")
+                      tokenizer=tokenizer, info=info, shared_vocab=shared, plan=plan)
 
 
 def _census(prepared: _Prepared) -> ModelCensus:
-    from engine.models.census import census_from_folder, census_from_gguf
-
     if prepared.folder is not None:
         return census_from_folder(prepared.folder, prepared.source.name)  # a hub snapshot: its config so far
     assert prepared.gguf is not None, "a prepared source has a folder or a GGUF"
@@ -310,8 +283,6 @@ def _census(prepared: _Prepared) -> ModelCensus:
 
 
 def _preset_id(source: ModelSource) -> str | None:
-    from engine.models.presets import PACKAGED, preset_model
-
     if source.kind == "default":
         return PACKAGED + source.role
     return source.ref if source.kind == "hub" and preset_model(source.ref) else None
@@ -323,6 +294,8 @@ def _dtype(name: str) -> torch.dtype:
 
 def load_tokenizer(spec: str | None, role: Role) -> PreTrainedTokenizerBase:
     """The tokenizer of one model spec (from its converted folder when there is one)."""
+    from transformers import AutoTokenizer
+
     with ExitStack() as stack:
         prepared = _prepare(resolve_source(spec, role), None, stack)
         try:

@@ -18,6 +18,8 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import torch
+from engine.models.cache import safetensors_header
+from engine.models import store
 
 log = logging.getLogger(__name__)
 
@@ -127,8 +129,6 @@ def cast_releasing_pages(model: torch.nn.Module, dtype: torch.dtype, *, keep_lin
 
 def stored_dtypes(folder: Path) -> set[str]:
     """The safetensors dtypes of a model folder's weights ({"BF16"}, …); empty if it cannot tell."""
-    from engine.models.cache import safetensors_header
-
     kinds: set[str] = set()
     for path in sorted(folder.glob("*.safetensors")):
         try:
@@ -141,8 +141,6 @@ def stored_dtypes(folder: Path) -> set[str]:
 
 def folder_bytes(folder: Path, dtype: torch.dtype) -> int | None:
     """Bytes a folder's weights take in `dtype` (from the safetensors headers: no weights read)."""
-    from engine.models.cache import safetensors_header
-
     width = torch.empty((), dtype=dtype).element_size()
     total = 0
     files = sorted(folder.glob("*.safetensors"))
@@ -222,8 +220,6 @@ def model_bytes(*models: object) -> int:
 
 def pair_bytes(target: str | None, draft: str | None, *, with_draft: bool, device: str, dtype: str) -> int | None:
     """What a pair will hold in host memory once loaded, from file headers only; None if unknown or on a GPU."""
-    from engine.models import store
-
     torch_device = store.pick_device(device)
     if torch_device.type != "cpu":
         return None  # weights live on the device; host memory is only borrowed while loading

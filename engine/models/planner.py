@@ -18,16 +18,19 @@ from engine.models.plan import (
     suggest,
 )
 from engine.models.presets import PACKAGED, cached_snapshot, offline_message, other_drafts, packaged, preset_model
-from engine.models.quant import FLOATS, normalize_precision
+from engine.loadspec import normalize_precision
+from engine.models.quant import FLOATS
 from engine.types import MemoryPlan
+from engine.models.store import _cached_folder, resolve_source
+from engine.models.device import pick_dtype
+from engine.models.plan import GiB
+from engine.models.presets import presets
 
 log = logging.getLogger(__name__)
 
 
 def model_census(spec: str | None, role: str) -> tuple[ModelCensus, str | None, tuple[str, ...]]:
     """(figures, preset id or None, hub ids sized from a shipped config because they are not cached)."""
-    from engine.models.store import _cached_folder, resolve_source  # the store owns what a spec means
-
     source = resolve_source(spec, role)  # type: ignore[arg-type]
     if source.kind == "default":
         folder = _cached_folder(source)[0]  # (folder, why not) when damaged or missing
@@ -51,8 +54,6 @@ def model_census(spec: str | None, role: str) -> tuple[ModelCensus, str | None, 
 def resolve_precision(precision: str, dtype: str, device_type: str) -> tuple[str, str]:
     """(precision, compute dtype) for one model: 'auto' follows --dtype, which follows the device."""
     import torch
-
-    from engine.models.device import pick_dtype
 
     p = normalize_precision(precision)
     base = normalize_precision(dtype)
@@ -225,9 +226,6 @@ TABLE_SIZES = (24, 48, 80)  # GiB: the usual single-GPU sizes (RTX 4090 / A6000 
 def preset_table(device: str = "cuda", memory: int | None = None, context: int | None = None,
                  gpus: int | None = None) -> str:
     """Every preset's plan at 24, 48 and 80 GiB (or at `memory`): fits as is, or the cheapest change."""
-    from engine.models.plan import GiB
-    from engine.models.presets import presets
-
     sizes = [memory] if memory else [n * GiB for n in TABLE_SIZES]
     head = f"{'preset':<16}{'target + draft':<56}" + "".join(f"{gib_label(m):>30}" for m in sizes)
     rows = [f"Memory plans, one GPU{'' if not gpus else f' x {gpus}'}, context {context or DEFAULT_CONTEXT:,}, "

@@ -4,18 +4,15 @@ from __future__ import annotations
 import importlib.util
 import logging
 import warnings
-from typing import Any, Literal
+from typing import Any
 
 from engine.errors import ModelLoadError
+from engine.loadspec import Precision
 
 log = logging.getLogger(__name__)
 
-Precision = Literal["auto", "bfloat16", "float16", "float32", "int8", "nf4"]
-PRECISIONS: tuple[Precision, ...] = ("auto", "bfloat16", "float16", "float32", "int8", "nf4")
 FLOATS: tuple[Precision, ...] = ("bfloat16", "float16", "float32")
 QUANTIZED: tuple[Precision, ...] = ("int8", "nf4")
-_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32",
-            "8bit": "int8", "4bit": "nf4", "int4": "nf4", "none": "auto"}
 # Bytes per element of the float precisions (what the weights and the KV cache are held in).
 FLOAT_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 NF4_BLOCK = 64  # bitsandbytes' default 4-bit block: one float32 absmax per 64 weights
@@ -24,17 +21,6 @@ NF4_CODE_BYTES = 16 * 4  # the 16-entry NF4 code book every 4-bit weight keeps (
 # the 4-bit kernels are plain launches; LLM.int8() looks for outlier columns with data-dependent
 # shapes, and its capture fails ("operation failed due to a previous error during capture").
 CAPTURABLE = {"nf4": True, "int8": False}
-
-
-def normalize_precision(text: str | None) -> Precision:
-    """'bf16', 'BFloat16', '4bit' ... -> one of PRECISIONS; a ModelLoadError names the choices."""
-    value = (text or "auto").strip().lower()
-    value = _ALIASES.get(value, value)
-    if value not in PRECISIONS:
-        raise ModelLoadError(
-            f"Unknown precision {text!r}: use auto, bfloat16, float16, float32, int8 or nf4."
-        )
-    return value  # type: ignore[return-value]
 
 
 def is_quantized(precision: str) -> bool:

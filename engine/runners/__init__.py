@@ -4,18 +4,7 @@ base.py is the protocol; eager.py the Hugging Face model as shipped; lean.py + g
 static-cache fast path with CUDA graphs; cpu.py packs weights for oneDNN on the CPU; llamacpp.py
 runs GGUF models through llama.cpp (with llamacpp_tokenizer.py, its vocabulary as the tokenizer).
 """
-from typing import Any
-
 from engine.runners.base import Runner, ids_tensor, measure_forward_costs
-
-
-def __getattr__(name: str) -> Any:
-    # EagerRunner imports transformers; the llama.cpp runtime never needs it (less memory, faster start).
-    if name == "EagerRunner":
-        from engine.runners.eager import EagerRunner
-
-        return EagerRunner
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
+from engine.runners.eager import EagerRunner
 
 __all__ = ["EagerRunner", "Runner", "ids_tensor", "measure_forward_costs"]

@@ -106,9 +106,3 @@ def cache_keyword(model: torch.nn.Module) -> str:
     name; older releases know only the old one. Asking the signature keeps stderr quiet on both.
     """
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-
-
-def output_device(model: torch.nn.Module) -> torch.device:
-    """Where a model's logits come out: its output head's device (the last GPU of a split model)."""
-    weight = getattr(model.get_output_embeddings(), "weight", None)  # a packed CPU head has none
-    return weight.device if isinstance(weight, torch.Tensor) else next(model.parameters()).device

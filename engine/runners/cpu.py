@@ -12,6 +12,8 @@ import logging
 
 import torch
 from torch import nn
+from engine.garbage import collect_garbage
+from engine.models import memory  # memory.trim_heap: looked up per call (tests count the trims)
 
 log = logging.getLogger(__name__)
 
@@ -95,28 +97,24 @@ def pack_linears(model: nn.Module, dtype: torch.dtype | None = None) -> int:
     trimmed after every layer (see trim_heap). With `dtype`, weights still in another dtype (left
     mapped by load_pair for this) are cast as each is packed.
     """
-    from engine.models.memory import MappedFiles, release_pages, trim_heap
-
-    mapped = MappedFiles()
+    mapped = memory.MappedFiles()
     linears = [(name, m.weight.numel()) for name, m in model.named_modules() if type(m) is nn.Linear]
     names = [name for name, _ in sorted(linears, key=lambda nm: -nm[1])]
-    release_pages([model.get_submodule(name).weight for name in names], mapped)
+    memory.release_pages([model.get_submodule(name).weight for name in names], mapped)
     _compact_embedding(model, {id(model.get_submodule(name).weight) for name in names})
     for name in names:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         linear = getattr(parent, child)
         setattr(parent, child, PackedLinear(linear, dtype))
-        release_pages([linear.weight], mapped)
+        memory.release_pages([linear.weight], mapped)
         del linear
-        trim_heap()  # the cast copy just freed sits between packed weights: glibc keeps it resident
+        memory.trim_heap()  # the cast copy just freed sits between packed weights: glibc keeps it resident
     return len(names)
 
 
 def _compact_embedding(model: nn.Module, to_be_packed: set[int]) -> None:
     """Before packing: a float32 input embedding nothing else will multiply by becomes exact bfloat16."""
-    from engine.garbage import collect_garbage
-
     get = getattr(model, "get_input_embeddings", None)
     embedding = get() if get is not None else None
     if type(embedding) is not nn.Embedding:

@@ -5,7 +5,6 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 import torch
-from transformers import DynamicCache
 
 from engine.runners.base import cache_keyword, measure_forward_costs
 
@@ -23,7 +22,7 @@ class EagerRunner:
         self.device = model.device
         self.vocab_size = model.get_output_embeddings().out_features
         self.max_length = max_length or int(getattr(model.config, "max_position_embeddings", 32768))
-        self.cache = DynamicCache(config=model.config)
+        self.cache = type(self)._new_cache(model)
         self.length = 0
         self._cache_kw = cache_keyword(model)
         self.hidden_layers: tuple[int, ...] = ()  # layers whose outputs a draft head reads
@@ -39,8 +38,14 @@ class EagerRunner:
             # hidden_states[0] is the embedding output: layer i's output is entry i + 1.
             self.hidden = torch.cat([out.hidden_states[i + 1][0] for i in self.hidden_layers], dim=-1)
 
+    @staticmethod
+    def _new_cache(model: PreTrainedModel):
+        from transformers import DynamicCache  # ~150 MB to import: only once a torch model runs eagerly
+
+        return DynamicCache(config=model.config)
+
     def reset(self) -> None:
-        self.cache = DynamicCache(config=self.model.config)
+        self.cache = self._new_cache(self.model)
         self.length = 0
 
     @torch.inference_mode()

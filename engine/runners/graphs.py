@@ -26,6 +26,9 @@ from engine.limits import DEFAULT_MAX_LENGTH, K_MAX
 from engine.runners.base import measure_forward_costs
 from engine.runners.lean import CACHE_ALIGN, PREFILL_CHUNK, LeanDecoder
 from engine.runners.tree import Tree
+from engine.models.quant import CAPTURABLE, layer_kind
+from engine.loadspec import LoadProgress
+from engine.runners.tree import chain_tree
 
 log = logging.getLogger(__name__)
 
@@ -36,8 +39,6 @@ MIN_BUCKET = 512  # smallest attention span; spans double up to the whole cache
 
 def capture_problem(model: nn.Module) -> str | None:
     """Why this model's forward cannot be captured in a CUDA graph, or None when it can."""
-    from engine.models.quant import CAPTURABLE, layer_kind
-
     for module in model.modules():
         kind = layer_kind(module)
         if kind is not None and not CAPTURABLE.get(kind, True):
@@ -335,8 +336,6 @@ class StaticGraphRunner:
         static_tree = None
         if tree:
             if width not in self.static_tree:
-                from engine.runners.tree import chain_tree
-
                 self.static_tree[width] = chain_tree(width, self.decoder.input_device)  # any valid tree
             static_tree = self.static_tree[width]
         self._set_start(0)
@@ -445,8 +444,6 @@ def build_runners(
     def stage(lo: float, hi: float) -> Callable[[float, str], None] | None:
         if progress is None:
             return None
-        from engine.models.store import LoadProgress
-
         return lambda fraction, message: progress(LoadProgress("warmup", lo + (hi - lo) * fraction, message))
 
     share = 0.8 if draft_runner is not None else 1.0

@@ -24,6 +24,7 @@ import torch
 from engine.errors import GenerationError, ModelLoadError
 from engine.limits import K_MAX
 from engine.runners.llamacpp_probe import AMX_ENV, amx_advertised, forced  # noqa: F401  (AMX_ENV: named here too)
+from engine.runners.base import measure_forward_costs
 
 log = logging.getLogger(__name__)
 
@@ -270,8 +271,6 @@ class LlamaCppRunner:
             raise GenerationError(HEAD_REFUSED)
 
     def measure_costs(self, widths: Iterable[int], iters: int = 3) -> dict[int, float]:
-        from engine.runners import measure_forward_costs
-
         return measure_forward_costs(self, widths, iters)
 
     # -- llama.cpp specifics ------------------------------------------------------------------

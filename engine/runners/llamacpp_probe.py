@@ -9,7 +9,7 @@ the model with them and decodes a batch; the verdict (ran, or died by a signal) 
 cache folder, keyed by the file, the CPU and the llama.cpp version, and the app's own load follows
 it. `SPECDEC_LLAMACPP_AMX=1` or `=0` decides without trying.
 
-Run as `python -m engine.runners.llamacpp_probe MODEL.gguf`: the child (exit 0 when the decode ran).
+The child is engine/runners/llamacpp_trial.py (exit 0 when the decode ran).
 """
 from __future__ import annotations
 
@@ -22,6 +22,8 @@ import sys
 from collections.abc import Callable
 from functools import lru_cache
 from pathlib import Path
+
+from engine.models.cache import cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +77,7 @@ def run_child(path: Path) -> int:
     root = Path(__file__).resolve().parents[2]
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(root), env.get("PYTHONPATH", "")) if p)
     try:
-        done = subprocess.run([sys.executable, "-m", "engine.runners.llamacpp_probe", str(path)], env=env,
+        done = subprocess.run([sys.executable, "-m", "engine.runners.llamacpp_trial", str(path)], env=env,
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=PROBE_TIMEOUT_S,
                               check=False)
     except subprocess.TimeoutExpired:
@@ -100,8 +102,6 @@ def amx_runs(path: Path, progress: Callable[[str], None] | None = None,
         return bool(forced())
     if not amx_advertised():
         return True
-    from engine.models.cache import cache_dir
-
     store = cache_dir() / VERDICTS
     key = _key(path)
     verdicts = _read(store)
@@ -145,33 +145,3 @@ def _write(store: Path, verdicts: dict[str, bool]) -> None:
         os.replace(part, store)
     except OSError as exc:  # a verdict not kept is tried again next time
         log.warning("could not keep llama.cpp's AMX verdict in %s: %s", store, exc)
-
-
-def _child(path: Path) -> int:
-    """Loads the model with llama.cpp's extra buffers and decodes a batch, then single tokens."""
-    import torch
-
-    from engine.runners.llamacpp import LlamaCppRunner
-
-    runner = LlamaCppRunner(path, n_ctx=256, repack=True)
-    vocab = min(runner.vocab_size, 1000)
-    runner.forward(torch.arange(16) % vocab)  # a prompt: the batched matmuls that died
-    runner.forward(torch.arange(6) % vocab)  # a verify of K = 5
-    runner.forward(torch.tensor([7]))  # one token
-    return 0
-
-
-def main(argv: list[str]) -> int:
-    """The child's command line: one line and a non-zero status for anything but a model that decodes."""
-    if len(argv) != 1:
-        print("usage: python -m engine.runners.llamacpp_probe MODEL.gguf", file=sys.stderr)
-        return 2
-    try:
-        return _child(Path(argv[0]))
-    except Exception as exc:  # the parent logs this line; exit 1 is not kept as a verdict
-        print(f"llamacpp_probe: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}", file=sys.stderr)
-        return 1
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,251 @@
+"""The Engine: a loaded target (and optional draft or head) kept resident, that decodes requests."""
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterable
+from dataclasses import replace
+
+import torch
+
+from engine.decoding.control import AdaptiveK, FixedK, KController, StepCosts, TuningMemory
+from engine.decoding.costs import measure_again, measure_costs, measure_trees
+from engine.decoding.factory import TREE_ALTERNATIVES, make_proposer, make_proposers
+from engine.decoding.loop import Generation, widest
+from engine.decoding.proposers import Proposer, ProposerSet
+from engine.errors import GenerationError
+from engine.heads.model import DraftHead
+from engine.heads.runner import ALTERNATIVES, HeadRunner
+from engine.limits import K_AUTO, K_MAX, TREE_K_MAX
+from engine.loadspec import LoadProgress
+from engine.models.device import output_device
+from engine.measure.costmodel import costs_at, tree_costs_at
+from engine.runners import Runner
+from engine.runners.eager import EagerRunner
+from engine.runners.tree import Tree, sibling_rows, sibling_tree
+from engine.types import DraftSource, GenerationRequest, ModelInfo, Sampling
+
+log = logging.getLogger(__name__)
+
+
+class Engine:
+    """A loaded target (and optional draft) that decodes requests; holds the models resident."""
+
+    def __init__(
+        self,
+        target: torch.nn.Module | None,
+        tokenizer,
+        info: ModelInfo,
+        *,
+        draft: torch.nn.Module | None = None,
+        vocab: int | None = None,
+        target_runner: Runner | None = None,
+        draft_runner: Runner | None = None,
+        max_length: int | None = None,
+        eos_ids: Iterable[int] = (),
+    ) -> None:
+        """target/draft: torch models, or None where a runner brings its own (llama.cpp);
+        eos_ids: end-of-generation ids beyond the tokenizer's and the model config's."""
+        assert target is not None or target_runner is not None, "a target model or a target runner"
+        self.tokenizer = tokenizer
+        self.info = info
+        self.cost_passes: list = []  # CPU: every pass of the cost measurement so far (costs.measure_pass)
+        self.target = target
+        self.draft = draft
+        if target_runner is None or (draft is not None and draft_runner is None):
+            target_runner = target_runner or EagerRunner(target, max_length)
+            draft_runner = draft_runner or (EagerRunner(draft, max_length) if draft is not None else None)
+        self.target_runner = target_runner
+        self.draft_runner = draft_runner
+        # Where logits come out: a target split over GPUs ends on its last one, where the draft lives.
+        self.device = output_device(target) if target is not None else self.target_runner.device
+        # Compare on the shared vocabulary: Qwen2.5 0.5B has 151936 rows, 7B 152064.
+        heads = [self.target_runner.vocab_size] + ([self.draft_runner.vocab_size] if self.draft_runner else [])
+        self.vocab = vocab or min(heads)
+        self.eos_ids = _eos_ids(tokenizer, target) | {int(i) for i in eos_ids}
+        self.head_runner: HeadRunner | None = None  # a draft head for this target (attach_head)
+        self._lock = threading.Lock()  # one generation at a time: the caches are shared
+        # Queue rounds ahead of the host (see Generation._loop). None: on CUDA only, where it keeps
+        # the device busy while the host describes steps; on a CPU the work runs inside the launch,
+        # so it would only delay each step's tokens. Tests force it on to check it changes no output.
+        self.lookahead: bool | None = None
+        self.tuning = TuningMemory()  # what adaptive K learned in this process; each answer starts from it
+        # Next-best head tokens verified beside each head draft as a tree (runners/tree.py); None:
+        # TREE_ALTERNATIVES where a tree pays (a GPU's verify costs nearly the same for a few more
+        # rows), 0 on a CPU (forward cost grows with width) and on runners without tree forwards.
+        self.tree_alternatives: int | None = None
+        self._trees: dict[tuple[int, int], Tree] = {}  # (K, S) -> its sibling tree on the device
+
+
+    def attach_head(self, head: DraftHead, name: str, progress=None, compile_step: bool = False) -> None:
+        """Uses a draft head (bound to this target, or to a copy of it) from the next request on.
+
+        The target runner starts keeping the head's layers (on CUDA: its graphs are recaptured),
+        the head gets its own cache and graphs, and its cost per draft token is measured.
+        compile_step: its chain step is inductor-compiled before capture (the "compiled" fast path).
+        """
+        if self.target is None:  # a runner with its own model (llama.cpp) keeps no hidden states
+            self.target_runner.keep_hidden(head.config.feature_layers)  # refuses in one line
+            raise GenerationError("This runtime cannot run a draft head; load the models with --runtime torch.")
+        if progress is not None:
+            progress(LoadProgress("warmup", 0.9, f"Preparing the draft head {name}"))
+        with self._lock:
+            head.bind_inputs(self.target)  # one copy of the embeddings: the engine's own
+            self.target_runner.keep_hidden(head.config.feature_layers)
+            runner = HeadRunner(head, max_length=self.target_runner.max_length, k_max=K_MAX,
+                                compile_step=compile_step)
+            runner.warmup()
+            try:
+                ms = runner.measure_ms(iters=20 if self.device.type == "cuda" else 3)
+            except Exception as exc:  # advice only, as the other costs
+                log.warning("could not measure the draft head's cost: %s", exc)
+                ms = 0.0
+            self.head_runner = runner
+            self.info = replace(self.info, head_name=name, head_ms=ms)
+        self.set_tree(self.tree_alternatives)  # the tree's graphs, where one pays
+
+    def alternatives(self) -> int:
+        """Next-best tokens a head proposal carries beside each draft (0: chains only)."""
+        if self.head_runner is None or not hasattr(self.target_runner, "keep_path"):
+            return 0
+        if self.tree_alternatives is None:
+            return TREE_ALTERNATIVES if self.device.type == "cuda" else 0
+        return self.tree_alternatives
+
+    def set_tree(self, alternatives: int | None) -> None:
+        """Chooses the tree (None: the default for this device) and captures its graphs on CUDA."""
+        if alternatives is not None and not 0 <= alternatives <= ALTERNATIVES:
+            raise GenerationError(f"A tree keeps 0..{ALTERNATIVES} alternatives per draft token, not {alternatives}.")
+        self.tree_alternatives = alternatives
+        s = self.alternatives()
+        capture = getattr(self.target_runner, "capture_trees", None)
+        if s and capture is not None:
+            with self._lock:
+                capture(sibling_rows(k, s) for k in range(1, TREE_K_MAX + 1))
+        if self.info.target_ms and s != self.info.tree_alternatives:  # costs measured already: this tree's too
+            with self._lock:
+                measure_trees(self)
+
+    def tree(self, k: int, s: int) -> Tree:
+        tree = self._trees.get((k, s))
+        if tree is None:
+            tree = self._trees[(k, s)] = sibling_tree(k, s, self.device)
+        return tree
+
+    def measure_costs(self, progress=None, rounds: int = 3) -> None:
+        """The cost model's inputs, measured once at load (engine/decoding/costs.py): every verify width
+        1..K_MAX+1 timed as the loop's own round, and each proposer's own cost through its propose().
+
+        GPU: the median of 20 rounds per width and 5 timed proposals per proposer (about a second).
+        CPU: forwards take tens to hundreds of ms and their speed drifts with the machine's memory
+        bandwidth (right after load and next to other work it can be 2x slower for seconds), so
+        `rounds` passes (an odd number: a median that drops an outlier) each time every width (a
+        warm round, then a timed one: as a fixed K runs it) and every proposer, in turn, after a
+        64-token context, and the median is kept: costs are measured side by side.
+        ModelInfo.measure_s says what it took. Never fails a load: without figures the
+        app and bench say nothing about costs, and adaptive K measures on its first request.
+        """
+        measure_costs(self, progress, rounds)
+
+    def measure_again(self) -> None:
+        """On a CPU, one more pass of the cost measurement, pooled with those so far (costs.measure_again):
+        a sweep measures beside its runs, as the machine's speed drifts."""
+        measure_again(self)
+
+    def step_costs(self, sampled: bool = False) -> StepCosts:
+        """The measured costs as the adaptive controller reads them (measured now if they are missing);
+        sampled: those of sampled rounds (temperature > 0), where they were measured."""
+        measured = {c.source for c in self.info.proposer_costs}
+        if len(self.info.target_ms) < K_MAX + 1 or not set(self.proposer_sources()) <= measured:
+            self.measure_costs()
+        target, costs = costs_at(self.info, sampled)
+        if len(target) < K_MAX + 1:
+            raise GenerationError("Adaptive K needs the forward costs, which could not be measured; choose a fixed K.")
+        trees = tree_costs_at(self.info, sampled) if self.info.tree_alternatives == self.alternatives() else {}
+        return StepCosts((0.0, *(target[w] for w in range(1, K_MAX + 2))), costs, trees)
+
+    # -- prompts ---------------------------------------------------------------------------
+    def encode(self, request: GenerationRequest) -> list[int]:
+        """The prompt ids: chat template for messages, raw text otherwise."""
+        if request.messages:
+            chat = [{"role": m.role, "content": m.content} for m in request.messages]
+            if getattr(self.tokenizer, "chat_template", None):
+                text = self.tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+            else:
+                text = "\n".join(f"{m['role']}: {m['content']}" for m in chat) + "\nassistant: "
+        else:
+            text = request.prompt or ""
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:  # lone surrogates: undecodable bytes smuggled in as text
+            raise GenerationError("The prompt is not valid UTF-8 text.") from None
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        if not ids:
+            raise GenerationError("The prompt is empty.")
+        return list(ids)
+
+    def generate(self, request: GenerationRequest, cancel: threading.Event | None = None) -> Generation:
+        """Validates the request now (so errors surface before any step) and returns the steps."""
+        if request.mode == "speculative" and request.k != K_AUTO and not 1 <= request.k <= K_MAX:
+            raise GenerationError(f"K must be 1..{K_MAX}, or auto (got {request.k}).")
+        if request.mode != "standard":
+            if request.proposer == "head" and self.head_runner is None and self.target is None:
+                # The runner brings its own model (llama.cpp): no hidden states for a head to read.
+                raise GenerationError(f"The draft head cannot propose on the {self.target_runner.name} runtime: it "
+                                      "reads the target's hidden states, which that runtime does not give. Load the "
+                                      "models on the torch runtime (--runtime torch), or choose another proposer.")
+            if request.proposer == "head" and self.head_runner is None:
+                raise GenerationError(
+                    "No draft head is loaded for this target. Train one with `specdec-studio distill "
+                    "--target ... --out DIR` and load it with --head DIR, or choose another proposer."
+                )
+            if "draft" in request.proposer.kinds and self.draft_runner is None:
+                raise GenerationError("Speculative decoding with a draft model needs a draft; load one first.")
+        if request.max_new_tokens < 1:
+            raise GenerationError("max_new_tokens must be at least 1.")
+        s = request.sampling
+        if s.temperature < 0 or not (0.0 < s.top_p <= 1.0) or s.top_k < 0:
+            raise GenerationError("temperature must be >= 0, top_p in (0, 1], top_k >= 0.")
+        prompt = self.encode(request)
+        room = self.target_runner.max_length - len(prompt) - (widest(request) + 1)
+        if room < 1:
+            raise GenerationError(
+                f"The prompt is {len(prompt)} tokens; the model's context holds "
+                f"{self.target_runner.max_length}. Shorten the prompt or start a new chat."
+            )
+        return Generation(self, request, prompt, cancel)
+
+    def proposer_sources(self) -> tuple[DraftSource, ...]:
+        """Every proposer this engine can run; each one's cost is measured at load."""
+        return (("draft",) if self.draft_runner is not None else ()) + ("ngram",) + \
+            (("head",) if self.head_runner is not None else ())
+
+    def proposer(self, source: DraftSource, sampling: Sampling, generator: torch.Generator | None) -> Proposer:
+        """One proposer over this engine's runners (engine/decoding/factory.py)."""
+        return make_proposer(self, source, sampling, generator)
+
+    def make_proposers(self, request: GenerationRequest, generator: torch.Generator | None) -> ProposerSet:
+        """The proposers the request drafts from (engine/decoding/factory.py)."""
+        return make_proposers(self, request, generator)
+
+    def make_controller(self, request: GenerationRequest) -> KController:
+        """FixedK for standard decoding (K = 0) and a fixed K; AdaptiveK for K_AUTO and auto mode."""
+        if request.mode == "standard":
+            return FixedK(0)
+        if request.mode == "speculative" and request.k != K_AUTO:
+            return FixedK(request.k)
+        return AdaptiveK(self.step_costs(sampled=not request.sampling.greedy), self.tuning,
+                         temperature=request.sampling.temperature)
+
+
+def _eos_ids(tokenizer, model) -> set[int]:
+    ids: set[int] = set()
+    for source in (getattr(model, "generation_config", None), getattr(model, "config", None)):
+        eos = getattr(source, "eos_token_id", None) if source is not None else None
+        if isinstance(eos, int):
+            ids.add(eos)
+        elif isinstance(eos, (list, tuple)):
+            ids.update(int(e) for e in eos)
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return ids
