@@ -25,7 +25,7 @@ import torch
 from engine.errors import IncompatibleModelsError, ModelLoadError
 from engine.heads import data as D
 from engine.heads.config import fingerprint
-from engine.heads.fitting import DistillError, TrainingPhase
+from engine.heads.fitting import DistillError, TrainingPhase, load_round
 from engine.heads.model import DraftHead
 from engine.heads.shards import HeadFiles, open_head
 from engine.heads.train import TrainConfig
@@ -135,7 +135,12 @@ class Distiller(TrainingPhase):
                  "init": None if self.init is None else init_record(self.init)}
         if not path.exists():
             return fresh
-        state = json.loads(path.read_text(encoding="utf-8"))
+        try:
+            state = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError, RecursionError):
+            raise DistillError(f"{path} is damaged (not JSON SpecDec Studio wrote); use an empty work folder.") from None
+        if not _is_state(state):
+            raise DistillError(f"{path} is not a distillation state SpecDec Studio wrote; use an empty work folder.")
         if state.get("fingerprint") != fresh["fingerprint"]:
             raise DistillError(f"The work folder {self.work} belongs to another target; use an empty folder.")
         if state.get("plan") != fresh["plan"]:
@@ -207,7 +212,7 @@ class Distiller(TrainingPhase):
         self._data_until = until
         seen = set()
         for path in self._rounds():
-            seen.update(D.dedupe_key(r["question"]) for r in torch.load(path, weights_only=False))
+            seen.update(D.dedupe_key(r["question"]) for r in load_round(path))
         last = 0.0  # seconds the last round took: a round is not started if it would overrun
         while True:
             r = self.state["rounds"]
@@ -286,6 +291,17 @@ class Distiller(TrainingPhase):
             records.append({"question": questions[i][1], "category": questions[i][0], "greedy": greedy,
                             "ids": torch.tensor(prompts[i] + ids, dtype=torch.int32), "prompt_len": len(prompts[i])})
         return records
+
+def _is_state(state: object) -> bool:
+    """The state file's fields have the types this module writes (a foreign or edited file is refused)."""
+    if not isinstance(state, dict):
+        return False
+    number = lambda x: isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= 0  # noqa: E731
+    count = lambda x: isinstance(x, int) and not isinstance(x, bool) and x >= 0  # noqa: E731
+    return (number(state.get("spent_s")) and state.get("phase") in ("data", "train", "done")
+            and count(state.get("rounds")) and count(state.get("step")) and count(state.get("calls"))
+            and (state.get("train_started_s") is None or number(state.get("train_started_s"))))
+
 
 def init_record(files: HeadFiles) -> dict:
     """What a continued run keeps of the head it starts from: where, which, and the budget it used."""
