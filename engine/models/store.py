@@ -31,6 +31,7 @@ from engine.models.cache import (
     write_marker,
 )
 from engine.models.cache_space import sweep
+from engine.models.census import check_sizes
 from engine.models.device import (
     cpu_has_native_bf16,
     pick_device,
@@ -338,6 +339,7 @@ def _read_folder_tokenizer(folder: Path, name: str) -> TokenizerInfo:
     from transformers import AutoTokenizer
 
     config = _read_json(folder / "config.json")
+    check_sizes(config, name, complete=False)  # a 0 or negative size is named here, before anything divides by it
     text_config = config.get("text_config") or config
     rows = int(text_config.get("vocab_size") or 0)
     tok_cfg = _read_json(folder / "tokenizer_config.json")
@@ -517,6 +519,10 @@ def _prepare(source: ModelSource, progress: ProgressFn | None, stack: ExitStack)
                 f"{folder} has no config.json, so it is not a model folder: give a folder with config.json, "
                 f"weights (*.safetensors) and tokenizer files, a .gguf file or a hub id."
             )
+        weights = ("*.safetensors", "*.bin", "*.safetensors.index.json")
+        if not any(next(folder.glob(pattern), None) for pattern in weights):
+            raise ModelLoadError(f"{folder} has config.json but no weights (*.safetensors or *.bin): copy the model's "
+                                 f"weight files into it, or give a .gguf file or a hub id.")
         return _Prepared(source, folder=folder)
     if source.kind == "hub":
         # Tokenizer and config only: the weights come after the compatibility check passes.
