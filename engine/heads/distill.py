@@ -315,6 +315,12 @@ def init_record(files: HeadFiles) -> dict:
 POSITIVE = ("question_batch", "question_tokens", "answer_tokens", "intermediate", "draft_vocab", "eval_sequences",
             "log_every", "depth", "batch_tokens", "max_len", "max_rounds", "max_steps")  # sizes: 0 is a typo
 SHARES = ("data_share", "sampled_share", "warmup", "final_lr", "step_decay")  # fractions of 1
+# Beyond these a value is a typo that would fail (or fill the memory) only after the target loaded.
+UPPER = {"question_batch": 16384, "question_tokens": 4096, "answer_tokens": 16384, "intermediate": 65536,
+         "draft_vocab": 1 << 20, "eval_sequences": 100_000, "log_every": 1_000_000, "depth": 16,
+         "batch_tokens": 1 << 21, "max_len": 32768, "answer_segment": 16384, "lr": 1.0, "reg_weight": 100.0,
+         "question_temperature": 10.0, "answer_temperature": 10.0, "question_top_p": 1.0, "clip": 1e6}
+MAX_QUESTION_CHARS = 32_000  # a given question longer than this is not a question (a pasted file, a typo)
 
 
 def plan_with(plan: DistillPlan, changes: dict[str, str]) -> DistillPlan:
@@ -344,7 +350,7 @@ def plan_with(plan: DistillPlan, changes: dict[str, str]) -> DistillPlan:
             raise ValueError(f"plan setting {key}={text!r}: expected {kind.__name__}") from None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             low = 1 if name in POSITIVE else 0
-            high = 1 if name in SHARES else math.inf
+            high = min(1 if name in SHARES else math.inf, UPPER.get(name, math.inf))
             if not (math.isfinite(value) and low <= value <= high):
                 raise ValueError(f"plan setting {key}={text!r}: expected a number from {low} to {high:g}")
         (train if holder is plan.train else top)[name] = value
@@ -365,6 +371,12 @@ def prepare(target: str | None, out: Path, *, minutes: float, work: Path | None 
     started = time.perf_counter()
     from engine.models.loader import load_pair
 
+    # Cheap checks first: a bad setting or question should not cost a model load.
+    try:
+        plan_with(plan or DistillPlan(), plan_changes or {})
+    except ValueError as e:
+        raise DistillError(str(e)) from None
+    check_questions(questions)
     report = progress or (lambda p: None)
     report(DistillProgress("load", 0.0, minutes * 60, "loading the target"))
     pair = load_pair(target, None, device=device, dtype=dtype, with_draft=False)
@@ -384,6 +396,18 @@ def prepare(target: str | None, out: Path, *, minutes: float, work: Path | None 
     return Distiller(pair.target, pair.tokenizer, work=work or out / "work", out=out, plan=plan,
                      name=name, call_minutes=call_minutes,
                      extra_questions=list(questions), progress=progress, cancel=cancel, started=started, init=files)
+
+
+def check_questions(questions: list[str]) -> None:
+    """DistillError (one line) for a given question that is too long or a refused benchmark/test prompt."""
+    refusals = D.Refusals(D.packaged_refusals()) if questions else None
+    for q in questions:
+        if len(q) > MAX_QUESTION_CHARS:
+            raise DistillError(f"A given question has {len(q):,} characters (at most {MAX_QUESTION_CHARS:,}): "
+                               f"{q[:60]!r}…; is it a whole file?")
+        hit = refusals.match(q)
+        if hit is not None:
+            raise DistillError(f"Refusing to train on a benchmark or test prompt: {q[:80]!r} matches {hit[:80]!r}.")
 
 
 def distill(target: str | None, out: Path, **options) -> dict:
