@@ -11,6 +11,7 @@ import logging
 import os
 import pickle
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -52,7 +53,9 @@ def load_tensor_file(path: Path, what: str, fits: Callable[[Any], bool], device:
     run. Anything else, or a damaged file, is a DistillError in one line.
     """
     try:
-        value = torch.load(path, map_location=device, weights_only=True)
+        with warnings.catch_warnings():  # "Detected pickle protocol 4": a foreign file, refused below in one line
+            warnings.simplefilter("ignore", UserWarning)
+            value = torch.load(path, map_location=device, weights_only=True)
     except pickle.UnpicklingError:
         raise DistillError(f"{path} is not {what} as SpecDec Studio writes it (it asks to run code, which is "
                            "never done); remove it or use an empty work folder.") from None

@@ -1,4 +1,8 @@
-"""Fuzzing the real entry points with random command lines and random or mutated GGUF, prompts and settings files.
+"""Fuzzing the real entry points: the world the cases point at, running a case and judging it.
+
+Random command lines and random or mutated GGUF, prompts and settings files (cases.py); crafted
+conversations, foreign settings files, cache and work folders holding foreign things, configs with
+zero or negative sizes (files.py), with a sentinel folder hashed before and after.
 
 What must hold for every case: no traceback, no hang, exit code 0 or 2 only; an error (exit 2) is one
 stderr line; `generate --json` prints JSON whose token texts add up to its text. Models are tiny
@@ -7,37 +11,31 @@ replaced by a tiny one shipped as fake part packages, so an omitted --target nev
 real 1.6 GB models. Most cases run in this process through app.main.main (fast); a sample runs
 through real `python -m app.main`-style subprocesses, including undecodable bytes in argv.
 
-    .venv/bin/python bench/fuzz.py                                 # 1,000 command lines, 200 files, 40 processes
-    .venv/bin/python bench/fuzz.py --cases 50 --files 20 --processes 4 --seed 3   # a quick look
+    nice -n 10 .venv/bin/python -m tools.fuzz --cases 2000        # the long form, by hand
+    .venv/bin/python -m tools.fuzz --cases 50 --files 20 --processes 4 --seed 3   # a quick look
+    tests/test_fuzz.py runs a short form (fixed seed) in CI.
 
 About 15-25 minutes for the defaults on 2 CPU cores (one torch thread). Prints a summary and every
 failure (argv, reason, stderr tail); exits 1 if anything failed. Rerun a failure with the same --seed.
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import gc
 import hashlib
 import io
 import json
-import logging
 import os
 import random
-import resource
-import shutil
 import signal
-import struct
 import subprocess
 import sys
-import tempfile
 import threading
 import time
-from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 CASE_TIMEOUT_S = 120  # one in-process case; tiny models answer in about a second
@@ -120,269 +118,6 @@ def use_tiny_defaults(world: World) -> None:
     sys.path.insert(0, str(world.packages))
     for role, (name, packages, sha, size) in world.default_models.items():
         store.DEFAULT_MODELS[role] = store.PackagedModel(name, packages, sha, size)
-
-
-# --------------------------------------------------------------------------- random values
-
-HUGE = "9" * 30
-PROMPTS = ["def add(a, b):", "Hello world!", "用Python写一个快速排序", "🙂🚀✨", "x", "", "   ", "a\nb\tc",
-           "=HYPERLINK(\"http://evil.example\",\"x\")", "The quick brown fox " * 60, "caf\udce9", "\x00nul",
-           "-1", "@SUM(A1)"]
-
-
-FAULT_RATE = 0.15  # in a faulty case, the chance each option takes a bad value
-
-
-class Faults:
-    """Per case: a clean case (every value valid, so it runs deep) or a faulty one (bad values here and there)."""
-
-    rate = 0.0
-
-    @classmethod
-    def start(cls, rng: random.Random) -> None:
-        cls.rate = 0.0 if rng.random() < 0.5 else FAULT_RATE
-
-    @classmethod
-    def hit(cls, rng: random.Random) -> bool:
-        return rng.random() < cls.rate
-
-
-def _pick(rng: random.Random, good: tuple | list, bad: tuple | list = ()):
-    return rng.choice(bad) if bad and Faults.hit(rng) else rng.choice(good)
-
-
-def number_text(rng: random.Random, good: list[str], bad: list[str] | None = None) -> str:
-    bad = (bad or []) + ["-1", "0", "nan", "inf", "-inf", "1e400", HUGE, "-" + HUGE, "two", "", " ", "0x10", "1.5",
-                         "1_000", "9" * 5000, "٣"]
-    return _pick(rng, good, bad)
-
-
-def model_spec(rng: random.Random, world: World, role: str, mutated_gguf: Path | None = None) -> list[str]:
-    """--target/--draft, or nothing (the tiny 'default'), or something that is not a model."""
-    own = world.target if role == "target" else world.draft
-    good = [[f"--{role}", str(own)]] * 8 + [[], [f"--{role}", "default"], [f"--{role}", str(world.gguf)],
-                                            [f"--{role}", str(world.target)]]
-    bad = [[f"--{role}", "./no/such/model"], [f"--{role}", str(world.no_config)], [f"--{role}", str(world.text_file)],
-           [f"--{role}", "nobody/not-cached-model"], [f"--{role}", "~nobody_at_all/x"], [f"--{role}", "a" * 5000],
-           [f"--{role}", "bad\x00path"], [f"--{role}", ""], [f"--{role}", "/proc/self"]]
-    if mutated_gguf is not None:
-        return [f"--{role}", str(mutated_gguf)]
-    return _pick(rng, good, bad)
-
-
-def decoding_options(rng: random.Random) -> list[str]:
-    argv: list[str] = []
-    if rng.random() < 0.6:
-        argv += ["--k", number_text(rng, ["1", "2", "3", "5", "8", "12"], ["13", "40000"])]
-    if rng.random() < 0.5:
-        argv += ["--temperature", number_text(rng, ["0", "0.7", "1", "2", "100"])]
-    if rng.random() < 0.3:
-        argv += ["--top-k", number_text(rng, ["0", "1", "5", "50", "100000"])]
-    if rng.random() < 0.3:
-        argv += ["--top-p", number_text(rng, ["1", "0.9", "0.5", "0.01"], ["1.0000001"])]
-    if rng.random() < 0.4:
-        argv += ["--seed", number_text(rng, ["0", "1", "42", "4294967296", str(2**63 - 1)], [str(2**63)])]
-    if rng.random() < 0.4:
-        argv += ["--proposer", _pick(rng, ["draft", "ngram", "draft+ngram"], ["both", ""])]
-    if rng.random() < 0.5:
-        argv += ["--device", _pick(rng, ["cpu", "cpu", "auto"], ["cuda", "cuda:1", "cuda:x", "tpu", ""])]
-    if rng.random() < 0.4:
-        argv += ["--dtype", _pick(rng, ["float32", "float32", "bfloat16", "auto", "float16"], ["int8"])]
-    if rng.random() < 0.3:
-        argv += ["--fast-path", _pick(rng, ["auto", "eager", "static", "compiled"], ["turbo"])]
-    if rng.random() < 0.05:
-        argv += ["-v"]
-    return argv
-
-
-def generate_argv(rng: random.Random, world: World, gguf: Path | None = None) -> list[str]:
-    argv = ["generate"]
-    if not Faults.hit(rng):
-        argv += ["--prompt", _pick(rng, PROMPTS[:10], PROMPTS[10:])]
-    if rng.random() < 0.3:
-        argv += ["--raw"]
-    if rng.random() < 0.5:
-        argv += ["--mode", _pick(rng, ["speculative", "standard", "standard"], ["turbo"])]
-    argv += ["--max-new-tokens", number_text(rng, ["1", "2", "4", "6", "8"], ["100000"])]
-    if rng.random() < 0.5:
-        argv += ["--json"]
-    argv += model_spec(rng, world, "target", gguf) + model_spec(rng, world, "draft") + decoding_options(rng)
-    if "--device" not in argv:
-        argv += ["--device", "cpu"]
-    return argv
-
-
-def output_path(rng: random.Random, world: World, suffix: str) -> str:
-    return _pick(rng, [str(world.path(suffix))],
-                 [str(world.root), str(world.root / "missing" / f"out{suffix}"), f"/proc/specdec{suffix}", ""])
-
-
-def bench_argv(rng: random.Random, world: World, prompts: Path | None = None) -> list[str]:
-    argv = ["bench", "--prompts", str(prompts or _pick(rng, [world.prompts],
-                                                       [world.text_file, world.root / "nope.jsonl", world.root]))]
-    modes = ["standard", "speculative", "hf", "hf-static", "hf-assisted", "warp", ""]
-    if rng.random() < 0.8:
-        chosen = rng.sample(modes[:5], rng.randint(1, 3)) if not Faults.hit(rng) else [rng.choice(modes)] * 2
-        argv += ["--modes", ",".join(chosen)]
-    argv += ["--max-new-tokens", number_text(rng, ["1", "2", "3", "4"])]
-    argv += ["--warmup", number_text(rng, ["0", "0", "1"], ["101"])]
-    if rng.random() < 0.4:
-        argv += ["--json", output_path(rng, world, ".json")]
-    if rng.random() < 0.4:
-        argv += ["--csv", output_path(rng, world, ".csv")]
-    if rng.random() < 0.2:
-        argv += ["--raw"]
-    argv += model_spec(rng, world, "target") + model_spec(rng, world, "draft") + decoding_options(rng)
-    if "--device" not in argv:
-        argv += ["--device", "cpu"]
-    return argv
-
-
-def cli_argv(rng: random.Random, world: World) -> list[str]:
-    """One random command line: mostly plausible, sometimes garbage."""
-    Faults.start(rng)
-    roll = rng.random()
-    if roll < 0.55:
-        argv = generate_argv(rng, world)
-    elif roll < 0.85:
-        argv = bench_argv(rng, world)
-    elif roll < 0.93:
-        argv = ["cache", _pick(rng, ["info", "info", "verify", "clean"], ["defrag"])] + (
-            ["--all"] if rng.random() < 0.1 else [])
-    else:
-        argv = rng.choice([["--quit-after-ms", "300"], ["--help"], ["generate", "--help"], ["bench"], ["generate"],
-                           ["cache"], ["generate", "--prompt"], ["generate", "--bogus", "1"], ["bench", "--prompts"],
-                           ["--demo", "--quit-after-ms", "200"], ["--no-draft", "--quit-after-ms", "300"]])
-    if argv and Faults.hit(rng) and rng.random() < 0.3:  # a stray or repeated flag
-        argv.insert(rng.randint(1, len(argv)), rng.choice(["--k", "--json", "--unknown", "--", "-x"]))
-    return argv
-
-
-# --------------------------------------------------------------------------- mutated files
-
-def mutate(rng: random.Random, data: bytes, header: int = 4096) -> bytes:
-    """A damaged copy: flipped bits, overwritten or cut ranges, inserted junk, a huge number, crafted arrays."""
-    out = bytearray(data)
-    kind = rng.choice(["flip", "flip-header", "overwrite", "truncate", "insert", "delete", "u64", "nested", "empty",
-                       "magic-only", "type"])
-    if kind == "flip":
-        for _ in range(rng.randint(1, 20)):
-            i = rng.randrange(len(out))
-            out[i] ^= 1 << rng.randrange(8)
-    elif kind == "flip-header":
-        for _ in range(rng.randint(1, 6)):
-            i = rng.randrange(min(header, len(out)))
-            out[i] ^= 1 << rng.randrange(8)
-    elif kind == "overwrite":
-        i = rng.randrange(len(out))
-        n = rng.randint(1, 4096)
-        out[i:i + n] = os.urandom(min(n, len(out) - i))
-    elif kind == "truncate":
-        out = out[: rng.randrange(len(out))]
-    elif kind == "insert":
-        i = rng.randrange(len(out))
-        out[i:i] = os.urandom(rng.randint(1, 64))
-    elif kind == "delete":
-        i = rng.randrange(len(out))
-        del out[i:i + rng.randint(1, 64)]
-    elif kind == "u64":
-        i = rng.randrange(0, min(header, len(out) - 8))
-        out[i:i + 8] = struct.pack("<Q", rng.choice([2**63, 2**64 - 1, 2**32, 10**12]))
-    elif kind == "nested":
-        depth = rng.choice([5, 100, 10_000])
-        out = bytearray(b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + struct.pack("<Q", 1) + b"x" + struct.pack("<I", 9)
-                        + struct.pack("<IQ", 9, 1) * depth + struct.pack("<IQ", 0, 0))
-    elif kind == "empty":
-        out = bytearray()
-    elif kind == "magic-only":
-        out = bytearray(b"GGUF")
-    elif kind == "type":
-        i = rng.randrange(24, min(header, len(out) - 4))
-        out[i:i + 4] = struct.pack("<I", rng.choice([13, 99, 2**31]))
-    return bytes(out)
-
-
-def gguf_case(rng: random.Random, world: World) -> list[str]:
-    Faults.start(rng)
-    path = world.path(".gguf")
-    path.write_bytes(mutate(rng, world.gguf_bytes))
-    return generate_argv(rng, world, gguf=path)
-
-
-def prompts_case(rng: random.Random, world: World) -> list[str]:
-    Faults.start(rng)
-    lines = ['{"id": "a", "category": "code", "prompt": "def add(a, b):"}',
-             '{"id": "b", "category": "chat", "prompt": "你好"}']
-    kind = rng.choice(["bytes", "utf8", "deep", "long", "dup", "types", "surrogate", "bom-crlf", "nul", "empty",
-                       "formula", "mutate"])
-    if kind == "bytes":
-        data = os.urandom(rng.randint(1, 2000))
-    elif kind == "utf8":
-        data = '{"id": "a", "prompt": "caf'.encode() + b"\xe9\xff" + b'"}\n'
-    elif kind == "deep":
-        data = ("[" * rng.choice([50, 5000, 200_000])).encode() + b"\n"
-    elif kind == "long":
-        data = json.dumps({"id": "long", "prompt": "word " * rng.choice([10, 3000])}).encode() + b"\n"
-    elif kind == "dup":
-        data = (lines[0] + "\n" + lines[0] + "\n").encode()
-    elif kind == "types":
-        data = rng.choice(['{"id": [1, {"x": 2}], "category": null, "prompt": "hi"}', '[1, 2]', '"just text"',
-                           '{"prompt": 5}', '{"id": 1e400, "prompt": "x"}', "null", '{"prompt": ""}']).encode()
-    elif kind == "surrogate":
-        data = rng.choice(['{"id": "\\ud800", "prompt": "x"}', '{"prompt": "a\\udce9b"}',
-                           '{"category": "\\udfff", "prompt": "x"}']).encode()
-    elif kind == "bom-crlf":
-        data = b"\xef\xbb\xbf" + "\r\n".join(lines).encode() + b"\r\n"
-    elif kind == "nul":
-        data = b'{"id": "a\x00", "prompt": "x\x00y"}\n'
-    elif kind == "empty":
-        data = rng.choice([b"", b"\n\n\n", b"   \n"])
-    elif kind == "formula":
-        data = b'{"id": "=1+1", "category": "@cmd", "prompt": "-2+3"}\n'
-    else:
-        data = mutate(rng, "\n".join(lines).encode(), header=200)
-    path = world.path(".jsonl")
-    path.write_bytes(data)
-    return bench_argv(rng, world, prompts=path)
-
-
-SETTINGS_KEYS = ["generation/settings", "display/settings", "models/selection", "window/splitter", "window/view",
-                 "window/geometry"]
-
-
-def settings_value(rng: random.Random) -> str:
-    values = [
-        json.dumps({"seed": rng.choice([3000000000, -5, 10**30]), "k": rng.choice([0, 99, 10**40, "x"]),
-                    "temperature": rng.choice(["nan", 1e308, -1, None]), "top_p": rng.choice([2, "inf", []]),
-                    "mode": rng.choice(["turbo", 7, None]), "system_prompt": rng.choice(["x" * 200_000, 5, "ok"])}),
-        json.dumps({"sizes": rng.choice([[10**20, 5, 5], [-1, 2], [], "abc", [1.5, 2.5, 3.5], list(range(100))])}),
-        json.dumps({"charts_visible": rng.choice([None, "no", {"a": 1}, 0])}),
-        json.dumps({"target": {"kind": rng.choice(["folder", "gguf", "hub", "alien"]),
-                               "value": rng.choice(["a\x00b", "a" * 10_000, "/nope", 5])},
-                    "device": rng.choice(["cuda:999999999999", "cpu", 3]), "dtype": rng.choice(["int3", None])}),
-        "[" * rng.choice([10, 100_000]),
-        "@ByteArray(" + "".join(f"\\x{rng.randrange(256):02x}" for _ in range(rng.randint(0, 200))) + ")",
-        "@Variant(\\0\\0\\0\\x7f\\0\\0\\0\\x1cjunk)", "@Invalid()", "1, 2, 3", "", "true",
-    ]
-    value = rng.choice(values)
-    if value.startswith("@") or value in ("1, 2, 3", "", "true"):
-        return value
-    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
-
-
-def settings_case(rng: random.Random, world: World) -> list[str]:
-    path = world.path(".ini")
-    if rng.random() < 0.2:
-        path.write_bytes(os.urandom(rng.randint(1, 8000)))
-    else:
-        sections: dict[str, list[str]] = {}
-        for _ in range(rng.randint(1, 8)):
-            section, key = rng.choice(SETTINGS_KEYS).split("/")
-            sections.setdefault(section, []).append(f"{key}={settings_value(rng)}")
-        text = "".join(f"[{s}]\n" + "\n".join(lines) + "\n" for s, lines in sections.items())
-        data = text.encode("utf-8", "surrogatepass")
-        path.write_bytes(mutate(rng, data, header=len(data)) if rng.random() < 0.2 else data)
-    return ["--demo", "--settings", str(path), "--quit-after-ms", "150"]
 
 
 # --------------------------------------------------------------------------- running and judging
@@ -549,126 +284,3 @@ def judge(o: Outcome) -> None:
         except (ValueError, KeyError, TypeError) as e:
             o.problems.append(f"--json output is not the JSON contract ({e})")
 
-
-# --------------------------------------------------------------------------- main
-
-def undecodable_argv(rng: random.Random, world: World) -> list:
-    """Command lines with bytes that are not UTF-8 (they reach Python as surrogate escapes)."""
-    junk = rng.choice([b"caf\xe9", b"\xff\xfe", b"ok \xc3", b"\xed\xa0\x80"])
-    return rng.choice([
-        ["generate", "--prompt", junk, "--target", str(world.target), "--device", "cpu"],
-        ["generate", "--prompt", "hi", "--target", b"/tmp/" + junk, "--device", "cpu"],
-        ["bench", "--prompts", b"/tmp/" + junk + b".jsonl"],
-        ["generate", "--prompt", "hi", "--k", junk],
-    ])
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--cases", type=int, default=1000, help="random command lines, run in this process")
-    p.add_argument("--files", type=int, default=200, help="random or mutated GGUF / prompts / settings files")
-    p.add_argument("--processes", type=int, default=40, help="cases run as real subprocesses (a sample of both)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--keep", action="store_true", help="keep the temporary folder (its path is printed)")
-    p.add_argument("--json", type=Path, default=None, help="write every failure and the counts here")
-    args = p.parse_args(argv)
-
-    resource.setrlimit(resource.RLIMIT_AS, (MEMORY_LIMIT, resource.RLIM_INFINITY))
-    root = Path(tempfile.mkdtemp(prefix="specdec-fuzz-"))
-    os.environ.update(SPECDEC_CACHE_DIR=str(root / "cache"), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-                      QT_QPA_PLATFORM="offscreen", SPECDEC_SETTINGS=str(root / "default-settings.ini"))
-    import torch
-
-    torch.set_num_threads(1)  # a shared machine; tiny models gain nothing from a second thread
-    logging.basicConfig(level=logging.WARNING, stream=_StderrProxy(), format="%(levelname)s %(name)s: %(message)s")
-    rng = random.Random(args.seed)
-    started = time.perf_counter()
-    world = build_world(root)
-    use_tiny_defaults(world)
-    dismiss_dialogs()
-    print(f"fuzz: seed {args.seed}, world in {root} ({time.perf_counter() - started:.1f} s)", flush=True)
-
-    outcomes: list[Outcome] = []
-    file_makers = [("gguf", gguf_case), ("prompts", prompts_case), ("settings", settings_case)]
-    plan = [("cli", None)] * args.cases + [file_makers[i % 3] for i in range(args.files)]
-    for n, (kind, maker) in enumerate(plan, 1):
-        case_argv = cli_argv(rng, world) if maker is None else maker(rng, world)
-        outcomes.append(run_in_process(kind, case_argv))
-        if n % 50 == 0 or n == len(plan):
-            bad = sum(bool(o.problems) for o in outcomes)
-            print(f"  {n}/{len(plan)} in process, {bad} failing, {time.perf_counter() - started:.0f} s", flush=True)
-    for n in range(args.processes):
-        if n % 4 == 3:
-            case_argv, kind = undecodable_argv(rng, world), "cli"
-        else:
-            kind, maker = rng.choice([("cli", None)] * 2 + file_makers)
-            case_argv = cli_argv(rng, world) if maker is None else maker(rng, world)
-        outcomes.append(run_subprocess(kind, case_argv, world))
-    print(f"  {args.processes} subprocesses done, {time.perf_counter() - started:.0f} s", flush=True)
-    failures = [o for o in outcomes if o.problems]
-    report(outcomes, failures, time.perf_counter() - started)
-    if args.json is not None:
-        args.json.write_text(json.dumps({
-            "seed": args.seed, "cases": len(outcomes), "failures": [
-                {"kind": o.kind, "where": o.where, "argv": [a if isinstance(a, str) else repr(a) for a in o.argv],
-                 "rc": o.rc, "problems": o.problems, "stderr_tail": o.err[-1500:]} for o in failures],
-            "counts": summary_counts(outcomes)}, indent=2, ensure_ascii=False), encoding="utf-8")
-    if args.keep:
-        print(f"kept {root}")
-    else:
-        shutil.rmtree(root, ignore_errors=True)
-    return 1 if failures else 0
-
-
-def summary_counts(outcomes: list[Outcome]) -> dict:
-    return {
-        "by_kind": dict(Counter(f"{o.kind} ({o.where})" for o in outcomes)),
-        "exit_codes": dict(Counter(str(o.rc) for o in outcomes)),
-        "problems": dict(Counter(p.split(":")[0].split(" (")[0] for o in outcomes for p in o.problems)),
-    }
-
-
-def report(outcomes: list[Outcome], failures: list[Outcome], seconds: float) -> None:
-    counts = summary_counts(outcomes)
-    slowest = max(outcomes, key=lambda o: o.seconds)
-    print(f"\n{len(outcomes)} cases in {seconds / 60:.1f} min: " + ", ".join(f"{k} {v}" for k, v in
-                                                                        sorted(counts["by_kind"].items())))
-    print("exit codes: " + ", ".join(f"{k}: {v}" for k, v in sorted(counts["exit_codes"].items())))
-    print(f"slowest case {slowest.seconds:.1f} s ({slowest.where}): {_show(slowest.argv)}")
-    kinds = sorted({(o.kind, o.where) for o in outcomes})
-    print("mean seconds per case: " + ", ".join(
-        f"{k} ({w}) {sum(o.seconds for o in outcomes if (o.kind, o.where) == (k, w)) / sum((o.kind, o.where) == (k, w) for o in outcomes):.1f}"
-        for k, w in kinds))
-    hangs = sum(any(p.startswith("hang") for p in o.problems) for o in outcomes)
-    tracebacks = sum(any(p.startswith(("traceback", "exception")) for p in o.problems) for o in outcomes)
-    others = sum(any(p.startswith("exit code") for p in o.problems) for o in outcomes)
-    print(f"tracebacks: {tracebacks}, hangs: {hangs}, exits other than 0 and 2: {others}, "
-          f"cases with any problem: {len(failures)}")
-    errors = Counter(_reason(o.err) for o in outcomes if o.rc == 2)
-    print("most frequent errors (exit 2):")
-    for reason, n in errors.most_common(25):
-        print(f"  {n:5d}  {reason}")
-    for o in failures[:50]:
-        print(f"\nFAIL [{o.kind}, {o.where}, rc {o.rc}, {o.seconds:.1f} s] {'; '.join(o.problems)}")
-        print(f"  argv: {_show(o.argv)}")
-        for line in o.err.strip().splitlines()[-8:]:
-            print(f"  | {line[:300]}")
-
-
-def _reason(err: str) -> str:
-    """The error line without the values that vary between cases (paths, numbers)."""
-    import re
-
-    line = next((x for x in err.splitlines() if "error:" in x), err.strip().splitlines()[-1] if err.strip() else "")
-    line = line.split("error: ", 1)[-1]
-    line = re.sub(r"/tmp/specdec-fuzz-[^ ]*", "<path>", line)
-    return re.sub(r"\d+", "N", line)[:90]
-
-
-def _show(argv: list) -> str:
-    parts = [a if isinstance(a, str) else repr(a) for a in argv]
-    return " ".join(p if len(p) <= 80 else p[:80] + "…" for p in parts)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
