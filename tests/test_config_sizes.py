@@ -21,7 +21,8 @@ def _bad_copy(src, dst, **changes):
 
 @pytest.mark.parametrize("field,value", [("num_attention_heads", 0), ("hidden_size", 0), ("num_attention_heads", -4),
                                          ("num_key_value_heads", 0), ("num_hidden_layers", -1), ("vocab_size", 0),
-                                         ("head_dim", -64), ("hidden_size", "64"), ("num_attention_heads", 2.5)])
+                                         ("head_dim", -64), ("hidden_size", "64"), ("num_attention_heads", 2.5),
+                                         ("hidden_size", None)])
 def test_generate_names_the_bad_field(tiny_pair, tmp_path, capsys, field, value):
     bad = _bad_copy(tiny_pair[0], tmp_path / "bad", **{field: value})
     code = main(["generate", "--target", str(bad), "--draft", str(tiny_pair[1]), "--device", "cpu",

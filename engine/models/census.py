@@ -96,7 +96,7 @@ def check_sizes(config: object, name: str, *, complete: bool = True) -> None:
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
             raise ModelLoadError(f"config.json of {name}: {key} is {str(value)[:40]}; it must be a whole number > 0 "
                                  f"(the file is damaged or hand-edited).")
-    if "num_attention_heads" not in c or "hidden_size" not in c:
+    if c.get("num_attention_heads") is None or c.get("hidden_size") is None:
         return  # (complete=False: what is there is fine)
     heads, kv = c["num_attention_heads"], c.get("num_key_value_heads") or c["num_attention_heads"]
     if heads % kv:
