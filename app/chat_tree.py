@@ -1,17 +1,22 @@
 """One conversation as a tree of turns: editing a question or regenerating an answer forks a branch."""
 from __future__ import annotations
 
+import functools
+import re
+import types
 import uuid
 from collections.abc import Iterable, Sequence
 from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from datetime import datetime
-from typing import Any, Literal
+from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 from engine.types import Decision, GenerationRequest, Message, Sampling, Step, Summary, TokenView
 
 FORMAT = "specdec-studio.conversation"  # every file we write says what it is, so foreign JSON is refused
 VERSION = 1  # bump when the layout changes; a file from a newer version is reported, never rewritten
 TITLE_CHARS = 60  # a new conversation is titled by its first prompt, cut to this
+# A conversation id is its file's stem: letters, digits, "_", "-", "." (not first); never a path.
+ID_PATTERN = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}")
 
 # One letter per token status in a stored answer: a compact string instead of a list of words.
 STATUS_CODES = {"accepted": "a", "rejected": "r", "corrected": "c", "bonus": "b", "target": "t"}
@@ -99,7 +104,9 @@ class StoredTokens:
         texts, statuses = raw.get("text"), raw.get("status")
         if not isinstance(texts, list) or not isinstance(statuses, str) or len(texts) != len(statuses):
             return None  # colours are optional: a damaged token list loses the colours, not the answer
-        return cls(tuple(str(t) for t in texts), statuses)
+        if not all(isinstance(t, str) for t in texts):
+            return None
+        return cls(tuple(texts), statuses)
 
 
 @dataclass(frozen=True)
@@ -129,18 +136,53 @@ def _request_json(request: GenerationRequest) -> dict[str, Any]:
     return raw
 
 
+def _fits(value: Any, hint: Any) -> bool:
+    """Whether a JSON value has the type a dataclass field declares (ints are floats; bools are not ints)."""
+    origin, args = get_origin(hint), get_args(hint)
+    if origin is Literal:
+        return any(value == a and type(value) is type(a) for a in args)
+    if origin in (Union, types.UnionType):
+        return any(_fits(value, a) for a in args)
+    if origin is tuple:
+        return isinstance(value, (list, tuple)) and all(_fits(v, args[0]) for v in value)
+    if hint is type(None):
+        return value is None
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is str:
+        return isinstance(value, str)
+    return False
+
+
+_hints = functools.cache(get_type_hints)  # resolved once per dataclass, not once per stored answer
+
+
+def _typed(cls: type, raw: dict[str, Any], skip: tuple[str, ...] = ()) -> dict[str, Any] | None:
+    """The fields of `cls` found in `raw`, each of its declared type (tuples made tuples); None if one is not."""
+    hints = _hints(cls)
+    values: dict[str, Any] = {}
+    for f in fields(cls):
+        if f.name in skip or f.name not in raw:
+            continue
+        value = raw[f.name]
+        if not _fits(value, hints[f.name]):
+            return None
+        values[f.name] = tuple(value) if isinstance(value, list) else value
+    return values
+
+
 def _request_from(raw: Any) -> GenerationRequest | None:
-    if not isinstance(raw, dict):
+    if not isinstance(raw, dict) or not isinstance(raw.get("sampling", {}), dict):
         return None
-    try:
-        sampling = Sampling(**raw.get("sampling", {}))
-        kept = {f.name: raw[f.name] for f in fields(GenerationRequest)
-                if f.name in raw and f.name not in ("sampling", "messages", "prompt", "request_id")}
-        if "stop_strings" in kept:
-            kept["stop_strings"] = tuple(kept["stop_strings"])
-        return GenerationRequest(sampling=sampling, **kept)
-    except TypeError:
-        return None
+    sampling = _typed(Sampling, raw.get("sampling", {}))
+    kept = _typed(GenerationRequest, raw, skip=("sampling", "messages", "prompt", "request_id"))
+    if sampling is None or kept is None:
+        return None  # a damaged request loses the settings shown, not the answer
+    return GenerationRequest(sampling=Sampling(**sampling), **kept)
 
 
 def _summary_json(summary: Summary) -> dict[str, Any]:
@@ -152,17 +194,18 @@ def _summary_json(summary: Summary) -> dict[str, Any]:
 def _summary_from(raw: Any, text: str) -> Summary | None:
     if not isinstance(raw, dict):
         return None
-    try:
-        # Fields added later (with defaults) may be missing from older files.
-        values = {f.name: raw[f.name] for f in fields(Summary)
-                  if f.name != "text" and (f.name in raw or f.default is MISSING)}
-        for name in ("per_position_acceptance", "accepted_length_histogram"):
-            values[name] = tuple(values[name])
-        decision = values.get("decision")
-        values["decision"] = Decision(**decision) if isinstance(decision, dict) else None
-        return Summary(text=text, **values)
-    except (KeyError, TypeError):
+    # Fields added later (with defaults) may be missing from older files; the others must be there.
+    if any(f.default is MISSING and f.name != "text" and f.name not in raw for f in fields(Summary)):
         return None
+    values = _typed(Summary, raw, skip=("text", "decision"))
+    if values is None:
+        return None  # a damaged summary loses the figures, not the answer
+    decision = raw.get("decision")
+    if isinstance(decision, dict):
+        kept = _typed(Decision, decision)
+        required = all(f.name in decision for f in fields(Decision) if f.default is MISSING)
+        values["decision"] = Decision(**kept) if kept is not None and required else None
+    return Summary(text=text, **values)
 
 
 def turn_to_json(turn: Turn) -> dict[str, Any]:
@@ -185,15 +228,38 @@ def turn_from_json(raw: Any) -> Turn:
     if not isinstance(raw, dict) or raw.get("role") not in ("user", "assistant"):
         raise ConversationFormatError("a message has no role")
     ident, content = raw.get("id"), raw.get("content")
-    if not isinstance(ident, str) or not isinstance(content, str):
+    if not isinstance(ident, str) or not ident or not isinstance(content, str):
         raise ConversationFormatError("a message has no id or text")
     parent = raw.get("parent")
     return Turn(
         id=ident, parent=parent if isinstance(parent, str) else None, role=raw["role"], content=content,
-        created=str(raw.get("created", "")), model=str(raw.get("model", "")),
+        created=_text(raw, "created"), model=_text(raw, "model"),
         request=_request_from(raw.get("request")), summary=_summary_from(raw.get("summary"), content),
-        tokens=StoredTokens.from_json(raw.get("tokens")), error=str(raw.get("error", "")),
+        tokens=StoredTokens.from_json(raw.get("tokens")), error=_text(raw, "error"),
     )
+
+
+def _text(raw: dict[str, Any], key: str) -> str:
+    """A text field, or "" when it is missing or not text (an unknown or damaged field is ignored)."""
+    value = raw.get(key, "")
+    return value if isinstance(value, str) else ""
+
+
+def _cut_cycles(turns: dict[str, Turn]) -> None:
+    """A parent chain that comes back to itself (a damaged or crafted file) is cut where it repeats."""
+    done: set[str] = set()
+    for start in list(turns):
+        chain: list[str] = []
+        on_chain: set[str] = set()
+        node: str | None = start
+        while node is not None and node not in done:
+            if node in on_chain:  # the last turn walked points back into its own chain: it starts a branch
+                turns[chain[-1]] = replace(turns[chain[-1]], parent=None)
+                break
+            on_chain.add(node)
+            chain.append(node)
+            node = turns[node].parent
+        done.update(chain)
 
 
 @dataclass
@@ -216,8 +282,10 @@ class Conversation:
     def path(self, leaf: str | None = None) -> list[Turn]:
         """Root to `leaf` (the current leaf by default): the conversation as shown and as sent."""
         out: list[Turn] = []
+        seen: set[str] = set()
         node = self.turns.get(leaf if leaf is not None else self.current or "")
-        while node is not None:
+        while node is not None and node.id not in seen:  # a repeat would be a cycle: cut there
+            seen.add(node.id)
             out.append(node)
             node = self.turns.get(node.parent) if node.parent is not None else None
         out.reverse()
@@ -265,11 +333,13 @@ class Conversation:
     def switch_to(self, turn_id: str) -> None:
         """Shows the branch through `turn_id`, down to its newest leaf."""
         node = self.turns[turn_id]
+        seen = {node.id}
         while True:
-            kids = self.children(node.id)
+            kids = [k for k in self.children(node.id) if k.id not in seen]
             if not kids:
                 break
             node = kids[-1]
+            seen.add(node.id)
         self.current = node.id
 
     def rename(self, title: str) -> None:
@@ -296,16 +366,17 @@ class Conversation:
         for item in raw.get("turns", []):
             turn = turn_from_json(item)
             turns[turn.id] = turn
-        for turn in list(turns.values()):  # a turn whose parent is missing starts its own branch
-            if turn.parent is not None and turn.parent not in turns:
+        for turn in list(turns.values()):  # a turn whose parent is missing (or itself) starts its own branch
+            if turn.parent is not None and (turn.parent not in turns or turn.parent == turn.id):
                 turns[turn.id] = replace(turn, parent=None)
+        _cut_cycles(turns)
         current = raw.get("current")
         conversation = cls(
-            id=str(raw["id"]), title=str(raw.get("title", "")), created=str(raw.get("created", "")),
-            updated=str(raw.get("updated", "")), model=str(raw.get("model", "")),
+            id=raw["id"], title=_text(raw, "title"), created=_text(raw, "created"),
+            updated=_text(raw, "updated"), model=_text(raw, "model"),
             settings=raw["settings"] if isinstance(raw.get("settings"), dict) else {},
-            turns=turns, current=current if current in turns else None,
-            trim_oldest=bool(raw.get("trim_oldest", False)),
+            turns=turns, current=current if isinstance(current, str) and current in turns else None,
+            trim_oldest=raw.get("trim_oldest") is True,
         )
         if conversation.current is None and turns:
             conversation.current = list(turns)[-1]
@@ -323,6 +394,8 @@ def check_header(raw: Any) -> None:
         raise ConversationFormatError(f"saved by a newer SpecDec Studio (format {version}; this one reads {VERSION})")
     if not isinstance(raw.get("id"), str) or not raw["id"]:
         raise ConversationFormatError("no conversation id")
+    if not ID_PATTERN.fullmatch(raw["id"]):
+        raise ConversationFormatError("its id is not a plain file name")
     if not isinstance(raw.get("turns", []), list):
         raise ConversationFormatError("its messages are not a list")
 

@@ -7,6 +7,7 @@ import csv
 import json
 import logging
 import platform
+import re
 import sys
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -38,6 +39,11 @@ class CliError(Exception):
 class _Parser(argparse.ArgumentParser):
     """argparse that raises instead of printing usage and exiting, so main() owns the exit code."""
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # "-1GiB" is a value to refuse clearly, not an unknown option ("expected one argument").
+        self._negative_number_matcher = re.compile(r"^-\.?\d")
+
     def error(self, message: str) -> NoReturn:
         if message.endswith("required: command"):
             message = "a command is needed: generate, bench, sweep, distill, cache or plan (see --help)"
@@ -52,12 +58,7 @@ PRECISION_CHOICES = ["auto", "bfloat16", "float16", "float32", "int8", "nf4"]
 
 
 def _memory(text: str) -> int:
-    from engine.models.plan import parse_size
-
-    try:
-        return parse_size(opt.utf8(text, "a memory size"))
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+    return opt.memory(text)
 
 
 def _add_pair_args(g: argparse._ArgumentGroup) -> None:
@@ -422,7 +423,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     except OSError as e:
         # The table still goes to stdout, so a long run is not lost to a bad output path.
         print(table)
-        raise CliError(f"cannot write results: {e.strerror or e} ({e.filename})") from None
+        where = e.filename or " or ".join(str(o) for o in outputs)  # a failed write() names no file
+        raise CliError(f"cannot write results: {e.strerror or e} ({where})") from None
     print(f"{engine.info.target_name} / {engine.info.draft_name or '-'} on {engine.info.device} "
           f"({_precisions(engine.info)}, {runtime_label(engine.info)}), {len(prompts)} prompts, k={args.k or 'auto'}, "
           f"temperature={args.temperature}, max_new_tokens={args.max_new_tokens}")
@@ -459,7 +461,10 @@ def main(argv: list[str] | None = None) -> int:
     """Runs one command; bad input and engine errors are one stderr line and exit code 2."""
     try:
         args = build_parser().parse_args(argv)
+        opt.check_devices(args)
     except CliError as e:
+        return _fail(str(e))
+    except argparse.ArgumentTypeError as e:
         return _fail(str(e))
     except SystemExit as e:  # --help and --version exit through argparse
         return int(e.code or 0)

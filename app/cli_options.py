@@ -158,7 +158,36 @@ def key_value(text: str) -> tuple[str, str]:
 
 
 def path(text: str) -> Path:
-    return Path(utf8(text, "a file or folder name"))
+    if not utf8(text, "a file or folder name").strip():  # Path("") is ".": the current folder, never meant
+        raise argparse.ArgumentTypeError("the file or folder name is empty")
+    return Path(text)
+
+
+def memory(text: str) -> int:
+    """A memory size with its unit ("24GiB", "80 GB", "512MiB"), more than 0 bytes."""
+    from engine.models.plan import parse_size  # pure arithmetic, no torch
+
+    text = utf8(text, "a memory size").strip()
+    if re.fullmatch(r"[-+]?[0-9]*\.?[0-9]+", text) and float(text) > 0:
+        raise argparse.ArgumentTypeError(f"a memory size needs a unit: {short(text)}GiB (binary) or "
+                                         f"{short(text)}GB (decimal), got {short(text)!r}")
+    if text.startswith("-") or re.fullmatch(r"[-+]?[0-9]*\.?[0-9]+", text):
+        raise argparse.ArgumentTypeError(f"a memory size must be more than 0, got {short(text)}")
+    try:
+        value = parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"a memory size must be more than 0, got {short(text)}")
+    return value
+
+
+def check_devices(args: argparse.Namespace) -> None:
+    """Options that contradict each other, found before loading: --gpus above 1 on the CPU."""
+    gpus, dev = getattr(args, "gpus", None), getattr(args, "device", None)
+    if gpus is not None and gpus > 1 and dev == "cpu":
+        raise argparse.ArgumentTypeError(f"--gpus {gpus} splits the target over GPUs, but --device cpu runs on the "
+                                         f"CPU: drop one of them")
 
 
 def check_writable(path: Path) -> None:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from app.chat_tree import Conversation, ConversationFormatError, check_header, search_text
+from app.chat_tree import ID_PATTERN, Conversation, ConversationFormatError, check_header, search_text
 
 log = logging.getLogger(__name__)
 
@@ -22,6 +22,8 @@ INDEX_NAME = "index.json"  # a cache of titles and dates; the conversation files
 INDEX_VERSION = 1
 TRASH = ".deleted"  # deleted conversations wait here until the next start, so Undo can bring them back
 SUFFIX = ".json"
+MAX_FILE_BYTES = 64 << 20  # a conversation file beyond this is not read (a damaged or foreign file, not chat)
+HEADER_FIELDS = {"id": str, "title": str, "created": str, "updated": str, "model": str, "turns": int}
 
 
 def default_folder() -> Path:
@@ -52,6 +54,32 @@ class Problem:
 
     path: Path  # the file
     reason: str  # one line a person can act on
+
+
+def _count(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def _indexed(key: str, hit: Any) -> ConversationHeader | None:
+    """An index entry as a header, if every field it needs has its type and its id is the file's stem.
+
+    Fields the header does not know (from a newer version) are ignored; anything else: None, and the
+    file is read again.
+    """
+    if not isinstance(hit, dict) or not _count(hit.get("size")) or not _count(hit.get("mtime_ns")):
+        return None
+    raw = hit.get("header")
+    if not isinstance(raw, dict) or raw.get("id") != key:
+        return None
+    if not all(isinstance(raw.get(name), kind) and not isinstance(raw.get(name), bool)
+               for name, kind in HEADER_FIELDS.items()):
+        return None
+    return ConversationHeader(**{name: raw[name] for name in HEADER_FIELDS})
+
+
+def _damaged(hit: Any) -> bool:
+    return (isinstance(hit, dict) and _count(hit.get("size")) and _count(hit.get("mtime_ns"))
+            and isinstance(hit.get("reason"), str) and len(hit["reason"]) <= 200)
 
 
 def _header(raw: dict[str, Any]) -> ConversationHeader:
@@ -112,9 +140,13 @@ class ConversationStore:
         self.problems: list[Problem] = []  # files skipped by the last list()
         self._lock = threading.RLock()
         self._index: dict[str, dict[str, Any]] = {}
+        self._damaged: dict[str, dict[str, Any]] | None = None  # file name -> size, mtime_ns, reason
         self._purge_trash()
 
     def path_of(self, conversation_id: str) -> Path:
+        """The file of a conversation; ConversationFormatError for an id that is not a plain file stem."""
+        if not isinstance(conversation_id, str) or not ID_PATTERN.fullmatch(conversation_id):
+            raise ConversationFormatError(f"{str(conversation_id)[:60]!r} is not a conversation id")
         return self.folder / f"{conversation_id}{SUFFIX}"
 
     # --- listing --------------------------------------------------------------------------------
@@ -124,9 +156,11 @@ class ConversationStore:
         not opened, so 100 conversations list in milliseconds; unreadable ones land in `problems`."""
         with self._lock:
             cached = self._read_index()
+            known_bad = self._read_damaged()
             headers: list[ConversationHeader] = []
             problems: list[Problem] = []
             fresh: dict[str, dict[str, Any]] = {}
+            bad: dict[str, dict[str, Any]] = {}
             for entry in sorted(os.scandir(self.folder), key=lambda e: e.name):
                 if entry.name.startswith(".") or entry.name == INDEX_NAME or not entry.is_file():
                     continue  # temp files of an interrupted write, the trash, the index
@@ -137,23 +171,37 @@ class ConversationStore:
                 stat = entry.stat()
                 key = entry.name[: -len(SUFFIX)]
                 hit = cached.get(key)
-                if hit and hit.get("size") == stat.st_size and hit.get("mtime_ns") == stat.st_mtime_ns:
+                header = _indexed(key, hit)
+                if header is not None and hit["size"] == stat.st_size and hit["mtime_ns"] == stat.st_mtime_ns:
                     fresh[key] = hit
-                    headers.append(ConversationHeader(**hit["header"]))
+                    headers.append(header)
+                    continue
+                seen = known_bad.get(entry.name)
+                if seen is not None and seen["size"] == stat.st_size and seen["mtime_ns"] == stat.st_mtime_ns:
+                    bad[entry.name] = seen  # damaged and unchanged since: not parsed again (200 MB of junk)
+                    problems.append(Problem(path, seen["reason"]))
                     continue
                 try:
+                    if stat.st_size > MAX_FILE_BYTES:
+                        raise ConversationFormatError(f"{stat.st_size / 2**20:,.0f} MB, too large to be a "
+                                                      "conversation; left untouched")
+                    if not ID_PATTERN.fullmatch(key):
+                        raise ConversationFormatError("its name is not a conversation id")
                     raw = _loads(path.read_bytes())
                     check_header(raw)
                     if raw["id"] != key:
                         raise ConversationFormatError(f"its id {raw['id']!r} does not match the file name")
                 except (OSError, ValueError) as e:
                     problems.append(Problem(path, _reason(e)))
+                    if not isinstance(e, OSError):
+                        bad[entry.name] = {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "reason": _reason(e)}
                     continue
                 header = _header(raw)
                 fresh[key] = {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "header": header.__dict__}
                 headers.append(header)
             self.problems = problems
-            if fresh != cached:
+            if fresh != cached or bad != known_bad:
+                self._damaged = bad
                 self._write_index(fresh)
             headers.sort(key=lambda h: h.updated, reverse=True)
             return headers
@@ -163,11 +211,16 @@ class ConversationStore:
     def load(self, conversation_id: str) -> Conversation:
         """Raises ConversationFormatError (with a reason a person can read) or OSError."""
         path = self.path_of(conversation_id)
+        if path.stat().st_size > MAX_FILE_BYTES:
+            raise ConversationFormatError("too large to be a conversation")
         try:
             raw = _loads(path.read_bytes())
         except ValueError as e:
             raise ConversationFormatError(_reason(e)) from e
-        return Conversation.from_json(raw)
+        conversation = Conversation.from_json(raw)
+        if conversation.id != conversation_id:
+            raise ConversationFormatError(f"its id {conversation.id!r} does not match the file name")
+        return conversation
 
     def save(self, conversation: Conversation) -> None:
         self.write(conversation.to_json())
@@ -198,7 +251,7 @@ class ConversationStore:
 
     def restore(self, conversation_id: str) -> bool:
         with self._lock:
-            name = f"{conversation_id}{SUFFIX}"
+            name = self.path_of(conversation_id).name
             source = self.folder / TRASH / name
             if not source.exists():
                 return False
@@ -230,7 +283,7 @@ class ConversationStore:
                     continue
                 if needle in search_text(Conversation.from_json(_loads(text))).casefold():
                     hits.append(header.id)
-            except (OSError, ValueError):
+            except (OSError, ValueError, TypeError, AttributeError, KeyError):
                 continue  # reported by list(); a search never fails because of one file
         return hits
 
@@ -239,20 +292,38 @@ class ConversationStore:
     def _read_index(self) -> dict[str, dict[str, Any]]:
         if self._index:
             return dict(self._index)
-        try:
-            raw = _loads((self.folder / INDEX_NAME).read_bytes())
-            if raw.get("version") == INDEX_VERSION and isinstance(raw.get("entries"), dict):
-                self._index = {k: v for k, v in raw["entries"].items()
-                               if isinstance(v, dict) and isinstance(v.get("header"), dict)}
-        except (OSError, ValueError, AttributeError):
-            self._index = {}  # no index, or a damaged one: the files are read again and it is rebuilt
+        raw = self._index_file()
+        fits = raw.get("version") == INDEX_VERSION
+        entries = raw.get("entries") if fits else None
+        # Entries are checked field by field where they are used (_indexed): a bad one is read again.
+        self._index = {k: v for k, v in entries.items() if isinstance(v, dict)} if isinstance(entries, dict) else {}
+        if self._damaged is None:  # files found damaged before, with the size and time they had then
+            found = raw.get("damaged") if fits else None
+            self._damaged = ({k: v for k, v in found.items() if isinstance(k, str) and _damaged(v)}
+                             if isinstance(found, dict) else {})
         return dict(self._index)
+
+    def _read_damaged(self) -> dict[str, dict[str, Any]]:
+        if self._damaged is None:
+            self._read_index()
+        return dict(self._damaged or {})
+
+    def _index_file(self) -> dict[str, Any]:
+        try:
+            path = self.folder / INDEX_NAME
+            if path.stat().st_size > MAX_FILE_BYTES:
+                return {}
+            raw = _loads(path.read_bytes())
+        except (OSError, ValueError):
+            return {}  # no index, or a damaged one: the files are read again and it is rebuilt
+        return raw if isinstance(raw, dict) else {}
 
     def _write_index(self, entries: dict[str, dict[str, Any]]) -> None:
         self._index = dict(entries)
         try:
             write_atomically(self.folder / INDEX_NAME, json.dumps(
-                {"version": INDEX_VERSION, "entries": entries}, ensure_ascii=False).encode("utf-8"))
+                {"version": INDEX_VERSION, "entries": entries, "damaged": self._read_damaged()},
+                ensure_ascii=False).encode("utf-8"))
         except OSError as e:  # the index only saves time; the next start rebuilds it
             log.warning("could not write the conversation index: %s", e)
 

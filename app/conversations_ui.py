@@ -148,7 +148,11 @@ class ConversationsController(QObject):
         def work() -> None:
             if generation != self._search_generation:
                 return
-            hits = store.search(query, cancelled=lambda: generation != self._search_generation)
+            try:
+                hits = store.search(query, cancelled=lambda: generation != self._search_generation)
+            except Exception:  # a file no check foresaw: this query finds nothing, the next one runs as usual
+                log.warning("search for %r failed", query[:60], exc_info=True)
+                hits = []
             self.searched.emit(generation, hits)
 
         self._search_pool.submit(work)

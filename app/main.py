@@ -1,13 +1,30 @@
 """Entry point `specdec-studio`: the desktop app, or the headless `generate` / `bench` commands."""
 from __future__ import annotations
 
-import argparse
-import gc
-import logging
+import os
+import signal
 import sys
-from collections.abc import Sequence
 
-from engine.settings import PRECISIONS, ModelChoice, ModelSelection
+
+def _interrupted_early(_signum: int, _frame: object) -> None:
+    """Ctrl+C while the first imports run: nothing to clean up yet, so one line and exit 130 at once."""
+    os.write(2, b"specdec-studio: interrupted\n")
+    os._exit(130)
+
+
+# The very first thing: a Ctrl+C from here on is one line, never a traceback from inside an import. Only
+# when started as the program (python -m app.main, the specdec-studio script), not when a test imports us;
+# a shell that started us with SIGINT ignored, for a background job, keeps it ignored.
+_STARTED = __name__ == "__main__" or os.path.basename(sys.argv[0] if sys.argv else "").startswith("specdec-studio")
+if _STARTED and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+    signal.signal(signal.SIGINT, _interrupted_early)
+
+import argparse  # noqa: E402
+import gc  # noqa: E402
+import logging  # noqa: E402
+from collections.abc import Sequence  # noqa: E402
+
+from engine.settings import PRECISIONS, ModelChoice, ModelSelection  # noqa: E402
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +76,19 @@ def _selection_from_args(args: argparse.Namespace, saved: ModelSelection) -> Mod
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Runs the app or a headless command; a Ctrl+C at any moment is one line and exit 130."""
+    try:
+        if signal.getsignal(signal.SIGINT) is _interrupted_early:
+            # From here KeyboardInterrupt is caught, so the commands can clean up (partial files) as they stop.
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+        return _run(argv)
+    except KeyboardInterrupt:
+        signal.signal(signal.SIGINT, _interrupted_early)  # a second Ctrl+C while this line is written
+        print("specdec-studio: interrupted", file=sys.stderr)
+        return 130
+
+
+def _run(argv: Sequence[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in HEADLESS_COMMANDS:
         from app.cli import (

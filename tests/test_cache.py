@@ -219,7 +219,7 @@ def test_leftovers_of_dead_processes_are_swept_and_live_ones_kept(gguf_file, tmp
     (root / "gguf").mkdir(parents=True)
     (root / "models").mkdir()
     dead = _dead_pid()
-    partial = root / "gguf" / f"Fake-abc.gguf.{dead}.partial"
+    partial = root / "gguf" / f"Fake-0123456789ab.gguf.{dead}.partial"
     partial.write_bytes(b"x" * 5000)
     temp = root / "models" / f".tiny-0123456789ab.pid{dead}.k2j3h4g5"
     temp.mkdir()
@@ -227,7 +227,7 @@ def test_leftovers_of_dead_processes_are_swept_and_live_ones_kept(gguf_file, tmp
     old_style = root / "models" / ".tiny-0123456789ab-a1b2c3d4"  # before temp folders named their process
     old_style.mkdir()
     os.utime(old_style, (time.time() - 2 * cache_space.STALE_AFTER_S,) * 2)
-    mine = root / "gguf" / f"Other.gguf.{os.getpid()}.partial"  # a live process: never touched
+    mine = root / "gguf" / f"Other-0123456789ab.gguf.{os.getpid()}.partial"  # a live process: never touched
     mine.write_bytes(b"z")
 
     assert main(["cache", "info"]) == 0
@@ -240,7 +240,7 @@ def test_leftovers_of_dead_processes_are_swept_and_live_ones_kept(gguf_file, tmp
 def test_cache_clean_frees_space_and_waits_for_no_one(packaged, tmp_path, capsys):
     _load(None)
     gguf_dir = tmp_path / "cache" / "gguf"
-    (gguf_dir / "Fake-Target-0123.gguf").write_bytes(b"g" * 1000)  # an assembled copy kept by a failed convert
+    (gguf_dir / "Fake-Target-0123456789ab.gguf").write_bytes(b"g" * 1000)  # an assembled copy kept by a failed convert
     assert main(["cache", "clean"]) == 0
     assert "freed 1.0 KB" in capsys.readouterr().out
     assert cache_space.model_entries() and not list(gguf_dir.iterdir())

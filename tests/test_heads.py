@@ -224,7 +224,7 @@ def test_plan_settings_change_by_name_and_are_checked():
                        ({"train.depht": "4"}, "known: train.batch_tokens"),
                        ({"question_batch": "many"}, "expected int"), ({"minutes": "3"}, "unknown"),
                        ({"data_share": "nan"}, "from 0 to 1"), ({"data_share": "1.5"}, "from 0 to 1"),
-                       ({"question_batch": "0"}, "from 1 to inf"), ({"train.lr": "inf"}, "from 0 to inf")]:
+                       ({"question_batch": "0"}, "from 1 to 16384"), ({"train.lr": "inf"}, "from 0 to 1")]:
         with pytest.raises(ValueError, match=match):
             plan_with(DistillPlan(), bad)
 

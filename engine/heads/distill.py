@@ -25,7 +25,7 @@ import torch
 from engine.errors import IncompatibleModelsError, ModelLoadError
 from engine.heads import data as D
 from engine.heads.config import fingerprint
-from engine.heads.fitting import DistillError, TrainingPhase
+from engine.heads.fitting import DistillError, TrainingPhase, load_round
 from engine.heads.model import DraftHead
 from engine.heads.shards import HeadFiles, open_head
 from engine.heads.train import TrainConfig
@@ -137,7 +137,12 @@ class Distiller(TrainingPhase):
                  "init": None if self.init is None else init_record(self.init)}
         if not path.exists():
             return fresh
-        state = json.loads(path.read_text(encoding="utf-8"))
+        try:
+            state = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError, RecursionError):
+            raise DistillError(f"{path} is damaged (not JSON SpecDec Studio wrote); use an empty work folder.") from None
+        if not _is_state(state):
+            raise DistillError(f"{path} is not a distillation state SpecDec Studio wrote; use an empty work folder.")
         if state.get("fingerprint") != fresh["fingerprint"]:
             raise DistillError(f"The work folder {self.work} belongs to another target; use an empty folder.")
         if state.get("plan") != fresh["plan"]:
@@ -209,7 +214,7 @@ class Distiller(TrainingPhase):
         self._data_until = until
         seen = set()
         for path in self._rounds():
-            seen.update(D.dedupe_key(r["question"]) for r in torch.load(path, weights_only=False))
+            seen.update(D.dedupe_key(r["question"]) for r in load_round(path))
         last = 0.0  # seconds the last round took: a round is not started if it would overrun
         while True:
             r = self.state["rounds"]
@@ -289,6 +294,17 @@ class Distiller(TrainingPhase):
                             "ids": torch.tensor(prompts[i] + ids, dtype=torch.int32), "prompt_len": len(prompts[i])})
         return records
 
+def _is_state(state: object) -> bool:
+    """The state file's fields have the types this module writes (a foreign or edited file is refused)."""
+    if not isinstance(state, dict):
+        return False
+    number = lambda x: isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= 0  # noqa: E731
+    count = lambda x: isinstance(x, int) and not isinstance(x, bool) and x >= 0  # noqa: E731
+    return (number(state.get("spent_s")) and state.get("phase") in ("data", "train", "done")
+            and count(state.get("rounds")) and count(state.get("step")) and count(state.get("calls"))
+            and (state.get("train_started_s") is None or number(state.get("train_started_s"))))
+
+
 def init_record(files: HeadFiles) -> dict:
     """What a continued run keeps of the head it starts from: where, which, and the budget it used."""
     training = files.manifest.get("training") or {}
@@ -301,6 +317,12 @@ def init_record(files: HeadFiles) -> dict:
 POSITIVE = ("question_batch", "question_tokens", "answer_tokens", "intermediate", "draft_vocab", "eval_sequences",
             "log_every", "depth", "batch_tokens", "max_len", "max_rounds", "max_steps")  # sizes: 0 is a typo
 SHARES = ("data_share", "sampled_share", "warmup", "final_lr", "step_decay")  # fractions of 1
+# Beyond these a value is a typo that would fail (or fill the memory) only after the target loaded.
+UPPER = {"question_batch": 16384, "question_tokens": 4096, "answer_tokens": 16384, "intermediate": 65536,
+         "draft_vocab": 1 << 20, "eval_sequences": 100_000, "log_every": 1_000_000, "depth": 16,
+         "batch_tokens": 1 << 21, "max_len": 32768, "answer_segment": 16384, "lr": 1.0, "reg_weight": 100.0,
+         "question_temperature": 10.0, "answer_temperature": 10.0, "question_top_p": 1.0, "clip": 1e6}
+MAX_QUESTION_CHARS = 32_000  # a given question longer than this is not a question (a pasted file, a typo)
 
 
 def plan_with(plan: DistillPlan, changes: dict[str, str]) -> DistillPlan:
@@ -330,7 +352,7 @@ def plan_with(plan: DistillPlan, changes: dict[str, str]) -> DistillPlan:
             raise ValueError(f"plan setting {key}={text!r}: expected {kind.__name__}") from None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             low = 1 if name in POSITIVE else 0
-            high = 1 if name in SHARES else math.inf
+            high = min(1 if name in SHARES else math.inf, UPPER.get(name, math.inf))
             if not (math.isfinite(value) and low <= value <= high):
                 raise ValueError(f"plan setting {key}={text!r}: expected a number from {low} to {high:g}")
         (train if holder is plan.train else top)[name] = value
@@ -349,6 +371,12 @@ def prepare(target: str | None, out: Path, *, minutes: float, work: Path | None 
     (refused, as at load, when it was trained for another target). plan_changes: see plan_with.
     """
     started = time.perf_counter()
+    # Cheap checks first: a bad setting or question should not cost a model load.
+    try:
+        plan_with(plan or DistillPlan(), plan_changes or {})
+    except ValueError as e:
+        raise DistillError(str(e)) from None
+    check_questions(questions)
     report = progress or (lambda p: None)
     report(DistillProgress("load", 0.0, minutes * 60, "loading the target"))
     pair = load_pair(LoadSpec(target, None, with_draft=False, device=device, dtype=dtype))
@@ -368,6 +396,18 @@ def prepare(target: str | None, out: Path, *, minutes: float, work: Path | None 
     return Distiller(pair.target, pair.tokenizer, work=work or out / "work", out=out, plan=plan,
                      name=name, call_minutes=call_minutes,
                      extra_questions=list(questions), progress=progress, cancel=cancel, started=started, init=files)
+
+
+def check_questions(questions: list[str]) -> None:
+    """DistillError (one line) for a given question that is too long or a refused benchmark/test prompt."""
+    refusals = D.Refusals(D.packaged_refusals()) if questions else None
+    for q in questions:
+        if len(q) > MAX_QUESTION_CHARS:
+            raise DistillError(f"A given question has {len(q):,} characters (at most {MAX_QUESTION_CHARS:,}): "
+                               f"{q[:60]!r}…; is it a whole file?")
+        hit = refusals.match(q)
+        if hit is not None:
+            raise DistillError(f"Refusing to train on a benchmark or test prompt: {q[:80]!r} matches {hit[:80]!r}.")
 
 
 def distill(target: str | None, out: Path, **options) -> dict:

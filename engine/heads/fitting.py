@@ -9,8 +9,12 @@ import contextlib
 import json
 import logging
 import os
+import pickle
 import time
+import warnings
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -38,12 +42,58 @@ class DistillError(EngineError):
     """Distillation cannot start or continue (bad work folder, refused prompts, no data)."""
 
 
+POSITIONS = ("epoch", "batch", "step", "tokens", "batch_tokens")  # what a checkpoint's "pos" holds
+
+
+def load_tensor_file(path: Path, what: str, fits: Callable[[Any], bool], device: torch.device | str = "cpu") -> Any:
+    """A file of the work folder, read without running code: torch's weights-only unpickler (plain
+    containers, numbers, strings and tensors only), then `fits` checks the shape of what came back.
+
+    A work folder can come from someone else ("resume from this folder"): a pickle there must never
+    run. Anything else, or a damaged file, is a DistillError in one line.
+    """
+    try:
+        with warnings.catch_warnings():  # "Detected pickle protocol 4": a foreign file, refused below in one line
+            warnings.simplefilter("ignore", UserWarning)
+            value = torch.load(path, map_location=device, weights_only=True)
+    except pickle.UnpicklingError:
+        raise DistillError(f"{path} is not {what} as SpecDec Studio writes it (it asks to run code, which is "
+                           "never done); remove it or use an empty work folder.") from None
+    except (OSError, RuntimeError, ValueError, EOFError, TypeError, AttributeError, IndexError, KeyError) as e:
+        raise DistillError(f"{path} cannot be read as {what} ({type(e).__name__}); remove it or use an empty "
+                           "work folder.") from None
+    if not fits(value):
+        raise DistillError(f"{path} is not {what} as SpecDec Studio writes it; remove it or use an empty work folder.")
+    return value
+
+
+def _is_record(r: Any) -> bool:
+    return (isinstance(r, dict) and isinstance(r.get("question"), str) and isinstance(r.get("category"), str)
+            and isinstance(r.get("greedy"), bool) and isinstance(r.get("ids"), torch.Tensor) and r["ids"].dim() == 1
+            and not r["ids"].is_floating_point() and _count(r.get("prompt_len"))
+            and r["prompt_len"] < r["ids"].numel())
+
+
+def _count(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def _is_checkpoint(c: Any) -> bool:
+    return (isinstance(c, dict) and isinstance(c.get("head"), dict) and isinstance(c.get("opt"), dict)
+            and isinstance(c.get("pos"), dict) and all(_count(c["pos"].get(k)) for k in POSITIONS))
+
+
+def load_round(path: Path) -> list[dict]:
+    """One data round: a list of answer records (question, category, greedy, ids [T] int, prompt_len)."""
+    return load_tensor_file(path, "a data round", lambda v: isinstance(v, list) and all(map(_is_record, v)))
+
+
 class TrainingPhase:
     """Training methods of a Distiller (which supplies plan, clock, state, _log, _report, _stop_at, _rounds)."""
 
     def _sequences(self) -> tuple[list[Sequence], list[Sequence]]:
         """(training, held-out) sequences from every data round; held out: the first greedy answers by question."""
-        records = [r for path in self._rounds() for r in torch.load(path, weights_only=False)]
+        records = [r for path in self._rounds() for r in load_round(path)]
         if not records:
             raise DistillError("No training data was produced: give the distillation more minutes.")
         greedy = sorted((r for r in records if r["greedy"]), key=lambda r: D.dedupe_key(r["question"]))
@@ -56,7 +106,7 @@ class TrainingPhase:
         """The draft vocabulary: target ids by frequency in the answers (then by id), EOS included; [Vd] sorted."""
         path = self.work / "vocab.pt"
         if path.exists():
-            return torch.load(path)
+            return load_tensor_file(path, "the draft vocabulary", lambda v: isinstance(v, torch.Tensor) and v.dim() == 1)
         vocab = int(self.target.get_output_embeddings().weight.shape[0])
         size = min(self.plan.draft_vocab, vocab)
         counts = torch.zeros(vocab, dtype=torch.float64)
@@ -116,9 +166,12 @@ class TrainingPhase:
         ckpt_path = self.work / "checkpoint.pt"
         pos = {"epoch": 0, "batch": 0, "step": 0, "tokens": 0, "batch_tokens": cfg.batch_tokens}
         if ckpt_path.exists():
-            ckpt = torch.load(ckpt_path, map_location=self.device, weights_only=False)
-            head.load_state_dict(ckpt["head"])
-            opt.load_state_dict(ckpt["opt"])
+            ckpt = load_tensor_file(ckpt_path, "the training checkpoint", _is_checkpoint, self.device)
+            try:
+                head.load_state_dict(ckpt["head"])
+                opt.load_state_dict(ckpt["opt"])
+            except (KeyError, RuntimeError, ValueError, TypeError):
+                raise DistillError(f"{ckpt_path} does not fit this head; remove it or use an empty work folder.") from None
             pos = ckpt["pos"]
         if self.state["train_started_s"] is None:
             self.state["train_started_s"] = self.clock.used()

@@ -73,6 +73,41 @@ def _text_config(config: dict) -> dict:
     return config.get("text_config") or config
 
 
+REQUIRED_SIZES = ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size")  # each a whole number > 0
+OPTIONAL_SIZES = ("num_key_value_heads", "head_dim", "intermediate_size", "max_position_embeddings")  # > 0 if given
+
+
+def check_sizes(config: object, name: str, *, complete: bool = True) -> None:
+    """ModelLoadError naming the first size field of config.json that is missing, not a whole number, or not > 0
+    (complete=False: only the fields present are checked).
+
+    Checked where config.json is first read, so a 0 or a negative size is named instead of dividing by it.
+    """
+    if not isinstance(config, dict):
+        raise ModelLoadError(f"config.json of {name} is not a JSON object; it is not a model configuration.")
+    c = _text_config(config)
+    if not isinstance(c, dict):
+        raise ModelLoadError(f"config.json of {name}: text_config is not a JSON object.")
+    for key in REQUIRED_SIZES + OPTIONAL_SIZES:
+        value = c.get(key)
+        if value is None and (key in OPTIONAL_SIZES or not complete):
+            continue
+        if value is None:
+            raise ModelLoadError(f"config.json of {name} has no {key}; it is not a model this app can load.")
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ModelLoadError(f"config.json of {name}: {key} is {str(value)[:40]}; it must be a whole number > 0 "
+                                 f"(the file is damaged or hand-edited).")
+    if c.get("num_attention_heads") is None or c.get("hidden_size") is None:
+        return  # (complete=False: what is there is fine)
+    heads, kv = c["num_attention_heads"], c.get("num_key_value_heads") or c["num_attention_heads"]
+    if heads % kv:
+        raise ModelLoadError(f"config.json of {name}: num_attention_heads {heads} is not a multiple of "
+                             f"num_key_value_heads {kv}.")
+    if not c.get("head_dim") and c["hidden_size"] % heads:
+        raise ModelLoadError(f"config.json of {name}: hidden_size {c['hidden_size']} is not a multiple of "
+                             f"num_attention_heads {heads}.")
+
+
 def _facts(config: dict) -> dict:
     c = _text_config(config)
     heads = int(c["num_attention_heads"])
@@ -93,6 +128,7 @@ def _facts(config: dict) -> dict:
 
 def census_from_config(config: dict, name: str, source: str = "config.json") -> ModelCensus:
     """Exact parameter counts of a Qwen2/Qwen3/Llama/Mistral model from its config.json fields."""
+    check_sizes(config, name)
     f = _facts(config)
     c = _text_config(config)
     if f["model_type"] not in CONFIG_TYPES:
@@ -162,6 +198,7 @@ def census_from_folder(folder: Path, name: str) -> ModelCensus:
         config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
         raise ModelLoadError(f"Could not read {folder / 'config.json'}: {e}") from None
+    check_sizes(config, name)
     files = _weight_files(folder)
     if not files:
         return census_from_config(config, name)  # *.bin or weights not downloaded: the config decides

@@ -268,6 +268,10 @@ def _prepare(source: ModelSource, progress: ProgressFn | None, stack: ExitStack)
                 f"{folder} has no config.json, so it is not a model folder: give a folder with config.json, "
                 f"weights (*.safetensors) and tokenizer files, a .gguf file or a hub id."
             )
+        weights = ("*.safetensors", "*.bin", "*.safetensors.index.json")
+        if not any(next(folder.glob(pattern), None) for pattern in weights):
+            raise ModelLoadError(f"{folder} has config.json but no weights (*.safetensors or *.bin): copy the model's "
+                                 f"weight files into it, or give a .gguf file or a hub id.")
         return _Prepared(source, folder=folder)
     if source.kind == "hub":
         # Tokenizer and config only: the weights come after the compatibility check passes.

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from engine.errors import IncompatibleModelsError, ModelLoadError
 from engine.loadspec import ProgressFn
+from engine.models.census import check_sizes
 from engine.models.gguf import read_gguf_header
 from engine.models.store import Role, _first_line, _prepare, _Prepared, _read_json, resolve_source
 
@@ -75,6 +76,7 @@ def read_folder_tokenizer(folder: Path, name: str) -> TokenizerInfo:
     from transformers import AutoTokenizer
 
     config = _read_json(folder / "config.json")
+    check_sizes(config, name, complete=False)  # a 0 or negative size is named here, before anything divides by it
     text_config = config.get("text_config") or config
     rows = int(text_config.get("vocab_size") or 0)
     tok_cfg = _read_json(folder / "tokenizer_config.json")
