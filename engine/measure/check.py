@@ -20,14 +20,14 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from engine.decoding.ngram import NgramProposer
 from engine.errors import GenerationError
 from engine.limits import K_MAX, TREE_K_MAX
-from engine.measure.check_load import DraftUnderTest, params_of
+from engine.measure.check_load import DraftUnderTest, engine_draft, load_drafts, params_of
 from engine.measure.check_types import CandidateCheck, CheckReport
 from engine.measure.check_math import NO_ROUNDS, Rounds, agreement, chained, kl_divergence, point_mass, rounds
 from engine.measure.check_price import price_chain, price_head, price_ngram
@@ -224,7 +224,8 @@ def verdict_line(ranked: Sequence[CandidateCheck]) -> str:
     for c in ranked:
         if c.status != "ok" or c.speedup is None:
             continue
-        label = {"head": "the head", "ngram": "n-gram"}.get(c.kind) or f"the {_size(c.params)} draft".replace("the  ", "the ")
+        label = {"head": "the head", "ngram": "n-gram"}.get(c.kind) or (
+            f"the {_size(c.params)} draft" if c.params >= 1e8 else f"the draft {c.name}".replace("draft draft", "draft"))
         part = f"{label}: {c.speedup:.2f}× here" + (f" (K={c.best_k}{', tree' if c.tree else ''})" if c.best_k else "")
         if c.speedup <= 1.0 and c.cost_ratio is not None:
             part += f", it costs {c.cost_ratio:.0%} of a target forward"
@@ -237,4 +238,41 @@ def verdict_line(ranked: Sequence[CandidateCheck]) -> str:
 
 
 def _size(params: int) -> str:
-    return f"{params / 1e9:.1f}B" if params >= 1e8 else (f"{params / 1e6:.0f}M" if params else "")
+    return f"{params / 1e9:.1f}B"
+
+
+def check_engine(engine, target_spec: str | None, draft_specs: Sequence[str], *, sampling: Sampling,
+                 head: bool = True, ngram: bool = True, prompts: Sequence[BenchPrompt] | None = None,
+                 probe_tokens: int = PROBE_TOKENS, progress: Progress | None = None,
+                 cancel: threading.Event | None = None, load_torch=None) -> CheckReport:
+    """The whole check on a loaded engine: its own draft (if any), each of `draft_specs` besides it (tokenizer
+    first, then loaded on the engine's runtime: check_load.load_drafts), its head and n-gram lookup.
+    The report's wall time counts from here: the extra drafts' loads are in it."""
+    started = time.perf_counter()
+    own = engine_draft(engine)
+    extra = list(dict.fromkeys(draft_specs))
+
+    def loading(fraction: float, message: str) -> None:
+        if progress is not None:
+            progress(0.1 * fraction, message)
+
+    drafts, refusals = load_drafts(engine, target_spec, extra, loading, load_torch) if extra else ([], [])
+    drafts = ([own] if own is not None else []) + drafts
+    if head and engine.head_runner is None:
+        refusals.append(CandidateCheck(name="draft head", kind="head", status="refused", reason=_no_head(engine)))
+
+    def checking(fraction: float, message: str) -> None:
+        if progress is not None:
+            progress(0.1 + 0.9 * fraction, message)
+
+    report = run_check(engine, drafts, sampling=sampling, head=head, ngram=ngram, refused=refusals, prompts=prompts,
+                       probe_tokens=probe_tokens, progress=checking, cancel=cancel)
+    return replace(report, wall_s=time.perf_counter() - started)
+
+
+def _no_head(engine) -> str:
+    if engine.target is None:
+        return (f"A draft head reads the target's hidden states, which the {engine.info.runtime} runtime does not "
+                "give: run the check with --runtime torch to include it.")
+    return ("No draft head is loaded for this target: train one with `specdec-studio distill --target ... --out DIR` "
+            "and check it with --head DIR.")
