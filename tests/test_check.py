@@ -133,3 +133,62 @@ def test_verdict_names_the_cost_of_a_draft_that_does_not_pay():
     assert "none pays" in verdict_line(rows[1:])
     report = CheckReport("t", "torch", "cpu", 0.0, 1.0, 0, 1, 1, 1.0, tuple(rows), line, 1.0)
     assert report.best is rows[0]
+
+
+def _report() -> CheckReport:
+    rows = (CandidateCheck("draft head qwen", "head", "ok", params=30_000_000, size_ratio=0.02, top1=0.7,
+                           greedy_positions=(0.7, 0.6), sampled_positions=(0.7, 0.6), cost_ratio=0.07, best_k=3,
+                           speedup=1.9, speedups=(1.4, 1.7, 1.9)),
+            CandidateCheck("Qwen2.5-Coder-0.5B", "draft", "ok", params=494_000_000, size_ratio=0.32, kl=0.4, top1=0.7,
+                           greedy_positions=(0.7,), sampled_positions=(0.7,), cost_ratio=0.63, best_k=1, speedup=0.86,
+                           speedups=(0.86,), spec="/models/small"),
+            CandidateCheck("llama", "draft", "refused", reason="another vocabulary"))
+    return CheckReport("target", "torch", "cpu", 0.0, 1.0, 0, 14, 600, 35.0, rows, verdict_line(rows), 40.0)
+
+
+def test_check_view_shows_the_ranking_and_applies_the_best(qtbot):
+    from widgets.check_view import CheckView
+
+    view = CheckView()
+    qtbot.addWidget(view)
+    view.set_progress(0.5, "Probe 7 of 14")
+    assert view.progress.value() == 500 and not view.apply.isEnabled()
+    report = _report()
+    view.set_report(report)
+    assert view.table.rowCount() == 3
+    assert view.table.item(0, 0).text() == "draft head qwen" and view.table.item(0, 7).text() == "1.90×"
+    assert "refused" in view.table.item(2, 4).text()
+    assert view.bar_heights() == [1.9, 0.86]  # the refused row has no bar
+    assert "the head: 1.90× here" in view.verdict.text()
+    with qtbot.waitSignal(view.apply_requested) as got:
+        view.apply.click()
+    assert got.args[0].kind == "head"
+    view.table.selectRow(1)
+    with qtbot.waitSignal(view.apply_requested) as got:
+        view.apply.click()
+    assert got.args[0].spec == "/models/small"
+    view.table.selectRow(2)
+    assert not view.apply.isEnabled()  # a refused draft cannot be applied
+
+
+def test_the_stats_line_keeps_the_prediction_beside_what_was_measured(qtbot):
+    from PySide6.QtCore import QObject, Signal
+
+    from app.check_ui import CheckLink
+    from engine.settings import GenerationSettings
+    from engine.types import GenerationRequest
+
+    class FakeWorker(QObject):
+        check_finished = Signal(object)
+
+    worker = FakeWorker()
+    applied = []
+    link = CheckLink(worker, loaded=lambda: None, current_settings=GenerationSettings, apply_settings=applied.append)
+    worker.check_finished.emit(_report())
+    summary = type("S", (), {"mode": "speculative"})()
+    line = link.annotate("speculative (head) · K=3", summary, GenerationRequest(proposer="head"))  # type: ignore[arg-type]
+    assert line.endswith("check predicted 1.90× at K=3, 70% accepted at position 1")
+    assert link.annotate("standard", type("S", (), {"mode": "standard"})(), GenerationRequest()) == "standard"  # type: ignore[arg-type]
+    dialog = type("D", (), {"used": [], "use_draft": lambda self, spec: self.used.append(spec)})()
+    link._apply(dialog, _report().candidates[1])
+    assert dialog.used == ["/models/small"] and applied[-1].proposer == "draft" and applied[-1].k == 1

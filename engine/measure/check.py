@@ -101,8 +101,8 @@ def run_check(engine, drafts: Sequence[DraftUnderTest], *, sampling: Sampling, h
     if progress is not None:
         progress(1.0, "Pricing the candidates")
     target_params = params_of(engine.target_runner, engine.target)
-    results = [price_chain(engine.info, d.name, d.params, target_params, d.cost, d.sampled_cost,
-                           _summary(tallies[id(d)]), sampling, POSITIONS) for d in drafts]
+    results = [replace(price_chain(engine.info, d.name, d.params, target_params, d.cost, d.sampled_cost,
+                                   _summary(tallies[id(d)]), sampling, POSITIONS), spec=d.spec) for d in drafts]
     if with_head:
         results.append(price_head(engine.info, engine.head_runner, target_params, _summary(head_tally),
                                   head_tally, sampling, HEAD_POSITIONS))
@@ -227,7 +227,7 @@ def verdict_line(ranked: Sequence[CandidateCheck]) -> str:
         label = {"head": "the head", "ngram": "n-gram"}.get(c.kind) or (
             f"the {_size(c.params)} draft" if c.params >= 1e8 else f"the draft {c.name}".replace("draft draft", "draft"))
         part = f"{label}: {c.speedup:.2f}× here" + (f" (K={c.best_k}{', tree' if c.tree else ''})" if c.best_k else "")
-        if c.speedup <= 1.0 and c.cost_ratio is not None:
+        if c.speedup <= 1.0 and c.cost_ratio is not None and c.kind != "ngram":
             part += f", it costs {c.cost_ratio:.0%} of a target forward"
         parts.append(part)
     if not parts:

@@ -32,6 +32,7 @@ class DraftUnderTest:
     cost: ProposerCost | None  # one greedy draft token, measured on this machine (None: not measured)
     sampled_cost: ProposerCost | None = None  # the same when it draws its drafts (temperature > 0)
     holder: object = None  # whatever keeps its weights alive (an Engine of its own on torch)
+    spec: str = ""  # where it was loaded from ("" for the engine's own draft)
 
 
 def params_of(runner, model: torch.nn.Module | None = None) -> int:
@@ -92,8 +93,8 @@ def tokenizer_refusal(target_spec: str | None, draft_spec: str) -> tuple[str | N
     return None, shared, name
 
 
-def refused(name: str, reason: str) -> CandidateCheck:
-    return CandidateCheck(name=name, kind="draft", status="refused", reason=reason)
+def refused(name: str, reason: str, spec: str = "") -> CandidateCheck:
+    return CandidateCheck(name=name, kind="draft", status="refused", reason=reason, spec=spec)
 
 
 def measure_draft(runner, vocab: int, device: torch.device) -> tuple[ProposerCost, ProposerCost]:
@@ -131,12 +132,12 @@ def load_drafts(engine, target_spec: str | None, specs: Sequence[str],
         if progress is not None:
             progress(n / max(len(specs), 1), f"Loading draft {name}")
         if reason is not None:
-            refusals.append(refused(name, reason))
+            refusals.append(refused(name, reason, spec))
             continue
         try:
             loaded.append(_load_one(engine, spec, name, shared, load_torch))
         except EngineError as e:
-            refusals.append(refused(name, str(e).splitlines()[0]))
+            refusals.append(refused(name, str(e).splitlines()[0], spec))
     return loaded, refusals
 
 
@@ -160,4 +161,4 @@ def _load_one(engine, spec: str, name: str, shared: int, load_torch) -> DraftUnd
         runner, model = holder.target_runner, holder.target
     vocab = min(shared or engine.vocab, engine.vocab, runner.vocab_size)
     greedy, sampled = measure_draft(runner, vocab, engine.device)
-    return DraftUnderTest(name, runner, vocab, params_of(runner, model), greedy, sampled, holder)
+    return DraftUnderTest(name, runner, vocab, params_of(runner, model), greedy, sampled, holder, spec)

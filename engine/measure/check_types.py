@@ -24,6 +24,7 @@ class CandidateCheck:
     speedups: tuple[float, ...] = ()  # predicted speedup for K = 1, 2, ... at the asked temperature
     tree: bool = False  # best_k is verified as a tree of the head's alternatives (measured tree costs)
     positions_from: str = ""  # how positions beyond the first were obtained
+    spec: str = ""  # where a draft model loads from (a folder, .gguf or hub id; "" for the loaded one and the rest)
 
 
 @dataclass(frozen=True)
