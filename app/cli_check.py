@@ -149,8 +149,9 @@ def format_report(report: CheckReport) -> str:
                      f"{_positions(c.sampled_positions):>20} {_num(c.cost_ratio, '5.0%')} {k:>3} "
                      f"{_num(c.speedup, '7.2f') + '×' if c.speedup is not None else '-':>8}")
     lines.append(f"verdict: {report.verdict}")
-    lines.append(f"checked in {report.wall_s:.1f} s after the models loaded (size and cost: over the target's; "
-                 "K: the best draft length, t = a tree)")
+    phases = ", ".join(f"{name} {s:.0f} s" for name, s in report.phases if s >= 0.5)
+    lines.append(f"checked in {report.wall_s:.1f} s after the models loaded{f' ({phases})' if phases else ''}; "
+                 "size and cost are over the target's; K: the best draft length, t = a tree")
     return "\n".join(lines)
 
 

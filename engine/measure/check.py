@@ -84,20 +84,30 @@ def run_check(engine, drafts: Sequence[DraftUnderTest], *, sampling: Sampling, h
     ngram_tally = _Tally.empty(K_MAX)
     head_tally = _Tally.empty(HEAD_K)
     compared = 0
+    phases = {"target": 0.0, "ngram": 0.0, "head": 0.0}  # seconds per part, over the probes
     for n, prompt in enumerate(prompts):
         if cancel is not None and cancel.is_set():
             raise GenerationError("The draft check was stopped.")
         if progress is not None:
             progress(n / len(prompts), f"Probe {n + 1} of {len(prompts)}: the target's continuation")
         ids = engine.encode(GenerationRequest(messages=(Message("user", prompt.prompt),)))
+        t0 = time.perf_counter()
         rows, cont = _continuation(engine, ids, probe_tokens)  # [N, V] float16, N tokens
+        phases["target"] += time.perf_counter() - t0
         compared += len(cont)
         for d in drafts:
+            t0 = time.perf_counter()
             _compare_draft(d, ids, rows, cont, sampling, tallies[id(d)])
+            phases[d.name] = phases.get(d.name, 0.0) + time.perf_counter() - t0
+        t0 = time.perf_counter()
         if ngram:
             _ngram(ids, rows, cont, sampling, ngram_tally)
+        phases["ngram"] += time.perf_counter() - t0
+        t0 = time.perf_counter()
         if with_head:
             _head(engine, prompt, rows, cont, sampling, head_tally)
+        phases["head"] += time.perf_counter() - t0
+    log.info("draft check phases (s): %s", {k: round(v, 1) for k, v in phases.items()})
     if progress is not None:
         progress(1.0, "Pricing the candidates")
     target_params = params_of(engine.target_runner, engine.target)
@@ -113,7 +123,8 @@ def run_check(engine, drafts: Sequence[DraftUnderTest], *, sampling: Sampling, h
     target_ms = dict(engine.info.target_ms).get(1, 0.0)
     return CheckReport(engine.info.target_name, engine.info.runtime, engine.info.device, sampling.temperature,
                        sampling.top_p, sampling.top_k, len(prompts), compared, target_ms, tuple(ranked),
-                       verdict_line(ranked), time.perf_counter() - started)
+                       verdict_line(ranked), time.perf_counter() - started,
+                       tuple((k, round(v, 2)) for k, v in phases.items()))
 
 
 def _summary(t: _Tally) -> dict:

@@ -43,6 +43,7 @@ class CheckReport:
     candidates: tuple[CandidateCheck, ...]  # ranked: best predicted speedup first, refused ones last
     verdict: str  # one line a person can act on
     wall_s: float  # seconds the check took after the models were loaded
+    phases: tuple[tuple[str, float], ...] = ()  # (part, seconds): the target's continuations, each candidate
 
     @property
     def best(self) -> CandidateCheck | None:
