@@ -19,6 +19,7 @@ from engine.measure.check_types import CandidateCheck, CheckReport
 
 COLUMNS = ("Candidate", "Size", "KL", "Top-1", "Acceptance by position", "Cost", "K", "Speedup")
 PAYS, LOSES = (46, 160, 67), (200, 80, 60)  # bar colours: predicted above / below standard decoding
+REASON_CHARS = 48  # a refusal's reason in its cell; the whole of it in the row's tooltip
 
 
 def _pct(value: float | None) -> str:
@@ -27,7 +28,8 @@ def _pct(value: float | None) -> str:
 
 def _cells(c: CandidateCheck) -> list[str]:
     if c.status != "ok":
-        return [c.name, "", "", "", f"refused: {c.reason}", "", "", ""]
+        short = c.reason if len(c.reason) <= REASON_CHARS else c.reason[:REASON_CHARS - 1] + "…"
+        return [c.name, "", "", "", f"refused: {short}", "", "", ""]
     positions = " ".join(f"{v:.2f}" for v in c.sampled_positions[:5]) or "–"
     k = f"{c.best_k}{' tree' if c.tree else ''}" if c.best_k else "–"
     return [c.name, _pct(c.size_ratio), "–" if c.kl is None else f"{c.kl:.2f}",
@@ -104,10 +106,13 @@ class CheckView(QWidget):
                 item = QTableWidgetItem(text)
                 if c.status != "ok":
                     item.setForeground(Qt.GlobalColor.gray)
+                    item.setToolTip(c.reason)
                 if col == 4 and c.positions_from:
                     item.setToolTip(f"positions beyond the first: {c.positions_from}")
                 self.table.setItem(r, col, item)
         self.table.resizeColumnsToContents()
+        header = self.table.horizontalHeader().height() + 2 * self.table.frameWidth()
+        self.table.setMaximumHeight(header + sum(self.table.rowHeight(r) for r in range(self.table.rowCount())) + 4)
         self.table.show()
         self._draw(report)
         self.verdict.setText(report.verdict)
