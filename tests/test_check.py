@@ -192,3 +192,23 @@ def test_the_stats_line_keeps_the_prediction_beside_what_was_measured(qtbot):
     dialog = type("D", (), {"used": [], "use_draft": lambda self, spec: self.used.append(spec)})()
     link._apply(dialog, _report().candidates[1])
     assert dialog.used == ["/models/small"] and applied[-1].proposer == "draft" and applied[-1].k == 1
+
+
+def test_ngram_is_measured_on_the_continuation_directly():
+    """A continuation that repeats the prompt is proposed, and accepted, in full; a fresh one never is."""
+    from engine.measure.check import _ngram, _Tally
+
+    prompt = [5, 6, 7, 8, 9, 10, 11, 12]
+    repeat = [5, 6, 7, 8, 9, 10, 11, 12, 5, 6, 7]
+    fresh = [20, 21, 22, 23, 24, 25]
+    for cont, expected in ((repeat, 1.0), (fresh, 0.0)):
+        rows = torch.full((len(cont), 40), -10.0)
+        rows[torch.arange(len(cont)), torch.tensor(cont)] = 10.0  # the target is sure of its own continuation
+        tally = _Tally.empty(4)
+        _ngram(prompt, rows, cont, Sampling(temperature=0.5), tally)
+        per_position = tally.greedy[4].per_position
+        if expected == 0.0:  # nothing in it occurred before: lookup never proposes, every round is standard
+            assert not per_position and tally.greedy[4].rounds == len(cont)
+            continue
+        assert per_position and all(abs(a - expected) < 1e-6 for a in per_position[1:]), per_position
+        assert all(abs(a - b) < 1e-3 for a, b in zip(tally.sampled[4].per_position, per_position))

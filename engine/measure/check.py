@@ -25,6 +25,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from engine.decoding.ngram import NgramProposer
+from engine.decoding.proposers import empty_proposal
 from engine.errors import GenerationError
 from engine.limits import K_MAX, TREE_K_MAX
 from engine.measure.check_load import DraftUnderTest, engine_draft, load_drafts, params_of
@@ -177,7 +178,7 @@ def _compare_draft(draft: DraftUnderTest, ids: list[int], rows: torch.Tensor, co
 
 def _ngram(ids: list[int], rows: torch.Tensor, cont: list[int], sampling: Sampling, tally: _Tally) -> None:
     """N-gram lookup's proposal at every row of the continuation, judged as point masses."""
-    lookup = NgramProposer()
+    lookup, nothing = NgramProposer(), empty_proposal(torch.device("cpu"))
     lookup.start(ids)
     greedy, sampled = [], []
     for t in range(len(cont)):
@@ -188,8 +189,7 @@ def _ngram(ids: list[int], rows: torch.Tensor, cont: list[int], sampling: Sampli
             sampled.append(point_mass(rows[t:t + len(x)], torch.tensor(x), sampling).tolist())
         else:
             sampled.append(greedy[-1])
-        lookup.tokens.append(cont[t])  # the committed token, as commit() would add it
-        lookup._update_index()
+        lookup.commit(nothing, 0, [cont[t]])  # the committed token, one at a time (every row may start a round)
     hits = [g[0] for g in greedy if g]
     tally.top1_sum += sum(hits)
     tally.rows += len(hits)
