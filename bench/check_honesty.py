@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from app.cli import CliError, _load, _request, build_parser  # noqa: E402
+from app.cli import CliError, _environment, _load, _request, build_parser  # noqa: E402
 from app.cli_check import _candidates, format_report, report_json  # noqa: E402
 
 
@@ -97,8 +98,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{c.name} K={c.best_k}: acceptance per position predicted {pred} | measured {meas}; speedup "
               f"predicted {c.speedup:.2f}x, measured {measured['speedup_in_rounds']:.2f}x in rounds "
               f"({measured['speedup_end_to_end']:.2f}x end to end)", flush=True)
+    # A CPU shared with other work moves every figure: the load average says how shared it was.
     own.out.write_text(json.dumps({"check": report_json(report), "measured": rows, "max_new_tokens": own.max_new_tokens,
-                                   "bench_prompts": str(own.bench_prompts), "argv": rest}, indent=2,
+                                   "bench_prompts": str(own.bench_prompts), "argv": rest,
+                                   "load_average_at_end": os.getloadavg(), "environment": _environment(engine)}, indent=2,
                                   ensure_ascii=False) + "\n", encoding="utf-8")
     print(f"wrote {own.out}")
     return 0
