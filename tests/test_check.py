@@ -212,3 +212,28 @@ def test_ngram_is_measured_on_the_continuation_directly():
             continue
         assert per_position and all(abs(a - expected) < 1e-6 for a in per_position[1:]), per_position
         assert all(abs(a - b) < 1e-3 for a, b in zip(tally.sampled[4].per_position, per_position))
+
+
+def test_cli_check_refuses_bad_input_in_one_line_before_loading(capsys, tmp_path):
+    from app.cli import main
+
+    for argv, words in ((["check", "--prompts", str(tmp_path / "missing.jsonl")], "cannot read prompts file"),
+                        (["check", "--json", str(tmp_path / "no" / "r.json")], "does not exist"),
+                        (["check", "--scan", str(tmp_path / "nowhere")], "is not a folder"),
+                        (["check", "--probe-tokens", "2"], "probe tokens must be from 4")):
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and words in err[0], err
+
+
+def test_scan_finds_model_folders_and_ggufs_read_only(tiny_pair, tmp_path):
+    from engine.measure.check_load import find_candidates
+
+    (tmp_path / "a" / "b").mkdir(parents=True)
+    (tmp_path / "a" / "b" / "m.gguf").write_bytes(b"GGUF")
+    (tmp_path / "notes.txt").write_text("x")
+    hub = tmp_path / "hub" / "models--org--tiny" / "snapshots" / "rev1"
+    hub.parent.mkdir(parents=True)
+    hub.symlink_to(tiny_pair[1], target_is_directory=True)
+    assert find_candidates(tmp_path / "a") == [str(tmp_path / "a" / "b" / "m.gguf")]
+    assert find_candidates(tmp_path / "hub") == [str(hub)]
