@@ -46,7 +46,7 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         if message.endswith("required: command"):
-            message = "a command is needed: generate, bench, sweep, distill, cache or plan (see --help)"
+            message = "a command is needed: generate, bench, sweep, distill, cache, plan or check (see --help)"
         raise CliError(message)
 
 
@@ -196,6 +196,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="list every preset with its plan at 24, 48 and 80 GiB (or --memory)")
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
     plan.add_argument("-v", "--verbose", action="store_true", help="log what the planner reads (stderr)")
+    from app import cli_check  # it builds on this module's options, as every command module does
+
+    cli_check.add_parser(sub)
     return parser
 
 
@@ -488,6 +491,8 @@ def main(argv: list[str] | None = None) -> int:
         from app.cli_distill import cmd_distill as command
     elif args.command == "plan":
         from app.cli_plan import cmd_plan as command
+    elif args.command == "check":
+        from app.cli_check import run as command
     else:
         command = {"generate": cmd_generate, "bench": cmd_bench}[args.command]
     try:

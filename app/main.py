@@ -28,7 +28,7 @@ from engine.settings import PRECISIONS, ModelChoice, ModelSelection  # noqa: E40
 
 log = logging.getLogger(__name__)
 
-HEADLESS_COMMANDS = ("generate", "bench", "sweep", "distill", "cache", "plan")
+HEADLESS_COMMANDS = ("generate", "bench", "sweep", "distill", "cache", "plan", "check")
 
 
 def build_parser() -> argparse.ArgumentParser:

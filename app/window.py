@@ -24,6 +24,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from app.check_ui import CheckLink
 from app.context import ContextCounter, ContextGuard, ask_overflow, counter_for
 from app.conversations import ConversationStore, default_folder
 from app.conversations_ui import ConversationsController
@@ -137,6 +138,8 @@ class MainWindow(QMainWindow):
         )
         self.training.running_changed.connect(lambda _running: self._set_ready_state())
         self.training.head_attached.connect(self._on_head_attached)
+        self.check_link = CheckLink(self.worker, loaded=lambda: self.selection, current_settings=self.panel.values,
+                                    apply_settings=self._apply_settings, parent=self)
         self._restore_saved()
         self.conversations = ConversationsController(self)
         self.guard = ContextGuard(self)
@@ -354,6 +357,7 @@ class MainWindow(QMainWindow):
         from engine.models.presets import pair_presets
 
         dialog = ModelDialog(self.selection, self, planner=plan_for, presets=pair_presets())
+        self.check_link.attach(dialog)
         if dialog.exec() != ModelDialog.DialogCode.Accepted:
             return
         selection = dialog.selection()
@@ -583,7 +587,8 @@ class MainWindow(QMainWindow):
         request = self.session.request(request_id)
         if request is None:
             return
-        self.chat.finish_assistant_message(request_id, summary, format_stats_line(summary, request))
+        self.chat.finish_assistant_message(request_id, summary,
+                                           self.check_link.annotate(format_stats_line(summary, request), summary, request))
         record = self.session.finish(request_id, summary)
         if summary.mode == "speculative" and request.proposer in ("draft", "head") and record is not None:
             self._show_costs(record.info, summary, request.proposer)

@@ -163,6 +163,10 @@ class EngineWorker(QObject):
     training_finished = Signal(int, object)  # request_id, summary dict (cancelled runs included)
     training_failed = Signal(int, str)  # request_id, one-line message
     head_attached = Signal(object)  # ModelInfo now in use, with the new draft head
+    check_requested = Signal(object)  # app.check_ui.CheckJob (UI -> worker)
+    check_progress = Signal(float, str)  # fraction done, what it is doing
+    check_finished = Signal(object)  # engine.measure.check_types.CheckReport
+    check_failed = Signal(str)  # one-line message
 
     def __init__(self, engine_factory: EngineFactory = default_engine_factory,
                  flush_interval_s: float = FLUSH_INTERVAL_S, room: RoomCheck | None = None,
@@ -190,6 +194,7 @@ class EngineWorker(QObject):
         self.generate_requested.connect(self._on_generate_requested, Qt.ConnectionType.QueuedConnection)
         self.sweep_requested.connect(self._on_sweep_requested, Qt.ConnectionType.QueuedConnection)
         self.train_requested.connect(self._on_train_requested, Qt.ConnectionType.QueuedConnection)
+        self.check_requested.connect(self._on_check_requested, Qt.ConnectionType.QueuedConnection)
 
     # --- called from the UI thread -------------------------------------------------------------
 
@@ -388,6 +393,12 @@ class EngineWorker(QObject):
         if info is not None:
             self.head_attached.emit(info)
         self.training_finished.emit(rid, summary)
+
+
+    @Slot(object)
+    def _on_check_requested(self, job: Any) -> None:
+        """The draft check on the resident engine; one terminal signal (check_finished or check_failed)."""
+        job.run(self.engine, self.check_progress.emit, self.check_finished.emit, self.check_failed.emit, self._closing)
 
 
 def _training_error_message(exc: BaseException) -> str:

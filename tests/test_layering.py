@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[1]
 ENGINE_FORBIDDEN = ("PySide6", "shiboken6", "pyqtgraph", "PyQt5", "PyQt6", "qtpy", "app", "widgets")
 WIDGETS_FORBIDDEN = ("torch", "transformers", "accelerate", "bitsandbytes", "app")
 WIDGETS_ALLOWED_ENGINE = ("engine.types", "engine.measure.stats", "engine.measure.explain", "engine.errors",
-                          "engine.settings", "engine.limits")
+                          "engine.settings", "engine.limits", "engine.measure.check_types")
 
 
 def imports(path: Path) -> list[tuple[int, str]]:
@@ -68,7 +68,7 @@ def test_widgets_never_import_torch_transformers_or_the_app(path):
 
 QT_FREE_APP = (
     "app/session.py", "app/export.py", "app/cli.py", "app/cli_options.py", "app/cli_sweep.py",
-    "app/cli_cache.py", "app/cli_distill.py", "app/race_logic.py",
+    "app/cli_cache.py", "app/cli_distill.py", "app/race_logic.py", "app/cli_check.py",
 )
 
 

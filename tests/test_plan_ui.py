@@ -108,6 +108,7 @@ def test_window_asks_before_loading_what_will_not_fit(monkeypatch, qtbot):
 
     class FakeWindow:
         selection = ModelSelection()
+        check_link = type("NoCheck", (), {"attach": staticmethod(lambda dialog: None)})()  # "Check drafts": not here
 
         def __init__(self):
             self.loaded = []

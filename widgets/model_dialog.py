@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from PySide6.QtCore import Qt, QTimer
+from PySide6.QtCore import Qt, QTimer, Signal
 from PySide6.QtWidgets import (
     QButtonGroup,
     QCheckBox,
@@ -42,6 +42,7 @@ from engine.settings import (
     PairPreset,
 )
 from engine.types import MemoryPlan, PlanChange
+from widgets.check_view import CheckView
 from widgets.plan_bar import PlanBar
 
 Planner = Callable[[ModelSelection], MemoryPlan]  # raises EngineError when a model cannot be sized
@@ -132,6 +133,8 @@ class _SourcePicker(QGroupBox):
 class ModelDialog(QDialog):
     """Picks a pair; shows its memory plan as it changes; the app loads off the UI thread after Load."""
 
+    check_requested = Signal(object)  # ModelSelection: "Check drafts" (the app runs it on the worker)
+
     def __init__(self, selection: ModelSelection | None = None, parent: QWidget | None = None, *,
                  planner: Planner | None = None, presets: Sequence[PairPreset] = ()) -> None:
         super().__init__(parent)
@@ -208,9 +211,16 @@ class ModelDialog(QDialog):
         plan_layout.addWidget(self.plan_bar)
         plan_box.setVisible(planner is not None)
         layout.addWidget(plan_box)
+        self.check_view = CheckView(self)  # the draft check's result, shown once one is asked for
+        self.check_view.hide()
+        layout.addWidget(self.check_view)
         buttons = QDialogButtonBox(QDialogButtonBox.StandardButton.Ok | QDialogButtonBox.StandardButton.Cancel,
                                    Qt.Orientation.Horizontal, self)
         buttons.button(QDialogButtonBox.StandardButton.Ok).setText("Load")
+        self.check_button = buttons.addButton("Check drafts", QDialogButtonBox.ButtonRole.ActionRole)
+        self.check_button.setToolTip("Rank the draft, the draft head and n-gram lookup by the speedup they should "
+                                     "give on this machine, from a look at the loaded target's own answers")
+        self.check_button.clicked.connect(self._on_check)
         buttons.accepted.connect(self.accept)
         buttons.rejected.connect(self.reject)
         layout.addWidget(buttons)
@@ -291,3 +301,13 @@ class ModelDialog(QDialog):
         self.draft.set_choice(preset.draft)
         self.no_draft.setChecked(False)
         self.update_plan()
+
+    def _on_check(self) -> None:
+        self.check_view.show()
+        self.check_view.set_progress(0.0, "Starting the draft check on the loaded target…")
+        self.check_requested.emit(self.selection())
+
+    def use_draft(self, spec: str) -> None:
+        """The check's Apply for a draft other than the loaded one: it becomes this dialog's draft."""
+        self.no_draft.setChecked(False)
+        self.draft.set_choice(ModelChoice.from_spec(spec))

@@ -1,0 +1,111 @@
+"""Is the draft check honest? Its predictions against what the bench measures on prompts it never read.
+
+Runs `specdec-studio check` (the probe prompts, assets/check_prompts.jsonl), then the bench core
+(engine.measure.bench.run_bench, standard then speculative) for every candidate it priced — the draft,
+the draft head, n-gram lookup — at the K the check chose (its best K even when none pays), on the 20
+shared prompts (assets/bench_prompts.jsonl), and prints predicted vs measured acceptance per draft
+position and speedup. The check prices decoding rounds (no prefill); the measured speedup is given both
+in rounds (tokens over the seconds after prefill) and end to end (the bench's tok/s).
+
+CPU, the default pair on llama.cpp (model options as the CLI's):
+
+    flock /tmp/specdec-real.lock nice -n 5 .venv/bin/python bench/check_honesty.py --runtime llamacpp \
+        --json bench/results/check_honesty_cpu_llamacpp.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from app.cli import CliError, _environment, _load, _request, build_parser  # noqa: E402
+from app.cli_check import _candidates, format_report, report_json  # noqa: E402
+
+
+def _decode_rate(runs) -> float:
+    tokens = sum(r.new_tokens for r in runs)
+    seconds = sum(r.seconds - r.prefill_s for r in runs)
+    return tokens / seconds if seconds > 0 else 0.0
+
+
+def _measure(engine, args, kind: str, k: int, prompts, max_new: int) -> dict:
+    from engine.measure.bench import BenchContext, run_bench
+
+    args.k, args.proposer, args.raw = k, kind, False
+    ctx = BenchContext(None, engine, make_request=lambda p, mode, n: _request(args, p, mode, n),
+                       reload_pair=lambda: None)  # type: ignore[arg-type,return-value]  # no hf-* modes here
+    result = run_bench(ctx, prompts, ["standard", "speculative"], max_new_tokens=max_new, warmup=1,
+                       proposer=kind)
+    std = [r for r in result.runs if r.mode == "standard"]
+    spec = [r for r in result.runs if r.mode == "speculative"]
+    s = result.summary
+    return {
+        "k": k,
+        "per_position_acceptance": list(s["speculative"]["per_position_acceptance"]),
+        "speedup_end_to_end": s["speculative"]["tokens_per_s"] / s["standard"]["tokens_per_s"],
+        "speedup_in_rounds": _decode_rate(spec) / _decode_rate(std),
+        "bench_predicted_speedup": s.get("cost_model", {}).get("predicted_speedup"),
+        "standard_tok_s": s["standard"]["tokens_per_s"],
+        "speculative_tok_s": s["speculative"]["tokens_per_s"],
+        "wall_s": result.wall_s,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--bench-prompts", type=Path, default=Path("assets/bench_prompts.jsonl"))
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--skip", default="", help="comma-separated kinds not to measure: draft, head, ngram")
+    ap.add_argument("--json", dest="out", type=Path, required=True)
+    own, rest = ap.parse_known_args(argv)
+    try:
+        args = build_parser().parse_args(["check", "--ngram", *rest])
+    except CliError as e:
+        print(f"check_honesty: {e}", file=sys.stderr)
+        return 2
+    from engine.measure.bench import read_prompts
+    from engine.measure.check import check_engine
+    from engine.types import Sampling
+
+    prompts = read_prompts(own.bench_prompts)
+    target, drafts = _candidates(args)
+    args.target, args.draft = target, drafts[0] if drafts else None
+    loaded = time.perf_counter()
+    engine = _load(args, needs_draft=bool(drafts), needs_head=False)
+    print(f"models loaded in {time.perf_counter() - loaded:.1f} s", flush=True)
+    sampling = Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    report = check_engine(engine, target, drafts[1:], sampling=sampling, head=args.head != "none", ngram=True,
+                          probe_tokens=args.probe_tokens)
+    print(format_report(report), flush=True)
+    args.top_k, args.top_p, args.seed = report.top_k, report.top_p, 0
+    skip = {s.strip() for s in own.skip.split(",") if s.strip()}
+    rows = []
+    for c in report.candidates:
+        # Only the engine's own draft decodes through the loop; other drafts were loaded beside it for the check.
+        if c.status != "ok" or not c.best_k or c.kind in skip or (c.kind == "draft" and c.name != engine.info.draft_name):
+            continue
+        measured = _measure(engine, args, c.kind, c.best_k, prompts, own.max_new_tokens)
+        row = {"candidate": c.name, "kind": c.kind, "k": c.best_k, "tree": c.tree,
+               "predicted_per_position": list(c.sampled_positions), "predicted_speedup": c.speedup, **measured}
+        rows.append(row)
+        pred = " ".join(f"{v:.2f}" for v in c.sampled_positions[:6])
+        meas = " ".join(f"{v:.2f}" for v in measured["per_position_acceptance"][:6])
+        print(f"{c.name} K={c.best_k}: acceptance per position predicted {pred} | measured {meas}; speedup "
+              f"predicted {c.speedup:.2f}x, measured {measured['speedup_in_rounds']:.2f}x in rounds "
+              f"({measured['speedup_end_to_end']:.2f}x end to end)", flush=True)
+    # A CPU shared with other work moves every figure: the load average says how shared it was.
+    own.out.write_text(json.dumps({"check": report_json(report), "measured": rows, "max_new_tokens": own.max_new_tokens,
+                                   "bench_prompts": str(own.bench_prompts), "argv": rest,
+                                   "load_average_at_end": os.getloadavg(), "environment": _environment(engine)}, indent=2,
+                                  ensure_ascii=False) + "\n", encoding="utf-8")
+    print(f"wrote {own.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

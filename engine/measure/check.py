@@ -1,0 +1,289 @@
+"""Will this draft pay? Every proposer ranked by its predicted speedup, from one look at the target's own continuations.
+
+For a few probe prompts per category (assets/check_prompts.jsonl, never the bench prompts) the
+target decodes greedily, one 1-token forward per token, keeping each row of logits. Each draft
+model is then teacher-forced on the same continuation (its rows in chunks of at most K_MAX + 1, so
+llama.cpp's reserved logits buffer holds them) and compared row by row: top-1 agreement, KL(p || q),
+and 1 - TV after the asked sampling on both (check_math.agreement). Positions beyond the first are
+chained over the continuation (check_math.rounds: position i of a round starting at row t is judged
+at row t + i), which at T = 0 replays greedy speculative decoding exactly, since accepted drafts are
+the target's own tokens; it was chosen over a fitted per-position decay because it keeps how
+acceptance clusters in real text (a boilerplate line accepted whole, a name rejected) at no cost.
+N-gram lookup proposes from the same continuations as it would while decoding. The draft head
+drafts through the decoding loop itself (greedy, its own continuation), since its drafts read the
+target's hidden states of its own verify passes. Speedups come from the forward costs the engine
+measured at load (engine/decoding/costs.py) through the cost model's price of a round (costmodel.py).
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+
+import torch
+
+from engine.decoding.ngram import NgramProposer
+from engine.decoding.proposers import empty_proposal
+from engine.errors import GenerationError
+from engine.limits import K_MAX, TREE_K_MAX
+from engine.measure.check_load import DraftUnderTest, engine_draft, load_drafts, params_of
+from engine.measure.check_types import CandidateCheck, CheckReport
+from engine.measure.check_math import NO_ROUNDS, Rounds, agreement, chained, kl_divergence, point_mass, rounds
+from engine.measure.check_price import price_chain, price_head, price_ngram
+from engine.measure.experiment import BenchPrompt, packaged_prompts
+from engine.runners import ids_tensor
+from engine.types import GenerationRequest, Message, Sampling
+
+log = logging.getLogger(__name__)
+
+PROBE_TOKENS = 48  # tokens of the target's greedy continuation per probe prompt
+HEAD_K = TREE_K_MAX  # draft length of the head's own rounds (positions beyond it repeat the last rate)
+POSITIONS = ("chained over the target's greedy continuation: draft position i of a round starting at row t is "
+             "judged at row t + i (an exact replay at T = 0; at T > 0 the context is the greedy text)")
+HEAD_POSITIONS = "the head's own drafts through the decoding loop (greedy rounds of K = %d)" % HEAD_K
+Progress = Callable[[float, str], None]
+
+
+def probe_prompts() -> tuple[BenchPrompt, ...]:
+    """The shipped probe prompts: two per category of the bench prompts, none of them a bench prompt."""
+    return packaged_prompts("check_prompts.jsonl")
+
+
+@dataclass
+class _Tally:
+    """Sums over the probes for one candidate (mutable while the check runs)."""
+
+    greedy: dict[int, Rounds]  # K -> rounds at T = 0
+    sampled: dict[int, Rounds]  # K -> rounds at the asked temperature
+    kl_sum: float = 0.0
+    top1_sum: float = 0.0
+    rows: int = 0
+    rejected: list[float] | None = None  # head trees: rejections per position
+    rescued: list[float] | None = None  # head trees: rejections where an alternative kept the target's token
+
+    @classmethod
+    def empty(cls, k_max: int) -> _Tally:
+        return cls({k: NO_ROUNDS for k in range(1, k_max + 1)}, {k: NO_ROUNDS for k in range(1, k_max + 1)})
+
+    def add_offers(self, greedy: list[list[float]], sampled: list[list[float]]) -> None:
+        for k in self.greedy:
+            self.greedy[k] = self.greedy[k] + rounds(greedy, k)
+            self.sampled[k] = self.sampled[k] + rounds(sampled, k)
+
+
+def run_check(engine, drafts: Sequence[DraftUnderTest], *, sampling: Sampling, head: bool = True,
+              ngram: bool = True, refused: Sequence[CandidateCheck] = (), prompts: Sequence[BenchPrompt] | None = None,
+              probe_tokens: int = PROBE_TOKENS, progress: Progress | None = None,
+              cancel: threading.Event | None = None) -> CheckReport:
+    """Checks every loaded draft, the engine's head (when `head` and one is attached) and n-gram lookup."""
+    started = time.perf_counter()
+    prompts = tuple(prompts if prompts is not None else probe_prompts())
+    with_head = head and engine.head_runner is not None
+    tallies = {id(d): _Tally.empty(K_MAX) for d in drafts}
+    ngram_tally = _Tally.empty(K_MAX)
+    head_tally = _Tally.empty(HEAD_K)
+    compared = 0
+    phases = {"target": 0.0, "ngram": 0.0, "head": 0.0}  # seconds per part, over the probes
+    for n, prompt in enumerate(prompts):
+        if cancel is not None and cancel.is_set():
+            raise GenerationError("The draft check was stopped.")
+        if progress is not None:
+            progress(n / len(prompts), f"Probe {n + 1} of {len(prompts)}: the target's continuation")
+        ids = engine.encode(GenerationRequest(messages=(Message("user", prompt.prompt),)))
+        t0 = time.perf_counter()
+        rows, cont = _continuation(engine, ids, probe_tokens)  # [N, V] float16, N tokens
+        phases["target"] += time.perf_counter() - t0
+        compared += len(cont)
+        for d in drafts:
+            t0 = time.perf_counter()
+            _compare_draft(d, ids, rows, cont, sampling, tallies[id(d)])
+            phases[d.name] = phases.get(d.name, 0.0) + time.perf_counter() - t0
+        t0 = time.perf_counter()
+        if ngram:
+            _ngram(ids, rows, cont, sampling, ngram_tally)
+        phases["ngram"] += time.perf_counter() - t0
+        t0 = time.perf_counter()
+        if with_head:
+            _head(engine, prompt, rows, cont, sampling, head_tally)
+        phases["head"] += time.perf_counter() - t0
+    log.info("draft check phases (s): %s", {k: round(v, 1) for k, v in phases.items()})
+    if progress is not None:
+        progress(1.0, "Pricing the candidates")
+    target_params = params_of(engine.target_runner, engine.target)
+    results = [replace(price_chain(engine.info, d.name, d.params, target_params, d.cost, d.sampled_cost,
+                                   _summary(tallies[id(d)]), sampling, POSITIONS), spec=d.spec) for d in drafts]
+    if with_head:
+        results.append(price_head(engine.info, engine.head_runner, target_params, _summary(head_tally),
+                                  head_tally, sampling, HEAD_POSITIONS))
+    if ngram:
+        results.append(price_ngram(engine.info, _summary(ngram_tally), sampling,
+                                   "n-gram lookup's own proposals on the continuations, chained as drafts"))
+    ranked = sorted(results, key=lambda c: -(c.speedup or 0.0)) + list(refused)
+    target_ms = dict(engine.info.target_ms).get(1, 0.0)
+    return CheckReport(engine.info.target_name, engine.info.runtime, engine.info.device, sampling.temperature,
+                       sampling.top_p, sampling.top_k, len(prompts), compared, target_ms, tuple(ranked),
+                       verdict_line(ranked), time.perf_counter() - started,
+                       tuple((k, round(v, 2)) for k, v in phases.items()))
+
+
+def _summary(t: _Tally) -> dict:
+    return {"greedy": t.greedy, "sampled": t.sampled, "kl": t.kl_sum / t.rows if t.rows else None,
+            "top1": t.top1_sum / t.rows if t.rows else None}
+
+
+@torch.inference_mode()
+def _continuation(engine, ids: list[int], n: int) -> tuple[torch.Tensor, list[int]]:
+    """The target's greedy continuation of `ids` (at most n tokens, up to an end token) and the
+    logits row before each of its tokens [N, V] (float16: the probes' rows of a 152k vocabulary fit)."""
+    runner, vocab = engine.target_runner, engine.vocab
+    runner.reset()
+    if len(ids) > 1:
+        runner.prefill(ids_tensor(ids[:-1], runner.device))
+    last, rows, cont = ids[-1], [], []
+    for _ in range(n):
+        row = runner.forward(ids_tensor([last], runner.device))[-1, :vocab]  # [V]
+        last = int(row.argmax())
+        rows.append(row.to(torch.float16).cpu())  # a copy: llama.cpp's buffer is reused by the next call
+        cont.append(last)
+        if last in engine.eos_ids:
+            break
+    runner.reset()
+    return torch.stack(rows).float(), cont
+
+
+@torch.inference_mode()
+def _compare_draft(draft: DraftUnderTest, ids: list[int], rows: torch.Tensor, cont: list[int], sampling: Sampling,
+                   tally: _Tally) -> None:
+    """The draft teacher-forced on the continuation: its row before each continuation token against the target's."""
+    runner, vocab = draft.runner, min(draft.vocab, rows.shape[-1])
+    runner.reset()
+    if len(ids) > 1:
+        runner.prefill(ids_tensor(ids[:-1], runner.device))
+    inputs = [ids[-1]] + cont[:-1]
+    greedy_hits, sampled = [], []
+    for start in range(0, len(inputs), K_MAX + 1):
+        chunk = inputs[start:start + K_MAX + 1]
+        q = runner.forward(ids_tensor(chunk, runner.device))[:, :vocab].float().cpu()  # [W, V]
+        p = rows[start:start + len(chunk), :vocab]  # [W, V]
+        greedy_hits += (q.argmax(-1) == torch.tensor(cont[start:start + len(chunk)])).float().tolist()
+        sampled += agreement(p, q, sampling).tolist() if not sampling.greedy else []
+        tally.kl_sum += float(kl_divergence(p, q).sum())
+    runner.reset()
+    tally.top1_sum += sum(greedy_hits)
+    tally.rows += len(greedy_hits)
+    tally.add_offers(chained(greedy_hits, K_MAX), chained(sampled or greedy_hits, K_MAX))
+
+
+def _ngram(ids: list[int], rows: torch.Tensor, cont: list[int], sampling: Sampling, tally: _Tally) -> None:
+    """N-gram lookup's proposal at every row of the continuation, judged as point masses."""
+    lookup, nothing = NgramProposer(), empty_proposal(torch.device("cpu"))
+    lookup.start(ids)
+    greedy, sampled = [], []
+    for t in range(len(cont)):
+        x = lookup.match(min(K_MAX, len(cont) - t))[0]
+        truth = cont[t:t + len(x)]
+        greedy.append([float(a == b) for a, b in zip(x, truth)])
+        if x and not sampling.greedy:
+            sampled.append(point_mass(rows[t:t + len(x)], torch.tensor(x), sampling).tolist())
+        else:
+            sampled.append(greedy[-1])
+        lookup.commit(nothing, 0, [cont[t]])  # the committed token, one at a time (every row may start a round)
+    hits = [g[0] for g in greedy if g]
+    tally.top1_sum += sum(hits)
+    tally.rows += len(hits)
+    tally.add_offers(greedy, sampled)
+
+
+def _head(engine, prompt: BenchPrompt, rows: torch.Tensor, cont: list[int], sampling: Sampling, tally: _Tally) -> None:
+    """The head's greedy rounds of HEAD_K drafts through the loop; at T > 0 each reached draft is judged
+    by the processed target probability of its token at that row (point-mass drafts, as the head's)."""
+    request = GenerationRequest(messages=(Message("user", prompt.prompt),), mode="speculative", proposer="head",
+                                k=HEAD_K, max_new_tokens=len(cont))
+    reached, accepted, sampled = [0.0] * HEAD_K, [0.0] * HEAD_K, [0.0] * HEAD_K
+    rejected, rescued = [0.0] * HEAD_K, [0.0] * HEAD_K
+    committed: list[int] = []
+    for step in engine.generate(request):
+        start = step.total_tokens - step.new_tokens
+        for i, x in enumerate(step.proposed[:step.accepted + 1]):
+            if start + i >= len(cont) or i >= HEAD_K:
+                break
+            reached[i] += 1
+            accepted[i] += i < step.accepted
+            sampled[i] += float(point_mass(rows[start + i:start + i + 1], torch.tensor([x]), sampling)[0]) \
+                if not sampling.greedy else float(i < step.accepted)
+        if step.accepted < len(step.proposed) and step.accepted < HEAD_K:
+            rejected[step.accepted] += 1
+            rescued[step.accepted] += step.extra is not None
+        committed += list(step.proposed[:step.accepted]) + [t for t in (step.added, step.extra) if t is not None]
+        # The loop's greedy output is the target's greedy continuation (lossless); a near-tie flipped by a
+        # batched verify would show here, and the rows after it would judge another text: stop there.
+        if len(committed) >= len(cont) or committed != cont[:len(committed)]:
+            break
+    tally.greedy[HEAD_K] = tally.greedy[HEAD_K] + Rounds(tuple(reached), tuple(accepted), 0.0, 0.0, 0.0)
+    tally.sampled[HEAD_K] = tally.sampled[HEAD_K] + Rounds(tuple(reached), tuple(sampled), 0.0, 0.0, 0.0)
+    tally.top1_sum += accepted[0]
+    tally.rows += int(reached[0])
+    tally.rejected = [a + b for a, b in zip(tally.rejected or [0.0] * HEAD_K, rejected)]
+    tally.rescued = [a + b for a, b in zip(tally.rescued or [0.0] * HEAD_K, rescued)]
+
+
+def verdict_line(ranked: Sequence[CandidateCheck]) -> str:
+    """'the head: 1.9x here; the 0.5B draft: 0.86x, it costs 63% of a target forward; n-gram: 1.1x'."""
+    parts = []
+    for c in ranked:
+        if c.status != "ok" or c.speedup is None:
+            continue
+        label = {"head": "the head", "ngram": "n-gram"}.get(c.kind) or (
+            f"the {_size(c.params)} draft" if c.params >= 1e8 else f"the draft {c.name}".replace("draft draft", "draft"))
+        part = f"{label}: {c.speedup:.2f}× here" + (f" (K={c.best_k}{', tree' if c.tree else ''})" if c.best_k else "")
+        if c.speedup <= 1.0 and c.cost_ratio is not None and c.kind != "ngram":
+            part += f", it costs {c.cost_ratio:.0%} of a target forward"
+        parts.append(part)
+    if not parts:
+        return "No candidate could be checked."
+    best = next((c for c in ranked if c.speedup is not None and c.speedup > 1.0), None)
+    tail = "" if best is not None else " — none pays here: stay with standard decoding."
+    return "; ".join(parts) + tail
+
+
+def _size(params: int) -> str:
+    return f"{params / 1e9:.1f}B"
+
+
+def check_engine(engine, target_spec: str | None, draft_specs: Sequence[str], *, sampling: Sampling,
+                 head: bool = True, ngram: bool = True, prompts: Sequence[BenchPrompt] | None = None,
+                 probe_tokens: int = PROBE_TOKENS, progress: Progress | None = None,
+                 cancel: threading.Event | None = None, load_torch=None) -> CheckReport:
+    """The whole check on a loaded engine: its own draft (if any), each of `draft_specs` besides it (tokenizer
+    first, then loaded on the engine's runtime: check_load.load_drafts), its head and n-gram lookup.
+    The report's wall time counts from here: the extra drafts' loads are in it."""
+    started = time.perf_counter()
+    own = engine_draft(engine)
+    extra = list(dict.fromkeys(draft_specs))
+
+    def loading(fraction: float, message: str) -> None:
+        if progress is not None:
+            progress(0.1 * fraction, message)
+
+    drafts, refusals = load_drafts(engine, target_spec, extra, loading, load_torch) if extra else ([], [])
+    drafts = ([own] if own is not None else []) + drafts
+    if head and engine.head_runner is None:
+        refusals.append(CandidateCheck(name="draft head", kind="head", status="refused", reason=_no_head(engine)))
+
+    def checking(fraction: float, message: str) -> None:
+        if progress is not None:
+            progress(0.1 + 0.9 * fraction, message)
+
+    report = run_check(engine, drafts, sampling=sampling, head=head, ngram=ngram, refused=refusals, prompts=prompts,
+                       probe_tokens=probe_tokens, progress=checking, cancel=cancel)
+    return replace(report, wall_s=time.perf_counter() - started)
+
+
+def _no_head(engine) -> str:
+    if engine.target is None:
+        return (f"A draft head reads the target's hidden states, which the {engine.info.runtime} runtime does not "
+                "give: run the check with --runtime torch to include it.")
+    return ("No draft head is loaded for this target: train one with `specdec-studio distill --target ... --out DIR` "
+            "and check it with --head DIR.")

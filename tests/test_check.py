@@ -1,0 +1,239 @@
+"""The draft check: its maths against the real acceptance rule, and its verdicts on tiny models."""
+from __future__ import annotations
+
+import torch
+
+from engine.decoding.sampling import accept_draft, draw, process
+from engine.measure.check import run_check, verdict_line
+from engine.measure.check_load import DraftUnderTest, engine_draft, load_drafts, tokenizer_refusal
+from engine.measure.check_math import agreement, chained, kl_divergence, rounds
+from engine.measure.check_types import CandidateCheck, CheckReport
+from engine.measure.experiment import BenchPrompt
+from engine.runners.eager import EagerRunner
+from engine.types import Sampling
+from tests.engine_fixtures import tiny_engine
+from tests.tiny import build_model, build_tokenizer
+
+PROMPTS = (BenchPrompt("a", "code", "def add(a, b):"), BenchPrompt("b", "chat", "Hello world! How are you"))
+
+
+def _greedy_rounds(hits: list[int], k: int) -> tuple[list[int], list[int], int]:
+    """Greedy speculative decoding replayed on a 0/1 match sequence: reached, accepted per position, rounds."""
+    reached, accepted, t, n = [0] * k, [0] * k, 0, 0
+    while t < len(hits):
+        n += 1
+        run = 0
+        for i in range(min(k, len(hits) - t)):
+            reached[i] += 1
+            if not hits[t + i]:
+                break
+            accepted[i] += 1
+            run += 1
+        t += run + 1
+    return reached, accepted, n
+
+
+def test_rounds_replay_greedy_decoding_exactly():
+    g = torch.Generator().manual_seed(3)
+    hits = (torch.rand(200, generator=g) < 0.7).int().tolist()
+    for k in (1, 3, 5):
+        r = rounds(chained([float(h) for h in hits], k), k)
+        reached, accepted, n = _greedy_rounds(hits, k)
+        assert [round(x) for x in r.reached] == reached
+        assert [round(x) for x in r.accepted] == accepted
+        assert round(r.rounds) == n
+
+
+def test_identical_draft_accepts_everything_with_kl_zero(tiny_pair):
+    target_dir, _ = tiny_pair
+    engine = tiny_engine(target_dir, target_dir)
+    draft = engine_draft(engine)
+    report = run_check(engine, [draft], sampling=Sampling(temperature=0.8, top_p=0.9), head=False, ngram=False,
+                       prompts=PROMPTS, probe_tokens=12)
+    row = report.candidates[0]
+    assert row.top1 == 1.0
+    assert row.kl is not None and row.kl < 1e-5
+    assert row.greedy_positions and all(a == 1.0 for a in row.greedy_positions)
+    assert all(a > 0.999 for a in row.sampled_positions)
+
+
+def test_random_draft_agrees_near_chance(tiny_pair):
+    target_dir, _ = tiny_pair
+    engine = tiny_engine(target_dir, target_dir)
+    stranger = build_model(engine.vocab, seed=123)
+    draft = DraftUnderTest("random", EagerRunner(stranger, 512), engine.vocab, 0, None)
+    report = run_check(engine, [draft], sampling=Sampling(), head=False, ngram=False, prompts=PROMPTS, probe_tokens=24)
+    row = report.candidates[0]
+    assert row.top1 is not None and row.top1 < 0.1  # chance is 1/V = 1/320; the noisy copy agrees far more
+    assert row.kl is not None and row.kl > 1.0
+    noisy = run_check(tiny_engine(*tiny_pair), [engine_draft(tiny_engine(*tiny_pair))], sampling=Sampling(),
+                      head=False, ngram=False, prompts=PROMPTS, probe_tokens=24).candidates[0]
+    assert noisy.top1 is not None and noisy.top1 > 0.5
+
+
+def test_another_tokenizer_is_refused_naming_both(tiny_pair, tmp_path):
+    target_dir, _ = tiny_pair
+    tok = build_tokenizer(vocab_size=300, seed_corpus=["completely different text 12345", "zzz yyy xxx"])
+    other = build_model(len(tok), seed=5)
+    folder = tmp_path / "other-family"
+    other.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    reason, _, name = tokenizer_refusal(str(target_dir), str(folder))
+    assert reason is not None and "other-family" in reason and target_dir.name in reason and "vocabular" in reason
+    engine = tiny_engine(target_dir, target_dir)
+    loaded, refusals = load_drafts(engine, str(target_dir), [str(folder)])
+    assert not loaded and refusals[0].status == "refused" and "other-family" in refusals[0].reason
+
+
+def test_one_minus_tv_is_the_acceptance_of_the_sampling_rule():
+    """Sum min(p, q) after processing both equals how often accept_draft keeps a draft drawn from q."""
+    g = torch.Generator().manual_seed(0)
+    rows, vocab, trials = 20, 40, 8000
+    p_logits = torch.randn(rows, vocab, generator=g) * 2.0
+    q_logits = p_logits + torch.randn(rows, vocab, generator=g) * 1.5
+    sampling = Sampling(temperature=0.7, top_p=0.9)
+    p, q = process(p_logits, sampling), process(q_logits, sampling)
+    kept = 0
+    for t in range(trials):
+        r = t % rows
+        x = draw(q[r:r + 1], g)  # [1]
+        accepted, _, _ = accept_draft(x, q[r:r + 1], torch.stack([p[r], p[r]]), False, g)
+        kept += int(accepted)
+    measured = kept / trials
+    predicted = float(agreement(p_logits, q_logits, sampling).mean())
+    assert abs(measured - predicted) < 0.02, (measured, predicted)
+    # Formulas that are wrong here must fail the same tolerance (so this test can catch them):
+    top1 = float((p_logits.argmax(-1) == q_logits.argmax(-1)).float().mean())
+    unprocessed = float(agreement(p_logits, q_logits, Sampling(temperature=1.0)).mean())
+    from_kl = float(torch.exp(-kl_divergence(p_logits / 0.7, q_logits / 0.7)).mean())
+    for wrong in (top1, unprocessed, from_kl):
+        assert abs(measured - wrong) > 0.05, (measured, wrong)
+
+
+def test_costs_give_a_best_k_and_a_verdict(tiny_pair):
+    engine = tiny_engine(*tiny_pair)
+    engine.measure_costs(rounds=1)
+    report = run_check(engine, [engine_draft(engine)], sampling=Sampling(), head=False, ngram=True,
+                       prompts=PROMPTS, probe_tokens=16)
+    kinds = {c.kind for c in report.candidates}
+    assert kinds == {"draft", "ngram"}
+    for c in report.candidates:
+        assert c.speedup is not None and 1 <= c.best_k and len(c.speedups) >= c.best_k
+        assert c.speedup == max(c.speedups)
+    assert report.verdict and "×" in report.verdict
+    assert report.probe_tokens > 0 and report.wall_s > 0
+
+
+def test_verdict_names_the_cost_of_a_draft_that_does_not_pay():
+    rows = [CandidateCheck("head", "head", "ok", params=1, speedup=1.9, best_k=4),
+            CandidateCheck("qwen", "draft", "ok", params=494_000_000, speedup=0.86, best_k=1, cost_ratio=0.63)]
+    line = verdict_line(rows)
+    assert line.startswith("the head: 1.90× here") and "the 0.5B draft: 0.86× here" in line
+    assert "it costs 63% of a target forward" in line
+    assert "none pays" in verdict_line(rows[1:])
+    report = CheckReport("t", "torch", "cpu", 0.0, 1.0, 0, 1, 1, 1.0, tuple(rows), line, 1.0)
+    assert report.best is rows[0]
+
+
+def _report() -> CheckReport:
+    rows = (CandidateCheck("draft head qwen", "head", "ok", params=30_000_000, size_ratio=0.02, top1=0.7,
+                           greedy_positions=(0.7, 0.6), sampled_positions=(0.7, 0.6), cost_ratio=0.07, best_k=3,
+                           speedup=1.9, speedups=(1.4, 1.7, 1.9)),
+            CandidateCheck("Qwen2.5-Coder-0.5B", "draft", "ok", params=494_000_000, size_ratio=0.32, kl=0.4, top1=0.7,
+                           greedy_positions=(0.7,), sampled_positions=(0.7,), cost_ratio=0.63, best_k=1, speedup=0.86,
+                           speedups=(0.86,), spec="/models/small"),
+            CandidateCheck("llama", "draft", "refused", reason="another vocabulary"))
+    return CheckReport("target", "torch", "cpu", 0.0, 1.0, 0, 14, 600, 35.0, rows, verdict_line(rows), 40.0)
+
+
+def test_check_view_shows_the_ranking_and_applies_the_best(qtbot):
+    from widgets.check_view import CheckView
+
+    view = CheckView()
+    qtbot.addWidget(view)
+    view.set_progress(0.5, "Probe 7 of 14")
+    assert view.progress.value() == 500 and not view.apply.isEnabled()
+    report = _report()
+    view.set_report(report)
+    assert view.table.rowCount() == 3
+    assert view.table.item(0, 0).text() == "draft head qwen" and view.table.item(0, 7).text() == "1.90×"
+    assert "refused" in view.table.item(2, 4).text()
+    assert view.bar_heights() == [1.9, 0.86]  # the refused row has no bar
+    assert "the head: 1.90× here" in view.verdict.text()
+    with qtbot.waitSignal(view.apply_requested) as got:
+        view.apply.click()
+    assert got.args[0].kind == "head"
+    view.table.selectRow(1)
+    with qtbot.waitSignal(view.apply_requested) as got:
+        view.apply.click()
+    assert got.args[0].spec == "/models/small"
+    view.table.selectRow(2)
+    assert not view.apply.isEnabled()  # a refused draft cannot be applied
+
+
+def test_the_stats_line_keeps_the_prediction_beside_what_was_measured(qtbot):
+    from PySide6.QtCore import QObject, Signal
+
+    from app.check_ui import CheckLink
+    from engine.settings import GenerationSettings
+    from engine.types import GenerationRequest
+
+    class FakeWorker(QObject):
+        check_finished = Signal(object)
+
+    worker = FakeWorker()
+    applied = []
+    link = CheckLink(worker, loaded=lambda: None, current_settings=GenerationSettings, apply_settings=applied.append)
+    worker.check_finished.emit(_report())
+    summary = type("S", (), {"mode": "speculative"})()
+    line = link.annotate("speculative (head) · K=3", summary, GenerationRequest(proposer="head"))  # type: ignore[arg-type]
+    assert line.endswith("check predicted 1.90× at K=3, 70% accepted at position 1")
+    assert link.annotate("standard", type("S", (), {"mode": "standard"})(), GenerationRequest()) == "standard"  # type: ignore[arg-type]
+    dialog = type("D", (), {"used": [], "use_draft": lambda self, spec: self.used.append(spec)})()
+    link._apply(dialog, _report().candidates[1])
+    assert dialog.used == ["/models/small"] and applied[-1].proposer == "draft" and applied[-1].k == 1
+
+
+def test_ngram_is_measured_on_the_continuation_directly():
+    """A continuation that repeats the prompt is proposed, and accepted, in full; a fresh one never is."""
+    from engine.measure.check import _ngram, _Tally
+
+    prompt = [5, 6, 7, 8, 9, 10, 11, 12]
+    repeat = [5, 6, 7, 8, 9, 10, 11, 12, 5, 6, 7]
+    fresh = [20, 21, 22, 23, 24, 25]
+    for cont, expected in ((repeat, 1.0), (fresh, 0.0)):
+        rows = torch.full((len(cont), 40), -10.0)
+        rows[torch.arange(len(cont)), torch.tensor(cont)] = 10.0  # the target is sure of its own continuation
+        tally = _Tally.empty(4)
+        _ngram(prompt, rows, cont, Sampling(temperature=0.5), tally)
+        per_position = tally.greedy[4].per_position
+        if expected == 0.0:  # nothing in it occurred before: lookup never proposes, every round is standard
+            assert not per_position and tally.greedy[4].rounds == len(cont)
+            continue
+        assert per_position and all(abs(a - expected) < 1e-6 for a in per_position[1:]), per_position
+        assert all(abs(a - b) < 1e-3 for a, b in zip(tally.sampled[4].per_position, per_position))
+
+
+def test_cli_check_refuses_bad_input_in_one_line_before_loading(capsys, tmp_path):
+    from app.cli import main
+
+    for argv, words in ((["check", "--prompts", str(tmp_path / "missing.jsonl")], "cannot read prompts file"),
+                        (["check", "--json", str(tmp_path / "no" / "r.json")], "does not exist"),
+                        (["check", "--scan", str(tmp_path / "nowhere")], "is not a folder"),
+                        (["check", "--probe-tokens", "2"], "probe tokens must be from 4")):
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and words in err[0], err
+
+
+def test_scan_finds_model_folders_and_ggufs_read_only(tiny_pair, tmp_path):
+    from engine.measure.check_load import find_candidates
+
+    (tmp_path / "a" / "b").mkdir(parents=True)
+    (tmp_path / "a" / "b" / "m.gguf").write_bytes(b"GGUF")
+    (tmp_path / "notes.txt").write_text("x")
+    hub = tmp_path / "hub" / "models--org--tiny" / "snapshots" / "rev1"
+    hub.parent.mkdir(parents=True)
+    hub.symlink_to(tiny_pair[1], target_is_directory=True)
+    assert find_candidates(tmp_path / "a") == [str(tmp_path / "a" / "b" / "m.gguf")]
+    assert find_candidates(tmp_path / "hub") == [str(hub)]
