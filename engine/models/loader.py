@@ -12,6 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from engine.errors import ModelLoadError, ModelWontFitError
+from engine.models import fastquant
 from engine.models import memory as pages  # `memory` is load_pair's budget argument
 from engine.models.cache_space import sweep
 from engine.models.census import ModelCensus
@@ -190,6 +191,7 @@ def load_pair(
     precisions = [resolve_precision(a, dtype, torch_device.type) for a in asked]  # (precision, compute)
     for source, (precision, _) in zip(sources, precisions):
         require_bitsandbytes(precision, source.name)
+        fastquant.require_runnable(precision, torch_device, source.name)  # fp8 on a CPU: one line, nothing loaded
     sweep()  # temp files of processes that died (kill -9 mid-conversion): hundreds of MB to GBs each
     with ExitStack() as stack:  # holds the cache lock from assembling to the last conversion, if either runs
         prepared = [_prepare(s, progress, stack) for s in sources]
@@ -231,6 +233,9 @@ def load_pair(
         packing = (pack_cpu and place.device.type == "cpu" and place.device_map is None
                    and place.precision in ("bfloat16", "float16", "float32"))
         model = _load_model(folder, p.source.name, place, keep_linear_weights=packing)
+        if place.precision in fastquant.FAST_PRECISIONS and fastquant.model_kind(model) is None:
+            _emit(progress, "load", (i + 0.5) / len(folders), f"Quantizing {p.source.name} to {place.precision}")
+            fastquant.quantize_model(model, place.precision)
         if packing:
             from engine.runners.cpu import try_pack
 
