@@ -68,6 +68,8 @@ def _load_model(folder: Path, name: str, place: _Placement, *, keep_linear_weigh
     from engine.models.quant import checkpoint_quantization, quantization_config, quiet_int8_casts
 
     prequantized = checkpoint_quantization(_read_json(folder / "config.json"))
+    if (problem := fastquant.checkpoint_problem(_read_json(folder / "config.json"))) is not None:
+        raise ModelLoadError(f"{name} is {problem}.")
     kwargs: dict = {"dtype": place.dtype}
     if prequantized is None:
         config = quantization_config(place.precision, place.dtype)
