@@ -4,12 +4,17 @@ from __future__ import annotations
 import argparse
 import gc
 import logging
+import os
 import sys
 from collections.abc import Sequence
 
 from engine.settings import PRECISIONS, ModelChoice, ModelSelection
 
 log = logging.getLogger(__name__)
+
+# Two models on one GPU fragment the caching allocator over hours; expandable segments keep memory flat.
+# Set before torch initialises CUDA (nothing above imports torch); a value the user set is kept.
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
 HEADLESS_COMMANDS = ("generate", "bench", "sweep", "distill", "cache", "plan")
 
