@@ -231,3 +231,25 @@ def test_cuda_graphs_run_8bit_weights(kind):
     with torch.no_grad():
         full = model(tokens[None]).logits[0, -1].float()
     torch.testing.assert_close(out[0], full, atol=5e-2, rtol=5e-2)
+
+
+def test_models_dialog_offers_fp8_only_off_the_cpu(qtbot):
+    from engine.settings import ModelSelection
+    from widgets.model_dialog import ModelDialog
+
+    dialog = ModelDialog(ModelSelection(device="cpu"), planner=lambda selection: None)
+    qtbot.addWidget(dialog)
+    combo = dialog.target.precision
+    item = combo.model().item(combo.findText("fp8"))
+    assert combo.findText("int8-wo") >= 0 and not item.isEnabled()
+    dialog.device.setCurrentText("cuda")
+    assert item.isEnabled()
+
+
+def test_status_bar_names_the_8bit_precisions():
+    from app.session import device_line
+    from engine.types import ModelInfo
+
+    info = ModelInfo(target_name="t", draft_name="d", device="cuda:0", dtype="bfloat16", fast_path="cuda-graphs",
+                     vocab_size=10, target_precision="fp8", draft_precision="int8-wo")
+    assert "target fp8, draft int8-wo" in device_line(info)
