@@ -7,7 +7,7 @@ for the few-row forwards of decoding (engine/models/fastquant_kernel.py), so a b
 streams half the bytes of bf16; wider forwards (prompt chunks) dequantize the weight into the
 compute dtype and use cuBLAS. Measured on an H200 (torch 2.11): torch's own `_weight_int8pack_mm`
 is 10-20x slower than bf16 there, a dequantize-then-matmul 3-6x, and inductor's fused dequant 2.6x
-slower at batch 1 (bench/results/h200_fastquant.json has the figures behind these choices).
+slower at batch 1 (docs/quantization.md has the figures behind these choices).
 
 FP8 can also quantize the activations per forward (`torch._scaled_mm`, FP8 tensor cores):
 FP8_ACTIVATIONS picks "none" (weight-only, the default), "tensor" (one dynamic scale per
