@@ -54,7 +54,7 @@ def _positive_int(text: str) -> int:
     return opt.whole(text, 1, 2**31 - 1, "this value")
 
 
-PRECISION_CHOICES = ["auto", "bfloat16", "float16", "float32", "int8", "nf4"]
+PRECISION_CHOICES = ["auto", "bfloat16", "float16", "float32", "int8", "nf4", "int8-wo", "fp8"]
 
 
 def _memory(text: str) -> int:
@@ -73,7 +73,8 @@ def _add_pair_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
                    help="float dtype of both models (auto: bf16 on CUDA and on CPUs with native bf16, else float32)")
     g.add_argument("--target-quant", "--target-dtype", dest="target_dtype", default="auto", choices=PRECISION_CHOICES,
-                   help="the target's precision: int8 / nf4 (bitsandbytes) or a float dtype (default: --dtype)")
+                   help="the target's precision: int8-wo / fp8 (fast 8-bit), int8 / nf4 (bitsandbytes) or a float dtype "
+                        "(default: --dtype)")
     g.add_argument("--draft-quant", "--draft-dtype", dest="draft_dtype", default="auto", choices=PRECISION_CHOICES,
                    help="the draft's precision, as --target-quant")
     g.add_argument("--context", type=_positive_int, default=None,

@@ -28,6 +28,10 @@ from engine.settings import PRECISIONS, ModelChoice, ModelSelection  # noqa: E40
 
 log = logging.getLogger(__name__)
 
+# Two models on one GPU fragment the caching allocator over hours; expandable segments keep memory flat.
+# Set before torch initialises CUDA (nothing above imports torch); a value the user set is kept.
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+
 HEADLESS_COMMANDS = ("generate", "bench", "sweep", "distill", "cache", "plan", "check")
 
 

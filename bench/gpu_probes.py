@@ -157,13 +157,13 @@ def plan_line(rows: list[dict]) -> str:
 
 # --------------------------------------------------------------------------- decoding
 
-def run_prompts(engine, texts: list[str], max_new: int, k: int = 5) -> dict:
+def run_prompts(engine, texts: list[str], max_new: int, k: int = 5, proposer: str = "draft") -> dict:
     """Standard and speculative greedy decoding of each prompt: token ids, tok/s, acceptance."""
     from engine.types import GenerationRequest, Message
 
     def one(text: str, mode: str, n: int):
         generation = engine.generate(GenerationRequest(messages=(Message("user", text),), mode=mode, k=k,
-                                                       max_new_tokens=n))
+                                                       max_new_tokens=n, proposer=proposer))
         for _ in generation:
             pass
         return generation

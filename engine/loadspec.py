@@ -10,10 +10,12 @@ from engine.errors import ModelLoadError
 
 log = logging.getLogger(__name__)
 
-Precision = Literal["auto", "bfloat16", "float16", "float32", "int8", "nf4"]
-PRECISIONS: tuple[Precision, ...] = ("auto", "bfloat16", "float16", "float32", "int8", "nf4")
+Precision = Literal["auto", "bfloat16", "float16", "float32", "int8", "nf4", "int8-wo", "fp8"]
+PRECISIONS: tuple[Precision, ...] = ("auto", "bfloat16", "float16", "float32", "int8", "nf4", "int8-wo", "fp8")
 _ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32",
-            "8bit": "int8", "4bit": "nf4", "int4": "nf4", "none": "auto"}
+            "8bit": "int8", "4bit": "nf4", "int4": "nf4", "none": "auto",
+            "int8wo": "int8-wo", "int8_wo": "int8-wo", "w8": "int8-wo", "float8": "fp8", "fp8-e4m3": "fp8",
+            "float8_e4m3fn": "fp8"}
 
 
 def normalize_precision(text: str | None) -> Precision:
@@ -22,7 +24,7 @@ def normalize_precision(text: str | None) -> Precision:
     value = _ALIASES.get(value, value)
     if value not in PRECISIONS:
         raise ModelLoadError(
-            f"Unknown precision {text!r}: use auto, bfloat16, float16, float32, int8 or nf4."
+            f"Unknown precision {text!r}: use auto, bfloat16, float16, float32, int8, nf4, int8-wo or fp8."
         )
     return value  # type: ignore[return-value]
 

@@ -23,8 +23,10 @@ MAX_PATH_CHARS = 4096  # PATH_MAX on Linux; longer stored "paths" are damage
 SOURCE_KINDS = ("default", "folder", "gguf", "hub")
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
-# One model's precision: a float dtype, or 8-bit / 4-bit weights through bitsandbytes ("auto": DTYPES' choice).
-PRECISIONS = ("auto", "bfloat16", "float16", "float32", "int8", "nf4")
+# One model's precision: a float dtype, 8-bit / 4-bit weights through bitsandbytes, or fast 8-bit weights
+# (int8-wo, fp8: engine/models/fastquant.py) ("auto": DTYPES' choice).
+PRECISIONS = ("auto", "bfloat16", "float16", "float32", "int8", "nf4", "int8-wo", "fp8")
+GPU_PRECISIONS = ("fp8",)  # need a GPU of compute capability 8.9+ (engine/models/fastquant.py says so in one line)
 CONTEXT_RANGE = (0, 1 << 20)  # 0: the default (engine.limits.DEFAULT_MAX_LENGTH, or the model's limit)
 MEMORY_RANGE = (0.0, 4096.0)  # GiB per device; 0: what the device has free
 # Who runs the forwards: auto = llama.cpp on the CPU for GGUF models (when installed), torch otherwise.

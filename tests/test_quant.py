@@ -49,7 +49,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 def test_precision_names_and_aliases():
     assert [normalize_precision(x) for x in ("bf16", "FP16", "fp32", "8bit", "4bit", "int4", None, "none")] == [
         "bfloat16", "float16", "float32", "int8", "nf4", "nf4", "auto", "auto"]
-    with pytest.raises(ModelLoadError, match="int8 or nf4"):
+    with pytest.raises(ModelLoadError, match="int8-wo or fp8"):
         normalize_precision("int3")
 
 

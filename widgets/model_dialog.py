@@ -31,6 +31,7 @@ from engine.settings import (
     CONTEXT_RANGE,
     DEVICES,
     DTYPES,
+    GPU_PRECISIONS,
     MAX_THREADS,
     MEMORY_RANGE,
     PRECISIONS,
@@ -48,7 +49,8 @@ from widgets.plan_bar import PlanBar
 Planner = Callable[[ModelSelection], MemoryPlan]  # raises EngineError when a model cannot be sized
 PLAN_DELAY_MS = 250  # typing a path re-plans once it pauses, not per keystroke
 PRECISION_TIP = ("auto: the float dtype below. int8 / nf4: 8-bit / 4-bit weights through bitsandbytes "
-                 "(about a half / a quarter of bf16; nf4 runs in CUDA graphs, int8 eagerly).")
+                 "(about a half / a quarter of bf16; nf4 runs in CUDA graphs, int8 eagerly). int8-wo / fp8: "
+                 "8-bit weights read at memory speed in CUDA graphs (fp8 needs a GPU of compute capability 8.9+).")
 
 DEFAULT_LABELS = {
     "target": "Default (Qwen2.5-Coder 1.5B, packaged)",
@@ -233,10 +235,20 @@ class ModelDialog(QDialog):
             picker.connect_changed(self._timer.start)
         self.no_draft.toggled.connect(self._timer.start)
         self.device.currentTextChanged.connect(self._timer.start)
+        self.device.currentTextChanged.connect(self._offer_precisions)
+        self._offer_precisions(self.device.currentText())
         self.dtype.currentIndexChanged.connect(self._timer.start)
         self.context.valueChanged.connect(self._timer.start)
         self.memory.valueChanged.connect(self._timer.start)
         self.update_plan()
+
+    def _offer_precisions(self, device: str) -> None:
+        """Precisions that need a GPU are greyed out while the device is the CPU."""
+        on_cpu = device.strip() == "cpu"
+        for picker in (self.target, self.draft):
+            for name in GPU_PRECISIONS:
+                item = picker.precision.model().item(picker.precision.findText(name))
+                item.setEnabled(not on_cpu)
 
     def selection(self) -> ModelSelection:
         return ModelSelection(

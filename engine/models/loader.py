@@ -14,6 +14,7 @@ import torch
 
 from engine.errors import ModelLoadError, ModelWontFitError
 from engine.loadspec import LoadSpec, ProgressFn, emit
+from engine.models import fastquant
 from engine.models import memory as pages
 from engine.models.cache_space import sweep
 from engine.models.census import ModelCensus, census_from_folder, census_from_gguf
@@ -78,6 +79,8 @@ def _load_model(folder: Path, name: str, place: _Placement, *, keep_linear_weigh
     the packer to cast one at a time (load_pair, pack).
     """
     prequantized = checkpoint_quantization(_read_json(folder / "config.json"))
+    if (problem := fastquant.checkpoint_problem(_read_json(folder / "config.json"))) is not None:
+        raise ModelLoadError(f"{name} is {problem}.")
     kwargs: dict = {"dtype": place.dtype}
     if prequantized is None:
         config = quantization_config(place.precision, place.dtype)
@@ -179,6 +182,7 @@ def load_pair(spec: LoadSpec, progress: ProgressFn | None = None, *, pack: Packe
     precisions = [resolve_precision(a, dtype, torch_device.type) for a in asked]  # (precision, compute)
     for source, (precision, _) in zip(sources, precisions):
         require_bitsandbytes(precision, source.name)
+        fastquant.require_runnable(precision, torch_device, source.name)  # fp8 on a CPU: one line, nothing loaded
     sweep()  # temp files of processes that died (kill -9 mid-conversion): hundreds of MB to GBs each
     with ExitStack() as stack:  # holds the cache lock from assembling to the last conversion, if either runs
         prepared = [_prepare(s, progress, stack) for s in sources]
@@ -220,6 +224,9 @@ def load_pair(spec: LoadSpec, progress: ProgressFn | None = None, *, pack: Packe
         packing = (pack is not None and place.device.type == "cpu" and place.device_map is None
                    and place.precision in FLOATS)
         model = _load_model(folder, p.source.name, place, keep_linear_weights=packing)
+        if place.precision in fastquant.FAST_PRECISIONS and fastquant.model_kind(model) is None:
+            emit(progress, "load", (i + 0.5) / len(folders), f"Quantizing {p.source.name} to {place.precision}")
+            fastquant.quantize_model(model, place.precision)
         if packing:
             emit(progress, "load", (i + 0.5) / len(folders), f"Packing {p.source.name} for the CPU fast path")
             pack(i, model, place.dtype)

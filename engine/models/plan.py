@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass, replace
 
 from engine.models.census import ModelCensus
-from engine.models.quant import CAPTURABLE, FLOAT_BYTES, NF4_BLOCK, NF4_CODE_BYTES, is_quantized
+from engine.models.quant import CAPTURABLE, FLOAT_BYTES, NF4_BLOCK, NF4_CODE_BYTES, is_fast, is_quantized
 from engine.types import DevicePlan, MemoryPlan, PlanChange, PlanItem
 
 MiB, GiB = 2**20, 2**30
@@ -34,6 +34,7 @@ QUANTIZED = ("int8", "nf4")
 RUNTIME_CPU = 500 * MiB
 SLACK = 0.02  # allocator rounding and fragmentation, as a share of the tensors' bytes
 LOOP_BUFFERS = 6  # [K+1, V] float32 tensors alive at once in the acceptance maths
+FAST_ROWS = 16  # int8-wo / fp8 forwards up to this wide read 8-bit weights in the kernel (fastquant_kernel.MAX_ROWS)
 
 
 @dataclass(frozen=True)
@@ -41,7 +42,7 @@ class ModelSpec:
     """One model as the plan sees it."""
 
     census: ModelCensus  # its shape facts
-    precision: str  # "bfloat16" / "float16" / "float32" / "int8" / "nf4"
+    precision: str  # "bfloat16" / "float16" / "float32" / "int8" / "nf4" / "int8-wo" / "fp8"
     compute: str  # float dtype of what is not quantized, and of the KV cache
     spec: str | None = None  # what the store loads (for suggestions: "another draft")
 
@@ -91,7 +92,10 @@ def layer_weight_bytes(spec: ModelSpec, device_type: str = "cuda") -> list[int]:
     absmax = 4 if device_type == "cuda" else 2
     out = []
     for layer in spec.census.layers:
-        if spec.census.prequantized or not is_quantized(spec.precision):
+        if is_fast(spec.precision) and not spec.census.prequantized:
+            # int8-wo / fp8: one byte per weight and one float32 scale per output row.
+            n = layer.linear_params + 4 * layer.linear_rows + layer.other_params * b
+        elif spec.census.prequantized or not is_quantized(spec.precision):
             n = layer.stored_bytes + (layer.linear_params + layer.other_params) * b
         elif spec.precision == "int8":
             # LLM.int8(): one int8 per weight and one float32 scale per output row.
@@ -149,6 +153,8 @@ def forward_transient(spec: ModelSpec, width: int, span: int) -> tuple[int, int]
     largest = max((layer_.largest_linear for layer_ in c.layers), default=0)
     if spec.precision == "nf4" and width > 1:
         layer += largest * b
+    elif is_fast(spec.precision) and width > FAST_ROWS:
+        layer += 2 * largest * b  # wider than the 8-bit kernel's tile: fused gate/up dequantized for cuBLAS
     elif spec.precision == "int8":
         layer += width * c.intermediate * 5
     return layer, width * c.vocab * (b + 4)

@@ -1,4 +1,4 @@
-"""Per-model precision: float dtypes, and 8-bit / 4-bit weights through bitsandbytes."""
+"""Per-model precision: float dtypes, 8-bit / 4-bit weights through bitsandbytes, and fast 8-bit (fastquant.py)."""
 from __future__ import annotations
 
 import importlib.util
@@ -13,6 +13,8 @@ log = logging.getLogger(__name__)
 
 FLOATS: tuple[Precision, ...] = ("bfloat16", "float16", "float32")
 QUANTIZED: tuple[Precision, ...] = ("int8", "nf4")
+# One byte per weight and a float32 scale per output row, quantized at load (engine/models/fastquant.py).
+FAST: tuple[Precision, ...] = ("int8-wo", "fp8")
 # Bytes per element of the float precisions (what the weights and the KV cache are held in).
 FLOAT_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 NF4_BLOCK = 64  # bitsandbytes' default 4-bit block: one float32 absmax per 64 weights
@@ -20,11 +22,16 @@ NF4_CODE_BYTES = 16 * 4  # the 16-entry NF4 code book every 4-bit weight keeps (
 # Why a CUDA graph can or cannot hold a quantized layer (measured on an H200, bitsandbytes 0.50.2):
 # the 4-bit kernels are plain launches; LLM.int8() looks for outlier columns with data-dependent
 # shapes, and its capture fails ("operation failed due to a previous error during capture").
-CAPTURABLE = {"nf4": True, "int8": False}
+CAPTURABLE = {"nf4": True, "int8": False, "int8-wo": True, "fp8": True}
 
 
 def is_quantized(precision: str) -> bool:
     return precision in QUANTIZED
+
+
+def is_fast(precision: str) -> bool:
+    """int8-wo / fp8: 8-bit weights quantized at load, read by the lean forward at memory speed."""
+    return precision in FAST
 
 
 def bitsandbytes_problem() -> str | None:

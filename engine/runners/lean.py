@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.errors import EngineError
+from engine.models import fastquant
 from engine.runners.tree import Tree
 
 log = logging.getLogger(__name__)
@@ -147,6 +148,8 @@ class _Proj:
                 self.weight, self.bias = m.weight.detach(), None if m.bias is None else m.bias.detach()
             else:
                 self.weight, self.bias = _fuse(modules, share)
+        elif fastquant.fusable(modules):  # int8-wo / fp8: fused too, the 8-bit kernel in the module
+            self.modules = (fastquant.fuse(modules),)
         else:
             self.modules = tuple(modules)  # quantized: the kernels live in the modules
 

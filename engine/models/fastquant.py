@@ -1,0 +1,248 @@
+"""8-bit weights that decode at memory speed: weight-only int8 ("int8-wo") and FP8 e4m3 ("fp8").
+
+Both keep one byte per weight and one float32 scale per output row (per-channel), quantized once
+from the loaded float weights (or read from an FP8 checkpoint, engine/models/fp8_checkpoint.py).
+The matmul reads the 8-bit weight and dequantizes inside the kernel: on CUDA a small Triton GEMM
+for the few-row forwards of decoding (engine/models/fastquant_kernel.py), so a batch-1 forward
+streams half the bytes of bf16; wider forwards (prompt chunks) dequantize the weight into the
+compute dtype and use cuBLAS. Measured on an H200 (torch 2.11): torch's own `_weight_int8pack_mm`
+is 10-20x slower than bf16 there, a dequantize-then-matmul 3-6x, and inductor's fused dequant 2.6x
+slower at batch 1 (docs/quantization.md has the figures behind these choices).
+
+FP8 can also quantize the activations per forward (`torch._scaled_mm`, FP8 tensor cores):
+FP8_ACTIVATIONS picks "none" (weight-only, the default), "tensor" (one dynamic scale per
+activation tensor) or "token" (one per row, rowwise scaled mm); bench/h200_quant.py compares them.
+
+Everything here is plain tensors and ops (the kernel is a custom op with a fake implementation),
+so the lean forward's CUDA graphs and torch.compile take it as they take nn.Linear.
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.errors import ModelLoadError
+from engine.models import fastquant_kernel as kernel
+
+log = logging.getLogger(__name__)
+
+FAST_PRECISIONS = ("int8-wo", "fp8")
+INT8_MAX = 127.0  # symmetric: -127..127, so the scale maps the row's largest |w| to 127
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MIN_CAPABILITY = (8, 9)  # Ada and Hopper have FP8 tensor cores and conversions
+SCALE_EPS = 1e-12  # an all-zero row keeps a tiny scale (its weights quantize to 0)
+FP8_MODES = ("none", "tensor", "token")
+# The FP8 activation mode (see the module note); an internal switch the GPU bench compares.
+FP8_ACTIVATIONS = os.environ.get("SPECDEC_FP8_ACT", "none")
+
+
+def storage_dtype(kind: str) -> torch.dtype:
+    return torch.int8 if kind == "int8-wo" else FP8_DTYPE
+
+
+# --------------------------------------------------------------------------- the maths
+
+def quantize(weight: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [N, K] float -> (8-bit weight [N, K], float32 scale [N]) with weight ~= q * scale[:, None].
+
+    int8: round to nearest of w / s, s = max|w_row| / 127 (error at most s / 2 per weight).
+    fp8: w / s cast to e4m3 (round to nearest even), s = max|w_row| / 448 (relative error <= 2^-4).
+    """
+    assert weight.dim() == 2, f"a linear weight is [out, in], not {tuple(weight.shape)}"
+    w = weight.detach().float()
+    top = FP8_MAX if kind == "fp8" else INT8_MAX
+    scale = (w.abs().amax(dim=1) / top).clamp(min=SCALE_EPS)  # [N]
+    scaled = w / scale[:, None]
+    if kind == "int8-wo":
+        q = scaled.round_().clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
+    elif kind == "fp8":
+        q = scaled.clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    else:
+        raise ValueError(f"unknown 8-bit kind {kind!r}: use one of {FAST_PRECISIONS}")
+    return q, scale
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """(8-bit weight [N, K], scale [N]) -> float weight [N, K] in dtype (scaled in float32 first)."""
+    return (q.float() * scale.float()[:, None]).to(dtype)
+
+
+def dequant_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ dequantized(q).T -> [M, N] in x's dtype: the weight is cast whole, then one GEMM."""
+    return F.linear(x, q.to(x.dtype)) * scale.to(x.dtype)
+
+
+@torch.library.custom_op("specdec::wo_matmul", mutates_args=())
+def wo_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x [M, K] (contiguous) times the 8-bit weight q [N, K] with row scales [N] -> [M, N] in x's dtype.
+
+    CUDA, few rows, bf16/fp16: the Triton kernel (dequantizes in registers). Elsewhere: the weight
+    dequantized to x's dtype, then one matmul (int8 on a CPU: torch's int8-weight kernel).
+    """
+    if kernel.runs(x, q):
+        return kernel.matmul(x, q, scale)
+    if x.device.type == "cpu" and q.dtype == torch.int8 and x.dtype in (torch.float32, torch.bfloat16):
+        return torch._weight_int8pack_mm(x, q, scale.to(x.dtype))
+    return dequant_matmul(x, q, scale)
+
+
+@wo_matmul.register_fake
+def _wo_matmul_fake(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], q.shape[0])
+
+
+def fp8_act_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, mode: str) -> torch.Tensor:
+    """FP8 x FP8 on the tensor cores: x [M, K] quantized here with a dynamic scale per tensor or per row."""
+    xf = x.float()
+    if mode == "token":
+        sx = (xf.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=SCALE_EPS)  # [M, 1]
+        xq = (xf / sx).to(FP8_DTYPE)
+        return torch._scaled_mm(xq, q.t(), scale_a=sx, scale_b=scale[None, :], out_dtype=x.dtype)
+    sx = (xf.abs().amax() / FP8_MAX).clamp(min=SCALE_EPS)  # scalar
+    xq = (xf / sx).to(FP8_DTYPE)
+    one = torch.ones((), device=x.device, dtype=torch.float32)
+    return torch._scaled_mm(xq, q.t(), scale_a=sx, scale_b=one, out_dtype=x.dtype) * scale.to(x.dtype)
+
+
+# --------------------------------------------------------------------------- the module
+
+class QuantLinear(nn.Module):
+    """An nn.Linear's replacement holding 8-bit weights [N, K] and float32 row scales [N]."""
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, kind: str) -> None:
+        super().__init__()
+        assert q.dim() == 2 and scale.shape == (q.shape[0],), "one scale per output row"
+        self.kind = kind
+        self.out_features, self.in_features = q.shape
+        self.register_buffer("qweight", q)
+        self.register_buffer("scale", scale.float())
+        self.register_buffer("bias", bias)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, kind: str) -> QuantLinear:
+        with torch.no_grad():
+            q, scale = quantize(linear.weight, kind)
+            bias = None if linear.bias is None else linear.bias.detach().clone()
+        return cls(q, scale, bias, kind)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1]).contiguous()  # [M, K]
+        mode = FP8_ACTIVATIONS if self.kind == "fp8" and x.is_cuda else "none"
+        if mode in ("tensor", "token") and x2.shape[0] <= kernel.MAX_ROWS:
+            out = fp8_act_matmul(x2, self.qweight, self.scale, mode)
+        else:
+            out = wo_matmul(x2, self.qweight, self.scale)
+        if self.bias is not None:
+            out = out + self.bias
+        return out.view(*shape[:-1], self.out_features)
+
+    def weight_float(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The dequantized weight (what the maths is tested against)."""
+        return dequantize(self.qweight, self.scale, dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.in_features} -> {self.out_features}, {self.kind}, bias={self.bias is not None}"
+
+
+def fusable(modules: list[nn.Module]) -> bool:
+    """Several QuantLinears of one kind reading one input (q/k/v, gate/up): one matmul instead of several."""
+    kinds = {getattr(m, "kind", None) for m in modules}
+    return all(isinstance(m, QuantLinear) for m in modules) and len(kinds) == 1
+
+
+def fuse(modules: list[QuantLinear]) -> QuantLinear:
+    """One QuantLinear over the rows of all; the originals are re-pointed at its slices (nothing held twice)."""
+    if len(modules) == 1:
+        return modules[0]
+    with torch.no_grad():
+        q = torch.cat([m.qweight for m in modules])
+        scale = torch.cat([m.scale for m in modules])
+        bias = None
+        if any(m.bias is not None for m in modules):
+            bias = torch.cat([m.bias if m.bias is not None else q.new_zeros(m.out_features, dtype=_bias_dtype(modules))
+                              for m in modules])
+        row = 0
+        for m in modules:
+            n = m.out_features
+            m.qweight, m.scale = q[row:row + n], scale[row:row + n]
+            if m.bias is not None:
+                m.bias = bias[row:row + n]
+            row += n
+    return QuantLinear(q, scale, bias, modules[0].kind)
+
+
+def _bias_dtype(modules: list[QuantLinear]) -> torch.dtype:
+    return next(m.bias.dtype for m in modules if m.bias is not None)
+
+
+# --------------------------------------------------------------------------- models
+
+def quantize_model(model: nn.Module, kind: str) -> int:
+    """Replaces every nn.Linear inside the decoder layers by a QuantLinear, layer by layer; returns how many.
+
+    The embedding and the output head stay in the float dtype (as the memory plan counts them):
+    the head is the most sensitive matrix and, tied, it is also the embedding.
+    Each float weight is released as soon as its replacement exists, so the peak is the float model.
+    """
+    count = 0
+    for layer in model.model.layers:
+        for name, module in list(layer.named_modules()):
+            if type(module) is not nn.Linear:
+                continue
+            parent_name, _, child = name.rpartition(".")
+            parent = layer.get_submodule(parent_name) if parent_name else layer
+            setattr(parent, child, QuantLinear.from_linear(module, kind))
+            del module
+            count += 1
+    log.info("quantized %d linear layers to %s", count, kind)
+    return count
+
+
+def model_kind(model: nn.Module) -> str | None:
+    """'int8-wo' or 'fp8' when a model holds QuantLinears; None otherwise."""
+    return next((m.kind for m in model.modules() if isinstance(m, QuantLinear)), None)
+
+
+def checkpoint_problem(config: dict) -> str | None:
+    """Why a pre-quantized FP8 checkpoint (compressed-tensors / quantization_config) does not load here, or None.
+
+    Such folders (weight float8_e4m3fn + weight_scale, as vLLM reads them) need transformers'
+    compressed-tensors integration and its package to load at all; the lean forward would then see
+    that package's modules, not QuantLinear. Converting them is not built yet: one line says so.
+    """
+    q = config.get("quantization_config") or (config.get("text_config") or {}).get("quantization_config")
+    method = str(q.get("quant_method", "")).lower() if isinstance(q, dict) else ""
+    if method not in ("compressed-tensors", "fp8"):
+        return None
+    return (f"an FP8 checkpoint ({method}) does not load in this version; load its bfloat16 original with "
+            "--target-quant fp8 (the same weights, quantized at load), or serve it with vLLM")
+
+
+def precision_problem(precision: str, device: torch.device) -> str | None:
+    """Why this device cannot run this 8-bit precision (one line naming what would), or None."""
+    if precision != "fp8":
+        return None
+    if device.type != "cuda":
+        return (f"fp8 needs a GPU of compute capability {FP8_MIN_CAPABILITY[0]}.{FP8_MIN_CAPABILITY[1]} or newer "
+                f"(Ada, Hopper); this is the {device.type.upper()} — use int8-wo")
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) < FP8_MIN_CAPABILITY:
+        return (f"fp8 needs a GPU of compute capability {FP8_MIN_CAPABILITY[0]}.{FP8_MIN_CAPABILITY[1]} or newer "
+                f"(Ada, Hopper); this is {major}.{minor} — use int8-wo")
+    return None
+
+
+def require_runnable(precision: str, device: torch.device, name: str) -> None:
+    """Raises ModelLoadError (one line) when `precision` cannot run on `device`."""
+    problem = precision_problem(precision, device)
+    if problem is not None:
+        raise ModelLoadError(f"{name} in {precision}: {problem}.")
+    if precision in FAST_PRECISIONS and device.type == "cuda" and not kernel.AVAILABLE:
+        log.warning("%s in %s: Triton is not installed, so 8-bit weights are dequantized per matmul "
+                    "(correct, but slower than bfloat16): pip install triton", name, precision)
