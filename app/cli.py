@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn, TextIO
 
 from app import cli_options as opt
+from app import cli_serve
 from app.export import cell
 from app.session import build_request, runtime_label
 from engine.errors import EngineError, ModelWontFitError
@@ -129,6 +130,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-new-tokens", type=opt.max_new_tokens, default=128, help=f"1 to {MAX_NEW_TOKENS}")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     _add_model_args(gen)
+    _add_model_args(serve := cli_serve.add_parser(sub))  # serve: the model options of generate, and its loader
+    serve.set_defaults(load_engine=_load)
 
     bench = sub.add_parser("bench", help="time modes over a prompts file (JSON lines)")
     bench.add_argument("--prompts", required=True, type=Path, help='JSONL: {"id", "category", "prompt"} per line')
@@ -484,7 +487,7 @@ def main(argv: list[str] | None = None) -> int:
     elif args.command == "plan":
         from app.cli_plan import cmd_plan as command
     else:
-        command = {"generate": cmd_generate, "bench": cmd_bench}[args.command]
+        command = {"generate": cmd_generate, "bench": cmd_bench, "serve": cli_serve.run}[args.command]
     try:
         return command(args)
     except ModelWontFitError as e:
