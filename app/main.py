@@ -11,7 +11,7 @@ from engine.settings import PRECISIONS, ModelChoice, ModelSelection
 
 log = logging.getLogger(__name__)
 
-HEADLESS_COMMANDS = ("generate", "bench", "sweep", "distill", "cache", "plan")
+HEADLESS_COMMANDS = ("generate", "bench", "sweep", "distill", "cache", "plan", "serve")
 
 
 def build_parser() -> argparse.ArgumentParser:
