@@ -10,6 +10,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from app.serve.stops import StopCutter
+from engine.runners.batched import BatchedDecoder
 from engine.types import GenerationRequest, Message, Sampling
 from tests.engine_fixtures import tiny_engine
 from tests.serve_fixtures import MODEL, serving, wait_until
@@ -132,12 +133,37 @@ def test_concurrent_requests_each_get_their_single_request_answer(server, engine
         except BaseException as e:  # noqa: BLE001 - reported below
             errors.append(e)
 
-    threads = [threading.Thread(target=ask, args=(p,)) for p in prompts]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(TIMEOUT)
+    widest = [0]
+    forward = BatchedDecoder.forward
+
+    def spy(decoder, parts, logits=True):
+        widest[0] = max(widest[0], len(parts))
+        return forward(decoder, parts, logits)
+
+    BatchedDecoder.forward = spy
+    try:
+        threads = [threading.Thread(target=ask, args=(p,)) for p in prompts]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(TIMEOUT)
+    finally:
+        BatchedDecoder.forward = forward
     assert not errors and got == expected
+    assert widest[0] > 1, "requests in flight together were verified in one forward"
+
+
+def test_a_sampled_request_is_served_beside_the_batch(server, engine):
+    gen = engine.generate(GenerationRequest(prompt="import os\n", mode="speculative", k=3, max_new_tokens=16,
+                                            sampling=Sampling(temperature=0.8, seed=7)))
+    for _ in gen:
+        pass
+    client = _client(server)
+    greedy = threading.Thread(target=lambda: client.completions.create(model=MODEL, prompt=QUESTION, max_tokens=30))
+    greedy.start()
+    sampled = client.completions.create(model=MODEL, prompt="import os\n", max_tokens=16, temperature=0.8, seed=7)
+    greedy.join(TIMEOUT)
+    assert sampled.choices[0].text == gen.summary.text
 
 
 def test_metrics_count_what_the_answers_report(server):
@@ -205,22 +231,33 @@ class _Slow:
     """Slows every target forward, so a generation is still running when the test acts on it."""
 
     def __init__(self, engine, seconds: float, gate: threading.Event | None = None) -> None:
-        """gate: every forward waits until it is set (bounded), then sleeps `seconds`."""
+        """gate: every forward waits until it is set (bounded), then sleeps `seconds`. Both the
+        single-sequence runner and the batched decoder are slowed."""
         self.runner, self.seconds, self.gate = engine.target_runner, seconds, gate
-        self.forward = self.runner.forward
+        self.forward, self.batched = self.runner.forward, BatchedDecoder.forward
+
+    def _wait(self) -> None:
+        if self.gate is not None:
+            assert self.gate.wait(TIMEOUT), "the test never opened the gate"
+        time.sleep(self.seconds)
 
     def __enter__(self):
         def slow(*args, **kwargs):
-            if self.gate is not None:
-                assert self.gate.wait(TIMEOUT), "the test never opened the gate"
-            time.sleep(self.seconds)
+            self._wait()
             return self.forward(*args, **kwargs)
 
+        def slow_batch(decoder, parts, logits=True):
+            if logits:
+                self._wait()
+            return self.batched(decoder, parts, logits)
+
         self.runner.forward = slow
+        BatchedDecoder.forward = slow_batch
         return self
 
     def __exit__(self, *exc):
         del self.runner.forward
+        BatchedDecoder.forward = self.batched
 
 
 def test_a_client_that_disconnects_cancels_its_generation(engine):
@@ -231,8 +268,8 @@ def test_a_client_that_disconnects_cancels_its_generation(engine):
         with httpx.stream("POST", f"{running.base_url}/completions", timeout=TIMEOUT,
                           json={"model": MODEL, "prompt": QUESTION, "max_tokens": 400, "stream": True}) as r:
             next(r.iter_lines())  # the answer has started
-        wait_until(lambda: tickets and tickets[0].generation.summary is not None)
-        summary = tickets[0].generation.summary
+        wait_until(lambda: tickets and tickets[0].summary is not None)
+        summary = tickets[0].summary
         assert summary.stop_reason == "cancelled" and summary.new_tokens < 400
         wait_until(lambda: running.scheduler.running == 0)
         assert _metrics(running)["specdec:requests_cancelled_total"] == 1

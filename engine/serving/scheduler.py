@@ -6,9 +6,11 @@ callback: `("step", Step)` per round, then exactly one terminal event, `("done",
 `("error", message)`. A ticket's `cancel` Event is the engine's own: setting it ends the generation
 between two steps.
 
-Today the worker decodes one sequence at a time (the engine's caches hold one sequence): requests
-beyond the first wait their turn. A batched step (several sequences verified in one target
-forward) is the next piece; the scheduler's API stays the same.
+Greedy requests (standard, or speculative with a fixed K from the draft model or n-gram lookup) are
+decoded together, up to max_seqs at once, by the batched step (engine/decoding/batch.py): one target
+forward verifies every sequence's drafts. Any other request (sampled, auto, K auto, the head, the
+llama.cpp runtime) runs through the single-sequence loop, one at a time, a step of it between two
+batched rounds.
 """
 from __future__ import annotations
 
@@ -17,13 +19,16 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Literal
 
+from engine.decoding.batch import BatchEngine
 from engine.errors import EngineError, GenerationError
+from engine.runners.lean import UnsupportedModelError
 from engine.limits import widest_draft
-from engine.types import GenerationRequest
+from engine.types import GenerationRequest, Step, Summary
 
 if TYPE_CHECKING:
     from engine.decoding import Engine, Generation
@@ -53,16 +58,24 @@ class Ticket:
     submitted: float = field(default_factory=time.perf_counter)  # when it was admitted
     started: float | None = None  # when the worker began it (None while it waits)
     generation: Generation | None = None  # the engine's generation, made at submit (validated)
+    summary: Summary | None = None  # what it did, once it has ended (None: still running, or failed)
 
 
 class Scheduler:
     """Owns the engine; `submit` admits a request or refuses it; `close` stops the worker."""
 
-    def __init__(self, engine: Engine, *, max_seqs: int = 4, queue_size: int = 16) -> None:
-        """max_seqs: sequences in flight at once; queue_size: admitted requests beyond them that wait.
-        Until the batched step exists, sequences in flight are decoded one after another."""
+    def __init__(self, engine: Engine, *, max_seqs: int = 4, queue_size: int = 16, batched: bool = True) -> None:
+        """max_seqs: sequences decoded together; queue_size: admitted requests beyond them that wait.
+        batched: decode greedy requests together (engine/decoding/batch.py) where the engine's models
+        allow it (torch, one device); other requests, and every request otherwise, one at a time."""
         assert max_seqs >= 1 and queue_size >= 0, "max_seqs >= 1, queue_size >= 0"
         self.engine = engine
+        self.batch: BatchEngine | None = None
+        if batched:
+            try:
+                self.batch = BatchEngine(engine, max_seqs)
+            except UnsupportedModelError as e:
+                log.warning("requests are decoded one at a time: %s", e)
         self.max_seqs = max_seqs
         self.queue_size = queue_size
         self._queue: queue.Queue[Ticket | None] = queue.Queue()
@@ -125,33 +138,89 @@ class Scheduler:
 
     # -- the worker ---------------------------------------------------------------------------
     def _work(self) -> None:
+        """Each turn: admit what fits, one batched round for the batch, one step of the lone sequence."""
+        backlog: deque[Ticket] = deque()
+        of: dict[int, Ticket] = {}  # id(batch Sequence) -> its ticket
+        solo: tuple[Ticket, Iterator[Step]] | None = None
         while True:
-            ticket = self._queue.get()
-            if ticket is None:
-                break
-            self._running += 1
+            idle = not backlog and solo is None and not (self.batch and self.batch.active)
             try:
-                self._answer(ticket)
-            finally:
-                self._running -= 1
-                with self._admit:
-                    self._admitted -= 1
+                item = self._queue.get(block=idle)
+                while True:
+                    if item is None:
+                        self._stop(backlog, of, solo)
+                        return
+                    backlog.append(item)
+                    item = self._queue.get_nowait()
+            except queue.Empty:
+                pass
+            for ticket in list(backlog):
+                if self.batch is not None and self.batch.supports(ticket.request):
+                    if not self.batch.free:
+                        continue
+                    backlog.remove(ticket)
+                    ticket.started = time.perf_counter()
+                    try:
+                        seq = self.batch.add(ticket.request, ticket.generation.prompt, ticket.cancel)
+                    except Exception as e:  # noqa: BLE001 - one line to the client, the server goes on
+                        self._fail(ticket, e)
+                        continue
+                    of[id(seq)] = ticket
+                elif solo is None:
+                    backlog.remove(ticket)
+                    ticket.started = time.perf_counter()
+                    solo = (ticket, iter(ticket.generation))
+            self._running = (len(self.batch.active) if self.batch else 0) + (solo is not None)
+            if self.batch is not None and self.batch.active:
+                self._batch_round(of)
+            if solo is not None and not self._solo_step(*solo):
+                solo = None
+            self._running = (len(self.batch.active) if self.batch else 0) + (solo is not None)
 
-    def _answer(self, ticket: Ticket) -> None:
-        generation = ticket.generation
-        assert generation is not None, "submit made the generation"
-        ticket.started = time.perf_counter()
+    def _batch_round(self, of: dict[int, Ticket]) -> None:
+        assert self.batch is not None
         try:
-            for step in generation:
+            results = self.batch.round()
+        except Exception as e:  # noqa: BLE001 - every sequence of the batch fails with one line
+            for seq in list(self.batch.active):
+                self.batch.drop(seq)
+                self._fail(of.pop(id(seq)), e)
+            return
+        for seq, step in results:
+            ticket = of[id(seq)]
+            if step is not None:
                 ticket.on_event("step", step)
-            summary = generation.summary
-            assert summary is not None, "a finished generation has a summary"
-        except GenerationError as e:
-            ticket.on_event("error", str(e))
-            return
-        except Exception as e:  # a bug or an out-of-memory: the client gets one line, the server goes on
-            log.exception("generation %d failed", ticket.request.request_id)
-            ticket.on_event("error", f"internal error ({type(e).__name__}: {str(e)[:200]})")
-            return
-        ticket.on_event("done", summary)
+            if seq.summary is not None:
+                del of[id(seq)]
+                self._done(ticket, "done", seq.summary)
 
+    def _solo_step(self, ticket: Ticket, steps: Iterator[Step]) -> bool:
+        """One step of the sequence the batch cannot take; False once it has ended."""
+        try:
+            ticket.on_event("step", next(steps))
+            return True
+        except StopIteration:
+            assert ticket.generation is not None and ticket.generation.summary is not None
+            self._done(ticket, "done", ticket.generation.summary)
+        except Exception as e:  # noqa: BLE001 - one line to the client, the server goes on
+            self._fail(ticket, e)
+        return False
+
+    def _fail(self, ticket: Ticket, e: Exception) -> None:
+        if isinstance(e, GenerationError):
+            self._done(ticket, "error", str(e))
+            return
+        log.exception("generation %d failed", ticket.request.request_id, exc_info=e)
+        self._done(ticket, "error", f"internal error ({type(e).__name__}: {str(e)[:200]})")
+
+    def _done(self, ticket: Ticket, kind: EventKind, payload: object) -> None:
+        if kind == "done":
+            ticket.summary = payload  # type: ignore[assignment]  # "done" carries the Summary
+        with self._admit:
+            self._admitted -= 1
+        ticket.on_event(kind, payload)
+
+    def _stop(self, backlog: deque[Ticket], of: dict[int, Ticket], solo) -> None:
+        """Shutdown: whatever was admitted ends with one line."""
+        for ticket in [*backlog, *of.values(), *([solo[0]] if solo else [])]:
+            self._done(ticket, "error", "The server is shutting down.")
