@@ -85,3 +85,22 @@ def test_only_what_the_batch_decodes_exactly_is_batched(engine):
     assert not batch.supports(GenerationRequest(prompt="x", mode="auto"))
     assert not batch.supports(GenerationRequest(prompt="x", k=0))
     assert not batch.supports(GenerationRequest(prompt="x", proposer="head"))
+
+
+def test_a_packed_cpu_model_is_served_one_at_a_time_not_crashed(tiny_pair):
+    """Regression: the CPU fast path's packed head made the batch's construction raise AttributeError."""
+    from engine.runners.cpu import onednn_available, pack_linears
+    from engine.runners.lean import UnsupportedModelError
+    from engine.serving.scheduler import Scheduler
+
+    if not onednn_available():
+        pytest.skip("needs oneDNN")
+    engine = tiny_engine(*tiny_pair)
+    pack_linears(engine.target)
+    with pytest.raises(UnsupportedModelError):
+        BatchEngine(engine, 2)
+    scheduler = Scheduler(engine, max_seqs=2)
+    try:
+        assert scheduler.batch is None
+    finally:
+        scheduler.close()

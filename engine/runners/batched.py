@@ -30,6 +30,10 @@ class BatchedDecoder:
 
     def __init__(self, model: nn.Module, max_length: int, slots: int, decoder: LeanDecoder | None = None) -> None:
         """decoder: a lean decoder already built on `model` (its fused weights are reused, not fused again)."""
+        if decoder is None and not isinstance(getattr(model.get_output_embeddings(), "weight", None), torch.Tensor):
+            # The CPU fast path packs the head for oneDNN (runners/cpu.py): the lean forward cannot read it.
+            raise UnsupportedModelError("Batched decoding needs the model's own output head (not a packed one); "
+                                        "serving one request at a time.")
         self.lean = decoder or LeanDecoder(model, max_length)
         if len(self.lean.stages) != 1:
             raise UnsupportedModelError("Batched decoding needs the model on one device; serving one at a time.")
