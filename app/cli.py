@@ -40,7 +40,7 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         if message.endswith("required: command"):
-            message = "a command is needed: generate, bench, sweep, distill, cache or plan (see --help)"
+            message = "a command is needed: generate, bench, sweep, distill, cache, plan or serve (see --help)"
         raise CliError(message)
 
 
