@@ -323,3 +323,15 @@ def test_only_loopback_addresses_count_as_this_machine():
 
     assert _loopback("127.0.0.1") and _loopback("::1") and _loopback("localhost")
     assert not _loopback("0.0.0.0") and not _loopback("192.168.1.4") and not _loopback("example.org")
+
+
+def test_a_client_that_gives_up_on_a_whole_answer_cancels_it_too(engine):
+    tickets = []
+    with _Slow(engine, 0.05), serving(engine) as running:
+        submit = running.scheduler.submit
+        running.scheduler.submit = lambda *a: tickets.append(submit(*a)) or tickets[-1]
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{running.base_url}/completions", timeout=1.0,
+                       json={"model": MODEL, "prompt": QUESTION, "max_tokens": 400})
+        wait_until(lambda: tickets and tickets[0].summary is not None)
+        assert tickets[0].summary.stop_reason == "cancelled" and tickets[0].summary.new_tokens < 400
