@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn, TextIO
 
 from app import cli_options as opt
+from app import cli_serve
 from app.export import cell
 from app.session import build_request, runtime_label
 from engine.errors import EngineError, ModelWontFitError
@@ -46,7 +47,7 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         if message.endswith("required: command"):
-            message = "a command is needed: generate, bench, sweep, distill, cache, plan or check (see --help)"
+            message = "a command is needed: generate, bench, sweep, distill, cache, plan, check or serve (see --help)"
         raise CliError(message)
 
 
@@ -132,6 +133,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-new-tokens", type=opt.max_new_tokens, default=128, help=f"1 to {MAX_NEW_TOKENS}")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     _add_model_args(gen)
+    _add_model_args(serve := cli_serve.add_parser(sub))  # serve: the model options of generate, and its loader
+    serve.set_defaults(load_engine=_load)
 
     bench = sub.add_parser("bench", help="time modes over a prompts file (JSON lines)")
     bench.add_argument("--prompts", required=True, type=Path, help='JSONL: {"id", "category", "prompt"} per line')
@@ -495,7 +498,7 @@ def main(argv: list[str] | None = None) -> int:
     elif args.command == "check":
         from app.cli_check import run as command
     else:
-        command = {"generate": cmd_generate, "bench": cmd_bench}[args.command]
+        command = {"generate": cmd_generate, "bench": cmd_bench, "serve": cli_serve.run}[args.command]
     try:
         return command(args)
     except ModelWontFitError as e:

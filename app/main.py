@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 # Set before torch initialises CUDA (nothing above imports torch); a value the user set is kept.
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
-HEADLESS_COMMANDS = ("generate", "bench", "sweep", "distill", "cache", "plan", "check")
+HEADLESS_COMMANDS = ("generate", "bench", "sweep", "distill", "cache", "plan", "check", "serve")
 
 
 def build_parser() -> argparse.ArgumentParser:

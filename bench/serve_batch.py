@@ -1,0 +1,86 @@
+"""What does batching buy? Aggregate and per-stream tok/s of the batched step at 1, 2, 4, 8 concurrent streams.
+
+For each concurrency C the prompts run in waves of C sequences decoded together (engine/decoding/batch.py),
+greedy, standard decoding and speculative decoding (--proposer, --k) in the same run; every output is
+checked against its single-stream output. Model options after `--` are `generate`'s.
+
+    python bench/serve_batch.py --max-new-tokens 256 --json bench/results/serve_batch_h200.json \
+        -- --target /root/hf/target --draft /root/hf/draft --dtype bfloat16 --k 3
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from app.cli import _load, build_parser  # noqa: E402  (a thin shell over the CLI's loader)
+from engine.decoding.batch import BatchEngine  # noqa: E402
+from engine.types import GenerationRequest, Message  # noqa: E402
+
+
+def run_waves(batch: BatchEngine, engine, requests: list[GenerationRequest], c: int) -> tuple[float, list[list[int]]]:
+    """Seconds for all requests in waves of c, and every sequence's tokens."""
+    outputs: list[list[int]] = []
+    t0 = time.perf_counter()
+    for i in range(0, len(requests), c):
+        seqs = [batch.add(r, engine.encode(r), threading.Event()) for r in requests[i: i + c]]
+        while batch.active:
+            batch.round()
+        outputs += [s.token_ids for s in seqs]
+    if engine.device.type == "cuda":
+        import torch
+
+        torch.cuda.synchronize(engine.device)
+    return time.perf_counter() - t0, outputs
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--prompts", type=Path, default=ROOT / "assets" / "bench_prompts.jsonl")
+    ap.add_argument("--limit", type=int, default=20)
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--concurrency", default="1,2,4,8")
+    ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("model_args", nargs="*")
+    args = ap.parse_args()
+    cli = build_parser().parse_args(["generate", "--prompt", "-", *args.model_args])
+    engine = _load(cli, needs_draft=cli.proposer in ("draft", "draft+ngram"))
+    prompts = [json.loads(line)["prompt"] for line in args.prompts.read_text(encoding="utf-8").splitlines()
+               if line.strip()][: args.limit]
+    levels = [int(c) for c in args.concurrency.split(",")]
+    batch = BatchEngine(engine, max(levels))
+    modes = {"standard": dict(mode="standard"), "speculative": dict(mode="speculative", k=cli.k, proposer=cli.proposer)}
+    rows, reference = [], {}
+    for name, kw in modes.items():
+        requests = [GenerationRequest(messages=(Message("user", p),), max_new_tokens=args.max_new_tokens, **kw)
+                    for p in prompts]
+        assert batch.supports(requests[0]), f"the batched step cannot take {name} with these options"
+        run_waves(batch, engine, requests[:1], 1)  # warm-up
+        for c in levels:
+            seconds, outputs = run_waves(batch, engine, requests, c)
+            reference.setdefault(name, outputs)
+            tokens = sum(len(o) for o in outputs)
+            same = sum(a == b for a, b in zip(outputs, reference["standard"]))
+            rows.append({"mode": name, "streams": c, "tokens": tokens, "seconds": seconds,
+                         "aggregate_tok_s": tokens / seconds, "per_stream_tok_s": tokens / seconds / c,
+                         "identical_to_single_standard": same, "compared": len(outputs)})
+            r = rows[-1]
+            print(f"{name:12s} streams={c}: {r['aggregate_tok_s']:8.1f} tok/s aggregate, "
+                  f"{r['per_stream_tok_s']:7.1f} per stream, identical {same}/{len(outputs)}", flush=True)
+    if args.json is not None:
+        info = engine.info
+        args.json.write_text(json.dumps({"rows": rows, "target": info.target_name, "draft": info.draft_name,
+                                         "device": info.device, "dtype": info.dtype, "k": cli.k,
+                                         "proposer": cli.proposer, "max_new_tokens": args.max_new_tokens},
+                                        indent=2) + "\n", encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,112 @@
+"""Several sequences in one forward: the lean decoder's weights over a KV cache with one row per sequence.
+
+Each sequence owns a cache row (`slot`) and its own length. One forward takes every sequence's new
+tokens at once — a standard step's one token, a speculative step's pending token and K drafts, a
+catch-up's few — flattened into [N] rows: the linear layers (where the weights stream) run once over
+all N rows, attention runs per sequence against its own row with the causal mask over its positions.
+Rollback is moving a row's length back (stale slots are masked and overwritten later), as lean.py.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.runners.lean import LeanDecoder, UnsupportedModelError, _rms_norm
+
+
+@dataclass(frozen=True)
+class Part:
+    """One sequence's share of a batched forward."""
+
+    slot: int  # its cache row
+    ids: tuple[int, ...]  # tokens appended at positions length .. length + len(ids) - 1
+
+
+class BatchedDecoder:
+    """forward(parts) -> float32 logits [len(ids), V] per part; each part appends to its own cache row."""
+
+    def __init__(self, model: nn.Module, max_length: int, slots: int, decoder: LeanDecoder | None = None) -> None:
+        """decoder: a lean decoder already built on `model` (its fused weights are reused, not fused again)."""
+        if decoder is None and not isinstance(getattr(model.get_output_embeddings(), "weight", None), torch.Tensor):
+            # The CPU fast path packs the head for oneDNN (runners/cpu.py): the lean forward cannot read it.
+            raise UnsupportedModelError("Batched decoding needs the model's own output head (not a packed one); "
+                                        "serving one request at a time.")
+        self.lean = decoder or LeanDecoder(model, max_length)
+        if len(self.lean.stages) != 1:
+            raise UnsupportedModelError("Batched decoding needs the model on one device; serving one at a time.")
+        c = self.config = self.lean.config
+        self.max_length = min(max_length, c.max_length)
+        self.device = self.lean.device
+        self.vocab_size = c.vocab_size
+        self.slots = slots
+        # [layers, 2, slots, Hkv, cache_len, D]: row b holds sequence b's keys and values.
+        self.kv = torch.zeros(c.n_layers, 2, slots, c.n_kv_heads, c.cache_len, c.head_dim, device=self.device,
+                              dtype=self.lean.dtype)
+        self.lengths = [0] * slots  # tokens cached per row
+
+    def reset(self, slot: int) -> None:
+        self.lengths[slot] = 0
+
+    def rollback(self, slot: int, length: int) -> None:
+        assert 0 <= length <= self.lengths[slot], f"cannot roll row {slot} back to {length}"
+        self.lengths[slot] = length
+
+    @torch.no_grad()
+    def forward(self, parts: list[Part], logits: bool = True) -> list[torch.Tensor]:
+        """Appends every part's ids to its row; returns each part's logits [W_b, V] (float32), in order.
+        logits=False (prefill): nothing is returned and no output head runs."""
+        assert parts and all(p.ids for p in parts), "every part feeds at least one token"
+        assert len({p.slot for p in parts}) == len(parts), "one part per cache row"
+        c, lean = self.config, self.lean
+        stage = lean.stages[0]
+        widths = [len(p.ids) for p in parts]
+        starts = [self.lengths[p.slot] for p in parts]
+        assert all(s + w <= self.max_length for s, w in zip(starts, widths)), "a row would overflow its cache"
+        ids = torch.tensor([t for p in parts for t in p.ids], device=lean.input_device)  # [N]
+        pos = torch.cat([torch.arange(s, s + w) for s, w in zip(starts, widths)]).to(self.device)  # [N]
+        cos = stage.cos.index_select(0, pos)[:, None, :]  # [N, 1, D]
+        sin = stage.sin.index_select(0, pos)[:, None, :]
+        # Per part: its rows in the flat batch, its causal mask over its own cache span.
+        spans = []
+        offset = 0
+        for s, w in zip(starts, widths):
+            keys = stage.key_pos[: s + w]
+            mask = keys[None, :] <= (s + stage.key_pos[:w])[:, None]  # [W, S + W]
+            bias = torch.zeros(mask.shape, dtype=lean.dtype, device=self.device).masked_fill_(~mask, float("-inf"))
+            spans.append((offset, w, s, bias.repeat(c.group, 1)))  # [G*W, S + W]
+            offset += w
+        q_size, kv_size = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+        n_qk = c.n_heads + c.n_kv_heads
+        n = ids.shape[0]
+        x = F.embedding(ids, lean.embed)  # [N, hidden]
+        for index, layer in enumerate(lean.layers):
+            h = _rms_norm(x, layer.ln1, c.eps)
+            qkv = layer.qkv(h)  # [N, (Hq + 2 Hkv) * D]
+            qk = qkv[:, : q_size + kv_size].view(n, n_qk, c.head_dim)
+            if layer.qk_norm is not None:
+                qk = _rms_norm(qk, layer.qk_norm, c.eps)
+            qk = qk * cos + torch.roll(qk, c.head_dim // 2, dims=-1) * sin  # RoPE, as lean.py
+            v = qkv[:, q_size + kv_size:].view(n, c.n_kv_heads, c.head_dim)  # [N, Hkv, D]
+            out = torch.empty(n, q_size, device=self.device, dtype=x.dtype)
+            for part, (o0, w, s, bias) in zip(parts, spans):
+                k_row = self.kv[index, 0, part.slot]  # [Hkv, L, D]
+                v_row = self.kv[index, 1, part.slot]
+                k_row[:, s: s + w] = qk[o0: o0 + w, c.n_heads:].transpose(0, 1)
+                v_row[:, s: s + w] = v[o0: o0 + w].transpose(0, 1)
+                q = qk[o0: o0 + w, : c.n_heads].transpose(0, 1).reshape(1, c.n_kv_heads, c.group * w, c.head_dim)
+                o = lean._attend(q, k_row[None, :, : s + w], v_row[None, :, : s + w], bias)  # [1, Hkv, G*W, D]
+                out[o0: o0 + w] = o.reshape(c.n_heads, w, c.head_dim).transpose(0, 1).reshape(w, q_size)
+            x = layer.o.residual(x, out)
+            h = _rms_norm(x, layer.ln2, c.eps)
+            gate, up = layer.gate_up(h).chunk(2, dim=-1)
+            x = layer.down.residual(x, F.silu(gate) * up)
+        for part, w in zip(parts, widths):
+            self.lengths[part.slot] += w
+        if not logits:
+            return []
+        x = _rms_norm(x, lean.norm, c.eps)
+        out_logits = F.linear(x, lean.lm_head, lean.lm_bias).float()  # [N, V]
+        return list(out_logits.split(widths))
