@@ -230,7 +230,10 @@ def test_cuda_graphs_run_8bit_weights(kind):
     out = runner.forward(tokens[19:]).clone()
     with torch.no_grad():
         full = model(tokens[None]).logits[0, -1].float()
-    torch.testing.assert_close(out[0], full, atol=5e-2, rtol=5e-2)
+    # bf16 through two kernel paths (the graph's lean forward vs the modeling code): within 5% of the
+    # logits' range, and the same next token.
+    torch.testing.assert_close(out[0].float(), full, atol=5e-2 * float(full.abs().max()), rtol=0)
+    assert int(out[0].argmax()) == int(full.argmax())
 
 
 def test_models_dialog_offers_fp8_only_off_the_cpu(qtbot):

@@ -19,7 +19,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from engine.limits import MAX_NEW_TOKENS
-from engine.types import GenerationRequest, Message, Mode, Proposer, Sampling, Step, StopReason, Summary
+from engine.types import GenerationRequest, Message, Mode, ProposerChoice, Sampling, Step, StopReason, Summary
 
 MAX_STOPS = 4  # as OpenAI: up to four stop sequences
 MAX_STOP_CHARS = 256
@@ -114,7 +114,7 @@ class Defaults:
     """What the server decodes with where a request does not say (the `serve` command's options)."""
 
     mode: Mode = "speculative"  # how every request decodes
-    proposer: Proposer = "draft"  # where drafts come from
+    proposer: ProposerChoice = ProposerChoice.DRAFT  # where drafts come from
     k: int = 5  # draft tokens per step; 0 = chosen per step
     temperature: float = 0.0  # used when a request gives none (OpenAI's own default is 1)
     top_k: int = 0  # no OpenAI field: the server's choice for every request

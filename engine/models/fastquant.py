@@ -98,6 +98,8 @@ def _wo_matmul_fake(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> to
 
 def fp8_act_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, mode: str) -> torch.Tensor:
     """FP8 x FP8 on the tensor cores: x [M, K] quantized here with a dynamic scale per tensor or per row."""
+    if q.shape[0] % 16 or q.shape[1] % 16:  # _scaled_mm takes only sizes divisible by 16
+        return dequant_matmul(x, q, scale)
     xf = x.float()
     if mode == "token":
         sx = (xf.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=SCALE_EPS)  # [M, 1]
