@@ -1,6 +1,7 @@
 """One conversation as a tree of turns: editing a question or regenerating an answer forks a branch."""
 from __future__ import annotations
 
+import enum
 import functools
 import re
 import types
@@ -155,6 +156,8 @@ def _fits(value: Any, hint: Any) -> bool:
         return isinstance(value, (int, float)) and not isinstance(value, bool)
     if hint is str:
         return isinstance(value, str)
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):  # stored as its value (ProposerChoice: a word)
+        return any(value == m.value and type(value) is type(m.value) for m in hint)
     return False
 
 

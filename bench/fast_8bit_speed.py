@@ -8,10 +8,10 @@ against the bf16 target's (identical count, first divergences); plan vs measured
 --fp8-act compares FP8 activation modes (none = weight-only; tensor / token = dynamic activation
 scales on the FP8 tensor cores) on the random targets.
 
-    python3 bench/h200_fastquant.py --target /root/hf/target --draft /root/hf/draft     # ~8 min, one H200
-    python3 bench/h200_fastquant.py --device cpu --tiny                                 # smoke run, tiny shapes
+    .venv/bin/python bench/fast_8bit_speed.py --target path/to/target --draft path/to/draft    # ~8 min, one H200
+    .venv/bin/python bench/fast_8bit_speed.py --device cpu --tiny                               # smoke run, tiny shapes
 
-Writes $OUT/h200_fastquant.json (or bench/results/h200_fastquant.json) after every row.
+Writes bench/results/h200_fastquant.json after every row.
 """
 from __future__ import annotations
 

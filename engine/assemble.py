@@ -20,13 +20,10 @@ from engine.errors import IncompatibleModelsError, ModelLoadError
 from engine.heads.shards import resolve_head
 from engine.limits import TREE_K_MAX
 from engine.loadspec import LoadProgress, LoadSpec, ProgressFn, emit
-from engine.models.cache import cache_lock
-from engine.models.cache_space import sweep
 from engine.models.loader import LoadedPair, load_pair
 from engine.models.memory import cast_releasing_pages
-from engine.models.packaged import DEFAULT_MODELS, assemble_default
 from engine.models.quant import quantized_kind
-from engine.models.store import ModelSource, resolve_source
+from engine.models.store import ModelSource, gguf_file, resolve_source
 from engine.models.tokenizers import check_compatible, read_gguf_tokenizer
 from engine.runners.cpu import try_pack
 from engine.runners.graphs import build_runners
@@ -223,18 +220,6 @@ def _first_line(exc: BaseException) -> str:
 
 
 # --------------------------------------------------------------------------- llama.cpp
-
-def gguf_file(source: ModelSource, progress: ProgressFn | None = None) -> Path:
-    """The GGUF llama.cpp loads: the packaged model assembled and SHA-checked (once), or the file given."""
-    if source.kind == "default":
-        # Under the cache's lock, as torch's loads: a second first start waits for the assembly in progress.
-        with cache_lock(lambda stage, fraction, message: emit(progress, stage, fraction, message)):
-            sweep()
-            return assemble_default(DEFAULT_MODELS[source.ref], progress)
-    if source.kind == "gguf":
-        return Path(source.ref)
-    raise ModelLoadError(f"{source.name} is not a GGUF model; the llama.cpp runtime needs a .gguf file.")
-
 
 def _llamacpp_engine(sources: list[ModelSource], threads: int | None, progress: ProgressFn | None) -> Engine:
     """Target (and draft) GGUFs on llama.cpp runners: tokenizers checked first, no weight conversion."""

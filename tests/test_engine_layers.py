@@ -32,6 +32,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("decoding", ("engine.decoding",)),
     ("measure", ("engine.measure",)),
     ("assemble", ("engine.assemble",)),
+    ("serving", ("engine.serving",)),  # the server's scheduler: owns an engine and its request queue
 ]
 
 

@@ -10,7 +10,8 @@ import torch.nn.functional as F
 from engine.errors import ModelLoadError
 from engine.models import fastquant as fq
 from engine.models.plan import ModelSpec, layer_weight_bytes
-from engine.loadspec import normalize_precision
+from engine.loadspec import LoadSpec, normalize_precision
+from engine.models.loader import load_pair
 from tests.tiny import build_model
 
 VOCAB = 320
@@ -140,13 +141,12 @@ def test_fp8_on_a_cpu_is_refused_in_one_line_naming_what_would_run():
 
 
 def test_load_pair_refuses_fp8_on_cpu_and_loads_int8_wo(tiny_pair):
-    from engine.models.loader import load_pair
 
     with pytest.raises(ModelLoadError, match="compute capability 8.9") as info:
-        load_pair(str(tiny_pair[0]), str(tiny_pair[1]), device="cpu", target_dtype="fp8", head=None)
+        load_pair(LoadSpec(str(tiny_pair[0]), str(tiny_pair[1]), device="cpu", target_precision="fp8"))
     assert "\n" not in str(info.value)
-    pair = load_pair(str(tiny_pair[0]), str(tiny_pair[1]), device="cpu", dtype="float32", target_dtype="int8-wo",
-                     draft_dtype="int8-wo", head=None)
+    pair = load_pair(LoadSpec(str(tiny_pair[0]), str(tiny_pair[1]), device="cpu", dtype="float32",
+                              target_precision="int8-wo", draft_precision="int8-wo"))
     assert pair.info.target_precision == "int8-wo" and fq.model_kind(pair.draft) == "int8-wo"
     assert pair.plan.target_precision == "int8-wo"
 
@@ -186,10 +186,9 @@ def test_fp8_checkpoints_are_refused_in_one_line(tmp_path, tiny_pair):
         tensors[name], tensors[name.replace(".weight", ".weight_scale")] = q, scale[:, None]
     save_file(tensors, folder / "model.safetensors")
     assert fq.checkpoint_problem(config) is not None
-    from engine.models.loader import load_pair
 
     with pytest.raises(ModelLoadError, match="FP8 checkpoint") as info:
-        load_pair(str(folder), None, device="cpu", with_draft=False, head=None)
+        load_pair(LoadSpec(str(folder), None, device="cpu", with_draft=False))
     assert "\n" not in str(info.value)
 
 

@@ -68,7 +68,7 @@ def test_llamacpp_runtime_on_the_real_pair(real_cache, capsys):
 def test_llamacpp_tokenizer_matches_the_real_hugging_face_tokenizer(real_cache):
     from transformers import AutoTokenizer
 
-    from engine.assemble import gguf_file
+    from engine.models.store import gguf_file
     from engine.models.store import resolve_source
     from engine.runners.llamacpp import LlamaCppRunner
     from engine.runners.llamacpp_tokenizer import LlamaCppTokenizer

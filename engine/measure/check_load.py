@@ -13,6 +13,9 @@ import torch
 from engine.decoding.proposers import DraftModelProposer, measure_proposer
 from engine.errors import EngineError
 from engine.measure.check_types import CandidateCheck
+from engine.models.store import gguf_file, resolve_source
+from engine.runners.llamacpp import LlamaCppRunner
+from engine.models.tokenizers import check_compatible, tokenizer_info
 from engine.types import ProposerCost, Sampling
 
 log = logging.getLogger(__name__)
@@ -83,7 +86,6 @@ def find_candidates(folder: Path, depth: int = 4) -> list[str]:
 def tokenizer_refusal(target_spec: str | None, draft_spec: str) -> tuple[str | None, int, str]:
     """(why the draft cannot draft for the target, or None; the shared vocabulary; the draft's name).
     The message names both vocabularies (store.check_compatible); read without loading weights."""
-    from engine.models.store import check_compatible, resolve_source, tokenizer_info
 
     name = resolve_source(draft_spec, "draft").name
     try:
@@ -142,13 +144,9 @@ def load_drafts(engine, target_spec: str | None, specs: Sequence[str],
 
 
 def _load_one(engine, spec: str, name: str, shared: int, load_torch) -> DraftUnderTest:
-    from engine.models.store import resolve_source
 
     source = resolve_source(spec, "draft")
     if engine.info.runtime == "llamacpp":
-        from engine.models.runtime import gguf_file
-        from engine.runners.llamacpp import LlamaCppRunner
-
         if source.kind not in ("gguf", "default"):
             raise EngineError(f"{name} is a model folder; the llama.cpp runtime checks .gguf drafts "
                               "(run the check with --runtime torch for folders).")

@@ -352,3 +352,13 @@ def _ensure_folder(prepared: _Prepared, progress: ProgressFn | None = None) -> P
     return prepared.folder
 
 
+def gguf_file(source: ModelSource, progress: ProgressFn | None = None) -> Path:
+    """The GGUF llama.cpp loads: the packaged model assembled and SHA-checked (once), or the file given."""
+    if source.kind == "default":
+        # Under the cache's lock, as torch's loads: a second first start waits for the assembly in progress.
+        with cache_lock(lambda stage, fraction, message: emit(progress, stage, fraction, message)):
+            sweep()
+            return assemble_default(DEFAULT_MODELS[source.ref], progress)
+    if source.kind == "gguf":
+        return Path(source.ref)
+    raise ModelLoadError(f"{source.name} is not a GGUF model; the llama.cpp runtime needs a .gguf file.")
