@@ -539,7 +539,7 @@ def test_auto_ngram_on_edit_prompts_is_at_least_the_best_fixed_k():
 
 # --------------------------------------------------------------------------- the draft head on the H200
 
-HEAD_MS = 0.242  # per draft token, as measured at load there (bench/results/h200_head.json)
+HEAD_MS = 0.242  # per draft token, as measured at load there (bench/results/h200_head_graphs_greedy.json)
 
 
 def _head_answer(rng: random.Random, length: int) -> list[float]:
@@ -591,7 +591,7 @@ def test_auto_with_the_head_comes_back_after_a_hard_patch():
     assert auto >= 0.93 * fixed[best_k], f"auto {auto:.3f}x against K={best_k} {fixed[best_k]:.3f}x"
 
 
-# Tree rounds on the H200 (bench/results/h200_auto_trace_t07_head_before.json, info.tree_ms): K -> ms, 2 alternatives.
+# Tree rounds on the H200 (an H200 auto trace at T = 0.7 with the head, info.tree_ms): K -> ms, 2 alternatives.
 H200_TREE_MS = {1: 3.59, 2: 3.65, 3: 3.65, 4: 3.69, 5: 3.71, 6: 3.74, 7: 3.75, 8: 3.79}
 HEAD_CATCH_MS = 0.3  # one replay of the head's widest catch-up (13 rows), as it reads the rows of rounds it did not draft
 
@@ -632,7 +632,7 @@ def _tree_head_tokens_per_ms(make_controller, answers: list[list[float]], seed: 
 
 def test_auto_credits_the_alternatives_of_a_tree():
     """At T = 0.7 on the H200 auto with the head (trees of 2 alternatives) measured 1.15x against the
-    fixed head's 1.43x, standard for 1,482 of 2,464 steps (bench/results/h200_auto_trace_t07_head_before.json):
+    fixed head's 1.43x, standard for 1,482 of 2,464 steps (an H200 auto trace at T = 0.7 with the head):
     it counted the chain's tokens only, where the alternatives added 0.33 a round, so the head looked
     worth 0.99x where it paid. Replayed here on acceptance near the head's at T = 0.7: auto 0.96 of
     the best fixed K, 0.90 without the credit."""

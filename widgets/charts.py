@@ -190,7 +190,7 @@ class LiveCharts(QWidget):
         layout.setContentsMargins(0, 0, 0, 0)
         layout.addWidget(self._graphics)
 
-        # A repaint stays far below a 50 ms UI stall (bench/ui_responsiveness.py): axes (with their
+        # A repaint stays far below a 50 ms UI stall (bench/window_responsiveness.py): axes (with their
         # grid lines) are cached as pixmaps and re-rendered only when their range changes, so there
         # are no vertical grid lines (they live in the x axis' cache, redrawn as the steps grow);
         # curves draw about one point per pixel; antialiased pens wider than 1 px cost ~100 ms per

@@ -13,7 +13,7 @@ from engine.types import DraftSource, GenerationRequest, Sampling
 if TYPE_CHECKING:  # annotations only: the Engine builds its proposers through here
     from engine.decoding.engine import Engine
 
-TREE_ALTERNATIVES = 2  # default next-best tokens per draft position on a GPU (bench/h200_head.py measures 0..3)
+TREE_ALTERNATIVES = 2  # default next-best tokens per draft position on a GPU (bench/head_speedup.py measures 0..3)
 
 
 def make_proposer(engine: Engine, source: DraftSource, sampling: Sampling,

@@ -32,7 +32,7 @@ COMPILE_SPANS = 2  # compile_step: spans whose chain step is compiled (short and
 WARMUP_ITERS = 3  # eager runs on a side stream before each capture
 # Most captured replays one catch-up is split into; wider ones (a prompt's rows) run as one eager
 # forward. On an H200 catch-ups of a few replays cost 1.1-1.2 ms more than a round's own one
-# (bench/results/h200_auto_trace_t07.json, catch_up_ms): about 0.3 ms a replay.
+# (bench/results/h200_auto_trace_t07_head.json, catch_up_ms): about 0.3 ms a replay.
 MAX_REPLAYS = 4
 
 
@@ -114,7 +114,7 @@ class HeadRunner:
         # Wider than one captured catch-up (rows of a stretch it did not draft: standard steps, another
         # proposer's rounds): a few replays of captured widths, the last one drafting. Run eagerly, such
         # catch-ups made the head's rounds in auto draft in 1.65 ms on an H200 against 0.9 for their
-        # tokens (bench/results/h200_auto_trace_t07_head_before.json); a prompt's hundreds of rows stay one
+        # tokens (bench/results/h200_auto_trace_t07_head.json); a prompt's hundreds of rows stay one
         # eager forward.
         widest = self.widest_catch_up
         sizes = [width % widest or widest] + [widest] * ((width - 1) // widest)

@@ -11,7 +11,7 @@ slower at batch 1 (docs/quantization.md has the figures behind these choices).
 
 FP8 can also quantize the activations per forward (`torch._scaled_mm`, FP8 tensor cores):
 FP8_ACTIVATIONS picks "none" (weight-only, the default), "tensor" (one dynamic scale per
-activation tensor) or "token" (one per row, rowwise scaled mm); bench/h200_quant.py compares them.
+activation tensor) or "token" (one per row, rowwise scaled mm); bench/fast_8bit_speed.py compares them.
 
 Everything here is plain tensors and ops (the kernel is a custom op with a fake implementation),
 so the lean forward's CUDA graphs and torch.compile take it as they take nn.Linear.

@@ -22,7 +22,7 @@ PREFILL_CHUNK = 256  # prompts are fed in chunks this long
 MIN_BUCKET = 512  # smallest attention span the fast path captures
 K_MAX = 12  # verify widths 2..K_MAX+1 get graphs (engine.fast.DEFAULT_K_MAX)
 LEAN_TYPES = ("qwen2", "qwen3", "llama", "mistral")  # what the fast path runs
-# Calibrated (bench/h200_quant.py on an H200; bench/plan_cpu.py here): memory the process needs
+# Calibrated (bench/gpu_memory_plan.py on an H200; bench/cpu_memory_plan.py on a CPU): memory the process needs
 # besides its tensors. CUDA: context, kernels and library handles per device. CPU: the Python
 # process with torch and transformers imported.
 # On a quiet H200 (torch 2.11, CUDA 13; bench/results/h200_quant.json) the process held 0.92 GiB

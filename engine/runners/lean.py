@@ -418,7 +418,7 @@ class LeanDecoder:
             return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=self.config.scaling)
         # "math": two batched matmuls. With a handful of query rows, fused attention kernels
         # parallelise over query blocks and heads only (a few thread blocks for a long cache),
-        # while cuBLAS splits the long key dimension; which wins is measured by bench/gpu_check.py.
+        # while cuBLAS splits the long key dimension; which wins is measured by bench/fast_path_vs_hf.py.
         scores = torch.matmul(q, k.transpose(-1, -2)) * self.config.scaling  # [1, Hkv, G*W, L]
         probs = torch.softmax(scores + bias, dim=-1, dtype=torch.float32).to(q.dtype)
         return torch.matmul(probs, v)
