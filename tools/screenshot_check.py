@@ -1,7 +1,7 @@
 """Saves a screenshot of the Models dialog showing a draft check's result, read from a check's --json file.
 
 Nothing loads: the report is the one `specdec-studio check --json FILE` (or bench/check_honesty.py) wrote.
-`QT_QPA_PLATFORM=offscreen .venv/bin/python bench/screenshot_check.py --report check.json`
+`QT_QPA_PLATFORM=offscreen .venv/bin/python tools/screenshot_check.py --report check.json`
 """
 from __future__ import annotations
 
