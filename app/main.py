@@ -106,7 +106,7 @@ def _run(argv: Sequence[str] | None) -> int:
 
     from PySide6.QtWidgets import QApplication
 
-    from app.settings import APPLICATION, ORGANIZATION, AppSettings
+    from app.ui.settings import APPLICATION, ORGANIZATION, AppSettings
     from widgets.palette import load_stylesheet
 
     app = QApplication.instance() or QApplication([sys.argv[0], *argv])
@@ -116,11 +116,11 @@ def _run(argv: Sequence[str] | None) -> int:
     app.setStyle("Fusion")  # the same look on every platform; the stylesheet is written against it
     app.setStyleSheet(load_stylesheet())
 
-    from app.window import MainWindow
+    from app.ui.window import MainWindow
 
     settings = AppSettings(args.settings)
     if args.demo:
-        from app.demo import ScriptedEngine
+        from app.core.demo import ScriptedEngine
 
         window = MainWindow(engine_factory=lambda _req, _progress: ScriptedEngine(), settings=settings)
     else:

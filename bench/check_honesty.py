@@ -23,8 +23,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from app.cli import CliError, _environment, _load, _request, build_parser  # noqa: E402
-from app.cli_check import _candidates, format_report, report_json  # noqa: E402
+from app.cli.common import CliError, environment, load_engine, request_for  # noqa: E402
+from app.cli.parser import build_parser  # noqa: E402
+from app.cli.check import _candidates, format_report, report_json  # noqa: E402
 
 
 def _decode_rate(runs) -> float:
@@ -37,7 +38,7 @@ def _measure(engine, args, kind: str, k: int, prompts, max_new: int) -> dict:
     from engine.measure.bench import BenchContext, run_bench
 
     args.k, args.proposer, args.raw = k, kind, False
-    ctx = BenchContext(None, engine, make_request=lambda p, mode, n: _request(args, p, mode, n),
+    ctx = BenchContext(None, engine, make_request=lambda p, mode, n: request_for(args, p, mode, n),
                        reload_pair=lambda: None)  # type: ignore[arg-type,return-value]  # no hf-* modes here
     result = run_bench(ctx, prompts, ["standard", "speculative"], max_new_tokens=max_new, warmup=1,
                        proposer=kind)
@@ -76,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     target, drafts = _candidates(args)
     args.target, args.draft = target, drafts[0] if drafts else None
     loaded = time.perf_counter()
-    engine = _load(args, needs_draft=bool(drafts), needs_head=False)
+    engine = load_engine(args, needs_draft=bool(drafts), needs_head=False)
     print(f"models loaded in {time.perf_counter() - loaded:.1f} s", flush=True)
     sampling = Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     report = check_engine(engine, target, drafts[1:], sampling=sampling, head=args.head != "none", ngram=True,
@@ -101,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     # A CPU shared with other work moves every figure: the load average says how shared it was.
     own.out.write_text(json.dumps({"check": report_json(report), "measured": rows, "max_new_tokens": own.max_new_tokens,
                                    "bench_prompts": str(own.bench_prompts), "argv": rest,
-                                   "load_average_at_end": os.getloadavg(), "environment": _environment(engine)}, indent=2,
+                                   "load_average_at_end": os.getloadavg(), "environment": environment(engine)}, indent=2,
                                   ensure_ascii=False) + "\n", encoding="utf-8")
     print(f"wrote {own.out}")
     return 0

@@ -84,8 +84,8 @@ def phase_reload(args: argparse.Namespace) -> dict:
 
     import engine.decoding  # noqa: F401  (imported before the baseline: libraries are not the pair)
     import engine.models.store  # noqa: F401
-    from app.session import LoadRequest
-    from app.worker import EngineWorker
+    from app.core.session import LoadRequest
+    from app.ui.worker import EngineWorker
 
     torch.set_num_threads(args.threads)
     app = QCoreApplication.instance() or QCoreApplication([])

@@ -37,8 +37,8 @@ def main() -> int:
     from PySide6.QtCore import QEventLoop, QTimer
     from PySide6.QtWidgets import QApplication
 
-    from app.settings import AppSettings
-    from app.window import MainWindow
+    from app.ui.settings import AppSettings
+    from app.ui.window import MainWindow
     from engine.settings import GenerationSettings, ModelChoice, ModelSelection
 
     app = QApplication.instance() or QApplication([])

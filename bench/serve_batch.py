@@ -19,7 +19,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from app.cli import _load, build_parser  # noqa: E402  (a thin shell over the CLI's loader)
+from app.cli.common import load_engine  # noqa: E402  (a thin shell over the CLI's loader)
+from app.cli.parser import build_parser  # noqa: E402
 from engine.decoding.batch import BatchEngine  # noqa: E402
 from engine.types import GenerationRequest, Message  # noqa: E402
 
@@ -50,7 +51,7 @@ def main() -> int:
     ap.add_argument("model_args", nargs="*")
     args = ap.parse_args()
     cli = build_parser().parse_args(["generate", "--prompt", "-", *args.model_args])
-    engine = _load(cli, needs_draft=cli.proposer in ("draft", "draft+ngram"))
+    engine = load_engine(cli, needs_draft=cli.proposer in ("draft", "draft+ngram"))
     prompts = [json.loads(line)["prompt"] for line in args.prompts.read_text(encoding="utf-8").splitlines()
                if line.strip()][: args.limit]
     levels = [int(c) for c in args.concurrency.split(",")]

@@ -34,10 +34,10 @@ def measure(threads: int, max_new_tokens: int, target: str | None, draft: str | 
     from PySide6.QtCore import QElapsedTimer, QEventLoop, Qt, QTimer
     from PySide6.QtWidgets import QApplication
 
-    from app.session import build_request, system_messages
-    from app.settings import AppSettings
-    from app.window import MainWindow
-    from app.worker import default_engine_factory
+    from app.core.session import build_request, system_messages
+    from app.ui.settings import AppSettings
+    from app.ui.window import MainWindow
+    from app.ui.worker import default_engine_factory
     from engine.settings import GenerationSettings, ModelChoice, ModelSelection
     from engine.types import Message
 

@@ -24,7 +24,7 @@ OPEN_CYCLES = 6  # conversations opened (and scrolled through) one after another
 
 def long_answer(tokens: int = 500) -> str:
     """The demo answer repeated until it has at least `tokens` pieces, then cut to exactly that many."""
-    from app.demo import DEMO_ANSWER, split_tokens
+    from app.core.demo import DEMO_ANSWER, split_tokens
 
     pieces: list[str] = []
     while len(pieces) < tokens:
@@ -82,10 +82,10 @@ def run_history(conversations: int, messages: int, target_ms: float) -> bool:
     from PySide6.QtCore import QEvent, QEventLoop, QTimer
     from PySide6.QtWidgets import QApplication
 
-    from app.conversations import INDEX_NAME, ConversationStore, default_folder
-    from app.demo import ScriptedEngine, demo_conversations
-    from app.settings import AppSettings
-    from app.window import MainWindow
+    from app.core.conversations import INDEX_NAME, ConversationStore, default_folder
+    from app.core.demo import ScriptedEngine, demo_conversations
+    from app.ui.settings import AppSettings
+    from app.ui.window import MainWindow
     from engine.settings import ModelSelection
     from widgets.palette import load_stylesheet
 

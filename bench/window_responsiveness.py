@@ -32,7 +32,7 @@ class Scenario:
 
 def long_text(tokens: int) -> str:
     """The demo answer repeated until it has at least `tokens` pieces, then cut to exactly that many."""
-    from app.demo import DEMO_ANSWER, split_tokens
+    from app.core.demo import DEMO_ANSWER, split_tokens
 
     pieces: list[str] = []
     while len(pieces) < tokens:
@@ -46,9 +46,9 @@ def run(scenario: Scenario, tokens: int) -> dict[str, float]:
     from PySide6.QtCore import QElapsedTimer, QEventLoop, Qt, QTimer
     from PySide6.QtWidgets import QApplication
 
-    from app.demo import ScriptedEngine, scripted_steps
-    from app.settings import AppSettings
-    from app.window import MainWindow
+    from app.core.demo import ScriptedEngine, scripted_steps
+    from app.ui.settings import AppSettings
+    from app.ui.window import MainWindow
     from engine.settings import GenerationSettings, ModelSelection
     from widgets.palette import load_stylesheet
 

@@ -2,7 +2,7 @@
 
 The engine collects when freed weights must go now rather than at some later collection (a replaced
 module before packing; a replaced pair before the next loads). The app routes the collection to its
-GUI thread while its worker lives (app/collector.py): a cycle can hold Qt objects, which must not
+GUI thread while its worker lives (app/ui/collector.py): a cycle can hold Qt objects, which must not
 be destroyed on the worker's thread.
 """
 from __future__ import annotations

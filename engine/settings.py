@@ -1,7 +1,7 @@
 """What a person chooses — decoding settings and the model pair — as plain, validated values (no Qt, no torch).
 
 The settings panel and the Models dialog edit these, the app persists them, and one function in
-app/session.py turns them into the engine's requests; the CLI builds the same values from its flags.
+app/core/session.py turns them into the engine's requests; the CLI builds the same values from its flags.
 """
 from __future__ import annotations
 

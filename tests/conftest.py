@@ -45,7 +45,7 @@ def pytest_collection_modifyitems(config, items):
 def _qt_garbage_goes_on_the_gui_thread(request):
     """After a test with Qt objects, their cycles are collected here, on the GUI thread: left for later,
     a collection on another thread (a pool's, a worker's) would destroy them there, which crashes Qt
-    (app/collector.py guards the app's own worker; this covers the widgets' pools between tests)."""
+    (app/ui/collector.py guards the app's own worker; this covers the widgets' pools between tests)."""
     yield
     if "qtbot" in request.fixturenames:
         import gc
@@ -76,7 +76,7 @@ def no_dangling_threads():
     """Fails a test that leaves a worker QThread running (napari's fixture does the same)."""
     import gc
 
-    from app.worker import running_threads
+    from app.ui.worker import running_threads
 
     yield
     assert not running_threads(), f"dangling worker threads: {running_threads()}"

@@ -12,10 +12,10 @@ import pytest
 from PySide6.QtCore import Qt
 from PySide6.QtGui import QTextCursor
 
-from app.export import SESSION_COLUMNS, TRACE_COLUMNS
-from app.settings import AppSettings
-from app.window import MainWindow
-from app.worker import (
+from app.core.export import SESSION_COLUMNS, TRACE_COLUMNS
+from app.ui.settings import AppSettings
+from app.ui.window import MainWindow
+from app.ui.worker import (
     EngineWorker,
     WorkerHost,
     default_engine_factory,
@@ -260,7 +260,7 @@ def test_the_default_is_auto_mode_with_k_chosen_per_step(make_window, qtbot):
 def test_exports_carry_the_k_chosen_the_reason_and_the_time_split(tmp_path):
     from dataclasses import replace
 
-    from app.export import AnswerRecord, write_session_csv, write_trace_csv
+    from app.core.export import AnswerRecord, write_session_csv, write_trace_csv
     from engine.types import Decision
 
     decision = Decision(3, "draft", "best", 0.8, 1.3, 3, 1.3)
@@ -746,7 +746,7 @@ def test_every_cli_command_runs_headless():
     """`specdec-studio distill` (and any command added later) must reach the CLI, not the window's parser."""
     import argparse
 
-    from app.cli import build_parser
+    from app.cli.parser import build_parser
     from app.main import HEADLESS_COMMANDS
 
     sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
@@ -789,7 +789,7 @@ def test_end_to_end_with_tiny_real_models(make_window, qtbot, tiny_pair, tmp_pat
 
 
 def test_cost_verdict_says_plainly_whether_speculation_pays():
-    from app.window import cost_verdict
+    from app.ui.window import cost_verdict
     from engine.measure.stats import summarize
     from engine.types import ModelInfo, Step
 

@@ -20,7 +20,8 @@ from engine.models import cache, cache_space, store
 from engine.models.loader import load_pair
 from engine.models.packaged import PackagedModel
 from tests.test_store import _fake_packages
-from tests.tiny import build_model, build_tokenizer, write_tiny_gguf
+from tests.tiny import build_model, build_tokenizer
+from tests.tiny_gguf import write_tiny_gguf
 
 ROOT = Path(__file__).resolve().parents[1]
 

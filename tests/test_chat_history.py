@@ -8,11 +8,11 @@ import json
 import pytest
 from PySide6.QtGui import QGuiApplication
 
-from app.chat_tree import Conversation
-from app.context import ApproxCounter, ContextCounter, TokenizerCounter, counter_for
-from app.conversations import ConversationStore
-from app.demo import DEMO_ANSWER, ScriptedEngine, demo_conversations
-from app.window import MainWindow
+from app.core.chat_tree import Conversation
+from app.ui.context import ApproxCounter, ContextCounter, TokenizerCounter, counter_for
+from app.core.conversations import ConversationStore
+from app.core.demo import DEMO_ANSWER, ScriptedEngine, demo_conversations
+from app.ui.window import MainWindow
 from engine.settings import ModelSelection
 from engine.types import Message
 from tests.test_app import SCRIPT_STATUSES, SCRIPT_TEXT, FakeEngine, long_script
@@ -25,7 +25,7 @@ def data(tmp_path):
 
 @pytest.fixture
 def open_window(qtbot, tmp_path, data, no_dangling_threads):
-    from app.settings import AppSettings
+    from app.ui.settings import AppSettings
 
     windows: list[MainWindow] = []
 

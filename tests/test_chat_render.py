@@ -5,9 +5,9 @@ import pytest
 from PySide6.QtGui import QColor, QGuiApplication, QTextCursor
 from PySide6.QtWidgets import QApplication
 
-from app.demo import DEMO_ANSWER, scripted_steps
+from app.core.demo import DEMO_ANSWER, scripted_steps
 from engine.measure.stats import summarize
-from widgets.markdown_render import CodeSegment, TextSegment, highlight, render_markdown
+from widgets.chat.markdown_render import CodeSegment, TextSegment, highlight, render_markdown
 from widgets.palette import STATUSES, current_palette, current_theme, load_palette, load_stylesheet
 from widgets.stats_line import format_stats_line
 
@@ -86,7 +86,7 @@ def finished_answer(chat, qtbot, rid: int = 1, text: str = DEMO_ANSWER):
 
 @pytest.fixture
 def chat(qtbot):
-    from widgets.chat import ChatView
+    from widgets.chat.view import ChatView
 
     view = ChatView()
     qtbot.addWidget(view)

@@ -174,7 +174,7 @@ def test_check_view_shows_the_ranking_and_applies_the_best(qtbot):
 def test_the_stats_line_keeps_the_prediction_beside_what_was_measured(qtbot):
     from PySide6.QtCore import QObject, Signal
 
-    from app.check_ui import CheckLink
+    from app.ui.check import CheckLink
     from engine.settings import GenerationSettings
     from engine.types import GenerationRequest
 

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 import app.cli
-import app.cli_sweep  # imported before any test patches app.cli._load: it binds _load at import
+import app.cli.common
 from app.cli import main
-from app.export import restore
+from app.core.export import restore
 from engine.limits import K_MAX
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -33,7 +33,7 @@ def no_load(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("models were loaded before the input was checked")
 
-    monkeypatch.setattr(app.cli, "_load", refuse)
+    monkeypatch.setattr(app.cli.common, "load_engine", refuse)
 
 
 def _models(tiny_pair) -> list[str]:
@@ -206,7 +206,8 @@ def test_crafted_gguf_is_one_line(tmp_path, name, blob, fragment, capsys):
 
 
 def test_gguf_cut_inside_its_tensor_data_is_one_line(tmp_path, capsys):
-    from tests.tiny import build_model, build_tokenizer, write_tiny_gguf
+    from tests.tiny import build_model, build_tokenizer
+    from tests.tiny_gguf import write_tiny_gguf
 
     tok = build_tokenizer()
     whole = write_tiny_gguf(tmp_path / "whole.gguf", tok, build_model(len(tok), seed=1)).read_bytes()
@@ -217,7 +218,8 @@ def test_gguf_cut_inside_its_tensor_data_is_one_line(tmp_path, capsys):
 
 
 def test_converting_a_gguf_draws_no_progress_bar(tmp_path, tiny_pair, capsys):
-    from tests.tiny import build_model, build_tokenizer, write_tiny_gguf
+    from tests.tiny import build_model, build_tokenizer
+    from tests.tiny_gguf import write_tiny_gguf
 
     tok = build_tokenizer()
     gguf = write_tiny_gguf(tmp_path / "draft.gguf", tok, build_model(len(tok), seed=1))
@@ -294,7 +296,7 @@ def no_load_anywhere(no_load, monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("models were loaded before the input was checked")
 
-    monkeypatch.setattr(app.cli_sweep, "_load", refuse)
+    monkeypatch.setattr(app.cli.common, "load_engine", refuse)
     monkeypatch.setattr(engine.heads.distill, "distill", refuse)
 
 
@@ -365,7 +367,7 @@ def test_bad_new_generate_options_fail_before_loading(args, fragment, no_load, c
 
 
 def test_new_generate_and_bench_options_parse(tmp_path):
-    from app.cli import build_parser
+    from app.cli.parser import build_parser
     from engine.limits import K_AUTO
 
     args = build_parser().parse_args(["generate", "--prompt", "x", "--k", "auto", "--mode", "auto",

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from app.chat_tree import Conversation, ConversationFormatError
-from app.conversations import INDEX_NAME, ConversationStore
-from app.demo import demo_conversations
+from app.core.chat_tree import Conversation, ConversationFormatError
+from app.core.conversations import INDEX_NAME, ConversationStore
+from app.core.demo import demo_conversations
 from tests.test_chat_history import ask, data, open_window  # noqa: F401  (fixtures)
 
 

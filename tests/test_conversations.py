@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from app.chat_tree import Conversation, ConversationFormatError, StoredTokens, messages_fitting
-from app.conversations import BackgroundWriter, ConversationStore, default_folder
-from app.demo import scripted_steps
+from app.core.chat_tree import Conversation, ConversationFormatError, StoredTokens, messages_fitting
+from app.core.conversations import BackgroundWriter, ConversationStore, default_folder
+from app.core.demo import scripted_steps
 from engine.measure.stats import summarize
 from engine.types import GenerationRequest, Message, Sampling
 
@@ -90,7 +90,7 @@ def test_save_and_reload_keeps_everything(tmp_path):
 def test_a_summary_keeps_its_decision_and_older_files_without_new_figures_still_load():
     from dataclasses import replace
 
-    from app.chat_tree import _summary_from, _summary_json
+    from app.core.chat_tree import _summary_from, _summary_json
     from engine.types import Decision
 
     steps = scripted_steps("a b c d e", k=4, acceptance=0.7, seed=1, adaptive=True)
@@ -191,7 +191,7 @@ def test_a_failed_write_leaves_the_previous_file(tmp_path, monkeypatch):
         os.write(fd, bytes(data[:1000]))
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr("app.conversations._write_all", disk_full)
+    monkeypatch.setattr("app.core.conversations._write_all", disk_full)
     with pytest.raises(OSError):
         store.save(c)
     assert store.path_of(c.id).read_bytes() == before
@@ -208,7 +208,7 @@ def test_kill_9_mid_write_leaves_the_previous_file(tmp_path):
     child = textwrap.dedent(f"""
         import os, sys, time
         sys.path.insert(0, {str(ROOT)!r})
-        import app.conversations as conv
+        import app.core.conversations as conv
         store = conv.ConversationStore({str(tmp_path)!r})
         c = store.load({c.id!r})
         c.add(c.current, "user", "y" * 2_000_000)

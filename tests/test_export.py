@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from app.export import ENCODING, AnswerRecord, cell, neutralise, restore, write_session_csv, write_trace_csv
-from app.session import build_request
+from app.core.export import ENCODING, AnswerRecord, cell, neutralise, restore, write_session_csv, write_trace_csv
+from app.core.session import build_request
 from engine.measure.stats import summarize
 from engine.settings import GenerationSettings
 from engine.types import Message, ModelInfo, Step, TokenView

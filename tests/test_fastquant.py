@@ -249,7 +249,7 @@ def test_models_dialog_offers_fp8_only_off_the_cpu(qtbot):
 
 
 def test_status_bar_names_the_8bit_precisions():
-    from app.session import device_line
+    from app.core.session import device_line
     from engine.types import ModelInfo
 
     info = ModelInfo(target_name="t", draft_name="d", device="cuda:0", dtype="bfloat16", fast_path="cuda-graphs",

@@ -327,7 +327,7 @@ def test_missing_module_falls_back_to_torch_and_says_why(ggufs, monkeypatch):
             assemble.choose_runtime(LoadSpec(runtime="llamacpp", device="cpu"), gguf)
         engine = assemble.build_engine(LoadSpec(str(ggufs[0]), None, with_draft=False, device="cpu"))
         assert engine.info.runtime == "torch" and engine.info.runtime_note == choice.note
-        from app.session import runtime_label
+        from app.core.session import runtime_label
 
         assert "llama.cpp unavailable" in runtime_label(engine.info)
     finally:
@@ -478,7 +478,7 @@ def test_a_load_follows_the_amx_verdict_and_says_so(ggufs, monkeypatch):
     assert (engine.target_runner.repack, engine.draft_runner.repack) == (False, True)
     assert engine.info.fast_path_note == ("llama.cpp's AMX kernels off for tiny-target: they did not run on this "
                                           "CPU in a trial")
-    from app.session import device_line
+    from app.core.session import device_line
 
     assert device_line(engine.info) == "cpu · F32 · llama.cpp · 1 thread"  # not "(eager)": no graphs here
 

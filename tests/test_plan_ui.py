@@ -6,7 +6,7 @@ import json
 import pytest
 
 from app.cli import main as cli_main
-from app.session import device_line, load_request_for, plan_for
+from app.core.session import device_line, load_request_for, plan_for
 from engine.settings import ModelChoice, ModelSelection
 from engine.types import DevicePlan, MemoryPlan, ModelInfo, PlanChange, PlanItem
 from widgets.model_dialog import ModelDialog
@@ -102,7 +102,7 @@ def test_status_bar_says_which_model_runs_without_graphs():
 def test_window_asks_before_loading_what_will_not_fit(monkeypatch, qtbot):
     from PySide6.QtWidgets import QMessageBox
 
-    import app.window as window_module
+    import app.ui.window as window_module
 
     requests = []
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from app.race import RaceController
-from app.race_logic import (
+from app.ui.race import RaceController
+from app.core.race_logic import (
     RACE_COLUMNS,
     BenchPrompt,
     committed_tokens,
@@ -25,7 +25,7 @@ from app.race_logic import (
     summarize_race,
     write_race_csv,
 )
-from app.worker import WorkerHost, running_threads
+from app.ui.worker import WorkerHost, running_threads
 from engine.limits import K_AUTO
 from engine.loadspec import LoadSpec
 from engine.measure.stats import summarize
@@ -38,7 +38,7 @@ from engine.types import (
     Summary,
     TokenView,
 )
-from widgets.race_view import RaceView, replay_scale
+from widgets.race.view import RaceView, replay_scale
 
 INFO = ModelInfo(target_name="fake-target", draft_name="fake-draft", device="cpu", dtype="bfloat16",
                  fast_path="eager", vocab_size=1000)
@@ -466,8 +466,8 @@ def test_picker_groups_prompts_by_category(qtbot):
 @pytest.fixture
 def raced_window(qtbot, tmp_path):
     """The real main window with models loaded from a scripted race engine; no thread left after."""
-    from app.settings import AppSettings
-    from app.window import MainWindow
+    from app.ui.settings import AppSettings
+    from app.ui.window import MainWindow
     from engine.settings import ModelSelection
 
     engine = RaceEngine(standard_steps(), speculative_steps(SPEC_IDS, ps=SPEC_P))

@@ -9,9 +9,9 @@ from dataclasses import dataclass, replace
 import pytest
 import torch
 
-from app.demo import DEMO_INFO
+from app.core.demo import DEMO_INFO
 from engine.loadspec import LoadSpec
-from app.worker import EngineWorker
+from app.ui.worker import EngineWorker
 from engine.errors import ModelLoadError
 from engine.models import memory
 
@@ -136,8 +136,8 @@ def test_a_pair_off_the_cpu_stays_while_the_next_loads_when_both_fit(make_worker
 
 
 def test_window_shows_the_release_and_disables_send(qtbot, tmp_path):
-    from app.settings import AppSettings
-    from app.window import MainWindow
+    from app.ui.settings import AppSettings
+    from app.ui.window import MainWindow
     from engine.settings import ModelSelection
 
     w = MainWindow(engine_factory=lambda _r, _p: type("E", (), {"info": DEMO_INFO})(),
@@ -169,7 +169,7 @@ def test_pair_bytes_from_headers(tiny_pair):
 
 
 def test_measure_room_compares_the_headers_with_free_memory(tiny_pair, monkeypatch):
-    from app.worker import measure_room
+    from app.ui.worker import measure_room
 
     request = LoadSpec(target=str(tiny_pair[0]), draft=str(tiny_pair[1]), device="cpu", dtype="float32")
     monkeypatch.setattr(memory, "available_bytes", lambda: 64 << 30)
@@ -205,8 +205,8 @@ def _at_weights(monkeypatch, check) -> None:
 
 
 def _tiny_window(qtbot, tmp_path, tiny_pair):
-    from app.settings import AppSettings
-    from app.window import MainWindow
+    from app.ui.settings import AppSettings
+    from app.ui.window import MainWindow
     from engine.settings import ModelChoice, ModelSelection
 
     w = MainWindow(settings=AppSettings(tmp_path / "s.ini"))  # the real engine factory and release policy

@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from app.remote import RemoteClient, RemoteConfig, RemoteError, RemoteFinish, RemotePiece
+from app.core.remote import RemoteClient, RemoteConfig, RemoteError, RemoteFinish, RemotePiece
 from engine.types import GenerationRequest, Message
 from tests.engine_fixtures import tiny_engine
 from tests.serve_fixtures import MODEL, serving
@@ -59,7 +59,8 @@ def _raw_server(reply: bytes | None) -> tuple[socket.socket, threading.Thread]:
         with conn:
             conn.recv(65536)
             if reply is None:
-                conn.recv(1)  # waits until the client gives up
+                while conn.recv(65536):  # the rest of the request may come later: wait until the client gives up
+                    pass
             else:
                 conn.sendall(reply)
 

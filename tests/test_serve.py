@@ -319,7 +319,7 @@ def test_a_taken_port_is_one_line_before_any_model_loads(capsys):
 
 
 def test_only_loopback_addresses_count_as_this_machine():
-    from app.cli_serve import _loopback
+    from app.cli.serve import _loopback
 
     assert _loopback("127.0.0.1") and _loopback("::1") and _loopback("localhost")
     assert not _loopback("0.0.0.0") and not _loopback("192.168.1.4") and not _loopback("example.org")

@@ -1,7 +1,7 @@
 """The Qt-free session: settings → request (the one conversion), the chat's turns and requests, verdicts."""
 from __future__ import annotations
 
-from app.session import ChatSession, build_request, cost_verdict, load_request_for, system_messages
+from app.core.session import ChatSession, build_request, cost_verdict, load_request_for, system_messages
 from engine.measure.stats import summarize
 from engine.settings import GenerationSettings, ModelChoice, ModelSelection
 from engine.types import Message, ModelInfo, Step, TokenView
@@ -49,7 +49,7 @@ def test_load_request_for_a_selection():
 def test_runtime_label_names_the_runtime_and_why():
     from dataclasses import replace
 
-    from app.session import runtime_label
+    from app.core.session import runtime_label
 
     llama = replace(INFO, fast_path="llama.cpp", runtime="llamacpp", threads=2, dtype="Q4_K_M")
     assert runtime_label(llama) == "llama.cpp · 2 threads"

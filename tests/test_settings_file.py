@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from app.demo import ScriptedEngine
-from app.settings import MAX_PANE_PIXELS, AppSettings
-from app.window import MainWindow
-from app.worker import running_threads
+from app.core.demo import ScriptedEngine
+from app.ui.settings import MAX_PANE_PIXELS, AppSettings
+from app.ui.window import MainWindow
+from app.ui.worker import running_threads
 from engine.settings import K_RANGE, SEED_RANGE, ModelSelection
 from widgets.settings_panel import DisplaySettings
 

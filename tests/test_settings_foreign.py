@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from app.settings import AppSettings
+from app.ui.settings import AppSettings
 from engine.settings import ModelChoice, ModelSelection
 
 ROOT = Path(__file__).resolve().parents[1]

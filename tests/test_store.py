@@ -18,7 +18,8 @@ from engine.models.loader import load_pair, load_tokenizer
 from engine.models.packaged import PackagedModel
 from engine.models.store import pick_device, pick_dtype, resolve_source
 from engine.models.tokenizers import check_compatible, tokenizer_info
-from tests.tiny import build_model, build_tokenizer, save_pair, write_tiny_gguf
+from tests.tiny import build_model, build_tokenizer, save_pair
+from tests.tiny_gguf import write_tiny_gguf
 
 
 @pytest.fixture(autouse=True)

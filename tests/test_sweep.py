@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 
-from app.session import build_request
+from app.core.session import build_request
 from engine.errors import InputError
 from engine.limits import K_AUTO
 from engine.measure import experiment as ex
@@ -272,7 +272,7 @@ def test_sweep_csv_neutralises_formula_text_and_keeps_numbers(tmp_path):
     """sweep.csv goes through the same OWASP rule as the session CSV: text never runs as a formula."""
     from dataclasses import replace
 
-    from app.export import restore
+    from app.core.export import restore
 
     configs = sw.plan(["draft"], [2], [0.0])
     records = [run(c.label, "a", 10, 1.0 if c.mode == "standard" else 0.5, drafted=0 if c.mode == "standard" else 2,
@@ -353,9 +353,9 @@ def test_the_sweep_measures_costs_again_beside_each_prompt(tiny_pair):
 
 @pytest.fixture
 def tuned_window(qtbot, tmp_path, tiny_pair):
-    from app.settings import AppSettings
-    from app.window import MainWindow
-    from app.worker import running_threads
+    from app.ui.settings import AppSettings
+    from app.ui.window import MainWindow
+    from app.ui.worker import running_threads
     from tests.engine_fixtures import tiny_engine
 
     engine = tiny_engine(*tiny_pair)
@@ -371,7 +371,7 @@ def tuned_window(qtbot, tmp_path, tiny_pair):
 
 
 def test_tune_tab_sweeps_live_highlights_the_best_and_applies_it(qtbot, tuned_window):
-    from widgets.tune_view import TunePlan
+    from widgets.tune.view import TunePlan
 
     w = tuned_window
     view, tune = w.tune_view, w.tune
@@ -397,7 +397,7 @@ def test_tune_tab_sweeps_live_highlights_the_best_and_applies_it(qtbot, tuned_wi
 
 
 def test_tune_tab_stops_between_runs_and_keeps_what_ran(qtbot, tuned_window):
-    from widgets.tune_view import TunePlan
+    from widgets.tune.view import TunePlan
 
     w = tuned_window
     tune = w.tune

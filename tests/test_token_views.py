@@ -94,11 +94,12 @@ def test_cli_json_tokens_add_up_to_the_text(scripted, monkeypatch, capsys):
     import json
 
     import app.cli
+    import app.cli.common
 
     make, tok, script = scripted
     n = _cuts_inside_a_character(tok, script)[-1]
-    monkeypatch.setattr(app.cli, "_load", lambda args, needs_draft, *rest, **kw: make())
-    monkeypatch.setattr(app.cli, "_environment", lambda engine: {})
+    monkeypatch.setattr(app.cli.common, "load_engine", lambda args, needs_draft, *rest, **kw: make())
+    monkeypatch.setattr(app.cli.common, "environment", lambda engine: {})
     code = app.cli.main(["generate", "--prompt", PROMPT, "--raw", "--json", "--max-new-tokens", str(n), "--k", "4"])
     assert code == 0
     out = json.loads(capsys.readouterr().out)

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from app.head_log import head_log_for, read_head_log, read_log
-from app.settings import AppSettings
-from app.training import default_head_folder
-from app.window import MainWindow
-from app.worker import running_threads
+from app.core.head_log import head_log_for, read_head_log, read_log
+from app.ui.settings import AppSettings
+from app.ui.training import default_head_folder
+from app.ui.window import MainWindow
+from app.ui.worker import running_threads
 from engine.settings import ModelSelection
 from engine.types import ModelInfo, TrainingProgress
 from tests.test_app import FAKE_INFO, FakeEngine

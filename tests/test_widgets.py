@@ -235,7 +235,7 @@ def make_summary(steps: list[Step]) -> Summary:
 
 @pytest.fixture
 def chat(qtbot):
-    from widgets.chat import ChatView
+    from widgets.chat.view import ChatView
 
     view = ChatView()
     qtbot.addWidget(view)

@@ -90,13 +90,6 @@ def save_pair(root: Path, *, noise: float = 0.3, seed: int = 0, tokenizer=None, 
     return paths[0], paths[1]
 
 
-def write_tiny_gguf(path: Path, tok, model) -> Path:
-    """A float32 qwen2 GGUF of a tiny HF model with its byte-level BPE tokenizer (tests/tiny_gguf.py writes it)."""
-    from tests.tiny_gguf import write_tiny_gguf as write
-
-    return write(path, tok, model)
-
-
 def save_predictable_target(folder: Path, *, seed: int = 0, context: float = 0.01, tokenizer=None) -> Path:
     """A target whose next token depends mostly on the current one, for draft-head tests.
 

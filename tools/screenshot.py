@@ -56,9 +56,9 @@ def main(argv: list[str] | None = None) -> int:
     from PySide6.QtCore import QEventLoop, QTimer
     from PySide6.QtWidgets import QApplication
 
-    from app.demo import ScriptedEngine
-    from app.settings import AppSettings
-    from app.window import MainWindow
+    from app.core.demo import ScriptedEngine
+    from app.ui.settings import AppSettings
+    from app.ui.window import MainWindow
     from engine.settings import ModelSelection
     from widgets.palette import load_stylesheet
 
@@ -68,8 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     settings = AppSettings(Path(tempfile.mkdtemp()) / "settings.ini")  # never the user's layout
     settings.set_theme(args.theme)
     if args.conversations:
-        from app.conversations import ConversationStore, default_folder
-        from app.demo import demo_conversations
+        from app.core.conversations import ConversationStore, default_folder
+        from app.core.demo import demo_conversations
 
         demo_conversations(ConversationStore(default_folder()), args.conversations)
     if args.real:

@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     from PySide6.QtCore import QEventLoop, QTimer
     from PySide6.QtWidgets import QApplication
 
-    from app.session import plan_for
+    from app.core.session import plan_for
     from engine.models.presets import pair_presets
     from engine.settings import ModelSelection
     from widgets.model_dialog import ModelDialog

@@ -67,7 +67,8 @@ class World:
 
 
 def build_world(root: Path) -> World:
-    from tests.tiny import build_model, build_tokenizer, save_pair, write_tiny_gguf
+    from tests.tiny import build_model, build_tokenizer, save_pair
+    from tests.tiny_gguf import write_tiny_gguf
 
     tok = build_tokenizer()
     target, draft = save_pair(root / "pair", noise=0.05, seed=0, tokenizer=tok)
@@ -220,7 +221,7 @@ def _forget_windows() -> None:
         return
     import shiboken6
 
-    from app.window import MainWindow
+    from app.ui.window import MainWindow
 
     for widget in app.topLevelWidgets():
         # Signal connections to the window's own lambdas keep it alive through C++: delete it the

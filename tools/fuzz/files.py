@@ -117,9 +117,9 @@ def with_outside_check(o: Outcome, world: World, before: str, guards: dict[Path,
 # --------------------------------------------------------------------------- conversations
 
 def conversation_case(rng: random.Random, world: World) -> Outcome:
-    from app.chat_tree import ConversationFormatError
-    from app.conversations import INDEX_NAME, ConversationStore
-    from app.demo import demo_conversations
+    from app.core.chat_tree import ConversationFormatError
+    from app.core.conversations import INDEX_NAME, ConversationStore
+    from app.core.demo import demo_conversations
 
     folder = world.path("-conversations")
     ids = demo_conversations(ConversationStore(folder), rng.randint(1, 3), turns=rng.choice([2, 4, 6]),
@@ -229,7 +229,7 @@ def _damage_index(rng: random.Random, index: Path, cid: str, kind: str) -> None:
 # --------------------------------------------------------------------------- settings files
 
 def settings_foreign_case(rng: random.Random, world: World) -> Outcome:
-    from app.settings import AppSettings
+    from app.ui.settings import AppSettings
     from engine.settings import ModelChoice, ModelSelection
 
     kind = rng.choice(["text", "binary", "link-passwd", "fifo", "folder", "dangling", "other-ini", "ours-junk",

@@ -1,0 +1,1 @@
+"""Qt-free cores of the app: sessions, conversations, the chat tree, export, race logic; nothing here imports Qt."""

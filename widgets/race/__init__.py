@@ -1,0 +1,1 @@
+"""The race of standard against speculative decoding: two panes and their chart."""

@@ -1,0 +1,1 @@
+"""Tune: the sweep's plots, on screen and as a PNG."""
