@@ -19,23 +19,18 @@ from typing import Protocol
 
 from PySide6.QtCore import QElapsedTimer, QSignalBlocker, Qt, QTimer, Signal
 from PySide6.QtGui import (
-    QColor,
     QStandardItem,
     QStandardItemModel,
 )
 from PySide6.QtWidgets import (
-    QAbstractItemView,
     QComboBox,
     QHBoxLayout,
-    QHeaderView,
     QLabel,
     QPlainTextEdit,
     QPushButton,
     QSizePolicy,
     QSpinBox,
     QSplitter,
-    QTableWidget,
-    QTableWidgetItem,
     QVBoxLayout,
     QWidget,
 )
@@ -43,52 +38,20 @@ from PySide6.QtWidgets import (
 import widgets.charts  # noqa: F401  (sets pyqtgraph options once, before any plot exists)
 from engine.types import Step, Summary
 from widgets.race.chart import RACE_MODES, RaceChart
-from widgets.race.pane import DIVERGENCE_COLOUR, RacePane, identical_text, rate_text, times_text
+from widgets.race.pane import DIVERGENCE_COLOUR, RacePane, times_text
+from widgets.race.table import CATEGORY_LABELS, PromptLike, RaceSummaryLike, RaceTable
 
 REPEATS_RANGE = (1, 20)
 REPLAY_SHORTEST_S, REPLAY_LONGEST_S = 4.0, 20.0
-
-# Categories of assets/bench_prompts.jsonl, in the order the picker and the table group them.
-CATEGORY_LABELS: dict[str, str] = {
-    "code": "Code",
-    "longform_zh": "Long-form Chinese",
-    "longform_en": "Long-form English",
-    "chat": "Chat",
-    "math": "Math",
-    "short": "Short answers",
-    "summarize": "Summarise",
-    "custom": "Custom",
-}
 
 FAIRNESS_NOTE = (
     "Fair timing: the two modes run one after the other on the same device (the order alternates per "
     "repeat), each timed by its own engine clock, so neither slows the other. Replay plays both "
     "recordings on one timeline. Speedup = speculative tok/s ÷ standard tok/s."
 )
-TABLE_COLUMNS = ("Category", "Prompt", "Reps", "Std tok/s", "Spec tok/s", "Speedup", "Spread", "Accepted",
-                 "Tok/fwd", "Identical")
-TABLE_TIPS = ("Prompt category", "Bench prompt id (custom: typed by hand)", "Repeats of the race",
-              "Standard decoding tokens/s (median over repeats)", "Speculative decoding tokens/s (median)",
-              "Median speedup = speculative tok/s ÷ standard tok/s", "Speedup min–max and interquartile range",
-              "Draft tokens accepted (median)", "Tokens per target forward (median)",
-              "Greedy outputs identical token for token in every repeat")
 
 
 # --------------------------------------------------------------------------- plain data it takes
-
-class PromptLike(Protocol):
-    id: str
-    category: str
-    prompt: str
-
-
-class SpreadLike(Protocol):
-    n: int
-    median: float
-    minimum: float
-    maximum: float
-    iqr: float
-
 
 class RaceResultLike(Protocol):
     """What show_result reads (app.core.race_logic.RaceResult has it)."""
@@ -100,22 +63,6 @@ class RaceResultLike(Protocol):
     identical: bool | None
     divergence_index: int | None
     reason: str | None
-
-
-class RaceSummaryLike(Protocol):
-    """What show_race_summary reads (app.core.race_logic.RaceSummary has it)."""
-
-    race_id: int
-    prompt_id: str
-    category: str
-    speedup: SpreadLike
-    standard_tokens_per_s: float
-    speculative_tokens_per_s: float
-    acceptance_rate: float
-    tokens_per_target_forward: float
-    identical: bool | None
-
-
 
 
 def replay_scale(longest_s: float, *, shortest: float = REPLAY_SHORTEST_S, longest: float = REPLAY_LONGEST_S) -> float:
@@ -221,18 +168,7 @@ class RaceView(QWidget):
 
         self.chart = RaceChart()
         self.chart.setMinimumHeight(180)
-        self.table = QTableWidget(0, len(TABLE_COLUMNS))
-        self.table.setObjectName("raceTable")
-        self.table.setHorizontalHeaderLabels(TABLE_COLUMNS)
-        for col, tip in enumerate(TABLE_TIPS):
-            self.table.horizontalHeaderItem(col).setToolTip(tip)
-        self.table.verticalHeader().setVisible(False)
-        self.table.setEditTriggers(QAbstractItemView.EditTrigger.NoEditTriggers)
-        self.table.setSelectionBehavior(QAbstractItemView.SelectionBehavior.SelectRows)
-        self.table.setAlternatingRowColors(True)
-        header = self.table.horizontalHeader()
-        header.setSectionResizeMode(QHeaderView.ResizeMode.ResizeToContents)
-        header.setStretchLastSection(True)
+        self.table = RaceTable()
 
         bottom = QSplitter(Qt.Orientation.Horizontal)
         bottom.setChildrenCollapsible(False)
@@ -406,7 +342,7 @@ class RaceView(QWidget):
                 f"{times_text(s.maximum)} · IQR {s.iqr:.2f}×")
         else:
             self.repeats_label.setText("One repeat: repeat the race a few times for the median and spread.")
-        self._add_table_row(summary)
+        self.table.add_summary(summary)
 
     def race_ended(self, note: str = "") -> None:
         """The controller is done (finished, stopped or failed)."""
@@ -503,49 +439,9 @@ class RaceView(QWidget):
             else:
                 pane.view.clear_highlight()
 
-    def _add_table_row(self, s: RaceSummaryLike) -> None:
-        order = list(CATEGORY_LABELS)
-        rank = order.index(s.category) if s.category in order else len(order)
-        row = self.table.rowCount()
-        # Grouped by category: after the last row of this category (or of any category before it).
-        for r in range(self.table.rowCount()):
-            other = self.table.item(r, 0).data(Qt.ItemDataRole.UserRole)
-            if other > rank:
-                row = r
-                break
-        self.table.insertRow(row)
-        spread = s.speedup
-        cells = [
-            CATEGORY_LABELS.get(s.category, s.category),
-            s.prompt_id,
-            str(spread.n),
-            rate_text(s.standard_tokens_per_s),
-            rate_text(s.speculative_tokens_per_s),
-            times_text(spread.median),
-            f"{spread.minimum:.2f}–{spread.maximum:.2f}× · IQR {spread.iqr:.2f}" if spread.n > 1 else "–",
-            f"{s.acceptance_rate * 100:.0f}%",
-            f"{s.tokens_per_target_forward:.2f}",
-            identical_text(s.identical),
-        ]
-        for col, text in enumerate(cells):
-            item = QTableWidgetItem(text)
-            if col >= 2:
-                item.setTextAlignment(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter)
-            if col == 5:
-                font = item.font()
-                font.setBold(True)
-                item.setFont(font)
-            if col == 9 and s.identical is False:
-                item.setForeground(QColor(DIVERGENCE_COLOUR))
-            self.table.setItem(row, col, item)
-        self.table.item(row, 0).setData(Qt.ItemDataRole.UserRole, rank)
-        self.table.item(row, 0).setToolTip(f"race {s.race_id}")
-        self.table.scrollToItem(self.table.item(row, 0))
-
     def table_rows(self) -> list[list[str]]:
-        """The table's text, row by row (for tests and copy)."""
-        return [[self.table.item(r, c).text() for c in range(self.table.columnCount())]
-                for r in range(self.table.rowCount())]
+        """The results table's text, row by row (for tests and copy)."""
+        return self.table.rows()
 
     def _on_race_clicked(self) -> None:
         text = self.prompt_text().strip()
