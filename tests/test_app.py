@@ -789,7 +789,7 @@ def test_end_to_end_with_tiny_real_models(make_window, qtbot, tiny_pair, tmp_pat
 
 
 def test_cost_verdict_says_plainly_whether_speculation_pays():
-    from app.ui.window import cost_verdict
+    from app.core.session import cost_verdict
     from engine.measure.stats import summarize
     from engine.types import ModelInfo, Step
 

@@ -102,21 +102,10 @@ def test_status_bar_says_which_model_runs_without_graphs():
 def test_window_asks_before_loading_what_will_not_fit(monkeypatch, qtbot):
     from PySide6.QtWidgets import QMessageBox
 
-    import app.ui.window as window_module
+    from app.ui import loading
+    from app.ui.notices import Notices
 
     requests = []
-
-    class FakeWindow:
-        selection = ModelSelection()
-        check_link = type("NoCheck", (), {"attach": staticmethod(lambda dialog: None)})()  # "Check drafts": not here
-
-        def __init__(self):
-            self.loaded = []
-
-        def load_models(self, selection, *, force=False):
-            self.loaded.append((selection, force))
-
-        _confirm_load_anyway = window_module.MainWindow._confirm_load_anyway
 
     class FakeDialog:
         DialogCode = ModelDialog.DialogCode
@@ -130,13 +119,13 @@ def test_window_asks_before_loading_what_will_not_fit(monkeypatch, qtbot):
         def selection(self):
             return ModelSelection(device="cuda")
 
-    monkeypatch.setattr(window_module, "ModelDialog", FakeDialog)
-    fake = FakeWindow()
+    monkeypatch.setattr(loading, "ModelDialog", FakeDialog)
+    notices = Notices(None, None)  # only the question is asked here
     for answer, expected in ((QMessageBox.StandardButton.No, []), (QMessageBox.StandardButton.Yes, [True])):
         monkeypatch.setattr(QMessageBox, "question", lambda *a, answer=answer, **k: requests.append(a) or answer)
-        fake.loaded.clear()
-        window_module.MainWindow.open_model_dialog(fake)
-        assert [force for _, force in fake.loaded] == expected
+        choice = loading.choose_models(ModelSelection(), notices, attach_check=lambda dialog: None)  # no "Check drafts"
+        loaded = [choice] if choice is not None else []
+        assert [force for _, force in loaded] == expected
     assert "Quantize the target to nf4" in requests[-1][2] and "66.0 GiB" in requests[-1][2]
 
 

@@ -3,20 +3,20 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from PySide6.QtCore import QObject, Qt, QTimer, Signal
 from PySide6.QtWidgets import QMessageBox
 
 from app.core.chat_tree import messages_fitting
-from app.core.session import system_messages
+from app.core.session import ChatSession, system_messages
 from engine.limits import widest_draft
+from engine.settings import GenerationSettings
 from engine.types import Message
-
-if TYPE_CHECKING:
-    from app.ui.window import MainWindow
+from widgets.chat.prompt_box import PromptBox
+from widgets.context_meter import ContextMeter
 
 log = logging.getLogger(__name__)
 
@@ -210,51 +210,59 @@ class ContextCounter(QObject):
 
 class ContextGuard(QObject):
     """Keeps the meter under the prompt current as one types, and decides what to do at Send when the
-    conversation no longer fits: start a new chat or leave the oldest turns out (asked once per conversation)."""
+    conversation no longer fits: start a new chat or leave the oldest turns out (asked once per conversation).
 
-    def __init__(self, window: MainWindow) -> None:
-        super().__init__(window)
-        self.window = window
-        window.prompt.edit.textChanged.connect(self.update)
-        window.context.counted.connect(lambda count: window.context_meter.set_usage(
-            count.used, count.limit, dropped=count.dropped))
+    `ask_overflow(count)` gives "new", "drop" or "cancel"; `new_chat()` starts an empty conversation.
+    """
+
+    def __init__(self, counter: ContextCounter, prompt: PromptBox, meter: ContextMeter, session: ChatSession, *,
+                 settings: Callable[[], GenerationSettings], ask_overflow: Callable[[ContextCount], str],
+                 new_chat: Callable[[], None], parent: QObject | None = None) -> None:
+        super().__init__(parent)
+        self.counter = counter
+        self.prompt = prompt
+        self.session = session
+        self._settings = settings
+        self._ask_overflow = ask_overflow
+        self._new_chat = new_chat
+        prompt.edit.textChanged.connect(self.update)
+        counter.counted.connect(lambda count: meter.set_usage(count.used, count.limit, dropped=count.dropped))
 
     def reserve(self) -> int:
         # The engine needs room for one round of K drafts + 1 beyond the prompt (engine.decoding).
-        settings = self.window.panel.values()
+        settings = self._settings()
         return widest_draft(settings.mode, settings.k) + 1
 
     def update(self, *_: object, now: bool = False) -> None:
-        w = self.window
-        w.context.update(system_messages(w.panel.values()), w.session.conversation.messages(), w.prompt.text(),
-                         self.reserve(), w.session.conversation.trim_oldest, now=now)
+        conversation = self.session.conversation
+        self.counter.update(system_messages(self._settings()), conversation.messages(), self.prompt.text(),
+                            self.reserve(), conversation.trim_oldest, now=now)
 
     def count(self, draft: str, trim: bool) -> ContextCount | None:
-        w = self.window
-        return w.context.count_now(system_messages(w.panel.values()), w.session.conversation.messages(), draft,
-                                   self.reserve(), trim)
+        return self.counter.count_now(system_messages(self._settings()), self.session.conversation.messages(), draft,
+                                      self.reserve(), trim)
 
     def drop_count(self) -> int:
         """Oldest turns left out of the next request (only once the person chose that for this conversation)."""
-        if not self.window.session.conversation.trim_oldest:
+        if not self.session.conversation.trim_oldest:
             return 0
         count = self.count("", True)
         return count.dropped if count is not None else 0
 
     def room_for(self, text: str) -> int | None:
         """How many oldest turns to leave out so the question fits (mostly 0); None when the person cancelled."""
-        conversation = self.window.session.conversation
+        conversation = self.session.conversation
         count = self.count(text, conversation.trim_oldest)
         if count is None or count.used < count.limit or not conversation.messages():
             return count.dropped if count is not None else 0  # a lone prompt too long: the engine says so
         if conversation.trim_oldest:
             return count.dropped
-        choice = self.window.ask_overflow(count)
+        choice = self._ask_overflow(count)
         if choice == "new":
-            self.window.new_chat()
+            self._new_chat()
             return 0
         if choice == "drop":
-            self.window.session.set_trim_oldest(True)
+            self.session.set_trim_oldest(True)
             trimmed = self.count(text, True)
             return trimmed.dropped if trimmed is not None else 0
         return None

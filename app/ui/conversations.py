@@ -3,24 +3,21 @@ export, and the chat showing the branch the session shows."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from PySide6.QtCore import QObject, Qt, Signal
-from PySide6.QtWidgets import QFileDialog
 
 from app.core.chat_tree import Conversation, search_text
 from app.core.conversations import ConversationHeader
 from app.core.export import write_conversation_json, write_conversation_markdown
-from app.core.session import ShownTurn, answer_header
-from widgets.chat.view import ShownMessage
-from widgets.chat.conversation_list import SidebarEntry
+from app.core.session import ChatSession, ShownTurn, answer_header
+from app.ui.notices import Notices
+from widgets.chat.conversation_list import ConversationList, SidebarEntry
+from widgets.chat.view import ChatView, ShownMessage
 from widgets.stats_line import format_stats_line
-
-if TYPE_CHECKING:
-    from app.ui.window import MainWindow
 
 log = logging.getLogger(__name__)
 
@@ -44,15 +41,22 @@ def subtitle(header: ConversationHeader, now: datetime | None = None) -> str:
 
 
 class ConversationsController(QObject):
-    """Keeps the sidebar in step with the store and the conversation shown."""
+    """Keeps the sidebar in step with the store and the conversation shown.
+
+    `new_chat()` starts an empty conversation; `open_conversation(id)` shows a saved one (False if it cannot).
+    """
 
     searched = Signal(int, object)  # search generation, list of ids (from the search thread)
 
-    def __init__(self, window: MainWindow) -> None:
-        super().__init__(window)
-        self.window = window
-        self.session = window.session
-        self.sidebar = window.sidebar
+    def __init__(self, session: ChatSession, sidebar: ConversationList, chat: ChatView, notices: Notices, *,
+                 new_chat: Callable[[], None], open_conversation: Callable[[str], bool],
+                 parent: QObject | None = None) -> None:
+        super().__init__(parent)
+        self.session = session
+        self.sidebar = sidebar
+        self.chat = chat
+        self.notices = notices
+        self._new_chat = new_chat
         self._headers: dict[str, ConversationHeader] = {h.id: h for h in self.session.list()}
         self._search_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="conversation-search")
         self._search_generation = 0
@@ -60,8 +64,8 @@ class ConversationsController(QObject):
         self._current_hit: str | None = None  # the shown conversation, when it matches the query
         self.bubble_turn: dict[int, str] = {}  # answer bubble (its request id) -> its turn in the conversation
         s = self.sidebar
-        s.new_requested.connect(window.new_chat)
-        s.selected.connect(window.open_conversation)
+        s.new_requested.connect(new_chat)
+        s.selected.connect(open_conversation)
         s.rename_requested.connect(self.rename)
         s.delete_requested.connect(self.delete)
         s.undo_requested.connect(self.undo)
@@ -99,7 +103,7 @@ class ConversationsController(QObject):
         try:
             self.session.rename(conversation_id, title)
         except (OSError, ValueError) as e:
-            self.window._show_error("Could not rename the conversation", str(e))
+            self.notices.error("Could not rename the conversation", str(e))
             return
         header = self._headers.get(conversation_id)
         if conversation_id == self.session.conversation.id:
@@ -115,7 +119,7 @@ class ConversationsController(QObject):
         header = self._headers.get(conversation_id)
         if conversation_id == self.session.conversation.id:
             header = header_of(self.session.conversation)
-            self.window.new_chat()
+            self._new_chat()
         self.session.delete(conversation_id)
         self._headers.pop(conversation_id, None)
         self.refresh()
@@ -123,7 +127,7 @@ class ConversationsController(QObject):
 
     def undo(self, conversation_id: str) -> None:
         if not self.session.restore(conversation_id):
-            self.window.statusBar().showMessage("That conversation can no longer be restored.", 5000)
+            self.notices.note("That conversation can no longer be restored.", 5000)
             return
         try:
             self._headers[conversation_id] = header_of(self.session.load(conversation_id))
@@ -162,16 +166,16 @@ class ConversationsController(QObject):
         try:
             conversation = self.session.conversation if conversation_id is None else self.session.load(conversation_id)
         except (OSError, ValueError) as e:
-            self.window._show_error("Export failed", f"Could not read the conversation: {e}.")
+            self.notices.error("Export failed", f"Could not read the conversation: {e}.")
             return False
         if conversation.is_empty():
-            self.window._show_info("Export conversation", "Nothing to export yet: this conversation is empty.")
+            self.notices.info("Export conversation", "Nothing to export yet: this conversation is empty.")
             return False
         suffix, label = (".md", "Markdown (*.md)") if kind == "markdown" else (".json", "JSON (*.json)")
         if path is None:
             stem = "".join(c if c.isalnum() or c in " -_" else "_" for c in conversation.title)[:50].strip() or "chat"
-            path, _ = QFileDialog.getSaveFileName(self.window, "Export conversation", str(Path.home() / (stem + suffix)),
-                                                  f"{label};;All files (*)")
+            path = self.notices.save_path("Export conversation", str(Path.home() / (stem + suffix)),
+                                          f"{label};;All files (*)")
             if not path:
                 return False
         try:
@@ -180,10 +184,10 @@ class ConversationsController(QObject):
             else:
                 write_conversation_json(path, conversation)
         except OSError as e:
-            self.window._show_error("Export failed", f"Could not write {path}: {e.strerror or e}. Choose another "
-                                                     "location; the conversation is kept.")
+            self.notices.error("Export failed", f"Could not write {path}: {e.strerror or e}. Choose another "
+                                                "location; the conversation is kept.")
             return False
-        self.window.statusBar().showMessage(f"Exported “{conversation.title}” to {path}", 5000)
+        self.notices.note(f"Exported “{conversation.title}” to {path}", 5000)
         return True
 
     def sync_chat(self, until: str | None = None) -> None:
@@ -192,17 +196,17 @@ class ConversationsController(QObject):
         shown = self.session.shown()
         if until is not None:
             shown = shown[: next((i for i, t in enumerate(shown) if t.turn.id == until), len(shown))]
-        keys = self.window.chat.keys()
+        keys = self.chat.keys()
         same = 0
         while same < min(len(shown), len(keys)) and keys[same] == shown[same].turn.id:
             same += 1
         for item in shown[:same]:
-            self.window.chat.set_branch(item.turn.id, item.index, item.count)
+            self.chat.set_branch(item.turn.id, item.index, item.count)
         if same < len(keys):
-            self.window.chat.truncate_from(keys[same])
-        kept = set(self.window.chat.answer_ids())
+            self.chat.truncate_from(keys[same])
+        kept = set(self.chat.answer_ids())
         self.bubble_turn = {r: t for r, t in self.bubble_turn.items() if r in kept}
-        self.window.chat.append_messages([self._shown_message(item) for item in shown[same:]])
+        self.chat.append_messages([self._shown_message(item) for item in shown[same:]])
 
     def _shown_message(self, item: ShownTurn) -> ShownMessage:
         turn = item.turn
