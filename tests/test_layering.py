@@ -1,5 +1,6 @@
 """Layering contract: engine/ never imports Qt or the app; widgets/ never import torch, transformers or the app;
-app/core, the CLI and the server never reach Qt, even through a chain of imports."""
+app/core, the CLI and the server never reach Qt, even through a chain of imports; no file is over 500 lines; the
+window's controllers never reach into its private members."""
 from __future__ import annotations
 
 import ast
@@ -116,3 +117,42 @@ def test_the_checker_catches_a_violation(tmp_path, monkeypatch):
     monkeypatch.setattr(__import__(__name__, fromlist=["ROOT"]), "ROOT", fake_root)
     names = [n for _, n in imports(bad)]
     assert "torch" in names and "engine.decoding" in names and "engine.models.store" in names
+
+
+MAX_LINES = 500  # a file one can read in one sitting; past this it is two files
+
+
+@pytest.mark.parametrize("package", ("engine", "app", "widgets"))
+def test_no_file_is_longer_than_one_sitting(package):
+    long = [f"{p.relative_to(ROOT)}: {n} lines" for p in sources(package)
+            if (n := len(p.read_text(encoding="utf-8").splitlines())) > MAX_LINES]
+    assert not long, f"over {MAX_LINES} lines, split them:\n" + "\n".join(long)
+
+
+def private_window_uses(path: Path) -> list[str]:
+    """`window._x` or `self._window._x`: a controller reaching into the window instead of taking what it needs."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    found = []
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Attribute) and node.attr.startswith("_")):
+            continue
+        owner = node.value
+        name = owner.id if isinstance(owner, ast.Name) else owner.attr if isinstance(owner, ast.Attribute) else None
+        if name in ("window", "_window"):
+            found.append(f"{path.relative_to(ROOT)}:{node.lineno} uses {name}.{node.attr}")
+    return found
+
+
+@pytest.mark.parametrize("path", [p for p in sources("app/ui") if p.name != "window.py"],
+                         ids=lambda p: str(p.relative_to(ROOT)))
+def test_controllers_never_reach_into_the_window(path):
+    bad = private_window_uses(path)
+    assert not bad, "\n".join(bad)
+
+
+def test_the_window_check_catches_a_reach(tmp_path, monkeypatch):
+    monkeypatch.setattr(__import__(__name__, fromlist=["ROOT"]), "ROOT", tmp_path)
+    bad = tmp_path / "controller.py"
+    bad.write_text("def f(window, self):\n    window._show_error('a', 'b')\n    self.window._closed\n"
+                   "    self.window.chat\n", encoding="utf-8")
+    assert sorted(u.split(" uses ")[1] for u in private_window_uses(bad)) == ["window._closed", "window._show_error"]
