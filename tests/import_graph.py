@@ -46,40 +46,43 @@ class Graph:
         return chains
 
     def circles(self) -> list[list[str]]:
-        """Strongly connected groups of more than one module (Tarjan), over run-time imports."""
-        index: dict[str, int] = {}
-        low: dict[str, int] = {}
-        stack: list[str] = []
-        on_stack: set[str] = set()
-        found: list[list[str]] = []
+        """Groups of more than one module that import each other, over run-time imports."""
+        return circles({name: {t for t in self.runtime_targets(name) if t in self.modules} for name in self.modules})
 
-        def visit(v: str) -> None:
-            index[v] = low[v] = len(index)
-            stack.append(v)
-            on_stack.add(v)
-            for w in self.runtime_targets(v):
-                if w not in self.modules:
-                    continue
-                if w not in index:
-                    visit(w)
-                    low[v] = min(low[v], low[w])
-                elif w in on_stack:
-                    low[v] = min(low[v], index[w])
-            if low[v] == index[v]:
-                group = []
-                while True:
-                    w = stack.pop()
-                    on_stack.discard(w)
-                    group.append(w)
-                    if w == v:
-                        break
-                if len(group) > 1:
-                    found.append(sorted(group))
 
-        for v in sorted(self.modules):
-            if v not in index:
-                visit(v)
-        return found
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one node (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                found.append(sorted(group))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
 
 
 def module_name(path: Path, root: Path = ROOT) -> str:

@@ -18,8 +18,9 @@ respect the layers.
 """
 from __future__ import annotations
 
-import ast
 from pathlib import Path
+
+from tests.import_graph import build, circles, file_edges
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
@@ -37,56 +38,12 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
 
 
 def _modules() -> dict[str, Path]:
-    found = {}
-    for path in sorted((ROOT / "engine").rglob("*.py")):
-        parts = path.relative_to(ROOT).with_suffix("").parts
-        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-        found[name] = path
-    return found
-
-
-def _is_type_checking(test: ast.expr) -> bool:
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or \
-        (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+    return build(ROOT, ("engine",)).modules
 
 
 def _imports(name: str, path: Path, modules: dict[str, Path]) -> list[tuple[str, int, bool]]:
     """(imported engine module, line, under TYPE_CHECKING) for every import in the file."""
-    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-    out: list[tuple[str, int, bool]] = []
-
-    def target(module: str, names: list[str]) -> list[str]:
-        hits = [f"{module}.{n}" for n in names if f"{module}.{n}" in modules]  # `from pkg import submodule`
-        rest = len(hits) < len(names)
-        return hits + ([module] if rest and module in modules else [])
-
-    def visit(node: ast.AST, typing_only: bool) -> None:
-        for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.If) and _is_type_checking(child.test):
-                for stmt in child.body:
-                    visit_stmt(stmt, True)
-                for stmt in child.orelse:
-                    visit_stmt(stmt, typing_only)
-                continue
-            visit_stmt(child, typing_only)
-
-    def visit_stmt(node: ast.AST, typing_only: bool) -> None:
-        if isinstance(node, ast.Import):
-            for alias in node.names:
-                if alias.name.startswith("engine"):
-                    out.extend((m, node.lineno, typing_only) for m in target(alias.name, []) or [alias.name])
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package.split(".")[: len(package.split(".")) - node.level + 1]
-                module = ".".join(base + ([node.module] if node.module else []))
-            else:
-                module = node.module or ""
-            if module == "engine" or module.startswith("engine."):
-                out.extend((m, node.lineno, typing_only) for m in target(module, [a.name for a in node.names]))
-        visit(node, typing_only)
-
-    visit(ast.parse(path.read_text()), False)
-    return [(m, line, t) for m, line, t in out if m in modules and m != name]
+    return [(e.target, e.line, e.typing_only) for e in file_edges(name, path, modules) if e.target in modules]
 
 
 def _layer(name: str) -> int:
@@ -100,8 +57,9 @@ def _layer(name: str) -> int:
 
 
 def _graph() -> dict[str, list[tuple[str, int, bool]]]:
-    modules = _modules()
-    return {name: _imports(name, path, modules) for name, path in modules.items()}
+    graph = build(ROOT, ("engine",))
+    return {name: [(e.target, e.line, e.typing_only) for e in edges if e.target in graph.modules]
+            for name, edges in graph.edges.items()}
 
 
 def test_every_engine_module_has_a_layer():
@@ -115,39 +73,7 @@ def test_no_import_in_engine_points_upward():
     assert upward == []
 
 
-def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
-    """Strongly connected components of more than one module (Tarjan)."""
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    stack: list[str] = []
-    on_stack: set[str] = set()
-    found: list[list[str]] = []
-
-    def strong(v: str) -> None:
-        index[v] = low[v] = len(index)
-        stack.append(v)
-        on_stack.add(v)
-        for w in graph.get(v, ()):
-            if w not in index:
-                strong(w)
-                low[v] = min(low[v], low[w])
-            elif w in on_stack:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            component = []
-            while True:
-                w = stack.pop()
-                on_stack.discard(w)
-                component.append(w)
-                if w == v:
-                    break
-            if len(component) > 1:
-                found.append(sorted(component))
-
-    for v in sorted(graph):
-        if v not in index:
-            strong(v)
-    return found
+_circles = circles
 
 
 def test_circle_finder_finds_a_circle():
