@@ -92,6 +92,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
 
 
+def _no_display() -> str:
+    """Why the window cannot open here (a Linux machine with no display and no Qt platform chosen), or "".
+    Qt would otherwise abort with several lines about platform plugins."""
+    if not sys.platform.startswith("linux") or os.environ.get("QT_QPA_PLATFORM"):
+        return ""
+    if os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY"):
+        return ""
+    return ("no display to open the window on: start it on a desktop, under Xvfb (xvfb-run specdec-studio), "
+            "or use a headless command (generate, bench, serve, ...; see --help)")
+
+
 def _run(argv: Sequence[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in HEADLESS_COMMANDS:
@@ -104,6 +115,10 @@ def _run(argv: Sequence[str] | None) -> int:
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
+    missing = _no_display()
+    if missing:
+        print(f"specdec-studio: {missing}", file=sys.stderr)
+        return 2
     from PySide6.QtWidgets import QApplication
 
     from app.ui.settings import APPLICATION, ORGANIZATION, AppSettings

@@ -826,3 +826,14 @@ def test_memory_figure_counts_every_gpu_of_a_split_target(make_window, monkeypat
     w.session.info = replace(w.info, device="cuda:1", devices=())
     w._update_memory()
     assert w.memory_label.text() == "GPU 5.00 GiB"
+
+
+def test_the_window_without_a_display_is_one_line(monkeypatch, capsys):
+    from app.main import main
+
+    for name in ("DISPLAY", "WAYLAND_DISPLAY", "QT_QPA_PLATFORM"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr("sys.platform", "linux")
+    assert main([]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no display" in err[0] and "xvfb-run" in err[0]
