@@ -50,7 +50,8 @@ def costs(engine) -> dict:
 def part_random(args, results: qc.Results, texts: list[str]) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from engine.decoding import Engine
+    from engine.assemble import engine_for_pair
+    from engine.loadspec import LoadSpec
     from engine.models.census import census_from_config, census_from_folder
     from engine.models.loader import LoadedPair
     from engine.models.planner import ModelFigures, plan_models
@@ -82,7 +83,7 @@ def part_random(args, results: qc.Results, texts: list[str]) -> None:
                              fast_path="eager", vocab_size=vocab, target_precision=precision,
                              draft_precision="bfloat16")
             qc.reset_peaks()  # building random weights is not loading: the peak starts here
-            engine = Engine.from_pair(LoadedPair(target, draft, tokenizer, info, vocab, plan), head=None)
+            engine = engine_for_pair(LoadedPair(target, draft, tokenizer, info, vocab, plan), LoadSpec(head=None))
             out = qc.run_prompts(engine, texts[:2], args.max_new_tokens)
             plan_rows = qc.compare_plan(plan, measured(args.device))
             print(f"    {engine.info.fast_path}; {qc.plan_line(plan_rows)}\n    standard "
@@ -96,7 +97,8 @@ def part_random(args, results: qc.Results, texts: list[str]) -> None:
 
 
 def part_pair(args, results: qc.Results, texts: list[str]) -> None:
-    from engine.decoding import Engine
+    from engine.assemble import engine_for_pair
+    from engine.loadspec import LoadSpec
     from engine.models.loader import load_pair
 
     reference: dict = {}
@@ -109,10 +111,10 @@ def part_pair(args, results: qc.Results, texts: list[str]) -> None:
                 print(f"    refused: {why}", flush=True)
                 return {"refused": why}
             qc.reset_peaks()
-            pair = load_pair(args.target, args.draft, device=args.device, target_dtype=target_p, draft_dtype=draft_p,
-                             context=args.context, force=True, head=None)
+            pair = load_pair(LoadSpec(args.target, args.draft, device=args.device, target_precision=target_p,
+                                      draft_precision=draft_p, context=args.context, force=True, head=None))
             head = args.head if Path(args.head).is_dir() else None
-            engine = Engine.from_pair(pair, head=head)
+            engine = engine_for_pair(pair, LoadSpec(head=head))
             out = qc.run_prompts(engine, texts, args.max_new_tokens)
             if head is not None:
                 out["head"] = qc.run_prompts(engine, texts, args.max_new_tokens, proposer="head")["speculative"]
@@ -164,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         args.target, args.draft = (str(x) for x in save_pair(Path(tempfile.mkdtemp()), noise=0.02, seed=0))
         args.random_context, args.context = 256, 256
         args.head = "none"
-    results = qc.Results("h200_fastquant.json")
+    results = qc.Results(Path(__file__).resolve().parent / "results" / "h200_fastquant.json")
     env = {"torch": torch.__version__, "cuda": torch.version.cuda, "triton_kernel": fq.kernel.AVAILABLE,
            "args": vars(args)}
     if torch.cuda.is_available() and args.device != "cpu":

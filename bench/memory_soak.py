@@ -80,7 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--draft-quant", default="auto")
     p.add_argument("--tiny", action="store_true", help="tiny random pair (a smoke run)")
     args = p.parse_args(argv)
-    from engine.decoding import Engine
+    from engine.assemble import engine_for_pair
+    from engine.loadspec import LoadSpec
     from engine.models.loader import load_pair
 
     if args.tiny:
@@ -89,11 +90,11 @@ def main(argv: list[str] | None = None) -> int:
         from tests.tiny import save_pair
 
         args.target, args.draft = (str(x) for x in save_pair(Path(tempfile.mkdtemp()), noise=0.02, seed=0))
-    pair = load_pair(args.target, args.draft, device=args.device, target_dtype=args.target_quant,
-                     draft_dtype=args.draft_quant, head=None)
-    engine = Engine.from_pair(pair, head=None)
+    pair = load_pair(LoadSpec(args.target, args.draft, device=args.device, target_precision=args.target_quant,
+                              draft_precision=args.draft_quant, head=None))
+    engine = engine_for_pair(pair, LoadSpec(head=None))
     rows = soak(engine, qc.prompts(3), args.answers, args.device)
-    results = qc.Results("memory_soak.json")
+    results = qc.Results(Path(__file__).resolve().parent / "results" / "memory_soak.json")
     summary: dict = {"answers": len(rows), "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
                      "fast_path": engine.info.fast_path}
     if rows and "peak_gib" in rows[0]:
