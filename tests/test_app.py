@@ -184,7 +184,9 @@ def test_send_streams_coloured_tokens_stats_charts_and_csv(make_window, qtbot, t
     # Colours: every shown token has its status' palette background, in order.
     view = w.chat.token_view(rid)
     spans = view.token_spans()
-    assert [s for _, _, s in spans] == SCRIPT_STATUSES
+    # Rejected drafts are not in the text: a mark stands where each step's drafts were rejected.
+    assert [s for _, _, s in spans] == [s for s in SCRIPT_STATUSES if s != "rejected"]
+    assert view.toPlainText() == SCRIPT_TEXT and len(view.mark_positions()) == 2
     palette = current_palette()
     text = view.toPlainText()
     for start, _end, status in spans:
@@ -308,9 +310,15 @@ def test_regenerate_replaces_the_last_answer(make_window, qtbot):
     first, _ = send_with_enter(qtbot, w, "question")
     count = w.chat.message_count()
     assert w.chat.regenerate_visible(first)
+    # At T = 0 the answer would repeat: Regenerate first says so in the chat and offers to raise T.
+    assert w.regenerate() is None and w.active_request is None
+    hint = w.chat.hint()
+    assert hint is not None and "same answer" in hint.plain_text()
     with qtbot.waitSignal(w.answer_finished, timeout=5000) as blocker:
-        second = w.regenerate()
-    assert blocker.args[0] == second != first
+        hint.buttons[1].click()  # "Regenerate at T = 0"
+    second = blocker.args[0]
+    assert second != first and w.chat.hint() is None
+    assert engine.requests[-1].sampling.temperature == 0
     qtbot.waitUntil(lambda: w.active_request is None)
     assert engine.requests[-1].messages == engine.requests[-2].messages  # same turns re-sent
     assert w.chat.token_view(first) is None and w.chat.token_view(second) is not None

@@ -198,6 +198,38 @@ class NoteBubble(WrapLabel):
         return self.text()
 
 
+class HintBubble(QFrame):
+    """A hint in the chat's flow with a choice of buttons (never modal): e.g. Regenerate at T = 0."""
+
+    chosen = Signal(int)  # the index of the button clicked; -1 when dismissed
+
+    def __init__(self, text: str, choices: Sequence[str], parent: QWidget) -> None:
+        super().__init__(parent)
+        self.setObjectName("hintBubble")
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(12, 8, 12, 8)
+        self.label = plain_label(text, "hintText", self)
+        layout.addWidget(self.label)
+        row = QHBoxLayout()
+        row.setContentsMargins(0, 0, 0, 0)
+        row.addStretch(1)
+        self.buttons: list[QPushButton] = []
+        for i, choice in enumerate(choices):
+            button = QPushButton(choice, self)
+            if i == 0:
+                button.setObjectName("primaryButton")
+            button.clicked.connect(lambda _=False, i=i: self.chosen.emit(i))
+            row.addWidget(button)
+            self.buttons.append(button)
+        self.dismiss_button = QPushButton("Cancel", self)
+        self.dismiss_button.clicked.connect(lambda: self.chosen.emit(-1))
+        row.addWidget(self.dismiss_button)
+        layout.addLayout(row)
+
+    def plain_text(self) -> str:
+        return self.label.text()
+
+
 class AssistantBubble(QFrame):
     """Header, the answer (coloured tokens while it streams, markdown once done), an error line,
     then stats and Copy / Tokens / Regenerate and the branch switch."""

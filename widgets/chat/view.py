@@ -13,9 +13,10 @@ from PySide6.QtGui import QGuiApplication, QResizeEvent
 from PySide6.QtWidgets import QWidget
 
 from engine.types import Step, Summary
-from widgets.chat.bubbles import AssistantBubble, NoteBubble, UserBubble
+from widgets.chat.bubbles import AssistantBubble, HintBubble, NoteBubble, UserBubble
 from widgets.chat.pages import PagedColumn
 from widgets.chat.markdown import MarkdownView, shared_renderer
+from widgets.chat.welcome import WelcomePane
 from widgets.token_text import TokenTextView
 
 log = logging.getLogger(__name__)
@@ -52,6 +53,7 @@ class ChatView(PagedColumn):
     edit_submitted = Signal(str, str)  # a question was edited and sent again: turn key, new text
     branch_requested = Signal(str, int)  # show another version of a message: turn key, -1 / +1
     loading_finished = Signal()  # show_messages() has built every bubble
+    example_chosen = Signal(str)  # an example prompt of the welcome pane was clicked: its text
 
     def __init__(self, parent: QWidget | None = None) -> None:
         super().__init__(parent)
@@ -74,6 +76,11 @@ class ChatView(PagedColumn):
         self._apply_timer.setInterval(0)
         self._apply_timer.timeout.connect(self._apply_one)
         shared_renderer().rendered.connect(self._on_rendered)
+        # The empty state: above the (empty) list of messages, hidden as soon as there is one.
+        self.welcome = WelcomePane(self._holder)
+        self._holder.layout().insertWidget(0, self.welcome)
+        self.welcome.example_chosen.connect(self.example_chosen)
+        self._hint: HintBubble | None = None  # the hint shown at the end, if any
 
     # --- public API -------------------------------------------------------------------------
 
@@ -139,6 +146,7 @@ class ChatView(PagedColumn):
         """Adds saved messages at the end, a few per event-loop turn (anything added later goes after them)."""
         self._queue.extend(messages)
         if self._queue:
+            self.welcome.hide()
             self._load_timer.start()
 
     def keys(self) -> list[str]:
@@ -159,6 +167,7 @@ class ChatView(PagedColumn):
                 self._assistants.pop(widget.request_id, None)
         del self._messages[index:]
         self._update_regenerate()
+        self._update_welcome()
 
     def is_loading(self) -> bool:
         return bool(self._queue)
@@ -205,6 +214,33 @@ class ChatView(PagedColumn):
         self._messages.remove(bubble)
         self._discard(bubble)
         self._update_regenerate()
+        self._update_welcome()
+
+    def show_hint(self, text: str, choices: Sequence[str], on_choice: Callable[[int], None]) -> HintBubble:
+        """A hint with buttons at the end of the chat; `on_choice(index)` when one is clicked (-1: Cancel).
+        It goes once answered, or when the next message is added."""
+        self.dismiss_hint()
+        self._drain()
+        hint = HintBubble(text, choices, self._contents)
+        self._hint = hint
+
+        def chosen(index: int) -> None:
+            self.dismiss_hint()
+            on_choice(index)
+
+        hint.chosen.connect(chosen)
+        self._add(hint)
+        return hint
+
+    def hint(self) -> HintBubble | None:
+        return self._hint
+
+    def dismiss_hint(self) -> None:
+        hint, self._hint = self._hint, None
+        if hint is not None and hint in self._messages:
+            self._messages.remove(hint)
+            self._discard(hint)
+            self._update_welcome()
 
     def add_system_note(self, text: str) -> int:
         self._drain()
@@ -213,9 +249,11 @@ class ChatView(PagedColumn):
     def clear(self) -> None:
         self._queue = []
         self._load_timer.stop()
+        self._hint = None  # goes with the old contents
         self._swap_contents()
         self._assistants.clear()
         self._follow = True
+        self._update_welcome()
 
     def set_busy(self, busy: bool) -> None:
         """While an answer streams, Edit and Regenerate wait (one generation at a time)."""
@@ -252,6 +290,10 @@ class ChatView(PagedColumn):
         self._show_rejected = show
         for bubble in self._assistants.values():
             bubble.view.set_show_rejected(show)
+
+    def showing_welcome(self) -> bool:
+        """True while the chat is empty and shows the welcome pane."""
+        return not self.welcome.isHidden()
 
     def message_count(self) -> int:
         return len(self._messages)
@@ -309,6 +351,15 @@ class ChatView(PagedColumn):
                 widget.frame.setMaximumWidth(width)
 
     # --- internals ------------------------------------------------------------------------------
+
+    def _add(self, widget: QWidget) -> int:
+        self.welcome.hide()
+        if self._hint is not None and widget is not self._hint:
+            self.dismiss_hint()  # a hint answers the moment it was shown in; anything newer makes it stale
+        return super()._add(widget)
+
+    def _update_welcome(self) -> None:
+        self.welcome.setVisible(not self._messages and not self._queue)
 
     def _user_width(self) -> int:
         return max(200, int(self.viewport().width() * USER_BUBBLE_WIDTH))
