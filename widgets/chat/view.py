@@ -145,8 +145,9 @@ class ChatView(PagedColumn):
     def append_messages(self, messages: Sequence[ShownMessage]) -> None:
         """Adds saved messages at the end, a few per event-loop turn (anything added later goes after them)."""
         self._queue.extend(messages)
-        if self._queue:
+        if any(m.role in ("user", "assistant") for m in messages):
             self.welcome.hide()
+        if self._queue:
             self._load_timer.start()
 
     def keys(self) -> list[str]:
@@ -353,13 +354,15 @@ class ChatView(PagedColumn):
     # --- internals ------------------------------------------------------------------------------
 
     def _add(self, widget: QWidget) -> int:
-        self.welcome.hide()
+        if isinstance(widget, (UserBubble, AssistantBubble)):
+            self.welcome.hide()  # a note (model loaded) leaves the chat as empty as it was
         if self._hint is not None and widget is not self._hint:
             self.dismiss_hint()  # a hint answers the moment it was shown in; anything newer makes it stale
         return super()._add(widget)
 
     def _update_welcome(self) -> None:
-        self.welcome.setVisible(not self._messages and not self._queue)
+        self.welcome.setVisible(not self._queue and not any(isinstance(w, (UserBubble, AssistantBubble))
+                                                            for w in self._messages))
 
     def _user_width(self) -> int:
         return max(200, int(self.viewport().width() * USER_BUBBLE_WIDTH))
@@ -425,4 +428,5 @@ class ChatView(PagedColumn):
             self._building = False
         if not self._queue and self._load_timer.isActive():
             self._load_timer.stop()
+            self._update_welcome()
             self.loading_finished.emit()
