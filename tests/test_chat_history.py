@@ -84,7 +84,8 @@ def test_a_conversation_is_saved_and_reopens_with_its_colours(open_window, qtbot
     answer = again.chat.answer_ids()[-1]
     assert again.chat.message_text(1) == SCRIPT_TEXT
     assert statuses_shown(again, answer) == SCRIPT_STATUSES  # the colours came back
-    assert "auto" in again.chat.stats_text(answer)  # the app's default mode
+    assert "auto" in again.chat.stats_detail(answer)  # the app's default mode
+    assert again.chat.stats_text(answer) and "K auto" not in again.chat.stats_text(answer)  # plain words
     # The reopened conversation goes on where it was.
     ask(qtbot, again, "And again")
     assert again.history()[:2] == [Message("user", "Say hello"), Message("assistant", SCRIPT_TEXT)]

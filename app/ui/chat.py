@@ -19,7 +19,7 @@ from engine.types import Message, Step, Summary
 from widgets.charts import LiveCharts
 from widgets.chat.prompt_box import PromptBox
 from widgets.chat.view import ChatView
-from widgets.stats_line import format_stats_line
+from widgets.stats_line import format_stats_line, format_stats_plain
 
 
 REGENERATE_TEMPERATURE = 0.7  # what Regenerate at T = 0 offers instead
@@ -223,7 +223,7 @@ class ChatController(QObject):
         request = self.session.request(request_id)
         if request is None:
             return
-        self.chat.finish_assistant_message(request_id, summary,
+        self.chat.finish_assistant_message(request_id, summary, format_stats_plain(summary, request),
                                            self._annotate(format_stats_line(summary, request), summary, request))
         record = self.session.finish(request_id, summary)
         if summary.mode == "speculative" and request.proposer in ("draft", "head") and record is not None:

@@ -38,7 +38,8 @@ class ShownMessage:
     header: str = ""  # answers: model and settings line
     # answers: tokens to colour, or a function that makes them when first shown (None: saved without them)
     steps: tuple[Step, ...] | Callable[[], Sequence[Step]] | None = None
-    stats: str = ""  # answers: the figures line
+    stats: str = ""  # answers: the figures line, in plain words
+    stats_detail: str = ""  # answers: the same with every figure (the line's tooltip)
     error: str = ""  # answers: why it failed, if it did
 
 
@@ -120,6 +121,7 @@ class ChatView(PagedColumn):
             bubble.error.setText(f"⚠ {message.error}")
             bubble.error.show()
         bubble.stats.setText(message.stats)
+        bubble.stats.setToolTip(message.stats_detail)
         bubble.stats.setVisible(bool(message.stats))
         self._finish_view(bubble)
         self._update_regenerate(bubble)
@@ -185,13 +187,15 @@ class ChatView(PagedColumn):
             return
         bubble.view.append_steps(steps)
 
-    def finish_assistant_message(self, request_id: int, summary: Summary, stats_text: str) -> None:
+    def finish_assistant_message(self, request_id: int, summary: Summary, stats_text: str,
+                                 stats_detail: str = "") -> None:
         bubble = self._assistants.get(request_id)
         if bubble is None:
             log.debug("finish for unknown request %s ignored", request_id)
             return
         bubble.finish(summary.text)
         bubble.stats.setText(stats_text)
+        bubble.stats.setToolTip(stats_detail)
         bubble.stats.setVisible(bool(stats_text))
         self._finish_view(bubble)
         self._update_regenerate()
@@ -337,6 +341,11 @@ class ChatView(PagedColumn):
         """The stats line under an answer ("" while it streams)."""
         bubble = self._assistants.get(request_id)
         return bubble.stats.text() if bubble is not None else ""
+
+    def stats_detail(self, request_id: int) -> str:
+        """Every figure behind the stats line (its tooltip)."""
+        bubble = self._assistants.get(request_id)
+        return bubble.stats.toolTip() if bubble is not None else ""
 
     def regenerate_visible(self, request_id: int) -> bool:
         bubble = self._assistants.get(request_id)
