@@ -231,6 +231,7 @@ class SweepRow:
     compared: int  # outputs compared for identity (0 when sampling)
     runs: int  # timed generations behind the row
     k_mean: float = 0.0  # mean K chosen per step (equals k for a fixed K)
+    spread: float = 0.0  # how far the speedup can be off from noise (engine.measure.verdict.speedup_spread)
 
     @property
     def label(self) -> str:

@@ -30,7 +30,7 @@ from engine.types import GenerationRequest, Message, ModelInfo, Step, Summary, T
 from widgets.model_dialog import ModelDialog
 from widgets.palette import current_palette
 from widgets.settings_panel import DisplaySettings
-from widgets.stats_line import format_stats_line
+from widgets.stats_line import format_stats_line, format_stats_plain
 
 FAKE_INFO = ModelInfo(target_name="fake-target", draft_name="fake-draft", device="cpu", dtype="float32",
                       fast_path="eager", vocab_size=100)
@@ -184,7 +184,9 @@ def test_send_streams_coloured_tokens_stats_charts_and_csv(make_window, qtbot, t
     # Colours: every shown token has its status' palette background, in order.
     view = w.chat.token_view(rid)
     spans = view.token_spans()
-    assert [s for _, _, s in spans] == SCRIPT_STATUSES
+    # Rejected drafts are not in the text: a mark stands where each step's drafts were rejected.
+    assert [s for _, _, s in spans] == [s for s in SCRIPT_STATUSES if s != "rejected"]
+    assert view.toPlainText() == SCRIPT_TEXT and len(view.mark_positions()) == 2
     palette = current_palette()
     text = view.toPlainText()
     for start, _end, status in spans:
@@ -196,8 +198,11 @@ def test_send_streams_coloured_tokens_stats_charts_and_csv(make_window, qtbot, t
 
     # The stats line is the widget formatter's line for this summary and request.
     request = engine.requests[-1]
-    assert w.chat.stats_text(rid) == format_stats_line(summary, request)
-    assert "speculative" in w.chat.stats_text(rid) and "K=5" in w.chat.stats_text(rid)
+    # Plain words under the answer; every figure (mode, K, time split) in its tooltip.
+    assert w.chat.stats_text(rid) == format_stats_plain(summary, request)
+    assert "of drafted tokens accepted" in w.chat.stats_text(rid) and "K=" not in w.chat.stats_text(rid)
+    assert w.chat.stats_detail(rid) == format_stats_line(summary, request)
+    assert "speculative" in w.chat.stats_detail(rid) and "K=5" in w.chat.stats_detail(rid)
 
     # Charts got every step.
     series = w.charts.series()
@@ -308,9 +313,15 @@ def test_regenerate_replaces_the_last_answer(make_window, qtbot):
     first, _ = send_with_enter(qtbot, w, "question")
     count = w.chat.message_count()
     assert w.chat.regenerate_visible(first)
+    # At T = 0 the answer would repeat: Regenerate first says so in the chat and offers to raise T.
+    assert w.regenerate() is None and w.active_request is None
+    hint = w.chat.hint()
+    assert hint is not None and "same answer" in hint.plain_text()
     with qtbot.waitSignal(w.answer_finished, timeout=5000) as blocker:
-        second = w.regenerate()
-    assert blocker.args[0] == second != first
+        hint.buttons[1].click()  # "Regenerate at T = 0"
+    second = blocker.args[0]
+    assert second != first and w.chat.hint() is None
+    assert engine.requests[-1].sampling.temperature == 0
     qtbot.waitUntil(lambda: w.active_request is None)
     assert engine.requests[-1].messages == engine.requests[-2].messages  # same turns re-sent
     assert w.chat.token_view(first) is None and w.chat.token_view(second) is not None
@@ -781,7 +792,7 @@ def test_end_to_end_with_tiny_real_models(make_window, qtbot, tiny_pair, tmp_pat
     statuses = {s for _, _, s in view.token_spans()}
     assert statuses <= {"accepted", "rejected", "corrected", "bonus"} and statuses & {"corrected", "bonus"}
     assert view.committed_text() == summary.text
-    assert w.chat.stats_text(rid) == format_stats_line(summary, w.records[-1].request)
+    assert w.chat.stats_detail(rid) == format_stats_line(summary, w.records[-1].request)
     assert len(w.charts.series()["step"]) == summary.target_forwards
     path = tmp_path / "real.csv"
     assert w.export_session(str(path))
@@ -796,15 +807,18 @@ def test_cost_verdict_says_plainly_whether_speculation_pays():
     slow_draft = ModelInfo("t", "d", "cuda", "bfloat16", "cuda-graphs", 100, draft_ms=1.8,
                            target_ms=((1, 2.8), (2, 3.2), (6, 3.3)))
     short, full = cost_verdict(slow_draft, None)
-    assert short == "draft = 64% of a target forward" and "1.8 ms" in full
+    assert short == "The draft costs 64% of a forward" and "1.8 ms" in full
     # Every step accepts 2 of 5 drafts: alpha is low, so the prediction says it will not pay.
     steps = [Step(i, "speculative", (1, 2, 3, 4, 5), (0.5,) * 5, (0.5,) * 5, ("draft",) * 5, 2, 9, "corrected",
                   (), "", 3, 3 * (i + 1), 1.0, 1.0, 0.0) for i in range(10)]
     summary = summarize(steps, mode="speculative", k=5, prompt_tokens=4, seconds=1.0, stop_reason="max_new_tokens")
     short, full = cost_verdict(slow_draft, summary)
-    assert short.startswith("predicted 0.") and "will not pay" in full
+    # Plain words in the bar (the same verdict as everywhere), the figures in the tooltip.
+    assert short.startswith("Standard decoding is fastest here: the draft costs 64% of a forward and ")
+    assert "of its tokens are accepted" in short and full.startswith("Predicted 0.") and "will not pay" in full
     cheap_draft = ModelInfo("t", "d", "cpu", "float32", "cpu-onednn", 100, draft_ms=0.1, target_ms=((1, 10.0), (6, 11.0)))
     assert "pays here" in cost_verdict(cheap_draft, summary)[1]
+    assert cost_verdict(cheap_draft, summary)[0].startswith("Speculative decoding pays here: about ")
     assert cost_verdict(ModelInfo("t", None, "cpu", "float32", "eager", 100), summary) == ("", "")
 
 
@@ -837,3 +851,19 @@ def test_the_window_without_a_display_is_one_line(monkeypatch, capsys):
     assert main([]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "no display" in err[0] and "xvfb-run" in err[0]
+
+
+def test_long_status_text_elides_with_the_whole_text_in_its_tooltip(qtbot):
+    from widgets.elided_label import ElidedLabel
+
+    long = "Standard decoding is fastest here: the draft costs 60% of a forward and 45% of its tokens are accepted"
+    label = ElidedLabel(long)
+    qtbot.addWidget(label)
+    label.setToolTip("Measured at load: draft 41.0 ms per forward")
+    label.resize(160, 20)
+    label.show()
+    assert label.is_elided() and label.shown_text().endswith("…") and label.text() == long
+    assert label.shown_text()[:-1] in long  # cut at a character, marked, never mid-word without a mark
+    assert label.toolTip() == long + "\n\nMeasured at load: draft 41.0 ms per forward"
+    label.resize(2000, 20)
+    assert not label.is_elided() and label.toolTip() == "Measured at load: draft 41.0 ms per forward"

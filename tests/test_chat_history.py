@@ -54,7 +54,16 @@ def ask(qtbot, w: MainWindow, text: str) -> int:
 
 
 def statuses_shown(w: MainWindow, rid: int) -> list[str]:
-    return [s for _, _, s in w.chat.token_view(rid).token_spans()]
+    """The statuses in the text, and "rejected" where a mark stands for a step's rejected drafts."""
+    view = w.chat.token_view(rid)
+    marks = view.mark_positions()
+    shown = []
+    for start, _end, status in view.token_spans():
+        if start in marks and status == "corrected":
+            shown += ["rejected"] * sum(t.status == "rejected" and t.step == view.token_at(start).step
+                                        for t in view.tokens())
+        shown.append(status)
+    return shown
 
 
 def test_a_conversation_is_saved_and_reopens_with_its_colours(open_window, qtbot, data):
@@ -75,7 +84,8 @@ def test_a_conversation_is_saved_and_reopens_with_its_colours(open_window, qtbot
     answer = again.chat.answer_ids()[-1]
     assert again.chat.message_text(1) == SCRIPT_TEXT
     assert statuses_shown(again, answer) == SCRIPT_STATUSES  # the colours came back
-    assert "auto" in again.chat.stats_text(answer)  # the app's default mode
+    assert "auto" in again.chat.stats_detail(answer)  # the app's default mode
+    assert again.chat.stats_text(answer) and "K auto" not in again.chat.stats_text(answer)  # plain words
     # The reopened conversation goes on where it was.
     ask(qtbot, again, "And again")
     assert again.history()[:2] == [Message("user", "Say hello"), Message("assistant", SCRIPT_TEXT)]
@@ -112,8 +122,9 @@ def test_regenerate_any_answer_keeps_the_old_one_as_a_version(open_window, qtbot
     w = open_window()
     first = ask(qtbot, w, "one")
     ask(qtbot, w, "two")
+    w.chat._assistants[first].regenerate_button.click()  # at T = 0: the hint first
     with qtbot.waitSignal(w.answer_finished, timeout=10000) as blocker:
-        w.chat._assistants[first].regenerate_button.click()
+        w.chat.hint().buttons[1].click()
     qtbot.waitUntil(lambda: w.active_request is None)
     new = blocker.args[0]
     assert [m.content for m in w.history() if m.role == "user"] == ["one"]  # "two" is on the other branch

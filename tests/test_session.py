@@ -100,16 +100,17 @@ def test_ids_never_repeat_between_chat_and_race():
 def test_cost_verdict_before_and_after_an_answer():
     assert cost_verdict(None, None) == ("", "")
     short, full = cost_verdict(INFO, None)
-    assert short == "draft = 33% of a target forward" and "10.0 ms" in full
+    assert short == "The draft costs 33% of a forward" and "10.0 ms" in full
     summary = _summary([_step(i, 5, 5) for i in range(9)] + [_step(9, 0, 5)])
     short, full = cost_verdict(INFO, summary)
-    assert short.startswith("predicted ") and "at K=5" in short and "pays here" in full
+    assert short.startswith("Speculative decoding pays here: about ") and "the draft costs 33% of a forward" in short
+    assert full.startswith("Predicted ") and "at K=5" in full and "pays here" in full
     # A draft head's cost per token replaces the draft model's when the head proposed.
     from dataclasses import replace
 
     assert cost_verdict(INFO, None, "head") == ("", "")  # no head measured
     short, full = cost_verdict(replace(INFO, head_ms=1.5), None, "head")
-    assert short.startswith("draft head = ") and "draft head 1.5 ms per token" in full
+    assert short.startswith("The draft head costs ") and "draft head 1.5 ms per token" in full
 
 
 def test_settings_are_validated_and_clamped():

@@ -425,3 +425,31 @@ def test_diagnoses_show_in_the_tune_tab_and_apply(qtbot, tuned_window):
     index = next(i for i, d in enumerate(w.tune.diagnoses) if d.kind == "best_k")
     w.tune_view.action_requested.emit(index)
     assert w.panel.values().k == 3
+
+
+def test_best_needs_a_gain_beyond_the_measured_spread_and_some_accepted_drafts():
+    """Tune's "Best: auto draft … 1.14×" with 0% accepted was noise: now standard decoding is the best there."""
+    from engine.measure.verdict import NOISE_FLOOR, is_win, speedup_spread
+
+    configs = sw.plan(["draft"], [2], [0.0], auto=True)
+    std, k2, auto = (c.label for c in configs)
+    # auto accepted nothing (it decoded standard steps) but ran 14% faster on one prompt, 2% on another: noise.
+    noisy = [run(std, "a", 30, 0.30), run(auto, "a", 30, 0.30 / 1.14),
+             run(std, "b", 30, 0.30), run(auto, "b", 30, 0.30 / 1.02),
+             run(std, "c", 30, 0.30), run(k2, "c", 30, 0.30 / 1.02, drafted=2, accepted=1, steps=15)]
+    rows = sw.rows(noisy, configs, COSTS)
+    by = {r.label: r for r in rows}
+    assert by["auto draft"].speedup > 1.05 and by["auto draft"].acceptance == 0
+    assert by["auto draft"].spread > NOISE_FLOOR  # two prompts that disagree: a measured spread
+    assert by["draft K=2"].speedup == pytest.approx(1.02) and by["draft K=2"].spread == NOISE_FLOOR
+    top = sw.best(rows)
+    assert top is not None and top.mode == "standard"  # neither gain is beyond its spread
+    assert "<- best" in [line for line in sw.format_rows(rows).splitlines() if line.startswith("standard")][0]
+    # A clear gain with drafts accepted on every prompt wins.
+    clear = [run(std, p, 30, 0.30) for p in "ab"] + [run(k2, p, 30, 0.16, drafted=2, accepted=2, steps=10)
+                                                     for p in "ab"]
+    rows = sw.rows(clear, configs, COSTS)
+    assert sw.best(rows).label == "draft K=2"
+    # The rule itself: gain beyond spread, and something accepted.
+    assert not is_win(1.14, 0.2, 0.5) and not is_win(1.5, 0.03, 0.0) and is_win(1.2, 0.05, 0.4)
+    assert speedup_spread([1.0]) == NOISE_FLOOR and speedup_spread([1.0, 1.4]) == pytest.approx(0.4)

@@ -107,49 +107,63 @@ def test_colours_per_status_at_character_ranges(token_view):
     token_view.append_steps(script_steps()[:2])
     palette = current_palette()
     text = token_view.plain_text()
-    assert text == "Hello world foo bar, this is fine."
+    assert text == "Hello world, this is fine."
     spans = token_view.token_spans()
-    assert [s[2] for s in spans] == ["accepted", "accepted", "rejected", "rejected", "corrected",
-                                     "accepted", "accepted", "accepted", "bonus"]
+    assert [s[2] for s in spans] == ["accepted", "accepted", "corrected", "accepted", "accepted", "accepted", "bonus"]
     for start, end, status in spans:
         for pos in range(start, end):
             fmt = char_format_at(token_view, pos)
-            expected = palette.ghost_colours(status) if status == "rejected" else palette.colours(status)
-            assert fmt.background().color() == expected.background, (pos, status)
-            assert fmt.foreground().color() == expected.foreground
-            assert fmt.fontStrikeOut() == (status == "rejected")
-    assert text[spans[2][0]:spans[2][1]] == " foo"
-    assert text[spans[4][0]:spans[4][1]] == ","
+            assert fmt.background().color() == palette.colours(status).background, (pos, status)
+            assert fmt.foreground().color() == palette.colours(status).foreground
+            assert not fmt.fontStrikeOut()
+    assert text[spans[2][0]:spans[2][1]] == ","
 
 
-def test_rejected_ghosts_toggle(token_view):
+def test_rejected_drafts_never_enter_the_words_being_read(token_view, qtbot):
+    # "list" then a rejected " 1 2" then the correction "):" — the text reads "list):", never "list 1 2):".
+    token_view.show()
+    qtbot.waitExposed(token_view)
+    steps = [spec_step(0, ["def", " f", "(list"], [" 1", " 2"], "):"),
+             spec_step(1, ["\n", "   "], ["\t "], " return", total_before=4)]
+    token_view.append_steps(steps)
+    assert token_view.plain_text() == "def f(list):\n    return"
+    assert all(status != "rejected" for *_, status in token_view.token_spans())
+    # One mark per step with rejects, exactly where the drafts were rejected.
+    assert token_view.mark_positions() == [len("def f(list"), len("def f(list):\n   ")]
+    tip = token_view.mark_tooltip(0)
+    assert "Rejected here: “ 1 2”" in tip and "draft q=0.60 · target p=0.15" in tip
+    assert "“⇥ ”" in token_view.mark_tooltip(1)  # whitespace made visible, not a blank tooltip
+    # The corrected token after the mark names the drafts it replaced.
+    assert "Rejected here: “ 1 2”" in token_view.tooltip_at(len("def f(list"))
+    # The marks are painted: the pixel under the first one has the mark's colour.
+    rect = token_view.mark_rects()[0]
+    image = token_view.viewport().grab().toImage()
+    mark = current_palette().ghost.mark
+    found = any(QColor(image.pixel(x, y)).red() > 150 and QColor(image.pixel(x, y)).green() < 120
+                for x in range(rect.left() - 2, rect.left() + 3) for y in range(rect.bottom() - 3, rect.bottom() + 1))
+    assert found, f"no {mark.name()} mark under {rect}"
+    token_view.set_show_rejected(False)
+    assert token_view.mark_positions() == [] and token_view.plain_text() == "def f(list):\n    return"
+    token_view.set_show_rejected(True)
+    assert len(token_view.mark_positions()) == 2
+
+
+def test_flash_shows_the_newest_rejects_briefly_then_only_the_mark(token_view, qtbot):
+    token_view.set_rejected_display("flash")
     steps = script_steps()
     token_view.append_steps(steps[:1])
-    # While its step is the newest, a rejected draft shows even with ghosts off.
-    token_view.set_show_rejected(False)
-    assert token_view.plain_text() == "Hello world foo bar,"
-    token_view.append_steps(steps[1:2])  # the next step settles step 0: its rejects go
-    assert token_view.plain_text() == "Hello world, this is fine."
-    assert all(status != "rejected" for *_, status in token_view.token_spans())
-    token_view.append_steps(steps[2:])
-    assert "错误" in token_view.plain_text()  # live reject of the newest step
+    assert token_view.plain_text() == "Hello world foo bar,"  # the newest step's rejects, faded, no strike
+    assert not char_format_at(token_view, len("Hello world ")).fontStrikeOut()
+    qtbot.waitUntil(lambda: token_view.plain_text() == "Hello world,", timeout=2000)
+    assert token_view.mark_positions() == [len("Hello world")]
+    token_view.append_steps(steps[1:])  # a batch: only its last step flashes
+    assert token_view.plain_text() == "Hello world, this is fine.\n快速错误排序"
     token_view.finish()
     assert token_view.plain_text() == "Hello world, this is fine.\n快速排序"
-    token_view.set_show_rejected(True)
-    assert token_view.plain_text() == "Hello world foo bar, this is fine.\n快速错误排序"
-    token_view.set_show_rejected(False)
-    assert token_view.plain_text() == "Hello world, this is fine.\n快速排序"
-    # Spans stay aligned with the text after removals.
     text = token_view.plain_text()
     assert "".join(text[s:e] for s, e, _ in token_view.token_spans()) == text
-
-
-def test_hidden_rejects_in_one_batch_are_never_inserted(token_view):
-    token_view.set_show_rejected(False)
-    token_view.append_steps(script_steps())
-    # Only the last step of the batch keeps its live reject.
-    assert token_view.plain_text() == "Hello world, this is fine.\n快速错误排序"
-    assert token_view.committed_text() == "Hello world, this is fine.\n快速排序"
+    with pytest.raises(ValueError):
+        token_view.set_rejected_display("strike")
 
 
 def test_colouring_toggle(token_view):
@@ -159,20 +173,21 @@ def test_colouring_toggle(token_view):
     for start, end, status in token_view.token_spans():
         fmt = char_format_at(token_view, start)
         assert fmt.background().style().name == "NoBrush"
-        assert fmt.fontStrikeOut() == (status == "rejected")
     token_view.set_colouring(True)
     start = token_view.token_spans()[0][0]
     assert background_at(token_view, start) == palette.colours("accepted").background
+    assert len(token_view.mark_positions()) == 2  # re-rendered with its marks
 
 
 def test_chinese_and_empty_token_text(token_view):
     token_view.append_steps(script_steps())
     text = token_view.plain_text()
-    assert text.endswith("\n快速错误排序")
+    assert text.endswith("\n快速排序")
     # The "" token has no span; every shown span has text.
     assert all(e > s for s, e, _ in token_view.token_spans())
     start = text.index("快速")
     assert token_view.token_at(start).text == "快速"
+    assert token_view.mark_positions()[-1] == text.index("排序")
 
 
 def test_tooltip_text(token_view):
@@ -182,11 +197,12 @@ def test_tooltip_text(token_view):
         "draft q=0.80 · target p=0.90 · accept prob=1.00 · draft position 2/4 · step 0 · status accepted"
         " · proposer draft"
     )
-    assert token_view.tooltip_at(text.index("foo")) == (
-        "draft q=0.60 · target p=0.15 · accept prob=0.25 · draft position 3/4 · step 0 · status rejected"
-        " · proposer draft"
+    assert token_view.tooltip_at(text.index(",")) == (
+        "target p=0.70 · step 0 · status corrected\nRejected here: “ foo bar” (step 0)\n"
+        "  “ foo”: draft q=0.60 · target p=0.15 · accept prob=0.25 · draft position 3/4 · proposer draft\n"
+        "  “ bar”: draft q=0.60 · target p=0.15 · accept prob=0.25 · draft position 4/4 · proposer draft"
     )
-    assert token_view.tooltip_at(text.index(",")) == "target p=0.70 · step 0 · status corrected"
+    assert token_view.tooltip_at(text.index("this")) .endswith("status accepted · proposer draft")
     assert token_view.tooltip_at(len(text) + 5) is None
 
 
@@ -224,6 +240,9 @@ def test_many_tokens_in_batches(token_view, qtbot):
     print(f"\n5,000 tokens appended in {appended:.3f} s; ghost toggle re-render {toggled:.3f} s")
     assert len(token_view.tokens()) == 5000
     assert token_view.plain_text() == token_view.committed_text()
+    assert len(token_view.mark_positions()) == 0  # hidden
+    token_view.set_show_rejected(True)
+    assert len(token_view.mark_positions()) == 1000 and token_view.plain_text() == token_view.committed_text()
 
 
 # --- ChatView --------------------------------------------------------------------------------
@@ -328,9 +347,10 @@ def test_legend_and_palette(qtbot):
     legend = Legend()
     qtbot.addWidget(legend)
     for status in STATUSES:
-        assert legend.chip(status).text() == status
+        assert status in legend.chip(status).text()
         assert status in legend.chip(status).toolTip()
-    assert "rejected" in legend.chip("rejected").toolTip()
+    # The legend says what the text shows of rejected drafts: the mark, and that hovering it gives q/p.
+    assert "▲" in legend.chip("rejected").text() and "hover" in legend.chip("rejected").toolTip()
     assert "QFrame#assistantBubble" in load_stylesheet()
 
 

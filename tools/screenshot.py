@@ -45,6 +45,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="open File > Train a draft head... and grab only that dialog: with --real --runtime torch it "
                         "shows the training log of the head loaded for the target")
     p.add_argument("--dialog-size", default="760x760", help="the train dialog's size, with --train-dialog")
+    p.add_argument("--welcome", action="store_true", help="grab the empty chat (the welcome pane) once loaded")
+    p.add_argument("--rejected-display", choices=["mark", "flash"], default="",
+                   help="how the answer shows rejected drafts (default: the palette's)")
+    p.add_argument("--temperature", type=float, default=None, help="the panel's temperature")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO)
 
@@ -98,8 +102,22 @@ def main(argv: list[str] | None = None) -> int:
     if args.proposer or args.mode:
         values = window.panel.values()
         window.panel.set_values(replace(values, proposer=args.proposer or values.proposer, mode=args.mode or values.mode))
+    if args.temperature is not None:
+        window.panel.set_values(replace(window.panel.values(), temperature=args.temperature))
+    if args.rejected_display:
+        from widgets import token_text
+
+        original = token_text.TokenTextView.__init__
+
+        def with_display(self, *a, **k) -> None:
+            original(self, *a, **k)
+            self.set_rejected_display(args.rejected_display)
+
+        token_text.TokenTextView.__init__ = with_display  # every answer view made from now on
     shot = window  # what is grabbed
-    if args.train_dialog:
+    if args.welcome:
+        pass
+    elif args.train_dialog:
         if window.info.runtime != "torch":  # the window would say so in a modal box, which a script cannot close
             print(f"the train dialog needs the torch runtime (loaded: {window.info.runtime}); pass --runtime torch",
                   file=sys.stderr)
@@ -135,7 +153,8 @@ def main(argv: list[str] | None = None) -> int:
             return sum(s.new_tokens for s in entry.steps) if entry is not None else 1 << 30
 
         wait_for(lambda: window.active_request is None or (args.mid and streamed() >= args.mid), args.timeout)
-    wait_for(lambda: False, 0.5)  # let the charts' timer and the layout settle
+    # Let the charts' timer and the layout settle (briefly for a flash: it lasts only until the next step).
+    wait_for(lambda: False, 0.5 if args.rejected_display != "flash" or not args.mid else 0.03)
     shot.grab().save(args.out)
     print(f"saved {args.out}")
     if args.beside:

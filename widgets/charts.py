@@ -7,9 +7,9 @@ from collections.abc import Sequence
 
 import numpy as np
 import pyqtgraph as pg
-from PySide6.QtCore import QTimer
+from PySide6.QtCore import Qt, QTimer
 from PySide6.QtGui import QColor
-from PySide6.QtWidgets import QGraphicsItem, QVBoxLayout, QWidget
+from PySide6.QtWidgets import QGraphicsItem, QLabel, QStackedLayout, QWidget
 
 from engine.types import Step
 from widgets.palette import current_palette
@@ -26,6 +26,35 @@ RATE_WINDOW_S = 1.0  # seconds of wall clock in the rolling tokens/s
 _STEP, _ACCEPTANCE, _K, _ACCEPTED, _TPS, _TPS_ROLLING, _DRAFT_MS, _VERIFY_MS, _OVERHEAD_MS = range(9)
 _COLUMNS = 9
 _AXIS_WIDTH = 52  # pixels for every left axis
+EMPTY_TEXT = ("No data yet\n\nSend a message: as the answer streams, these charts show how many drafted "
+              "tokens are accepted, how many are drafted per step, the speed, and where the time goes.")
+
+
+def plain_axes(plot: pg.PlotItem) -> None:
+    """Axis numbers as they are: no SI prefix rescaling ("tok/s (×0.001)") on any axis."""
+    for name in ("left", "bottom"):
+        plot.getAxis(name).enableAutoSIPrefix(False)
+
+
+def show_empty(plot: pg.PlotItem, empty: bool, text: str = "No data yet") -> None:
+    """While a plot has no data: no numbers on its axes (no made-up 0–1 range) and `text` in its middle."""
+    for name in ("left", "bottom"):
+        plot.getAxis(name).setStyle(showValues=not empty)
+    note = getattr(plot, "_empty_note", None)
+    if note is None:
+        box = plot.getViewBox()
+        note = pg.TextItem(text, color=current_palette().muted, anchor=(0.5, 0.5))
+        note.setParentItem(box)  # in the box's own pixels, not data coordinates: stays centred at any range
+
+        def centre(*_: object) -> None:
+            rect = box.boundingRect()
+            note.setPos(rect.center())
+
+        box.sigResized.connect(centre)
+        centre()
+        plot._empty_note = note
+    note.setText(text, color=current_palette().muted)
+    note.setVisible(empty)
 
 
 def _nice_ceiling(value: float) -> float:
@@ -100,6 +129,7 @@ class LiveCharts(QWidget):
         if not self._dirty:
             return
         self._dirty = False
+        self._stack.setCurrentWidget(self._graphics if self._rows else self._empty)
         rows = self._buffer[: self._rows]
         x = rows[:, _STEP]
         if self._speculative_rows:
@@ -169,6 +199,10 @@ class LiveCharts(QWidget):
         with np.errstate(invalid="ignore", divide="ignore"):
             return np.where(self._reached > 0, 100.0 * self._hits / np.maximum(self._reached, 1), 0.0)
 
+    def is_empty(self) -> bool:
+        """True while no step has arrived: the "no data yet" note shows instead of the plots."""
+        return self._stack.currentWidget() is self._empty
+
     def plots(self) -> dict[str, pg.PlotItem]:
         return {
             "acceptance_rate": self._acceptance_plot,
@@ -186,9 +220,16 @@ class LiveCharts(QWidget):
         bonus = palette.colours("bonus").chart
         neutral = palette.muted
         self._graphics = pg.GraphicsLayoutWidget(self)
-        layout = QVBoxLayout(self)
-        layout.setContentsMargins(0, 0, 0, 0)
-        layout.addWidget(self._graphics)
+        # Before the first step: one line saying what will show here, not empty plots with made-up axes.
+        self._empty = QLabel(EMPTY_TEXT, self)
+        self._empty.setObjectName("chartsEmpty")
+        self._empty.setWordWrap(True)
+        self._empty.setAlignment(Qt.AlignmentFlag.AlignCenter)
+        self._empty.setMargin(24)
+        self._stack = QStackedLayout(self)
+        self._stack.setContentsMargins(0, 0, 0, 0)
+        self._stack.addWidget(self._empty)
+        self._stack.addWidget(self._graphics)
 
         # A repaint stays far below a 50 ms UI stall (bench/window_responsiveness.py): axes (with their
         # grid lines) are cached as pixmaps and re-rendered only when their range changes, so there
@@ -208,6 +249,7 @@ class LiveCharts(QWidget):
             plot.setDownsampling(auto=True, mode="peak")
             plot.setMouseEnabled(x=True, y=False)
             plot.getAxis("left").setWidth(_AXIS_WIDTH)  # equal widths keep the shared x axes aligned
+            plain_axes(plot)
             cache_axes(plot)
             return plot
 
@@ -250,6 +292,7 @@ class LiveCharts(QWidget):
         self._position_plot = self._graphics.addPlot(row=4, col=0, title="Acceptance by draft position")
         self._position_plot.setLabel("left", "%")
         self._position_plot.getAxis("left").setWidth(_AXIS_WIDTH)
+        plain_axes(self._position_plot)
         cache_axes(self._position_plot)
         self._position_plot.setLabel("bottom", "draft position")
         self._position_plot.setYRange(0, 100, padding=0.04)

@@ -9,10 +9,19 @@ from widgets.palette import STATUSES, current_palette
 # Wording from DESIGN.md, "Token colours".
 DESCRIPTIONS: dict[str, str] = {
     "accepted": "Proposed by the draft, accepted by the target.",
-    "rejected": "Proposed by the draft, rejected by the target (shown struck and faded, then discarded).",
+    "rejected": "Proposed by the draft, rejected by the target: never part of the answer.",
     "corrected": "The target's own token at the first rejection.",
     "bonus": "The target's extra token after all K draft tokens were accepted.",
     "target": "Standard decoding: a token from the target alone.",
+}
+
+
+# What the text shows of rejected drafts, per palette ghost display (the chip reads like the text).
+SHOWN = {
+    "mark": "A small ▲ under the text marks where drafts were rejected; hover it for the rejected text and "
+            "its draft q / target p.",
+    "flash": "The newest step's rejected drafts show faded for a moment, then a small ▲ marks where they "
+             "were; hover it for the rejected text and its draft q / target p.",
 }
 
 
@@ -33,7 +42,6 @@ class Legend(QWidget):
         for status in STATUSES:
             chip = QLabel(status, self)
             chip.setObjectName("legendChip")
-            chip.setToolTip(f"{status}: {DESCRIPTIONS[status]}")
             layout.addWidget(chip)
             self._chips[status] = chip
         layout.addStretch(1)
@@ -50,9 +58,15 @@ class Legend(QWidget):
     def refresh_palette(self) -> None:
         palette = current_palette()
         for status, chip in self._chips.items():
-            colours = palette.ghost_colours(status) if status == "rejected" else palette.colours(status)
-            strike = "text-decoration: line-through;" if status == "rejected" and palette.ghost.strikeout else ""
+            chip.setToolTip(f"{status}: {DESCRIPTIONS[status]}"
+                            + (f" {SHOWN[palette.ghost.display]}" if status == "rejected" else ""))
+            if status == "rejected":  # drawn like the mark in the text: no token colour, the mark before the word
+                chip.setText("▲ rejected")
+                chip.setStyleSheet(f"QLabel {{ background: transparent; color: {_css(palette.ghost.mark)};"
+                                   f" border-radius: 4px; padding: 1px 7px; }}")
+                continue
+            colours = palette.colours(status)
             chip.setStyleSheet(
                 f"QLabel {{ background: {_css(colours.background)}; color: {_css(colours.foreground)};"
-                f" border-radius: 4px; padding: 1px 7px; {strike} }}"
+                f" border-radius: 4px; padding: 1px 7px; }}"
             )

@@ -14,6 +14,7 @@ from engine.types import TokenStatus
 
 STATUSES: tuple[TokenStatus, ...] = ("accepted", "rejected", "corrected", "bonus", "target")
 THEMES: tuple[str, ...] = ("light", "dark")
+REJECTED_DISPLAYS: tuple[str, ...] = ("mark", "flash")  # how rejected drafts show while an answer streams
 
 
 @dataclass(frozen=True)
@@ -27,7 +28,9 @@ class StatusColours:
 class GhostStyle:
     foreground_alpha: float  # 0..1, how much of the text colour a rejected ghost keeps
     background_alpha: float  # 0..1, how much of its background it keeps
-    strikeout: bool  # rejected drafts are struck through so they never read as output
+    strikeout: bool  # a flashed ghost is struck through (off: a strike inside a word reads as a dash)
+    display: str = "mark"  # "mark": a small mark where drafts were rejected; "flash": shown briefly, then a mark
+    mark: QColor = field(default_factory=lambda: QColor("#d92d20"))  # the mark's colour
 
 
 @dataclass(frozen=True)
@@ -76,7 +79,9 @@ def _parse(theme: str, raw: dict[str, Any]) -> Palette:
         ghost=GhostStyle(
             foreground_alpha=float(ghost.get("foreground_alpha", 0.6)),
             background_alpha=float(ghost.get("background_alpha", 0.45)),
-            strikeout=bool(ghost.get("strikeout", True)),
+            strikeout=bool(ghost.get("strikeout", False)),
+            display=str(ghost.get("display", "mark")) if ghost.get("display") in REJECTED_DISPLAYS else "mark",
+            mark=QColor(ghost.get("mark", raw["statuses"]["rejected"]["chart"])),
         ),
         text=QColor(raw.get("text", "#1f2328")),
         muted=QColor(raw.get("muted", "#6b7280")),

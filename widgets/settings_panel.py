@@ -26,7 +26,7 @@ class DisplaySettings:
     """How answers are shown; persisted beside the decoding settings."""
 
     colouring: bool = True  # colour tokens by status
-    show_rejected: bool = True  # keep rejected drafts as struck-through ghosts
+    show_rejected: bool = True  # mark where drafts were rejected (details on hover)
 
     @classmethod
     def from_dict(cls, raw: dict[str, object]) -> DisplaySettings:
@@ -120,7 +120,7 @@ class SettingsPanel(QWidget):
         display = QGroupBox("Display", self)
         box = QVBoxLayout(display)
         self.colouring = QCheckBox("Colour tokens by status", display)
-        self.show_rejected = QCheckBox("Show rejected drafts as ghosts", display)
+        self.show_rejected = QCheckBox("Mark where drafts were rejected", display)
         box.addWidget(self.colouring)
         box.addWidget(self.show_rejected)
         outer.addWidget(display)

@@ -47,3 +47,27 @@ def format_stats_line(summary: Summary, request: GenerationRequest | None = None
     if adaptive and summary.decision is not None:
         parts.append(describe_decision(summary.decision))
     return " · ".join(parts)
+
+
+def format_stats_plain(summary: Summary, request: GenerationRequest | None = None) -> str:
+    """The visible line under an answer, in plain words (format_stats_line has the figures, for its tooltip):
+    e.g. "Standard decoding was used for 92% of steps: drafting did not pay (3% of drafted tokens accepted) ·
+    8.2 tok/s · 256 tokens in 31.0 s"."""
+    if summary.mode == "standard":
+        lead = "Standard decoding"
+    else:
+        steps = summary.target_forwards
+        standard_share = summary.standard_steps / steps if steps else 0.0
+        accepted = f"{summary.acceptance_rate:.0%} of drafted tokens accepted" if summary.drafted else ""
+        if standard_share >= 0.5 or not summary.drafted:
+            lead = (f"Standard decoding was used for {standard_share:.0%} of steps: drafting did not pay"
+                    + (f" ({accepted})" if accepted else ""))
+        else:
+            lead = f"{accepted}, {summary.tokens_per_target_forward:.1f} tokens per step"
+            lead = lead[0].upper() + lead[1:]
+    parts = [lead, f"{_rate(summary.tokens_per_s)} tok/s", f"{summary.new_tokens} tokens in {summary.seconds:.1f} s"]
+    if request is not None and not request.sampling.greedy:
+        parts.append(f"T={request.sampling.temperature:g}")
+    if summary.stop_reason in _NOTABLE_STOPS:
+        parts.append(_NOTABLE_STOPS[summary.stop_reason])
+    return " · ".join(parts)

@@ -5,12 +5,25 @@ import math
 from bisect import bisect_right
 from collections.abc import Sequence
 
-from PySide6.QtCore import QEvent, QPoint, QPointF, QRect, Qt
-from PySide6.QtGui import QBrush, QFontDatabase, QHelpEvent, QTextCharFormat, QTextCursor, QTextLine, QWheelEvent
+from PySide6.QtCore import QEvent, QPoint, QPointF, QRect, Qt, QTimer
+from PySide6.QtGui import (
+    QBrush,
+    QFontDatabase,
+    QHelpEvent,
+    QPainter,
+    QPaintEvent,
+    QTextCharFormat,
+    QTextCursor,
+    QTextLine,
+    QWheelEvent,
+)
 from PySide6.QtWidgets import QFrame, QTextEdit, QToolTip, QWidget
 
 from engine.types import Step, TokenView
-from widgets.palette import current_palette
+from widgets.palette import REJECTED_DISPLAYS, current_palette
+from widgets.rejection_marks import RejectionMarks, format_rejected_tooltip
+
+FLASH_MS = 350  # "flash": how long the newest step's rejected drafts stay in the text at most
 
 
 def format_token_tooltip(token: TokenView, k: int | None = None) -> str:
@@ -38,9 +51,13 @@ def format_token_tooltip(token: TokenView, k: int | None = None) -> str:
 class TokenTextView(QTextEdit):
     """Appends Steps at the end of the document in one edit block per batch; never re-renders per token.
 
-    The TokenViews are kept as a model so the two display toggles (ghosts, colouring) can rebuild
-    the document once. With `fit_content=True` the view has no scroll bars and grows to its text
-    (for chat bubbles); otherwise it scrolls and follows the end while the reader is at the bottom.
+    The document holds only committed text: where a step's drafts were rejected, a small mark is
+    painted between the characters (widgets.rejection_marks) and the rejected text is in its tooltip;
+    with the "flash" display the newest step's rejects also show faded in the text until the next step
+    (at most FLASH_MS). The TokenViews are kept as a model so the two display toggles (rejected
+    drafts, colouring) can rebuild the document once. With `fit_content=True` the view has no scroll
+    bars and grows to its text (for chat bubbles); otherwise it scrolls and follows the end while the
+    reader is at the bottom.
     """
 
     def __init__(self, parent: QWidget | None = None, *, fit_content: bool = False) -> None:
@@ -52,7 +69,12 @@ class TokenTextView(QTextEdit):
         self.setTabStopDistance(4 * self.fontMetrics().horizontalAdvance(" "))
         self._fit_content = fit_content
         self._show_rejected = True
+        self._display = current_palette().ghost.display  # "mark" or "flash"
         self._colouring = True
+        self._flash_timer = QTimer(self)
+        self._flash_timer.setSingleShot(True)
+        self._flash_timer.setInterval(FLASH_MS)
+        self._flash_timer.timeout.connect(self._end_flash)
         self._mono_families = QFontDatabase.systemFont(QFontDatabase.SystemFont.FixedFont).families()
         self._formats: dict[tuple[str, bool], QTextCharFormat] = {}
         self._reset_model()
@@ -73,46 +95,62 @@ class TokenTextView(QTextEdit):
         cursor = QTextCursor(self.document())
         cursor.movePosition(QTextCursor.MoveOperation.End)
         cursor.beginEditBlock()  # one layout/repaint for the whole batch
-        # A newer step has arrived, so the previous step's rejected drafts are settled history.
+        # A newer step has arrived, so the previous step's flashed drafts are settled history.
         self._drop_pending_ghosts(cursor)
         for i, step in enumerate(steps):
             self._step_k[step.index] = len(step.proposed)
             self._committed.append(step.text)
             self._last_step = step.index
-            # Within a batch only the last step's rejects are still "live" when ghosts are off.
-            keep_rejected = self._show_rejected or i == len(steps) - 1
+            # Within a batch only the last step's rejects are still "live" enough to flash.
+            flash = self._display == "flash" and i == len(steps) - 1
             for token in step.tokens:
                 self._tokens.append(token)
-                if token.status == "rejected" and not keep_rejected:
-                    continue
-                span = self._insert(cursor, len(self._tokens) - 1)
-                if span is not None and token.status == "rejected" and not self._show_rejected:
-                    self._pending_ghosts.append(span)
+                self._place(cursor, len(self._tokens) - 1, flash=flash)
         cursor.endEditBlock()
+        if self._pending_ghosts:
+            self._flash_timer.start()
         if follow and not self._fit_content:
             self.verticalScrollBar().setValue(self.verticalScrollBar().maximum())
 
     def finish(self) -> None:
-        """The message is complete: rejected drafts of the last step go too when ghosts are off."""
+        """The message is complete: a flashed draft of the last step goes too."""
         self._finished = True
-        if self._pending_ghosts:
-            cursor = QTextCursor(self.document())
-            cursor.beginEditBlock()
-            self._drop_pending_ghosts(cursor)
-            cursor.endEditBlock()
+        self._end_flash()
 
     def clear(self) -> None:  # Qt slot name; also forgets the token model so both stay in step
         self._reset_model()
         super().clear()
 
     def set_show_rejected(self, show: bool) -> None:
-        """Keep rejected drafts as struck-through ghosts (True) or drop them once settled (False)."""
+        """Mark where drafts were rejected (True) or show nothing of them (False)."""
         if show != self._show_rejected:
             self._show_rejected = show
             self._rerender()
 
     def show_rejected(self) -> bool:
         return self._show_rejected
+
+    def set_rejected_display(self, display: str) -> None:
+        """"mark" (a mark where drafts were rejected) or "flash" (the newest step's rejects shown briefly too)."""
+        if display not in REJECTED_DISPLAYS:
+            raise ValueError(f"unknown display {display!r}; choose one of {', '.join(REJECTED_DISPLAYS)}")
+        self._display = display
+
+    def rejected_display(self) -> str:
+        return self._display
+
+    def mark_positions(self) -> list[int]:
+        """Document positions of the rejection marks shown (none while rejected drafts are hidden)."""
+        return list(self._marks.positions) if self._show_rejected else []
+
+    def mark_tooltip(self, mark: int) -> str:
+        """The rejected drafts behind the mark-th mark, with their q and p."""
+        tokens = [self._tokens[t] for t in self._marks.tokens[mark]]
+        return format_rejected_tooltip(tokens, self._step_k.get(tokens[0].step))
+
+    def mark_rects(self) -> list[QRect]:
+        """Viewport rectangles (cursor-thin) of the marks shown, for painting and tests."""
+        return [self._caret_rect(p) for p in self.mark_positions()]
 
     def set_colouring(self, on: bool) -> None:
         """Colour tokens by status (True) or plain reading mode (False)."""
@@ -132,7 +170,7 @@ class TokenTextView(QTextEdit):
         return [(s, e, self._tokens[t].status) for s, e, t in zip(self._starts, self._ends, self._span_token)]
 
     def plain_text(self) -> str:
-        """What is shown, ghosts included when they are shown."""
+        """What is shown: the committed text (and a flashed draft while it flashes)."""
         return self.toPlainText()
 
     def committed_text(self) -> str:
@@ -151,11 +189,16 @@ class TokenTextView(QTextEdit):
         return None
 
     def tooltip_at(self, position: int) -> str | None:
-        """Tooltip text for the token at document position `position`."""
+        """Tooltip text for the token at document position `position` (and the drafts rejected just before it)."""
         token = self.token_at(position)
         if token is None:
             return None
-        return format_token_tooltip(token, self._step_k.get(token.step))
+        text = format_token_tooltip(token, self._step_k.get(token.step))
+        i = bisect_right(self._starts, position) - 1
+        mark = self._marks.at(self._starts[i]) if self._show_rejected else None
+        if mark is not None and token.status != "rejected":
+            text += "\n" + self.mark_tooltip(mark)
+        return text
 
     def position_at(self, point: QPoint) -> int:
         """Document position of the character under a viewport point, or -1 off the text."""
@@ -179,16 +222,30 @@ class TokenTextView(QTextEdit):
     def viewportEvent(self, event: QEvent) -> bool:
         if event.type() == QEvent.Type.ToolTip:
             help_event: QHelpEvent = event  # type: ignore[assignment]
+            mark = self._mark_under(help_event.pos())
             position = self.position_at(help_event.pos())
-            text = self.tooltip_at(position) if position >= 0 else None
+            text = self.mark_tooltip(mark) if mark is not None else self.tooltip_at(position) if position >= 0 else None
             if text:
-                rect = self._span_rect(position)
+                rect = self._span_rect(position) if mark is None else QRect()
                 QToolTip.showText(help_event.globalPos(), text, self.viewport(), rect)
             else:
                 QToolTip.hideText()
                 event.ignore()
             return True
         return super().viewportEvent(event)
+
+    def paintEvent(self, event: QPaintEvent) -> None:
+        super().paintEvent(event)
+        if not self._show_rejected or not len(self._marks):
+            return
+        area = event.rect()
+        first = self.cursorForPosition(area.topLeft()).position()
+        last = self.cursorForPosition(area.bottomRight()).position()
+        rects = [self._caret_rect(self._marks.positions[i]) for i in self._marks.between(first, last)]
+        if rects:
+            painter = QPainter(self.viewport())
+            self._marks.paint(painter, rects, current_palette().ghost.mark)
+            painter.end()
 
     def wheelEvent(self, event: QWheelEvent) -> None:
         if self._fit_content:
@@ -208,7 +265,8 @@ class TokenTextView(QTextEdit):
         self._starts: list[int] = []
         self._ends: list[int] = []
         self._span_token: list[int] = []
-        self._pending_ghosts: list[int] = []  # span indices of live rejects to drop when settled
+        self._pending_ghosts: list[int] = []  # span indices of flashed rejects to drop when settled
+        self._marks = RejectionMarks()
         self._backtick_run = 0
         self._in_code = False
 
@@ -246,6 +304,39 @@ class TokenTextView(QTextEdit):
             else:
                 self._backtick_run = 0
 
+    def _place(self, cursor: QTextCursor, token_index: int, *, flash: bool) -> None:
+        """A committed token goes into the text; a rejected one leaves a mark (and flashes when asked)."""
+        token = self._tokens[token_index]
+        if token.status != "rejected":
+            self._insert(cursor, token_index)
+            return
+        if not self._show_rejected:
+            return
+        self._marks.add(cursor.position(), token.step, token_index)
+        if flash and not self._finished:
+            span = self._insert(cursor, token_index)
+            if span is not None:
+                self._pending_ghosts.append(span)
+
+    def _end_flash(self) -> None:
+        self._flash_timer.stop()
+        if self._pending_ghosts:
+            cursor = QTextCursor(self.document())
+            cursor.beginEditBlock()
+            self._drop_pending_ghosts(cursor)
+            cursor.endEditBlock()
+
+    def _caret_rect(self, position: int) -> QRect:
+        cursor = QTextCursor(self.document())
+        cursor.setPosition(position)
+        return self.cursorRect(cursor)
+
+    def _mark_under(self, point: QPoint) -> int | None:
+        if not self._show_rejected or not len(self._marks):
+            return None
+        around = self.cursorForPosition(point).position()
+        return self._marks.hit(self._marks.between(around - 2, around + 2), self._caret_rect, point.x(), point.y())
+
     def _insert(self, cursor: QTextCursor, token_index: int) -> int | None:
         token = self._tokens[token_index]
         mono = self._in_code
@@ -278,20 +369,16 @@ class TokenTextView(QTextEdit):
     def _rerender(self) -> None:
         """Rebuilds the document from the model: only on a toggle, never while streaming."""
         self._formats.clear()
-        tokens = self._tokens
+        self._flash_timer.stop()
         self._starts, self._ends, self._span_token, self._pending_ghosts = [], [], [], []
+        self._marks = RejectionMarks()
         self._backtick_run, self._in_code = 0, False
         follow = self._at_bottom()
         super().clear()
         cursor = QTextCursor(self.document())
         cursor.beginEditBlock()
-        for i, token in enumerate(tokens):
-            live = not self._finished and token.step == self._last_step
-            if token.status == "rejected" and not (self._show_rejected or live):
-                continue
-            span = self._insert(cursor, i)
-            if span is not None and token.status == "rejected" and not self._show_rejected:
-                self._pending_ghosts.append(span)
+        for i in range(len(self._tokens)):
+            self._place(cursor, i, flash=False)  # a re-render shows settled history: marks only
         cursor.endEditBlock()
         if follow and not self._fit_content:
             self.verticalScrollBar().setValue(self.verticalScrollBar().maximum())

@@ -15,6 +15,7 @@ from app.core.export import AnswerRecord, now_iso
 from engine.limits import K_AUTO
 from engine.loadspec import LoadSpec
 from engine.measure.costmodel import CostModel, estimate_alpha
+from engine.measure.explain import plain_verdict
 from engine.settings import GenerationSettings, ModelSelection
 from engine.types import GenerationRequest, MemoryPlan, Message, ModelInfo, Sampling, Step, Summary
 
@@ -72,8 +73,7 @@ def device_line(info: ModelInfo) -> str:
              info.fast_path_note]
     if eager:
         line += f" (no CUDA graphs for the {' and '.join(eager)})"
-    elif info.fast_path_note and info.runtime != "llamacpp":  # llama.cpp's notes are not about graphs
-        line += " (eager)"
+    # Any other note (why a fast path is off) is the device label's tooltip: "(eager)" said nothing to a reader.
     return line
 
 
@@ -137,13 +137,16 @@ def cost_verdict(info: ModelInfo | None, summary: Summary | None, proposer: str 
     costs = (f"Measured at load: {name} {draft_ms:.1f} ms per {'token' if head else 'forward'}, target "
              + ", ".join(f"{ms:.1f} ms ({w} tok)" for w, ms in info.target_ms) + ".")
     alpha = estimate_alpha(summary) if summary is not None else None
+    ratio = draft_ms / model.target_ms[1]
     if summary is None or alpha is None:
-        ratio = draft_ms / model.target_ms[1]
-        return f"{name} = {ratio:.0%} of a target forward", costs + " Send a speculative prompt for a prediction."
+        return (f"The {name} costs {ratio:.0%} of a forward",
+                costs + " Send a speculative prompt for a prediction.")
     k, best = model.best_k(alpha, k_max)
     predicted = model.predicted_speedup(alpha, summary.k) if 0 < summary.k <= k_max else None
-    short = (f"predicted {predicted:.2f}× at K={summary.k}" if predicted is not None else f"best K={k}: {best:.2f}×")
-    return short, costs + " " + model.verdict(alpha, k_max)
+    figures = (f"Predicted {predicted:.2f}× at K={summary.k}" if predicted is not None else f"Best K={k}: {best:.2f}×")
+    # The plain verdict (explain.plain_verdict), the same words as under the answer; the figures in the tooltip.
+    short = plain_verdict(ratio, alpha, predicted if predicted is not None else best, drafter=f"the {name}")
+    return short, f"{figures}. " + costs + " " + model.verdict(alpha, k_max)
 
 
 @dataclass

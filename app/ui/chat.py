@@ -3,8 +3,10 @@ conversations, stop; and the worker's steps and last word for each answer."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 from PySide6.QtCore import QObject, Signal
+from PySide6.QtGui import QTextCursor
 
 from app.core.session import ChatSession, answer_header
 from app.ui.context import ContextGuard
@@ -17,7 +19,10 @@ from engine.types import Message, Step, Summary
 from widgets.charts import LiveCharts
 from widgets.chat.prompt_box import PromptBox
 from widgets.chat.view import ChatView
-from widgets.stats_line import format_stats_line
+from widgets.stats_line import format_stats_line, format_stats_plain
+
+
+REGENERATE_TEMPERATURE = 0.7  # what Regenerate at T = 0 offers instead
 
 
 class ChatController(QObject):
@@ -26,7 +31,9 @@ class ChatController(QObject):
     `settings()` are the panel's values for the next request; `can_chat()` says whether a request may
     start now (no answer streaming, a pair loaded, nothing else using the worker); `annotate(stats,
     summary, request)` adds the draft check's note to an answer's stats line; `ready_changed()` and
-    `evidence_changed()` tell the window to re-read what it allows and what was measured.
+    `evidence_changed()` tell the window to re-read what it allows and what was measured; `apply_settings`
+    puts changed settings into the panel (Regenerate at T = 0 offers to raise the temperature).
+    Text typed in the message box stays with its conversation: switching keeps it and brings back the other's.
     """
 
     finished = Signal(int, object)  # request_id, Summary (stop included), after the chat shows it
@@ -37,6 +44,7 @@ class ChatController(QObject):
                  status: StatusBarController, notices: Notices, settings: Callable[[], GenerationSettings],
                  can_chat: Callable[[], bool], annotate: Callable[[str, Summary, object], str],
                  ready_changed: Callable[[], None], evidence_changed: Callable[[], None],
+                 apply_settings: Callable[[GenerationSettings], None] | None = None,
                  parent: QObject | None = None) -> None:
         super().__init__(parent)
         self.worker = worker
@@ -53,6 +61,9 @@ class ChatController(QObject):
         self._annotate = annotate
         self._ready_changed = ready_changed
         self._evidence_changed = evidence_changed
+        self._apply_settings = apply_settings
+        self._drafts: dict[str, str] = {}  # conversation id -> the unsent text of its message box
+        chat.example_chosen.connect(self.fill_prompt)
         # The worker lives on its own thread: these are queued connections, run on the UI thread.
         worker.steps.connect(self._on_steps)
         worker.generation_finished.connect(self._on_generation_finished)
@@ -75,8 +86,17 @@ class ChatController(QObject):
         """A new version of an answer (the last one by default); the old one stays as another version."""
         if not self._can_chat():
             return None
+        settings = self._settings()
+        if settings.temperature <= 0 and self.session.can_regenerate():
+            self._offer_temperature(settings, request_id)  # the answer would repeat: ask first, never modal
+            return None
+        return self._regenerate(settings, request_id)
+
+    def _regenerate(self, settings: GenerationSettings, request_id: int | None) -> int | None:
+        if not self._can_chat():
+            return None
         turn = self.conversations.bubble_turn.get(request_id) if request_id is not None else None
-        started = self.session.regenerate(self._settings(), turn, self.guard.drop_count())
+        started = self.session.regenerate(settings, turn, self.guard.drop_count())
         return self._submit(started[0]) if started is not None else None
 
     def edit_and_resend(self, turn_id: str, text: str) -> int | None:
@@ -84,6 +104,30 @@ class ChatController(QObject):
         if not self._can_chat() or turn_id not in self.session.conversation.turns:
             return None
         return self._submit(self.session.edit(turn_id, text, self._settings(), self.guard.drop_count()))
+
+    def _offer_temperature(self, settings: GenerationSettings, request_id: int | None) -> None:
+        # Greedy decoding picks the most likely token every time: the same question gets the same answer.
+        raised = replace(settings, temperature=REGENERATE_TEMPERATURE)
+
+        def chosen(index: int) -> None:
+            if index == 0:
+                if self._apply_settings is not None:
+                    self._apply_settings(raised)
+                self._regenerate(raised, request_id)
+            elif index == 1:
+                self._regenerate(settings, request_id)
+
+        self.chat.show_hint(
+            "At temperature 0 the model always picks its most likely next word, so Regenerate would write the "
+            f"same answer again. Raise the temperature to {REGENERATE_TEMPERATURE:g} for a different one? It "
+            "stays raised for the next messages (Settings > Temperature).",
+            [f"Raise to T = {REGENERATE_TEMPERATURE:g} and regenerate", "Regenerate at T = 0"], chosen)
+
+    def fill_prompt(self, text: str) -> None:
+        """Puts `text` into the message box (an example prompt), ready to edit or send."""
+        self.prompt.set_text(text)
+        self.prompt.edit.moveCursor(QTextCursor.MoveOperation.End)
+        self.prompt.edit.setFocus()
 
     def stop(self) -> None:
         if self.session.active_request is not None:
@@ -104,7 +148,9 @@ class ChatController(QObject):
         self.guard.update()
 
     def new_chat(self) -> None:
+        self._keep_draft()
         self._leave(self.session.new_chat())
+        self._restore_draft()
         self.conversations.refresh()
         self._ready_changed()
         self.guard.update()
@@ -113,18 +159,32 @@ class ChatController(QObject):
         """Shows a saved conversation; False (and one line saying why) if it cannot be read."""
         if conversation_id == self.session.conversation.id:
             return True
+        leaving = self.session.conversation.id
         try:
             streaming = self.session.open(conversation_id)
         except (OSError, ValueError) as e:
             self.notices.error("Could not open the conversation", f"{e}. The other conversations are not affected.")
             self.conversations.refresh()
             return False
+        self._keep_draft(leaving)
         self._leave(streaming)
+        self._restore_draft()
         self.conversations.sync_chat()
         self.conversations.refresh()
         self._ready_changed()
         self.guard.update()
         return True
+
+    def _keep_draft(self, conversation_id: str | None = None) -> None:
+        text = self.prompt.text()
+        key = conversation_id or self.session.conversation.id
+        if text.strip():
+            self._drafts[key] = text
+        else:
+            self._drafts.pop(key, None)
+
+    def _restore_draft(self) -> None:
+        self.prompt.set_text(self._drafts.pop(self.session.conversation.id, ""))
 
     def _leave(self, streaming: int | None) -> None:
         # The shown conversation changed: a streaming answer is stopped (it is saved to its own conversation).
@@ -163,7 +223,7 @@ class ChatController(QObject):
         request = self.session.request(request_id)
         if request is None:
             return
-        self.chat.finish_assistant_message(request_id, summary,
+        self.chat.finish_assistant_message(request_id, summary, format_stats_plain(summary, request),
                                            self._annotate(format_stats_line(summary, request), summary, request))
         record = self.session.finish(request_id, summary)
         if summary.mode == "speculative" and request.proposer in ("draft", "head") and record is not None:

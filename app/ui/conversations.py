@@ -17,7 +17,7 @@ from app.core.session import ChatSession, ShownTurn, answer_header
 from app.ui.notices import Notices
 from widgets.chat.conversation_list import ConversationList, SidebarEntry
 from widgets.chat.view import ChatView, ShownMessage
-from widgets.stats_line import format_stats_line
+from widgets.stats_line import format_stats_line, format_stats_plain
 
 log = logging.getLogger(__name__)
 
@@ -219,7 +219,8 @@ class ConversationsController(QObject):
         return ShownMessage(
             "assistant", turn.content, turn.id, (item.index, item.count), request_id=rid, header=header,
             steps=turn.tokens.to_steps if turn.tokens is not None else None,  # made when first shown
-            stats=format_stats_line(turn.summary, turn.request) if turn.summary is not None else "",
+            stats=format_stats_plain(turn.summary, turn.request) if turn.summary is not None else "",
+            stats_detail=format_stats_line(turn.summary, turn.request) if turn.summary is not None else "",
             error=turn.error or ("" if turn.content or turn.summary else "No answer was saved."),
         )
 

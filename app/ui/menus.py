@@ -38,7 +38,7 @@ MENUS: tuple[tuple[str, tuple[Item | None, ...]], ...] = (
     )),
     ("&View", (
         Item("colouring", "&Colour tokens", checkable=True),
-        Item("ghosts", "Show rejected &ghosts", checkable=True),
+        Item("ghosts", "Mark &rejected drafts", checkable=True),
         Item("charts", "C&harts", checkable=True),
         Item("markdown", "&Format finished answers (markdown)", "Ctrl+M", checkable=True),
     )),

@@ -10,8 +10,9 @@ from PySide6.QtCore import QObject, Qt, QTimer
 from PySide6.QtWidgets import QLabel, QProgressBar, QStatusBar
 
 from app.core.session import cost_verdict, device_line
-from engine.measure.explain import describe_decision
+from engine.measure.explain import describe_decision, plain_decision
 from engine.types import Decision, ModelInfo, Summary
+from widgets.elided_label import ElidedLabel
 
 log = logging.getLogger(__name__)
 
@@ -29,12 +30,13 @@ class StatusBarController(QObject):
         self._info = info
         self._on_memory = on_memory
         self.memory_full = False
-        self.model_label = QLabel("No model")
-        self.device_label = QLabel("")
+        # Long texts elide with "…" and keep the whole text (and the figures behind it) in their tooltip.
+        self.model_label = ElidedLabel("No model")
+        self.device_label = ElidedLabel("")
         self.memory_label = QLabel("")
-        self.cost_label = QLabel("")  # the cost model's verdict: does speculation pay on this machine?
-        self.decision_label = QLabel("")  # what the K controller decides now, and why
-        self.load_label = QLabel("")
+        self.cost_label = ElidedLabel("")  # the cost model's verdict: does speculation pay on this machine?
+        self.decision_label = ElidedLabel("")  # what the K controller decides now, and why
+        self.load_label = ElidedLabel("")
         self.load_bar = QProgressBar()
         self.load_bar.setRange(0, 100)
         self.load_bar.setMaximumWidth(160)
@@ -47,8 +49,8 @@ class StatusBarController(QObject):
         status.addWidget(self.model_label)
         status.addWidget(self.load_label, 1)
         status.addPermanentWidget(self.load_bar)
-        status.addPermanentWidget(self.decision_label)
-        status.addPermanentWidget(self.cost_label)
+        status.addPermanentWidget(self.decision_label, 1)
+        status.addPermanentWidget(self.cost_label, 1)
         status.addPermanentWidget(self.device_label)
         status.addPermanentWidget(self.memory_label)
         self.timer = QTimer(self)
@@ -91,7 +93,8 @@ class StatusBarController(QObject):
     def show_decision(self, decision: Decision | None) -> None:
         """What the K controller decided and why; a fixed K or standard decoding leaves the last line."""
         if decision is not None and decision.reason not in ("fixed", "standard"):
-            self.decision_label.setText(describe_decision(decision))
+            self.decision_label.setText(plain_decision(decision))
+            self.decision_label.setToolTip(describe_decision(decision))
 
     def update_memory(self) -> None:
         # torch only if the engine already imported it: the status bar never pays for a torch import.

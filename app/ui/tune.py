@@ -48,6 +48,23 @@ def settings_for(row: SweepRow, base: GenerationSettings) -> GenerationSettings:
                    temperature=row.temperature)
 
 
+def best_note(rows: Sequence[SweepRow]) -> str:
+    """The sweep's verdict in plain words: a configuration wins only beyond the measured spread."""
+    top = sw.best(rows)
+    if top is None:
+        return ""
+    if top.mode == "standard":
+        drafting = [r for r in rows if r.mode != "standard" and r.runs]
+        if not drafting:
+            return "Standard decoding is fastest here."
+        closest = max(drafting, key=lambda r: r.speedup)
+        return (f"Standard decoding is fastest here: the best other configuration ({closest.label}, "
+                f"{closest.speedup:.2f}×, {closest.acceptance:.0%} of drafted tokens accepted) is within "
+                f"the measured spread (±{max(closest.spread, 0.03):.0%}).")
+    return (f"Best: {top.label} at T={top.temperature:g}, {top.speedup:.2f}× standard (beyond the measured "
+            f"spread of ±{top.spread:.0%}; {top.acceptance:.0%} of drafted tokens accepted).")
+
+
 class TuneController(QObject):
     """Sequences nothing itself: the worker runs the whole sweep; this one listens and shows."""
 
@@ -141,8 +158,7 @@ class TuneController(QObject):
             return
         self._show(records)
         stopped = self.worker.sweep_stop.is_set()  # cleared by the worker when the next sweep starts
-        top = sw.best(self.rows)
-        note = f"Best: {top.label} at T={top.temperature:g}, {top.speedup:.2f}× standard." if top else ""
+        note = best_note(self.rows)
         self.view.show_status(("Stopped. " if stopped else "Sweep finished. ") + note)
         self._set_running(False)
         self.update_evidence(sweep=tuple(self.rows), categories=self._categories(records))

@@ -201,7 +201,7 @@ class MainWindow(QMainWindow):
             self.worker, self.session, self.chat, self.prompt, self.charts, conversations=self.conversations,
             guard=self.guard, status=self.status, notices=self.notices, settings=self.panel.values,
             can_chat=self._can_chat, annotate=self.check_link.annotate, ready_changed=self._set_ready_state,
-            evidence_changed=self._update_evidence, parent=self,
+            evidence_changed=self._update_evidence, apply_settings=self._apply_settings, parent=self,
         )
         c.finished.connect(self.answer_finished)
         c.failed.connect(self.answer_failed)

@@ -5,6 +5,7 @@ decision reads the same under an answer, in the status bar and on the command li
 """
 from __future__ import annotations
 
+from engine.measure.verdict import NOISE_FLOOR
 from engine.types import Decision, Diagnosis, Summary
 
 SOURCE_WORDS = {"draft": "the draft", "ngram": "n-gram lookup", None: "drafting"}
@@ -29,6 +30,36 @@ def describe_decision(d: Decision) -> str:
         return f"probing {who} with K={d.k}: checking whether the {acceptance} still does not pay"
     speed = f", predicted {d.predicted_speedup:.2f}x" if d.predicted_speedup is not None else ""
     return f"K={d.k} with {who}: {acceptance}{speed}"
+
+
+def plain_verdict(draft_share: float | None, acceptance: float | None, speedup: float | None, *,
+                  spread: float = NOISE_FLOOR, drafter: str = "the draft") -> str:
+    """The one verdict Chat, Race and Tune give, e.g. "Standard decoding is fastest here: the draft costs 60%
+    of a forward and 45% of its tokens are accepted"; speculation "pays" only beyond the measured spread."""
+    why = " and ".join(part for part in (
+        f"{drafter} costs {draft_share:.0%} of a forward" if draft_share is not None else "",
+        f"{acceptance:.0%} of its tokens are accepted" if acceptance is not None else "") if part)
+    if speedup is not None and speedup - 1 > max(spread, NOISE_FLOOR):
+        return f"Speculative decoding pays here: about {speedup:.2f}× faster" + (f" ({why})" if why else "")
+    return "Standard decoding is fastest here" + (f": {why}" if why else "")
+
+
+def plain_decision(d: Decision) -> str:
+    """What auto does now, in plain words (describe_decision has the figures, for a tooltip)."""
+    who = SOURCE_WORDS.get(d.source, d.source or "drafting")
+    accepted = f"{d.acceptance:.0%} of drafted tokens accepted" if d.acceptance is not None else ""
+    if d.reason == "standard":
+        return "Standard decoding"
+    if d.reason == "fixed":
+        return f"Drafting {d.k} tokens a step, as set"
+    if d.reason == "no_match":
+        return "Standard decoding now: n-gram lookup found nothing to copy"
+    if d.reason == "no_gain":
+        return "Standard decoding now: drafting would not pay" + (f" ({accepted})" if accepted else "")
+    if d.reason == "probe":
+        return f"Trying {who} again to see whether it pays now"
+    faster = f", about {d.predicted_speedup:.2f}× faster" if d.predicted_speedup is not None else ""
+    return f"Drafting {d.k} tokens a step with {who}" + (f": {accepted}" if accepted else "") + faster
 
 
 def time_split(s: Summary) -> str:

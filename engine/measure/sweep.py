@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 from engine.errors import InputError
 from engine.limits import K_AUTO, K_MAX
 from engine.measure.csvsafe import safe_cell
+from engine.measure.verdict import is_win, speedup_spread
 from engine.measure.experiment import (
     BenchPrompt,
     RunRecord,
@@ -192,6 +193,7 @@ def rows(records: Sequence[RunRecord], configs: Sequence[SweepConfig], info: Mod
             compared=len(pairs) if greedy else 0,
             runs=len(runs),
             k_mean=t["k_mean"],
+            spread=speedup_spread([c.tokens_per_s / a.tokens_per_s for a, c in pairs if a.tokens_per_s > 0]),
         ))
     return out
 
@@ -216,10 +218,15 @@ def label_of(row: SweepRow, configs: Sequence[SweepConfig]) -> str:
 
 
 def best(sweep: Sequence[SweepRow], *, fixed_only: bool = False) -> SweepRow | None:
-    """The fastest configuration (standard rows included: it may be the best there is)."""
+    """The fastest configuration that beat standard decoding beyond the measured spread (and accepted
+    drafted tokens); else standard decoding itself (the fastest of its rows): noise is never a win."""
     candidates = [r for r in sweep if not fixed_only or (r.mode != "auto" and (r.k or r.mode == "standard"))]
     candidates = [r for r in candidates if not math.isnan(r.speedup)]
-    return max(candidates, key=lambda r: r.speedup, default=None)
+    wins = [r for r in candidates if r.mode != "standard" and is_win(r.speedup, r.spread, r.acceptance)]
+    if wins:
+        return max(wins, key=lambda r: r.speedup)
+    standard = [r for r in candidates if r.mode == "standard"]
+    return max(standard, key=lambda r: r.tokens_per_s, default=None)
 
 
 CSV_COLUMNS = ("proposer", "k", "temperature", "mode", "tokens_per_s", "speedup", "predicted_speedup",

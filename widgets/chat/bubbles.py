@@ -22,6 +22,23 @@ from widgets.chat.markdown_render import Segment
 from widgets.token_text import TokenTextView
 
 
+COLLAPSE_LINES = 30  # a question longer than this many lines (a paste) is shown collapsed
+COLLAPSE_CHARS = 6000  # ... or longer than this many characters
+PREVIEW_LINES = 8  # lines of a collapsed question that show
+PREVIEW_CHARS = 1200  # at most this many characters of it
+
+
+def collapsed(text: str) -> tuple[str, int] | None:
+    """(the preview, how many lines are left out) for a question too long to show whole; None when it fits."""
+    lines = text.split("\n")
+    if len(lines) <= COLLAPSE_LINES and len(text) <= COLLAPSE_CHARS:
+        return None
+    preview = "\n".join(lines[:PREVIEW_LINES])
+    if len(preview) > PREVIEW_CHARS:
+        preview = preview[:PREVIEW_CHARS].rstrip() + "…"
+    return preview, len(lines) - preview.count("\n") - 1
+
+
 class WrapLabel(QLabel):
     """A word-wrapped label that takes the height its text needs at its width, without telling the
     layout it depends on the width (heightForWidth). A chat of 100 bubbles whose labels did would
@@ -117,8 +134,18 @@ class UserBubble(QWidget):
         self.frame.setObjectName("userBubble")
         inner = QVBoxLayout(self.frame)
         inner.setContentsMargins(12, 8, 12, 8)
-        self.label = plain_label(text, "userText", self.frame)
+        self._collapsed = collapsed(text)
+        self.label = plain_label(self._collapsed[0] if self._collapsed else text, "userText", self.frame)
         inner.addWidget(self.label)
+        self.expand_button: QToolButton | None = None
+        if self._collapsed:
+            # A long paste reads as its first lines; the whole text is still what was sent and saved.
+            self.expand_button = small_button("", "Show the whole message", self.frame)
+            self.expand_button.setObjectName("userCollapsed")
+            self.expand_button.setCheckable(True)
+            self.expand_button.toggled.connect(self.set_expanded)
+            inner.addWidget(self.expand_button, 0, Qt.AlignmentFlag.AlignLeft)
+            self.set_expanded(False)
         self._inner = inner
         self.editor: QPlainTextEdit | None = None  # built on the first Edit: most questions are never edited
         self.edit_buttons: QWidget | None = None
@@ -141,6 +168,19 @@ class UserBubble(QWidget):
     def plain_text(self) -> str:
         return self._text
 
+    def is_collapsed(self) -> bool:
+        return self._collapsed is not None and not (self.expand_button and self.expand_button.isChecked())
+
+    def set_expanded(self, on: bool) -> None:
+        if self._collapsed is None or self.expand_button is None:
+            return
+        preview, hidden = self._collapsed
+        self.label.setText(self._text if on else preview)
+        more = f"{hidden:,} more line{'s' if hidden != 1 else ''}" if hidden else "the rest"
+        self.expand_button.setText("Show less" if on else f"… {more} · show all")
+        if self.expand_button.isChecked() != on:
+            self.expand_button.setChecked(on)
+
     def is_editing(self) -> bool:
         return self.editor is not None and not self.editor.isHidden()
 
@@ -149,6 +189,8 @@ class UserBubble(QWidget):
             self._build_editor()
         self.editor.setPlainText(self._text)
         self.frame.setMaximumWidth(16777215)  # room to edit
+        if self.expand_button is not None:
+            self.expand_button.hide()
         for widget, show in ((self.label, False), (self.editor, True), (self.edit_buttons, True),
                              (self.edit_button, False)):
             widget.setVisible(show)
@@ -160,6 +202,8 @@ class UserBubble(QWidget):
         for widget, show in ((self.label, True), (self.editor, False), (self.edit_buttons, False),
                              (self.edit_button, bool(self.key))):
             widget.setVisible(show)
+        if self.expand_button is not None:
+            self.expand_button.show()
 
     def _build_editor(self) -> None:
         self.editor = QPlainTextEdit(self.frame)
@@ -196,6 +240,38 @@ class NoteBubble(WrapLabel):
 
     def plain_text(self) -> str:
         return self.text()
+
+
+class HintBubble(QFrame):
+    """A hint in the chat's flow with a choice of buttons (never modal): e.g. Regenerate at T = 0."""
+
+    chosen = Signal(int)  # the index of the button clicked; -1 when dismissed
+
+    def __init__(self, text: str, choices: Sequence[str], parent: QWidget) -> None:
+        super().__init__(parent)
+        self.setObjectName("hintBubble")
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(12, 8, 12, 8)
+        self.label = plain_label(text, "hintText", self)
+        layout.addWidget(self.label)
+        row = QHBoxLayout()
+        row.setContentsMargins(0, 0, 0, 0)
+        row.addStretch(1)
+        self.buttons: list[QPushButton] = []
+        for i, choice in enumerate(choices):
+            button = QPushButton(choice, self)
+            if i == 0:
+                button.setObjectName("primaryButton")
+            button.clicked.connect(lambda _=False, i=i: self.chosen.emit(i))
+            row.addWidget(button)
+            self.buttons.append(button)
+        self.dismiss_button = QPushButton("Cancel", self)
+        self.dismiss_button.clicked.connect(lambda: self.chosen.emit(-1))
+        row.addWidget(self.dismiss_button)
+        layout.addLayout(row)
+
+    def plain_text(self) -> str:
+        return self.label.text()
 
 
 class AssistantBubble(QFrame):

@@ -6,6 +6,9 @@ from PySide6.QtGui import QKeyEvent
 from PySide6.QtWidgets import QHBoxLayout, QPlainTextEdit, QPushButton, QSizePolicy, QWidget
 
 MIN_LINES, MAX_LINES = 2, 8  # the box grows with its text between these
+# The placeholder, longest first: the longest that fits the box is shown (never one cut at the edge).
+PLACEHOLDERS = ("Type a message…  (Enter to send, Shift+Enter for a new line)", "Type a message…  (Enter to send)",
+                "Type a message…", "Message…")
 
 
 class PromptEdit(QPlainTextEdit):
@@ -17,7 +20,8 @@ class PromptEdit(QPlainTextEdit):
     def __init__(self, parent: QWidget | None = None) -> None:
         super().__init__(parent)
         self.setObjectName("promptEdit")
-        self.setPlaceholderText("Type a message…  (Enter to send, Shift+Enter for a new line)")
+        self.setPlaceholderText(PLACEHOLDERS[0])
+        self.setToolTip("Enter sends, Shift+Enter starts a new line, Esc stops the answer")
         self.setTabChangesFocus(True)
         self.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Fixed)
         self.document().documentLayout().documentSizeChanged.connect(self._fit_height)
@@ -38,6 +42,14 @@ class PromptEdit(QPlainTextEdit):
             event.accept()
             return
         super().keyPressEvent(event)
+
+    def resizeEvent(self, event) -> None:
+        super().resizeEvent(event)
+        room = self.viewport().width() - 2 * self.document().documentMargin() - 4
+        metrics = self.fontMetrics()
+        fits = next((p for p in PLACEHOLDERS if metrics.horizontalAdvance(p) <= room), PLACEHOLDERS[-1])
+        if fits != self.placeholderText():
+            self.setPlaceholderText(fits)
 
     def _fit_height(self, *_: object) -> None:
         line = self.fontMetrics().lineSpacing()

@@ -13,9 +13,10 @@ from PySide6.QtGui import QGuiApplication, QResizeEvent
 from PySide6.QtWidgets import QWidget
 
 from engine.types import Step, Summary
-from widgets.chat.bubbles import AssistantBubble, NoteBubble, UserBubble
+from widgets.chat.bubbles import AssistantBubble, HintBubble, NoteBubble, UserBubble
 from widgets.chat.pages import PagedColumn
 from widgets.chat.markdown import MarkdownView, shared_renderer
+from widgets.chat.welcome import WelcomePane
 from widgets.token_text import TokenTextView
 
 log = logging.getLogger(__name__)
@@ -37,7 +38,8 @@ class ShownMessage:
     header: str = ""  # answers: model and settings line
     # answers: tokens to colour, or a function that makes them when first shown (None: saved without them)
     steps: tuple[Step, ...] | Callable[[], Sequence[Step]] | None = None
-    stats: str = ""  # answers: the figures line
+    stats: str = ""  # answers: the figures line, in plain words
+    stats_detail: str = ""  # answers: the same with every figure (the line's tooltip)
     error: str = ""  # answers: why it failed, if it did
 
 
@@ -52,6 +54,7 @@ class ChatView(PagedColumn):
     edit_submitted = Signal(str, str)  # a question was edited and sent again: turn key, new text
     branch_requested = Signal(str, int)  # show another version of a message: turn key, -1 / +1
     loading_finished = Signal()  # show_messages() has built every bubble
+    example_chosen = Signal(str)  # an example prompt of the welcome pane was clicked: its text
 
     def __init__(self, parent: QWidget | None = None) -> None:
         super().__init__(parent)
@@ -74,6 +77,11 @@ class ChatView(PagedColumn):
         self._apply_timer.setInterval(0)
         self._apply_timer.timeout.connect(self._apply_one)
         shared_renderer().rendered.connect(self._on_rendered)
+        # The empty state: above the (empty) list of messages, hidden as soon as there is one.
+        self.welcome = WelcomePane(self._holder)
+        self._holder.layout().insertWidget(0, self.welcome)
+        self.welcome.example_chosen.connect(self.example_chosen)
+        self._hint: HintBubble | None = None  # the hint shown at the end, if any
 
     # --- public API -------------------------------------------------------------------------
 
@@ -113,6 +121,7 @@ class ChatView(PagedColumn):
             bubble.error.setText(f"⚠ {message.error}")
             bubble.error.show()
         bubble.stats.setText(message.stats)
+        bubble.stats.setToolTip(message.stats_detail)
         bubble.stats.setVisible(bool(message.stats))
         self._finish_view(bubble)
         self._update_regenerate(bubble)
@@ -138,6 +147,8 @@ class ChatView(PagedColumn):
     def append_messages(self, messages: Sequence[ShownMessage]) -> None:
         """Adds saved messages at the end, a few per event-loop turn (anything added later goes after them)."""
         self._queue.extend(messages)
+        if any(m.role in ("user", "assistant") for m in messages):
+            self.welcome.hide()
         if self._queue:
             self._load_timer.start()
 
@@ -159,6 +170,7 @@ class ChatView(PagedColumn):
                 self._assistants.pop(widget.request_id, None)
         del self._messages[index:]
         self._update_regenerate()
+        self._update_welcome()
 
     def is_loading(self) -> bool:
         return bool(self._queue)
@@ -175,13 +187,15 @@ class ChatView(PagedColumn):
             return
         bubble.view.append_steps(steps)
 
-    def finish_assistant_message(self, request_id: int, summary: Summary, stats_text: str) -> None:
+    def finish_assistant_message(self, request_id: int, summary: Summary, stats_text: str,
+                                 stats_detail: str = "") -> None:
         bubble = self._assistants.get(request_id)
         if bubble is None:
             log.debug("finish for unknown request %s ignored", request_id)
             return
         bubble.finish(summary.text)
         bubble.stats.setText(stats_text)
+        bubble.stats.setToolTip(stats_detail)
         bubble.stats.setVisible(bool(stats_text))
         self._finish_view(bubble)
         self._update_regenerate()
@@ -205,6 +219,33 @@ class ChatView(PagedColumn):
         self._messages.remove(bubble)
         self._discard(bubble)
         self._update_regenerate()
+        self._update_welcome()
+
+    def show_hint(self, text: str, choices: Sequence[str], on_choice: Callable[[int], None]) -> HintBubble:
+        """A hint with buttons at the end of the chat; `on_choice(index)` when one is clicked (-1: Cancel).
+        It goes once answered, or when the next message is added."""
+        self.dismiss_hint()
+        self._drain()
+        hint = HintBubble(text, choices, self._contents)
+        self._hint = hint
+
+        def chosen(index: int) -> None:
+            self.dismiss_hint()
+            on_choice(index)
+
+        hint.chosen.connect(chosen)
+        self._add(hint)
+        return hint
+
+    def hint(self) -> HintBubble | None:
+        return self._hint
+
+    def dismiss_hint(self) -> None:
+        hint, self._hint = self._hint, None
+        if hint is not None and hint in self._messages:
+            self._messages.remove(hint)
+            self._discard(hint)
+            self._update_welcome()
 
     def add_system_note(self, text: str) -> int:
         self._drain()
@@ -213,9 +254,11 @@ class ChatView(PagedColumn):
     def clear(self) -> None:
         self._queue = []
         self._load_timer.stop()
+        self._hint = None  # goes with the old contents
         self._swap_contents()
         self._assistants.clear()
         self._follow = True
+        self._update_welcome()
 
     def set_busy(self, busy: bool) -> None:
         """While an answer streams, Edit and Regenerate wait (one generation at a time)."""
@@ -252,6 +295,10 @@ class ChatView(PagedColumn):
         self._show_rejected = show
         for bubble in self._assistants.values():
             bubble.view.set_show_rejected(show)
+
+    def showing_welcome(self) -> bool:
+        """True while the chat is empty and shows the welcome pane."""
+        return not self.welcome.isHidden()
 
     def message_count(self) -> int:
         return len(self._messages)
@@ -295,6 +342,11 @@ class ChatView(PagedColumn):
         bubble = self._assistants.get(request_id)
         return bubble.stats.text() if bubble is not None else ""
 
+    def stats_detail(self, request_id: int) -> str:
+        """Every figure behind the stats line (its tooltip)."""
+        bubble = self._assistants.get(request_id)
+        return bubble.stats.toolTip() if bubble is not None else ""
+
     def regenerate_visible(self, request_id: int) -> bool:
         bubble = self._assistants.get(request_id)
         return bubble is not None and not bubble.regenerate_button.isHidden()
@@ -309,6 +361,17 @@ class ChatView(PagedColumn):
                 widget.frame.setMaximumWidth(width)
 
     # --- internals ------------------------------------------------------------------------------
+
+    def _add(self, widget: QWidget) -> int:
+        if isinstance(widget, (UserBubble, AssistantBubble)):
+            self.welcome.hide()  # a note (model loaded) leaves the chat as empty as it was
+        if self._hint is not None and widget is not self._hint:
+            self.dismiss_hint()  # a hint answers the moment it was shown in; anything newer makes it stale
+        return super()._add(widget)
+
+    def _update_welcome(self) -> None:
+        self.welcome.setVisible(not self._queue and not any(isinstance(w, (UserBubble, AssistantBubble))
+                                                            for w in self._messages))
 
     def _user_width(self) -> int:
         return max(200, int(self.viewport().width() * USER_BUBBLE_WIDTH))
@@ -374,4 +437,5 @@ class ChatView(PagedColumn):
             self._building = False
         if not self._queue and self._load_timer.isActive():
             self._load_timer.stop()
+            self._update_welcome()
             self.loading_finished.emit()

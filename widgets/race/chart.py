@@ -12,7 +12,7 @@ from PySide6.QtWidgets import (
 
 import widgets.charts  # noqa: F401  (sets pyqtgraph options once, before any plot exists)
 from engine.types import Step
-from widgets.charts import theme_plot
+from widgets.charts import plain_axes, show_empty, theme_plot
 from widgets.palette import current_palette
 
 RACE_MODES: tuple[str, str] = ("standard", "speculative")
@@ -37,6 +37,7 @@ class RaceChart(pg.PlotWidget):
         item.setLabel("left", "tokens")
         item.showGrid(x=True, y=True, alpha=0.15)
         item.setMouseEnabled(x=False, y=False)
+        plain_axes(item)
         item.addLegend(offset=(8, 4), labelTextSize="8pt", brush=(255, 255, 255, 200))
         self._curves: dict[str, pg.PlotDataItem] = {}
         self._points: dict[str, list[tuple[float, float]]] = {}
@@ -76,6 +77,8 @@ class RaceChart(pg.PlotWidget):
         if not self._dirty:
             return
         self._dirty = False
+        show_empty(self.getPlotItem(), all(len(p) <= 1 for p in self._points.values()),
+                   "No data yet: pick a prompt and press Race")
         for mode, curve in self._curves.items():
             x, y = self.series(mode)
             if len(x) > 1:

@@ -22,7 +22,7 @@ CATEGORY_LABELS: dict[str, str] = {
 }
 
 TABLE_COLUMNS = ("Category", "Prompt", "Reps", "Std tok/s", "Spec tok/s", "Speedup", "Spread", "Accepted",
-                 "Tok/fwd", "Identical")
+                 "Tokens/step", "Identical")
 TABLE_TIPS = ("Prompt category", "Bench prompt id (custom: typed by hand)", "Repeats of the race",
               "Standard decoding tokens/s (median over repeats)", "Speculative decoding tokens/s (median)",
               "Median speedup = speculative tok/s ÷ standard tok/s", "Speedup min–max and interquartile range",

@@ -15,7 +15,7 @@ from PySide6.QtWidgets import QVBoxLayout, QWidget
 
 from engine.limits import K_MAX
 from engine.types import SweepRow
-from widgets.charts import theme_plot  # importing charts also sets pyqtgraph's options once
+from widgets.charts import plain_axes, show_empty, theme_plot  # importing charts also sets pyqtgraph's options once
 from widgets.palette import current_palette
 
 # One colour per temperature (coolest first) and one line style per proposer.
@@ -48,6 +48,8 @@ class SweepPlots(QWidget):
             plot.showGrid(x=True, y=True, alpha=0.15)
             plot.setXRange(0.5, K_MAX + 0.5, padding=0)
             plot.addLegend(offset=(-6, 4), labelTextSize="8pt", brush=(255, 255, 255, 200))
+            plain_axes(plot)
+            show_empty(plot, True, "No data yet: start a sweep")
         self.acceptance_plot.setYRange(0, 100, padding=0.04)
         self.speedup_plot.addItem(pg.InfiniteLine(pos=1.0, angle=0, pen=pg.mkPen((120, 120, 120), style=Qt.PenStyle.DashLine)))
         self._curves: dict[tuple[str, float], tuple[pg.PlotDataItem, pg.PlotDataItem]] = {}
@@ -70,6 +72,8 @@ class SweepPlots(QWidget):
                 continue
             target = auto if row.mode == "auto" or row.k == 0 else series
             target.setdefault(_series_key(row), []).append(row)
+        for plot in (self.speedup_plot, self.acceptance_plot):
+            show_empty(plot, not series and not auto, "No data yet: start a sweep")
         top = 1.0
         for key, items in series.items():
             items.sort(key=lambda r: r.k)

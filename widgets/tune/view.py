@@ -35,7 +35,7 @@ from engine.types import PROPOSERS, SweepRow
 from widgets.palette import current_palette
 from widgets.tune.plots import SweepPlots
 
-COLUMNS = ("Configuration", "T", "tok/s", "Speedup", "Predicted", "Accepted", "Tok/fwd", "Drafting", "Identical")
+COLUMNS = ("Configuration", "T", "tok/s", "Speedup", "Predicted", "Accepted", "Tokens/step", "Drafting", "Identical")
 
 
 @dataclass(frozen=True)
@@ -163,6 +163,7 @@ class TuneView(QWidget):
         self.plots = SweepPlots(self)
         self.table = QTableWidget(0, len(COLUMNS), self)
         self.table.setHorizontalHeaderLabels(COLUMNS)
+        self.table.horizontalHeaderItem(COLUMNS.index("Tokens/step")).setToolTip("New tokens per target forward")
         self.table.setEditTriggers(QAbstractItemView.EditTrigger.NoEditTriggers)
         self.table.setSelectionBehavior(QAbstractItemView.SelectionBehavior.SelectRows)
         self.table.setSelectionMode(QAbstractItemView.SelectionMode.SingleSelection)
@@ -267,7 +268,7 @@ class TuneView(QWidget):
             if widget is not None:
                 widget.deleteLater()
         if not items:
-            quiet = QLabel("Nothing to report: no rule fired on what was measured so far.", self.diagnoses)
+            quiet = QLabel("Nothing to report: what was measured so far shows no problem.", self.diagnoses)
             quiet.setObjectName("diagnosisQuiet")
             self._diagnoses_layout.addWidget(quiet)
         for i, item in enumerate(items):
