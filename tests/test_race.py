@@ -505,7 +505,7 @@ def test_race_and_chat_share_the_main_windows_worker(qtbot, raced_window):
 def test_the_main_windows_race_tab_blocks_chat_while_racing(qtbot, raced_window):
     w, _engine = raced_window
     assert w.tabs.tabText(1).startswith("Race")
-    w.tabs.setCurrentWidget(w.race_view)
+    w.show_tab(w.race_view)
     w.race_view.set_prompt_text("Race me")
     with qtbot.waitSignal(w.race.race_finished, timeout=10000):
         w.race_view.race_button.click()
