@@ -240,7 +240,7 @@ class MainWindow(QMainWindow):
         self.panel.settings_changed.connect(self._on_settings_changed)
         # The race shares the worker and the request-id counter, and takes the panel's settings.
         self.race = RaceController(self.worker, self.race_view, next_request_id=self.session.allocate_request_id,
-                                   current_settings=self.panel.values, parent=self)
+                                   current_settings=self.panel.values, info=lambda: self.info, parent=self)
         self.race.running_changed.connect(lambda _running: self._set_ready_state())
         self.race.race_finished.connect(lambda _summary: self._update_evidence())
         # The Tune tab sweeps through the same worker; Apply puts a configuration into the panel.
@@ -258,7 +258,8 @@ class MainWindow(QMainWindow):
         )
         self.loading.loaded.connect(self.models_loaded)
         self.loading.load_failed.connect(self.models_load_failed)
-        self.exports = SessionExporter(lambda: self.records, self.notices)
+        self.exports = SessionExporter(lambda: self.records, self.notices, races=lambda: self.race.results,
+                                       sweeps=lambda: self.tune.session_runs)
 
     def _restore_saved(self) -> None:
         """Applies the stored generation, display and markdown settings (the layout comes once the view is built)."""
