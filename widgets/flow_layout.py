@@ -64,34 +64,40 @@ class FlowLayout(QLayout):
     def _place(self, rect: QRect, *, move: bool) -> int:
         """Lays the items out in `rect` (when `move`) and returns the height that takes.
 
-        Items whose widget expands horizontally share what is left of their row; each item sits
+        Items whose widget expands horizontally share what is left of their row; an item wider than the row
+        gets the row's width. A label that wraps is as tall as its text at the width it gets; each item sits
         centred in its row's height.
         """
         m = self.contentsMargins()
         area = rect.adjusted(m.left(), m.top(), -m.right(), -m.bottom())
-        rows: list[list[tuple[QLayoutItem, QSize]]] = [[]]
+        rows: list[list[tuple[QLayoutItem, int]]] = [[]]  # (item, width) per row
         used = 0
         for item in self._items:
             if item.isEmpty():  # a hidden widget takes no room
                 continue
-            hint = item.sizeHint()
-            if rows[-1] and used + self._spacing + hint.width() > area.width():
+            width = item.sizeHint().width()
+            if area.width() > 0:
+                width = min(width, area.width())
+            if rows[-1] and used + self._spacing + width > area.width():
                 rows.append([])
                 used = 0
-            used += hint.width() + (self._spacing if rows[-1] else 0)
-            rows[-1].append((item, hint))
+            used += width + (self._spacing if rows[-1] else 0)
+            rows[-1].append((item, width))
         y = area.y()
-        for row in rows:
-            if not row:
-                continue
-            height = max(h.height() for _, h in row)
+        for row in filter(None, rows):
+            extra = area.width() - sum(w for _, w in row) - self._spacing * (len(row) - 1)
+            growing = [i for i, (item, _) in enumerate(row) if item.expandingDirections() & Qt.Orientation.Horizontal]
+            sized = []
+            for i, (item, width) in enumerate(row):
+                if i in growing and extra > 0:
+                    width += extra // len(growing)
+                height = item.heightForWidth(width) if item.hasHeightForWidth() else item.sizeHint().height()
+                sized.append((item, width, height))
+            row_height = max(h for _, _, h in sized)
             if move:
-                extra = area.width() - sum(h.width() for _, h in row) - self._spacing * (len(row) - 1)
-                growing = [i for i, _ in row if i.expandingDirections() & Qt.Orientation.Horizontal]
                 x = area.x()
-                for item, hint in row:
-                    width = hint.width() + (max(0, extra) // len(growing) if item in growing else 0)
-                    item.setGeometry(QRect(QPoint(x, y + (height - hint.height()) // 2), QSize(width, hint.height())))
+                for item, width, height in sized:
+                    item.setGeometry(QRect(QPoint(x, y + (row_height - height) // 2), QSize(width, height)))
                     x += width + self._spacing
-            y += height + self._line_spacing
+            y += row_height + self._line_spacing
         return max(0, y - self._line_spacing - rect.y()) + m.bottom()

@@ -11,7 +11,7 @@ from PySide6.QtWidgets import QSplitter, QWidget
 
 from app.ui.settings import AppSettings
 
-CHAT_SHARE = 0.55  # the chat keeps at least this share of the window when the panels are laid out
+CHAT_SHARE = 0.5  # the chat keeps at least this share of the window when the panels are laid out (minimums allowing)
 
 
 @dataclass(frozen=True)
@@ -26,10 +26,10 @@ class Panel:
     default_width: int  # its width the first time it shows
 
 
-# Collapse order as the window narrows: the charts first (1,480 px default window: all three fit beside a chat
-# of half the width), then the conversations, then the settings, so at 640 px the chat has the whole width.
-COLLAPSE_BELOW = {"charts": 1200, "sidebar": 1000, "settings": 760}
-DEFAULT_WIDTHS = {"sidebar": 210, "settings": 300, "charts": 340}
+# Collapse order as the window narrows: the charts first (at the 1,480 px default window all three fit beside a
+# chat of nearly half the width), then the conversations, then the settings, so at 640 px the chat has the whole width.
+COLLAPSE_BELOW = {"charts": 1280, "sidebar": 1000, "settings": 760}
+DEFAULT_WIDTHS = {"sidebar": 190, "settings": 300, "charts": 340}
 
 
 class SidePanels(QObject):
@@ -125,10 +125,11 @@ class SidePanels(QObject):
     def _lay_out(self, width: int) -> None:
         """Each shown panel at its remembered width, scaled down together so the chat keeps its share."""
         shown = [p for p in self._panels.values() if not p.widget.isHidden()]
-        budget = int(width * (1 - CHAT_SHARE))
+        splitters = {p.splitter for p in self._panels.values()}
+        budget = int(width * (1 - CHAT_SHARE)) - sum(s.handleWidth() * (s.count() - 1) for s in splitters)
         asked = sum(self.widths[p.name] for p in shown)
         scale = min(1.0, budget / asked) if asked else 1.0
-        for splitter in {p.splitter for p in self._panels.values()}:
+        for splitter in splitters:
             sizes = splitter.sizes()
             total = sum(sizes) or width
             mine = {p.index: p for p in self._panels.values() if p.splitter is splitter}

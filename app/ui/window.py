@@ -140,7 +140,7 @@ class MainWindow(QMainWindow):
 
         centre.setMinimumWidth(MIN_CHAT_WIDTH)
         self.charts = LiveCharts()
-        self.charts.setMinimumWidth(240)
+        self.charts.setMinimumWidth(320)  # narrower, the plots' titles and axes no longer fit and are cut off
 
         self.splitter = QSplitter(Qt.Orientation.Horizontal, self)
         self.splitter.setObjectName("mainSplitter")
