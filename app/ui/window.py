@@ -185,7 +185,8 @@ class MainWindow(QMainWindow):
         self.colouring_action, self.ghosts_action = a["colouring"], a["ghosts"]
         self.charts_action, self.markdown_action, self.theme_actions = a["charts"], a["markdown"], m.theme_actions
         self.sidebar_action, self.settings_panel_action = a["sidebar"], a["settings_panel"]
-        self.help = Help(self, Notices(self, self.statusBar()), m.shortcuts)
+        self.notices = Notices(self, self.statusBar())
+        self.help = Help(self, self.notices, m.shortcuts)
         for name, slot in (("load", self.open_model_dialog), ("train_head", self.open_train_dialog),
                            ("export", lambda: self.export_session()), ("export_trace", lambda: self.export_trace()),
                            ("export_md", lambda: self.conversations.export(None, "markdown")),
@@ -212,7 +213,6 @@ class MainWindow(QMainWindow):
         self.model_label, self.device_label, self.memory_label = s.model_label, s.device_label, s.memory_label
         self.cost_label, self.decision_label = s.cost_label, s.decision_label
         self.load_label, self.load_bar = s.load_label, s.load_bar
-        self.notices = Notices(self, self.statusBar())
 
     def _build_controllers(self) -> None:
         """Each controller gets what it needs; the order keeps the worker's signals reaching the chat first."""
