@@ -26,7 +26,7 @@ class ShortcutsDialog(QDialog):
                  parent: QWidget | None = None) -> None:
         super().__init__(parent)
         self.setWindowTitle("Keyboard shortcuts")
-        self.resize(520, 460)
+        self.resize(520, 540)  # every row of the menus without scrolling
         layout = QVBoxLayout(self)
         self.table = QTableWidget(len(rows), len(COLUMNS), self)
         self.table.setHorizontalHeaderLabels(COLUMNS)
