@@ -22,12 +22,14 @@ from engine.limits import TREE_K_MAX
 from engine.loadspec import LoadProgress, LoadSpec, ProgressFn, emit
 from engine.models.loader import LoadedPair, load_pair
 from engine.models.memory import cast_releasing_pages
+from engine.models.planner import plan_pair
 from engine.models.quant import quantized_kind
 from engine.models.store import ModelSource, gguf_file, resolve_source
 from engine.models.tokenizers import check_compatible, read_gguf_tokenizer
 from engine.runners.cpu import try_pack
 from engine.runners.graphs import build_runners
 from engine.runners.llamacpp import (
+    DEFAULT_N_CTX,
     HEAD_REFUSED,
     INSTALL_HINT,
     NAME,
@@ -36,11 +38,12 @@ from engine.runners.llamacpp import (
     physical_cores,
     unavailable_reason,
 )
+from engine.runners.llamacpp_plan import plan_llamacpp
 from engine.runners.llamacpp_probe import amx_note, amx_runs
 from engine.runners.llamacpp_tokenizer import LlamaCppTokenizer
 from engine.runners.tree import sibling_rows
 from engine.settings import RUNTIMES
-from engine.types import ModelInfo
+from engine.types import MemoryPlan, ModelInfo
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +68,7 @@ def build_engine(spec: LoadSpec, progress: ProgressFn | None = None) -> Engine:
                                                          else [])
     choice = choose_runtime(spec, sources)
     if choice.runtime == "llamacpp":
-        return _llamacpp_engine(sources, spec.threads, progress)
+        return _llamacpp_engine(sources, spec.threads, progress, spec.context)
     engine = engine_for_pair(load_pair_packed(spec, progress), spec, progress)
     if choice.note:
         log.warning("%s", choice.note)
@@ -221,8 +224,10 @@ def _first_line(exc: BaseException) -> str:
 
 # --------------------------------------------------------------------------- llama.cpp
 
-def _llamacpp_engine(sources: list[ModelSource], threads: int | None, progress: ProgressFn | None) -> Engine:
-    """Target (and draft) GGUFs on llama.cpp runners: tokenizers checked first, no weight conversion."""
+def _llamacpp_engine(sources: list[ModelSource], threads: int | None, progress: ProgressFn | None,
+                     context: int | None = None) -> Engine:
+    """Target (and draft) GGUFs on llama.cpp runners: tokenizers checked first, no weight conversion; each KV
+    cache grows up to `context` cells (None: DEFAULT_N_CTX), as the memory plan counts it."""
     started = time.perf_counter()
     emit(progress, "check", 0.0, "Finding the models")
     files = [gguf_file(s, progress) for s in sources]
@@ -239,7 +244,8 @@ def _llamacpp_engine(sources: list[ModelSource], threads: int | None, progress: 
         if not repack:
             without_amx.append(s.name)
         emit(progress, "load", fraction, f"Loading {s.name} ({s.role}) with llama.cpp, {threads} threads")
-        runners.append(LlamaCppRunner(f, threads=threads, label=s.name, repack=repack))
+        runners.append(LlamaCppRunner(f, n_ctx=context or DEFAULT_N_CTX, threads=threads, label=s.name,
+                                      repack=repack))
     shared = min(shared, *(r.vocab_size for r in runners))
     emit(progress, "warmup", 0.4, f"Models loaded in {time.perf_counter() - started:.1f} s")
     target = runners[0]
@@ -261,3 +267,21 @@ def _llamacpp_engine(sources: list[ModelSource], threads: int | None, progress: 
     if progress is not None:
         progress(LoadProgress("warmup", 1.0, f"Ready ({NAME}, {threads} threads)"))
     return engine
+
+
+# --------------------------------------------------------------------------- the plan
+
+def plan_load(spec: LoadSpec) -> MemoryPlan:
+    """The memory plan of what build_engine would load for `spec`, on the runtime it would choose: the GGUFs as
+    they are on llama.cpp, the converted weights at their precision on torch (headers and configs only)."""
+    sources = [resolve_source(spec.target, "target")] + ([resolve_source(spec.draft, "draft")] if spec.with_draft
+                                                         else [])
+    choice = choose_runtime(spec, sources)
+    if choice.runtime == "llamacpp":
+        return plan_llamacpp(spec.target, spec.draft, with_draft=spec.with_draft, context=spec.context,
+                             memory=spec.memory)
+    plan = plan_pair(spec.target, spec.draft if spec.with_draft else None, with_draft=spec.with_draft,
+                     device=spec.device, dtype=spec.dtype, target_precision=spec.target_precision,
+                     draft_precision=spec.draft_precision, context=spec.context, memory=spec.memory, gpus=spec.gpus,
+                     fast_path=spec.fast_path)
+    return replace(plan, notes=plan.notes + ((f"Runs on torch: {choice.note}.",) if choice.note else ()))

@@ -686,7 +686,9 @@ def test_settings_round_trip(make_window, qtbot, tmp_path):
     sizes = first.splitter.sizes()
     first.charts_action.setChecked(False)  # hidden charts keep their width for next time
     first.close()
-    assert AppSettings(path).splitter_sizes() == sizes
+    saved = AppSettings(path).splitter_sizes()
+    assert saved is not None and (saved[0], saved[2]) == (sizes[0], sizes[2])  # settings | chat | charts
+    assert AppSettings(path).panels() == {"sidebar": True, "settings": True, "charts": False}
 
     second = make_window(FakeEngine(), app_settings=AppSettings(path), load=False)
     assert second.panel.values() == chosen

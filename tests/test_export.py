@@ -23,12 +23,14 @@ def _step(index: int, text: str) -> Step:
                 new_tokens=2, total_tokens=2 * (index + 1), draft_ms=1.0, verify_ms=-0.25, elapsed_s=0.1)
 
 
-def _record(text: str, name: str, rid: int) -> AnswerRecord:
+def _record(text: str, name: str, rid: int, question: str = "q") -> AnswerRecord:
     steps = (_step(0, text),)
     summary = summarize(steps, mode="speculative", k=1, prompt_tokens=3, seconds=2.0, stop_reason="eos")
     info = ModelInfo(target_name=name, draft_name="@draft", device="cpu", dtype="float32", fast_path="eager",
                      vocab_size=10)
-    request = build_request(GenerationSettings(k=1, seed=7), (Message("user", "q"),), rid)
+    request = build_request(GenerationSettings(k=1, seed=7),
+                            (Message("user", "an earlier one"), Message("assistant", "a"), Message("user", question)),
+                            rid)
     return AnswerRecord(request, summary, info, "2025-01-01T00:00:00+00:00", steps)
 
 
@@ -76,3 +78,37 @@ def test_session_and_trace_csv_neutralise_text_cells(tmp_path):
     for row, text in zip(trace, HOSTILE):
         assert restore(row["text"]) == text
         assert float(row["verify_ms"]) == -0.25  # numeric columns hold numbers, even negative ones
+
+
+def test_the_session_csv_has_the_question_and_rows_for_race_and_sweep_runs(tmp_path):
+    from app.core.export import KINDS, SweepRun
+    from app.core.race_logic import race_result
+    from engine.measure.experiment import BenchPrompt, RunRecord
+
+    chat = [_record("answer", "target", i, question=q) for i, q in enumerate(HOSTILE, 1)]
+    steps = (_step(0, "x"),)
+    std = summarize(steps, mode="speculative", k=1, prompt_tokens=3, seconds=2.0, stop_reason="eos")
+    spec = summarize(steps, mode="speculative", k=1, prompt_tokens=3, seconds=1.0, stop_reason="eos")
+    info = chat[0].info
+    race = race_result(race_id=1, repeat=0, prompt=BenchPrompt("code-1", "code", "=sum(A1)"), k=1, temperature=0.0,
+                       seed=3, standard=(steps, std), speculative=(steps, spec), info=info, proposer="draft")
+    run = RunRecord(prompt_id="chat-2", category="chat", mode="draft K=2 T=0", new_tokens=10, seconds=0.5,
+                    tokens_per_s=20.0, target_forwards=4, draft_forwards=8, drafted=8, accepted=6, text="-out",
+                    token_ids=(1, 2), position_reached=(4, 3), position_accepted=(3, 3))
+    sweep = SweepRun(run, "speculative", "draft", 2, "+what", info, "2025-01-01T00:00:00+00:00")
+    path = tmp_path / "session.csv"
+    assert write_session_csv(path, chat, [race], [sweep]) == len(HOSTILE) + 3
+    rows = _read(path)
+    assert [r["kind"] for r in rows] == ["chat"] * len(HOSTILE) + ["race standard", "race speculative", "sweep"]
+    assert {r["kind"] for r in rows} <= set(KINDS)
+    for row, question in zip(rows, HOSTILE):
+        assert restore(row["question"]) == question and not row["question"].startswith(("=", "+", "-", "@"))
+    standard, speculative, swept = rows[len(HOSTILE):]
+    assert standard["question"] == speculative["question"] == "'=sum(A1)" and standard["prompt_id"] == "code-1"
+    assert (standard["request_mode"], standard["request_k"], standard["proposer"]) == ("standard", "0", "")
+    assert (speculative["request_mode"], speculative["request_k"], speculative["proposer"]) == ("speculative", "1",
+                                                                                                "draft")
+    assert float(speculative["tokens_per_s"]) == spec.tokens_per_s and speculative["target_model"] == "target"
+    assert swept["question"] == "'+what" and swept["text"] == "'-out" and swept["request_k"] == "2"
+    assert float(swept["acceptance_rate"]) == 0.75 and float(swept["tokens_per_target_forward"]) == 2.5
+    assert swept["per_position_acceptance"] == "0.75;1.0" and swept["prompt_tokens"] == ""

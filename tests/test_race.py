@@ -502,10 +502,32 @@ def test_race_and_chat_share_the_main_windows_worker(qtbot, raced_window):
     assert w.records[0].request.request_id not in {r.request_id for r in engine.requests[:2]}
 
 
+def test_the_session_csv_has_the_question_and_a_row_per_race_run(qtbot, raced_window, tmp_path):
+    import csv
+
+    from app.core.export import ENCODING
+
+    w, _engine = raced_window
+    run_race(qtbot, w.race, w.race_view, "=Race me")  # a formula-looking prompt stays text in the CSV
+    with qtbot.waitSignal(w.answer_finished, timeout=5000):
+        w.send("And now a chat")
+    path = tmp_path / "session.csv"
+    assert w.export_session(str(path))
+    with open(path, encoding=ENCODING, newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [r["kind"] for r in rows] == ["chat", "race standard", "race speculative"]
+    assert rows[0]["question"] == "And now a chat"
+    assert [r["question"] for r in rows[1:]] == ["'=Race me"] * 2 and rows[1]["prompt_id"] == "custom"
+    result = w.race.results[0]
+    for row, summary in zip(rows[1:], (result.standard, result.speculative)):
+        assert row["target_model"] == w.info.target_name and row["new_tokens"] == str(summary.new_tokens)
+        assert float(row["tokens_per_s"]) == summary.tokens_per_s and row["timestamp"]
+
+
 def test_the_main_windows_race_tab_blocks_chat_while_racing(qtbot, raced_window):
     w, _engine = raced_window
     assert w.tabs.tabText(1).startswith("Race")
-    w.tabs.setCurrentWidget(w.race_view)
+    w.show_tab(w.race_view)
     w.race_view.set_prompt_text("Race me")
     with qtbot.waitSignal(w.race.race_finished, timeout=10000):
         w.race_view.race_button.click()

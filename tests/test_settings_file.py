@@ -67,7 +67,7 @@ def test_every_stored_value_comes_back_valid(tmp_path, name):
     assert isinstance(sel, ModelSelection) and "\x00" not in sel.target.value and len(sel.target.value) <= 4096
     sizes = s.splitter_sizes()
     assert sizes is None or all(0 <= x <= MAX_PANE_PIXELS for x in sizes)
-    assert isinstance(s.charts_visible(), bool)
+    assert all(isinstance(v, bool) for v in s.panels().values())
     width = s.sidebar_width()
     assert width is None or 0 < width <= MAX_PANE_PIXELS
     assert s.theme() in ("system", "light", "dark") and isinstance(s.render_markdown(), bool)

@@ -396,7 +396,7 @@ def test_tune_tab_sweeps_live_highlights_the_best_and_applies_it(qtbot, tuned_wi
     assert w._can_chat()
 
 
-def test_tune_tab_stops_between_runs_and_keeps_what_ran(qtbot, tuned_window):
+def test_tune_tab_stops_between_runs_and_keeps_what_ran(qtbot, tuned_window, tmp_path):
     from widgets.tune.view import TunePlan
 
     w = tuned_window
@@ -408,6 +408,21 @@ def test_tune_tab_stops_between_runs_and_keeps_what_ran(qtbot, tuned_window):
         tune.start(plan)
     assert 2 <= len(tune.records) < 10 and "Stopped" in w.tune_view.status.text()
     assert not tune.running and w._can_chat()
+    # The session CSV has a row for every run that ran, with its configuration and the prompt it asked.
+    import csv
+
+    from app.core.export import ENCODING
+
+    path = tmp_path / "session.csv"
+    assert w.export_session(str(path))  # no chat answer yet: the sweep alone is worth exporting
+    with open(path, encoding=ENCODING, newline="") as f:
+        rows = list(csv.DictReader(f))
+    questions = {p.id: p.prompt for p in tune.prompts}
+    assert len(rows) == len(tune.records) and {r["kind"] for r in rows} == {"sweep"}
+    for row, record in zip(rows, tune.records):
+        assert row["prompt_id"] == record.prompt_id and row["question"] == questions[record.prompt_id]
+        assert row["new_tokens"] == str(record.new_tokens) and row["target_model"] == w.info.target_name
+        assert row["request_mode"] in ("standard", "speculative", "auto")
 
 
 def test_diagnoses_show_in_the_tune_tab_and_apply(qtbot, tuned_window):

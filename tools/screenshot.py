@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         shot.resize(*(int(v) for v in args.dialog_size.split("x")))
     elif args.tune:
         view = window.tune_view
-        window.tabs.setCurrentWidget(view)
+        window.show_tab(view)
         view.ks.setText(args.tune_k)
         view.temperatures.setText(args.tune_t)
         view.prompts.setValue(args.tune_prompts)
@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         wait_for(lambda: window.tune.running, 5.0)
         wait_for(lambda: not window.tune.running, args.timeout)
     elif args.race:
-        window.tabs.setCurrentWidget(window.race_view)
+        window.show_tab(window.race_view)
         window.race_view.set_prompt_text(args.prompt)
         window.race_view.race_button.click()
         wait_for(lambda: not window.race.running, args.timeout)

@@ -1,4 +1,5 @@
-"""Saves a screenshot of the Models dialog planning a pair that does not fit, with the cheapest change.
+"""Saves a screenshot of the Models dialog planning a pair that does not fit, with the cheapest change, or (with
+--runtime) the packaged default pair on that runtime, e.g. `--runtime llamacpp --out /tmp/plan-llamacpp.png`.
 
 Offline: the plan reads the preset's shipped config; nothing loads. Run under a display, e.g.
 `Xvfb :99 & DISPLAY=:99 .venv/bin/python tools/screenshot_plan.py`.
@@ -20,6 +21,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--preset", default="qwen3-32b")
     p.add_argument("--device", default="cuda")
     p.add_argument("--memory-gib", type=float, default=24.0, help="the GPU to plan for (0: this device's free memory)")
+    p.add_argument("--runtime", default="", choices=["", "auto", "torch", "llamacpp"],
+                   help="plan the packaged default pair on this runtime and this machine instead of --preset")
     args = p.parse_args(argv)
 
     import shiboken6
@@ -39,8 +42,11 @@ def main(argv: list[str] | None = None) -> int:
     chosen = next(x for x in presets if x.name == args.preset)
     selection = ModelSelection(target=chosen.target, draft=chosen.draft, device=args.device,
                                memory_gib=args.memory_gib)
+    if args.runtime:
+        selection = ModelSelection(runtime=args.runtime)
     dialog = ModelDialog(selection, planner=plan_for, presets=presets)
-    dialog.preset.setCurrentIndex(1 + presets.index(chosen))
+    if not args.runtime:
+        dialog.preset.setCurrentIndex(1 + presets.index(chosen))
     dialog.show()
     loop = QEventLoop()
     QTimer.singleShot(800, loop.quit)  # layout and the plan settle

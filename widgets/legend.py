@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 from PySide6.QtGui import QColor
-from PySide6.QtWidgets import QHBoxLayout, QLabel, QWidget
+from PySide6.QtWidgets import QLabel, QSizePolicy, QWidget
 
+from widgets.flow_layout import FlowLayout
 from widgets.palette import STATUSES, current_palette
 
 # Wording from DESIGN.md, "Token colours".
@@ -30,21 +31,24 @@ def _css(colour: QColor) -> str:
 
 
 class Legend(QWidget):
-    """accepted · rejected · corrected · bonus · target, with a tooltip explaining each."""
+    """accepted · rejected · corrected · bonus · target, with a tooltip explaining each.
+
+    The chips wrap onto a second row in a narrow window rather than being cut mid-word.
+    """
 
     def __init__(self, parent: QWidget | None = None) -> None:
         super().__init__(parent)
         self.setObjectName("legend")
-        layout = QHBoxLayout(self)
-        layout.setContentsMargins(0, 0, 0, 0)
-        layout.setSpacing(6)
+        layout = FlowLayout(self, spacing=6, line_spacing=4)
+        policy = QSizePolicy(QSizePolicy.Policy.Preferred, QSizePolicy.Policy.Preferred)
+        policy.setHeightForWidth(True)
+        self.setSizePolicy(policy)
         self._chips: dict[str, QLabel] = {}
         for status in STATUSES:
             chip = QLabel(status, self)
             chip.setObjectName("legendChip")
             layout.addWidget(chip)
             self._chips[status] = chip
-        layout.addStretch(1)
         self.refresh_palette()
 
     def chip(self, status: str) -> QLabel:

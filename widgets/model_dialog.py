@@ -178,7 +178,7 @@ class ModelDialog(QDialog):
         self.context = QSpinBox(self)
         self.context.setRange(*CONTEXT_RANGE)
         self.context.setSingleStep(1024)
-        self.context.setSpecialValueText("auto (8,192)")
+        self.context.setSpecialValueText("auto")  # the plan names the runtime's own default once it is made
         self.context.setToolTip("Positions each KV cache holds; a shorter context needs less memory")
         self.memory = QDoubleSpinBox(self)
         self.memory.setRange(*MEMORY_RANGE)
@@ -240,6 +240,7 @@ class ModelDialog(QDialog):
         self.dtype.currentIndexChanged.connect(self._timer.start)
         self.context.valueChanged.connect(self._timer.start)
         self.memory.valueChanged.connect(self._timer.start)
+        self.runtime.currentIndexChanged.connect(self._timer.start)  # the plan is of the runtime that will run
         self.update_plan()
 
     def _offer_precisions(self, device: str) -> None:
@@ -291,6 +292,11 @@ class ModelDialog(QDialog):
             self.plan_bar.set_message(str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__)
             return
         self.plan_bar.set_plan(self.plan)
+        self.context.setSpecialValueText(f"auto ({self.plan.context:,})" if not self.context.value() else "auto")
+        gguf = self.plan.runner == "llama.cpp"
+        for picker in (self.target, self.draft):
+            picker.precision.setToolTip(f"llama.cpp runs the GGUF's own quantization ({self.plan.target_precision}); "
+                                        "another precision loads on torch." if gguf else PRECISION_TIP)
 
     def apply_change(self, change: PlanChange) -> None:
         """Applies the plan's suggestion to the choices (precisions, context, draft)."""

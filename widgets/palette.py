@@ -127,7 +127,9 @@ def load_stylesheet(theme: str | None = None) -> str:
     palette = load_palette(theme or _current_theme)
     values = dict(palette.ui)
     values.update({f"code_{k}": v for k, v in palette.code.items()})
-    template = resources.files("assets").joinpath("style.qss").read_text(encoding="utf-8")
+    folder = resources.files("assets")
+    values["assets"] = str(folder).replace("\\", "/")  # url(@assets/icons/…): Qt reads forward slashes everywhere
+    template = folder.joinpath("style.qss").read_text(encoding="utf-8")
 
     def fill(match: re.Match[str]) -> str:
         name = match.group(1)

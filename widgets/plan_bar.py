@@ -27,6 +27,12 @@ def gib(n: int) -> str:
     return f"{n / GiB:.1f} GiB"
 
 
+def summary(plan: MemoryPlan) -> str:
+    """"On llama.cpp: Qwen2.5-Coder-1.5B-Instruct as Q4_K_M GGUF, draft … as Q4_K_M GGUF; context 32,768 tokens"."""
+    draft = f"; draft {plan.draft_name} as {plan.draft_precision}" if plan.draft_name else "; no draft model"
+    return f"On {plan.runner}: {plan.target_name} as {plan.target_precision}{draft}; context {plan.context:,} tokens."
+
+
 class _DeviceBar(QWidget):
     """One device: stacked segments per plan line, a tick where its capacity ends."""
 
@@ -80,6 +86,9 @@ class PlanBar(QWidget):
         layout = QVBoxLayout(self)
         layout.setContentsMargins(0, 0, 0, 0)
         layout.setSpacing(4)
+        self.summary = QLabel(self)  # what will run: the runtime, each model's format, the context
+        self.summary.setWordWrap(True)
+        layout.addWidget(self.summary)
         self._rows = QVBoxLayout()
         self._rows.setSpacing(3)
         layout.addLayout(self._rows)
@@ -129,6 +138,8 @@ class PlanBar(QWidget):
                 cap = f" / {gib(d.capacity)}" if d.capacity is not None else ""
                 label.setText(f"{d.device}: {gib(d.total)}{cap}")
                 bar.set_device(d)
+        self.summary.setText(summary(plan) if plan is not None else "")
+        self.summary.setVisible(plan is not None)
         self.verdict.setText(self._verdict(plan))
         change = plan.suggestion if plan is not None and not plan.fits else None
         self.suggestion.setText(f"Cheapest change that fits: <b>{change.description}</b> (needs {gib(change.needed)})"

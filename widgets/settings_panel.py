@@ -139,9 +139,6 @@ class SettingsPanel(QWidget):
             if isinstance(field, QComboBox):
                 field.setSizeAdjustPolicy(QComboBox.SizeAdjustPolicy.AdjustToMinimumContentsLengthWithIcon)
                 field.setMinimumContentsLength(6)
-        # The app stylesheet's bordered spin boxes draw their arrow buttons as stubs; the wheel, arrow
-        # keys and typing still work. (NoButtons would collapse the editor under a stylesheet.)
-        self.setStyleSheet("QAbstractSpinBox::up-button, QAbstractSpinBox::down-button { width: 0px; border: none; }")
         self.set_values(GenerationSettings())
         for combo in (self.mode, self.proposer):
             combo.currentIndexChanged.connect(self._on_changed)

@@ -1,4 +1,5 @@
-"""Exports: the session as CSV (one row per answer, and the step trace), a conversation as Markdown or JSON."""
+"""Exports: the session as CSV (one row per answer, race run and sweep run; and the step trace), a conversation as
+Markdown or JSON."""
 from __future__ import annotations
 
 import contextlib
@@ -8,12 +9,14 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, fields
 from datetime import datetime
 from pathlib import Path
+from typing import Protocol
 
 from app.core.chat_tree import Conversation
 from app.core.conversations import encode, write_atomically
 from engine.limits import K_AUTO
 from engine.measure.csvsafe import neutralise, restore  # noqa: F401 (restore: readers of our CSVs import it here)
-from engine.types import GenerationRequest, ModelInfo, Step, Summary
+from engine.measure.experiment import RunRecord
+from engine.types import GenerationRequest, Message, ModelInfo, Step, Summary
 
 ENCODING = "utf-8-sig"  # the BOM makes Excel read UTF-8 (Chinese text) instead of the ANSI code page
 
@@ -21,8 +24,11 @@ SUMMARY_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(Summary) if f.nam
 # The controller's last decision, as numbers (a Decision is not one cell).
 DECISION_COLUMNS: tuple[str, ...] = ("decision_k", "decision_reason", "decision_acceptance",
                                      "decision_predicted_speedup")
+# kind: "chat" (an answer), "race standard" / "race speculative" (one run of a race repeat), "sweep" (one run of
+# a Tune sweep). question: what was asked (the last user message, or the race's / sweep's prompt).
+KINDS = ("chat", "race standard", "race speculative", "sweep")
 SESSION_COLUMNS: tuple[str, ...] = (
-    "request_id", "timestamp", "target_model", "draft_model", "device", "dtype", "fast_path", "runtime", "threads",
+    "kind", "request_id", "timestamp", "question", "prompt_id", "target_model", "draft_model", "device", "dtype", "fast_path", "runtime", "threads",
     "proposer", "request_mode", "request_k", "temperature", "top_k", "top_p", "seed", "max_new_tokens",
 ) + SUMMARY_FIELDS + DECISION_COLUMNS
 TRACE_COLUMNS: tuple[str, ...] = (
@@ -40,6 +46,40 @@ class AnswerRecord:
     info: ModelInfo | None  # the pair that produced it
     timestamp: str  # ISO 8601, local time with offset, when the answer finished
     steps: tuple[Step, ...] = ()  # the trace, for the step export
+
+
+class RaceRunLike(Protocol):
+    """What a race repeat gives the session CSV (app.core.race_logic.RaceResult has it)."""
+
+    race_id: int
+    prompt_id: str
+    k: int
+    temperature: float
+    seed: int
+    standard: Summary
+    speculative: Summary
+    question: str
+    timestamp: str
+    info: ModelInfo | None
+    proposer: str
+
+
+@dataclass(frozen=True)
+class SweepRun:
+    """One timed run of a Tune sweep, with the configuration and the prompt it ran."""
+
+    record: RunRecord  # what the run measured
+    mode: str  # the configuration's mode: "standard", "speculative" or "auto"
+    proposer: str | None  # its proposer (None for standard)
+    k: int  # its K (K_AUTO: chosen per step; 0 for standard)
+    question: str  # the bench prompt's text
+    info: ModelInfo | None  # the pair that ran it
+    timestamp: str  # ISO 8601, when the sweep ended
+
+
+def question_of(messages: Sequence[Message]) -> str:
+    """The question an answer replies to: the last user message."""
+    return next((m.content for m in reversed(messages) if m.role == "user"), "")
 
 
 def now_iso() -> str:
@@ -65,37 +105,83 @@ def cell(value: object) -> object:
     return neutralise(str(value))
 
 
-def session_rows(records: Iterable[AnswerRecord]) -> list[dict[str, object]]:
+def _pair(info: ModelInfo | None) -> dict[str, object]:
+    return {
+        "target_model": info.target_name if info else "",
+        "draft_model": (info.draft_name or "") if info else "",
+        "device": info.device if info else "",
+        "dtype": info.dtype if info else "",
+        "fast_path": info.fast_path if info else "",
+        "runtime": info.runtime if info else "",
+        "threads": info.threads if info else "",
+    }
+
+
+def _k_cell(mode: str, k: int) -> object:
+    return ("auto" if k == K_AUTO or mode == "auto" else k) if mode != "standard" else 0
+
+
+def _summary_cells(summary: Summary) -> dict[str, object]:
+    row: dict[str, object] = {name: getattr(summary, name) for name in SUMMARY_FIELDS}
+    d = summary.decision
+    row.update(decision_k=d.k if d else None, decision_reason=d.reason if d else None,
+               decision_acceptance=d.acceptance if d else None,
+               decision_predicted_speedup=d.predicted_speedup if d else None)
+    return row
+
+
+def session_rows(records: Iterable[AnswerRecord], races: Iterable[RaceRunLike] = (),
+                 sweeps: Iterable[SweepRun] = ()) -> list[dict[str, object]]:
+    """The chat's answers, then every race run (two per repeat), then every sweep run: one row each."""
     rows = []
     for r in records:
         req, info = r.request, r.info
         row: dict[str, object] = {
+            "kind": "chat",
             "request_id": req.request_id,
             "timestamp": r.timestamp,
-            "target_model": info.target_name if info else "",
-            "draft_model": (info.draft_name or "") if info else "",
-            "device": info.device if info else "",
-            "dtype": info.dtype if info else "",
-            "fast_path": info.fast_path if info else "",
-            "runtime": info.runtime if info else "",
-            "threads": info.threads if info else "",
+            "question": question_of(req.messages),
+            **_pair(info),
             "proposer": req.proposer if req.mode != "standard" else "",
             "request_mode": req.mode,
-            "request_k": ("auto" if req.k == K_AUTO or req.mode == "auto" else req.k) if req.mode != "standard" else 0,
+            "request_k": _k_cell(req.mode, req.k),
             "temperature": req.sampling.temperature,
             "top_k": req.sampling.top_k,
             "top_p": req.sampling.top_p,
             "seed": req.sampling.seed,
             "max_new_tokens": req.max_new_tokens,
         }
-        for name in SUMMARY_FIELDS:
-            row[name] = getattr(r.summary, name)
-        d = r.summary.decision
-        row.update(decision_k=d.k if d else None, decision_reason=d.reason if d else None,
-                   decision_acceptance=d.acceptance if d else None,
-                   decision_predicted_speedup=d.predicted_speedup if d else None)
+        row.update(_summary_cells(r.summary))
         rows.append({k: cell(v) for k, v in row.items()})
+    for race in races:
+        for mode, summary in (("standard", race.standard), ("speculative", race.speculative)):
+            row = {"kind": f"race {mode}", "timestamp": race.timestamp, "question": race.question,
+                   "prompt_id": race.prompt_id, **_pair(race.info),
+                   "proposer": race.proposer if mode != "standard" else "", "request_mode": mode,
+                   "request_k": _k_cell(mode, race.k), "temperature": race.temperature, "seed": race.seed,
+                   **_summary_cells(summary)}
+            rows.append({k: cell(v) for k, v in row.items()})
+    for run in sweeps:
+        rows.append({k: cell(v) for k, v in _sweep_row(run).items()})
     return rows
+
+
+def _sweep_row(run: SweepRun) -> dict[str, object]:
+    """A sweep run in the answer's columns: what a RunRecord measures under the Summary's names."""
+    rec = run.record
+    row: dict[str, object] = {
+        "kind": "sweep", "timestamp": run.timestamp, "question": run.question, "prompt_id": rec.prompt_id,
+        **_pair(run.info), "proposer": run.proposer or "", "request_mode": run.mode,
+        "request_k": _k_cell(run.mode, run.k), "temperature": rec.temperature,
+    }
+    row.update({name: getattr(rec, name) for name in SUMMARY_FIELDS if name in _RUN_FIELDS})
+    row.update(mode=run.mode, k=run.k, acceptance_rate=rec.accepted / rec.drafted if rec.drafted else 0.0,
+               tokens_per_target_forward=rec.new_tokens / rec.target_forwards if rec.target_forwards else 0.0,
+               per_position_acceptance=tuple(a / n for a, n in zip(rec.position_accepted, rec.position_reached) if n))
+    return row
+
+
+_RUN_FIELDS = frozenset(f.name for f in fields(RunRecord))
 
 
 def trace_rows(records: Iterable[AnswerRecord]) -> list[dict[str, object]]:
@@ -142,9 +228,10 @@ def write_csv(path: str | os.PathLike[str], columns: Sequence[str], rows: list[d
     return len(rows)
 
 
-def write_session_csv(path: str | os.PathLike[str], records: Iterable[AnswerRecord]) -> int:
-    """One row per answer; returns the number of rows. Raises OSError if the path is not writable."""
-    return write_csv(path, SESSION_COLUMNS, session_rows(records))
+def write_session_csv(path: str | os.PathLike[str], records: Iterable[AnswerRecord], races: Iterable[RaceRunLike] = (),
+                      sweeps: Iterable[SweepRun] = ()) -> int:
+    """One row per answer, race run and sweep run; returns the number of rows. Raises OSError if not writable."""
+    return write_csv(path, SESSION_COLUMNS, session_rows(records, races, sweeps))
 
 
 def write_trace_csv(path: str | os.PathLike[str], records: Iterable[AnswerRecord]) -> int:

@@ -9,10 +9,10 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, fields
 from typing import Literal
 
-from app.core.export import ENCODING, cell, restore, write_csv
+from app.core.export import ENCODING, cell, now_iso, restore, write_csv
 from engine.measure import experiment
 from engine.measure.experiment import BenchPrompt
-from engine.types import Mode, Step, Summary
+from engine.types import ModelInfo, Mode, Step, Summary
 
 NEAR_TIE = 0.05  # target probabilities closer than this are a near-tie: rounding can flip argmax
 CUSTOM = "custom"  # prompt id and category of a prompt typed by hand
@@ -65,6 +65,10 @@ class RaceResult:
     speedup: float  # speculative.tokens_per_s / standard.tokens_per_s
     identical: bool | None  # greedy only: same committed token ids; None when sampling
     divergence: Divergence | None  # the first differing token (greedy runs that differ)
+    question: str = ""  # the prompt both runs answered
+    timestamp: str = ""  # ISO 8601, when the repeat finished
+    info: ModelInfo | None = None  # the pair that ran it
+    proposer: str = ""  # where the speculative run's drafts came from
 
     @property
     def divergence_index(self) -> int | None:
@@ -156,6 +160,8 @@ def race_result(
     seed: int,
     standard: tuple[Sequence[Step], Summary],
     speculative: tuple[Sequence[Step], Summary],
+    info: ModelInfo | None = None,
+    proposer: str = "",
 ) -> RaceResult:
     """Compares one repeat. Identity is only claimed for greedy runs: sampled outputs differ by design."""
     (std_steps, std), (spec_steps, spec) = standard, speculative
@@ -164,7 +170,8 @@ def race_result(
     return RaceResult(
         race_id=race_id, repeat=repeat, prompt_id=prompt.id, category=prompt.category, k=k,
         temperature=temperature, seed=seed, standard=std, speculative=spec, speedup=speedup(std, spec),
-        identical=(divergence is None) if greedy else None, divergence=divergence,
+        identical=(divergence is None) if greedy else None, divergence=divergence, question=prompt.prompt,
+        timestamp=now_iso(), info=info, proposer=proposer,
     )
 
 

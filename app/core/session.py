@@ -53,13 +53,11 @@ def load_request_for(selection: ModelSelection, *, force: bool = False) -> LoadS
 
 
 def plan_for(selection: ModelSelection) -> MemoryPlan:
-    """The memory plan of what the Models dialog shows (configs and headers only; raises EngineError)."""
-    from engine.models.planner import plan_pair
+    """The memory plan the Models dialog shows: of what would load, on the runtime it would run on (configs and
+    headers only; raises EngineError)."""
+    from engine.assemble import plan_load
 
-    return plan_pair(selection.target.spec(), None if selection.no_draft else selection.draft.spec(),
-                     with_draft=not selection.no_draft, device=selection.device, dtype=selection.dtype,
-                     target_precision=selection.target_precision, draft_precision=selection.draft_precision,
-                     context=selection.context or None, memory=int(selection.memory_gib * 2**30) or None)
+    return plan_load(load_request_for(selection))
 
 
 def device_line(info: ModelInfo) -> str:

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import gc
 from collections.abc import Callable
+from dataclasses import replace
 
 from PySide6.QtCore import QObject, Signal
 
+from app.core.runtime_switch import switch_cost
 from app.core.session import ChatSession, device_line, load_request_for, plan_for
 from app.ui.context import ContextCounter, counter_for
 from app.ui.notices import Notices
@@ -14,6 +16,7 @@ from app.ui.settings import AppSettings
 from app.ui.status_bar import StatusBarController
 from app.ui.training import HeadTrainingController
 from app.ui.worker import EngineWorker
+from engine.errors import EngineError
 from engine.loadspec import LoadSpec
 from engine.models.presets import pair_presets
 from engine.settings import ModelSelection
@@ -81,6 +84,7 @@ class LoadingController(QObject):
         self._closed = closed
         self.selection = settings.models()
         self._loading_selection: ModelSelection | None = None
+        self._train_after_load = False  # the pair is reloading on torch to train a head: open its dialog then
         # The worker lives on its own thread: these are queued connections, run on the UI thread.
         worker.load_started.connect(self._on_load_started)
         worker.load_progress.connect(status.load_progress)
@@ -113,11 +117,29 @@ class LoadingController(QObject):
             self.notices.info("Train a draft head", "Load a target first: File ▸ Load models…")
             return None
         if info.runtime != "torch":  # a head reads the target's hidden states; llama.cpp gives none
-            self.notices.info("Train a draft head", "A draft head reads the target's hidden states, which the "
-                              f"{info.fast_path} runtime does not give: load the models with Runtime "
-                              "torch (File ▸ Load models…) to train and use one.")
+            self.offer_torch(info)
             return None
         return self.training.open(info, self.notices.parent)
+
+    def offer_torch(self, info: ModelInfo) -> bool:
+        """Asks to reload the pair on torch, saying what that costs here; on Yes loads it, and the head's dialog
+        opens once it is ready. False when the person kept llama.cpp."""
+        torch_selection = replace(self.selection, runtime="torch")
+        plans = []
+        for selection in (self.selection, torch_selection):
+            try:
+                plans.append(plan_for(selection))
+            except EngineError:
+                plans.append(None)
+        if not self.ask_switch(switch_cost(info, plans[0], plans[1])):
+            return False
+        self._train_after_load = True
+        self.load_models(torch_selection)
+        return True
+
+    def ask_switch(self, text: str) -> bool:
+        """The question of offer_torch (a dialog; tests replace it)."""
+        return self.notices.choose("Train a draft head", text, "Switch to torch")
 
     # --- the worker's signals --------------------------------------------------------------------
 
@@ -148,6 +170,10 @@ class LoadingController(QObject):
         gc.collect()
         gc.freeze()
         self.loaded.emit(info)
+        if self._train_after_load:
+            self._train_after_load = False
+            if info.runtime == "torch":
+                self.training.open(info, self.notices.parent)
 
     def _on_engine_released(self, note: str) -> None:
         # The old pair is gone while the new one loads (on the CPU, or both would not fit). Its
@@ -160,6 +186,7 @@ class LoadingController(QObject):
 
     def _on_load_failed(self, message: str) -> None:
         self._loading_selection = None
+        self._train_after_load = False
         self.status.load_ended("Load failed" + ("; still using the previous models" if self.session.info else ""))
         self._ready_changed()
         if not self._closed():

@@ -39,12 +39,25 @@ MENUS: tuple[tuple[str, tuple[Item | None, ...]], ...] = (
     ("&View", (
         Item("colouring", "&Colour tokens", checkable=True),
         Item("ghosts", "Mark &rejected drafts", checkable=True),
-        Item("charts", "C&harts", checkable=True),
         Item("markdown", "&Format finished answers (markdown)", "Ctrl+M", checkable=True),
+        SEPARATOR,
+        Item("sidebar", "C&onversations panel", "Ctrl+B", checkable=True),
+        Item("settings_panel", "&Settings panel", "Ctrl+Shift+S", checkable=True),
+        Item("charts", "C&harts panel", "Ctrl+Shift+C", checkable=True),
     )),
 )
 THEMES = (("system", "Follow the &system"), ("light", "&Light"), ("dark", "&Dark"))  # View ▸ Theme, one checked
-HELP = (Item("about", "&About SpecDec Studio"),)
+HELP = (
+    Item("docs", "&Documentation", "F1"),
+    Item("shortcuts", "&Keyboard shortcuts", "Ctrl+/"),
+    SEPARATOR,
+    Item("about", "&About SpecDec Studio"),
+)
+
+
+def _plain(text: str) -> str:
+    """A menu text without its mnemonic marks ("&Load models…" -> "Load models…", "&&" -> "&")."""
+    return text.replace("&&", "\0").replace("&", "").replace("\0", "&")
 
 
 class Menus:
@@ -62,6 +75,25 @@ class Menus:
             group.addAction(act)
             self.theme_actions[name] = act
         self._fill(bar.addMenu("&Help"), HELP)
+        self.bar = bar
+
+    def shortcuts(self) -> list[tuple[str, str, str]]:
+        """(menu path, action, shortcut) for every action of the menu bar that has a shortcut, in menu order:
+        read from the actions themselves, so the list cannot drift from what the keys do."""
+        rows: list[tuple[str, str, str]] = []
+
+        def walk(menu: QMenu, path: str) -> None:
+            for act in menu.actions():
+                if act.menu() is not None:
+                    walk(act.menu(), f"{path} ▸ {_plain(act.menu().title())}")
+                elif not act.isSeparator() and not act.shortcut().isEmpty():
+                    keys = ", ".join(k.toString(QKeySequence.SequenceFormat.NativeText) for k in act.shortcuts())
+                    rows.append((path, _plain(act.text()), keys))
+
+        for top in self.bar.actions():
+            if top.menu() is not None:
+                walk(top.menu(), _plain(top.menu().title()))
+        return rows
 
     def connect(self, name: str, slot: Callable) -> None:
         """A toggle's slot hears `toggled(bool)`; a command's hears `triggered`."""

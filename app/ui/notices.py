@@ -29,6 +29,14 @@ class Notices:
         )
         return answer == QMessageBox.StandardButton.Yes
 
+    def choose(self, title: str, message: str, accept: str) -> bool:
+        """A question whose Yes is a named action (`accept`, e.g. "Switch to torch"); Cancel by default."""
+        box = QMessageBox(QMessageBox.Icon.Question, title, message, QMessageBox.StandardButton.Cancel, self.parent)
+        yes = box.addButton(accept, QMessageBox.ButtonRole.AcceptRole)
+        box.setDefaultButton(QMessageBox.StandardButton.Cancel)
+        box.exec()
+        return box.clickedButton() is yes
+
     def note(self, message: str, ms: int = 5000) -> None:
         """A line in the status bar that goes after `ms` milliseconds."""
         self._status.showMessage(message, ms)

@@ -30,7 +30,7 @@ from app.core.race_logic import (
 from app.core.session import build_request, system_messages
 from engine.limits import K_AUTO
 from engine.settings import GenerationSettings
-from engine.types import GenerationRequest, Message, Mode, Step, Summary
+from engine.types import GenerationRequest, Message, ModelInfo, Mode, Step, Summary
 from widgets.race.view import RaceView
 
 log = logging.getLogger(__name__)
@@ -76,6 +76,7 @@ class RaceController(QObject):
         *,
         next_request_id: Callable[[], int],
         current_settings: Callable[[], GenerationSettings] = lambda: DEFAULT_SETTINGS,
+        info: Callable[[], ModelInfo | None] = lambda: None,
         prompts: Sequence[BenchPrompt] | None = None,
         parent: QObject | None = None,
     ) -> None:
@@ -84,6 +85,7 @@ class RaceController(QObject):
         self.view = view
         self._next_request_id = next_request_id
         self._settings = current_settings
+        self._info = info  # the pair in use, recorded with each repeat
         self.prompts = tuple(prompts) if prompts is not None else load_bench_prompts()
         self.results: list[RaceResult] = []  # every finished repeat of the session, for export
         self._race: _Race | None = None
@@ -215,6 +217,7 @@ class RaceController(QObject):
                 temperature=p.temperature, seed=p.seed,
                 standard=(race.steps["standard"], race.summaries["standard"]),
                 speculative=(race.steps["speculative"], race.summaries["speculative"]),
+                info=self._info(), proposer=race.base.proposer,
             )
             race.results.append(result)
             self.results.append(result)

@@ -5,6 +5,7 @@ import json
 import logging
 import os
 import stat
+from collections.abc import Mapping
 from dataclasses import asdict
 from pathlib import Path
 
@@ -26,6 +27,7 @@ MAX_PANE_PIXELS = 100_000  # no screen is wider; Qt's sizes are C ints and overf
 
 MAX_FILE_BYTES = 16 << 20  # a settings file this app wrote is a few kB; a larger one is someone else's
 GROUPS = ("models", "generation", "display", "window")  # the INI sections this app writes
+PANELS = ("sidebar", "settings", "charts")  # the Chat tab's side panels (app/ui/panels.py)
 
 
 def foreign_reason(path: Path) -> str | None:
@@ -139,11 +141,15 @@ class AppSettings:
     def set_splitter_sizes(self, sizes: list[int]) -> None:
         self._set("window/splitter", json.dumps({"sizes": [int(s) for s in sizes]}))
 
-    def charts_visible(self) -> bool:
-        return self._json("window/view").get("charts_visible", True) is not False
+    def panels(self) -> dict[str, bool]:
+        """Which side panels the person wants shown ("sidebar", "settings", "charts"); True unless turned off."""
+        raw = self._json("window/view")
+        stored = raw.get("panels")
+        stored = stored if isinstance(stored, dict) else {"charts": raw.get("charts_visible", True)}  # older files
+        return {name: stored.get(name, True) is not False for name in PANELS}
 
-    def set_charts_visible(self, visible: bool) -> None:
-        self._set("window/view", json.dumps({"charts_visible": bool(visible)}))
+    def set_panels(self, wanted: Mapping[str, bool]) -> None:
+        self._set("window/view", json.dumps({"panels": {name: bool(wanted.get(name, True)) for name in PANELS}}))
 
     # --- appearance and history ----------------------------------------------------------------
 

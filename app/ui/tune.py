@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 
 from PySide6.QtCore import QObject, Signal, Slot
 
+from app.core.export import SweepRun, now_iso
 from app.core.session import build_request, system_messages
 from engine.limits import K_AUTO
 from engine.measure import diagnostics as dx
@@ -84,6 +85,7 @@ class TuneController(QObject):
         self.prompts = tuple(prompts) if prompts is not None else packaged_prompts()
         self.rows: list[SweepRow] = []  # the latest sweep's rows
         self.records: list[RunRecord] = []  # the latest sweep's runs
+        self.session_runs: list[SweepRun] = []  # every sweep's runs this session, for the session CSV
         self.diagnoses: list[Diagnosis] = []  # shown now
         self._configs: tuple[sw.SweepConfig, ...] = ()
         self._started = 0.0
@@ -152,10 +154,22 @@ class TuneController(QObject):
         self.view.set_progress(done, total, elapsed / done * (total - done) if done else None)
         self._show(self.records)
 
+    def _keep(self, records: Sequence[RunRecord]) -> None:
+        """The runs of a sweep that ended (finished, stopped or failed), with their configuration and prompt."""
+        configs = {c.label: c for c in self._configs}
+        questions = {p.id: p.prompt for p in self.prompts}
+        info, when = self._info(), now_iso()
+        for r in records:
+            c = configs.get(r.mode)
+            if c is not None:
+                self.session_runs.append(SweepRun(r, c.mode, c.proposer, c.k, questions.get(r.prompt_id, ""), info,
+                                                  when))
+
     @Slot(object)
     def _on_finished(self, records: list[RunRecord]) -> None:
         if not self._running:
             return
+        self._keep(records)
         self._show(records)
         stopped = self.worker.sweep_stop.is_set()  # cleared by the worker when the next sweep starts
         note = best_note(self.rows)
@@ -168,6 +182,7 @@ class TuneController(QObject):
     def _on_failed(self, message: str) -> None:
         if not self._running:
             return
+        self._keep(self.records)
         self.view.show_status(f"The sweep failed: {message}")
         self._set_running(False)
 

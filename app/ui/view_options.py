@@ -1,5 +1,5 @@
 """How the chat looks: token colouring and rejected ghosts (the panel and the View menu kept in step),
-the charts column, markdown for finished answers and the theme, each remembered in the settings."""
+markdown for finished answers and the theme, each remembered in the settings (the side panels: panels.py)."""
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -7,7 +7,6 @@ from dataclasses import dataclass, replace
 
 from PySide6.QtCore import QObject, QSignalBlocker
 from PySide6.QtGui import QAction
-from PySide6.QtWidgets import QSplitter
 
 from app.ui.settings import AppSettings
 from widgets.charts import LiveCharts
@@ -27,7 +26,6 @@ class ViewActions:
 
     colouring: QAction  # colour tokens by what happened to them
     ghosts: QAction  # show rejected drafts, struck through
-    charts: QAction  # the charts column
     markdown: QAction  # format finished answers
     themes: Mapping[str, QAction]  # "system", "light", "dark": one checked
 
@@ -37,18 +35,16 @@ class ViewOptions(QObject):
 
     def __init__(self, settings: AppSettings, themes: ThemeManager, panel: SettingsPanel, actions: ViewActions, *,
                  chat: ChatView, race_view: RaceView, tune_view: TuneView, charts: LiveCharts, legend: Legend,
-                 splitter: QSplitter, parent: QObject | None = None) -> None:
+                 parent: QObject | None = None) -> None:
         super().__init__(parent)
         self.settings = settings
         self.themes = themes
         self.panel = panel
         self.actions = actions
         self.chat, self.race_view, self.tune_view = chat, race_view, tune_view
-        self.charts, self.legend, self.splitter = charts, legend, splitter
-        self._sizes_with_charts: list[int] = []  # the splitter's sizes while the charts showed
+        self.charts, self.legend = charts, legend
         actions.colouring.toggled.connect(self._on_colouring_toggled)
         actions.ghosts.toggled.connect(self._on_ghosts_toggled)
-        actions.charts.toggled.connect(self._on_charts_toggled)
         actions.markdown.toggled.connect(self._on_markdown_toggled)
         for name, act in actions.themes.items():
             act.toggled.connect(lambda on, n=name: on and self.set_theme(n))
@@ -105,28 +101,3 @@ class ViewOptions(QObject):
     def _on_ghosts_toggled(self, on: bool) -> None:
         self.panel.set_display(replace(self.panel.display(), show_rejected=on))
         self._on_display_changed(self.panel.display())
-
-    # --- the charts column -----------------------------------------------------------------------
-
-    def restore_charts(self, sizes: list[int], visible: bool) -> None:
-        """The splitter's stored sizes and whether the charts show (the View menu's toggle follows)."""
-        self.splitter.setSizes(sizes)
-        self._sizes_with_charts = sizes
-        self.charts.setVisible(visible)
-        self.actions.charts.setChecked(visible)
-
-    def charts_shown(self) -> bool:
-        return self.actions.charts.isChecked()
-
-    def splitter_sizes(self) -> list[int]:
-        # With the charts hidden, remember the layout they had, so showing them again restores it.
-        return self.splitter.sizes() if self.charts_shown() or not self._sizes_with_charts \
-            else self._sizes_with_charts
-
-    def _on_charts_toggled(self, on: bool) -> None:
-        if not on:
-            self._sizes_with_charts = self.splitter.sizes()
-        self.charts.setVisible(on)
-        if on and self._sizes_with_charts:
-            self.splitter.setSizes(self._sizes_with_charts)
-        self.settings.set_charts_visible(on)

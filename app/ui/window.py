@@ -18,7 +18,9 @@ from app.ui.conversations import ConversationsController
 from app.ui.exports import SessionExporter
 from app.ui.loading import LoadingController
 from app.ui.menus import Menus
+from app.ui.help import Help
 from app.ui.notices import Notices
+from app.ui.panels import COLLAPSE_BELOW, DEFAULT_WIDTHS, Panel, SidePanels
 from app.ui.race import RaceController
 from app.ui.settings import AppSettings
 from app.ui.status_bar import StatusBarController
@@ -44,8 +46,7 @@ log = logging.getLogger(__name__)
 
 APP_NAME = "SpecDec Studio"
 DEFAULT_SIZE = (1480, 900)
-DEFAULT_SPLITTER = [290, 780, 410]  # settings | chat | charts
-DEFAULT_SIDEBAR = 230  # the conversations sidebar, left of everything
+MIN_CHAT_WIDTH = 300  # the chat column never gets narrower: a message box and a readable line
 _NOT_READY = "Models are loading; Send is enabled once they are ready."
 _NO_MODEL = "No model loaded: File ▸ Load models… (Ctrl+L)."
 
@@ -57,6 +58,14 @@ def _open_store() -> ConversationStore | None:
     except OSError as e:
         log.warning("conversations will not be saved: %s", e)
         return None
+
+
+def _scrolling(view: QWidget) -> QScrollArea:
+    area = QScrollArea()
+    area.setWidgetResizable(True)
+    area.setFrameShape(QFrame.Shape.NoFrame)
+    area.setWidget(view)
+    return area
 
 
 class MainWindow(QMainWindow):
@@ -110,9 +119,12 @@ class MainWindow(QMainWindow):
         panel_scroll.setFrameShape(QFrame.Shape.NoFrame)
         panel_scroll.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
         panel_scroll.setWidget(self.panel)
-        panel_scroll.setMinimumWidth(240)
+        # As wide as the panel's fields need beside the scroll bar: narrower, its right edge would be cut off.
+        panel_scroll.setMinimumWidth(self.panel.minimumSizeHint().width() + panel_scroll.verticalScrollBar()
+                                     .sizeHint().width() + 4)
+        self.settings_scroll = panel_scroll
 
-        centre = QWidget()
+        self.chat_column = centre = QWidget()
         centre.setObjectName("chatColumn")
         column = QVBoxLayout(centre)
         column.setContentsMargins(8, 8, 8, 8)
@@ -126,8 +138,9 @@ class MainWindow(QMainWindow):
         self.context_meter = ContextMeter(centre)
         column.addWidget(self.context_meter)
 
+        centre.setMinimumWidth(MIN_CHAT_WIDTH)
         self.charts = LiveCharts()
-        self.charts.setMinimumWidth(280)
+        self.charts.setMinimumWidth(320)  # narrower, the plots' titles and axes no longer fit and are cut off
 
         self.splitter = QSplitter(Qt.Orientation.Horizontal, self)
         self.splitter.setObjectName("mainSplitter")
@@ -144,7 +157,7 @@ class MainWindow(QMainWindow):
         self.tabs.setObjectName("mainTabs")
         self.tabs.setDocumentMode(True)
         self.sidebar = ConversationList()
-        self.sidebar.setMinimumWidth(170)
+        self.sidebar.setMinimumWidth(160)
         self.outer = QSplitter(Qt.Orientation.Horizontal, self)
         self.outer.setObjectName("outerSplitter")
         self.outer.addWidget(self.sidebar)
@@ -152,9 +165,14 @@ class MainWindow(QMainWindow):
         self.outer.setChildrenCollapsible(False)
         self.outer.setStretchFactor(0, 0)
         self.outer.setStretchFactor(1, 1)
+        # The splitters may be narrower than their panels' minimums for a moment: a window being narrowed
+        # is not held wide by panels that collapse at that width (app/ui/panels.py).
+        for splitter in (self.outer, self.splitter):
+            splitter.setMinimumWidth(MIN_CHAT_WIDTH)
         self.tabs.addTab(self.outer, "Chat")
-        self.tabs.addTab(self.race_view, "Race: standard vs speculative")
-        self.tabs.addTab(self.tune_view, "Tune")
+        # In a window smaller than they need, the Race and Tune tabs scroll instead of holding the window large.
+        self.tabs.addTab(_scrolling(self.race_view), "Race: standard vs speculative")
+        self.tabs.addTab(_scrolling(self.tune_view), "Tune")
         self.setCentralWidget(self.tabs)
 
     def _build_menus_and_status(self) -> None:
@@ -166,26 +184,35 @@ class MainWindow(QMainWindow):
         self.new_chat_action, self.regenerate_action, self.stop_action = a["new_chat"], a["regenerate"], a["stop"]
         self.colouring_action, self.ghosts_action = a["colouring"], a["ghosts"]
         self.charts_action, self.markdown_action, self.theme_actions = a["charts"], a["markdown"], m.theme_actions
+        self.sidebar_action, self.settings_panel_action = a["sidebar"], a["settings_panel"]
+        self.notices = Notices(self, self.statusBar())
+        self.help = Help(self, self.notices, m.shortcuts)
         for name, slot in (("load", self.open_model_dialog), ("train_head", self.open_train_dialog),
                            ("export", lambda: self.export_session()), ("export_trace", lambda: self.export_trace()),
                            ("export_md", lambda: self.conversations.export(None, "markdown")),
                            ("export_json", lambda: self.conversations.export(None, "json")),
                            ("quit", self.close), ("new_chat", self.new_chat), ("regenerate", self.regenerate),
-                           ("stop", self.stop), ("about", self._about)):
+                           ("stop", self.stop), ("about", self._about), ("docs", self.help.open_docs),
+                           ("shortcuts", self.help.show_shortcuts)):
             m.connect(name, slot)
         self.view_options = ViewOptions(
             self.settings, self.themes, self.panel,
-            ViewActions(self.colouring_action, self.ghosts_action, self.charts_action, self.markdown_action,
-                        self.theme_actions),
+            ViewActions(self.colouring_action, self.ghosts_action, self.markdown_action, self.theme_actions),
             chat=self.chat, race_view=self.race_view, tune_view=self.tune_view, charts=self.charts,
-            legend=self.legend, splitter=self.splitter, parent=self,
+            legend=self.legend, parent=self,
         )
+        self.panels = SidePanels(self, tuple(
+            Panel(name, widget, splitter, index, COLLAPSE_BELOW[name], DEFAULT_WIDTHS[name])
+            for name, widget, splitter, index in (("sidebar", self.sidebar, self.outer, 0),
+                                                  ("settings", self.settings_scroll, self.splitter, 0),
+                                                  ("charts", self.charts, self.splitter, 2))),
+            {"sidebar": self.sidebar_action, "settings": self.settings_panel_action, "charts": self.charts_action},
+            self.settings, parent=self)
         self.status = s = StatusBarController(self.statusBar(), info=lambda: self.info, on_memory=self._on_memory,
                                               parent=self)
         self.model_label, self.device_label, self.memory_label = s.model_label, s.device_label, s.memory_label
         self.cost_label, self.decision_label = s.cost_label, s.decision_label
         self.load_label, self.load_bar = s.load_label, s.load_bar
-        self.notices = Notices(self, self.statusBar())
 
     def _build_controllers(self) -> None:
         """Each controller gets what it needs; the order keeps the worker's signals reaching the chat first."""
@@ -213,7 +240,7 @@ class MainWindow(QMainWindow):
         self.panel.settings_changed.connect(self._on_settings_changed)
         # The race shares the worker and the request-id counter, and takes the panel's settings.
         self.race = RaceController(self.worker, self.race_view, next_request_id=self.session.allocate_request_id,
-                                   current_settings=self.panel.values, parent=self)
+                                   current_settings=self.panel.values, info=lambda: self.info, parent=self)
         self.race.running_changed.connect(lambda _running: self._set_ready_state())
         self.race.race_finished.connect(lambda _summary: self._update_evidence())
         # The Tune tab sweeps through the same worker; Apply puts a configuration into the panel.
@@ -231,7 +258,8 @@ class MainWindow(QMainWindow):
         )
         self.loading.loaded.connect(self.models_loaded)
         self.loading.load_failed.connect(self.models_load_failed)
-        self.exports = SessionExporter(lambda: self.records, self.notices)
+        self.exports = SessionExporter(lambda: self.records, self.notices, races=lambda: self.race.results,
+                                       sweeps=lambda: self.tune.session_runs)
 
     def _restore_saved(self) -> None:
         """Applies the stored generation, display and markdown settings (the layout comes once the view is built)."""
@@ -252,10 +280,18 @@ class MainWindow(QMainWindow):
         geometry = self.settings.geometry()
         if geometry is None or not self.restoreGeometry(geometry):
             self.resize(*DEFAULT_SIZE)
-        sizes = self.settings.splitter_sizes() or DEFAULT_SPLITTER
-        sidebar = self.settings.sidebar_width() or DEFAULT_SIDEBAR
-        self.outer.setSizes([sidebar, max(400, self.width() - sidebar)])
-        self.view_options.restore_charts(sizes, self.settings.charts_visible())
+        widths = {"sidebar": self.settings.sidebar_width() or 0}
+        sizes = self.settings.splitter_sizes()
+        if sizes is not None and len(sizes) == 3:  # settings | chat | charts
+            widths.update(settings=sizes[0], charts=sizes[2])
+        self.panels.restore(self.settings.panels(), widths)
+
+    def show_tab(self, view: QWidget) -> None:
+        """Brings the tab showing `view` (the Chat column, the race view, the tune view) to the front."""
+        while view is not None and self.tabs.indexOf(view) < 0:
+            view = view.parentWidget()
+        if view is not None:
+            self.tabs.setCurrentWidget(view)
 
     # --- state read by the controllers and tests -------------------------------------------------
 
@@ -432,9 +468,10 @@ class MainWindow(QMainWindow):
         self.settings.set_generation(self.panel.values())
         self.settings.set_display(self.panel.display())
         self.settings.set_geometry(QByteArray(self.saveGeometry()))
-        self.settings.set_splitter_sizes(self.view_options.splitter_sizes())
-        self.settings.set_charts_visible(self.view_options.charts_shown())
-        self.settings.set_sidebar_width(self.outer.sizes()[0])
+        widths = self.panels.saved_widths()  # a collapsed panel keeps the width it had
+        self.settings.set_splitter_sizes([widths["settings"], self.splitter.sizes()[1], widths["charts"]])
+        self.settings.set_panels(self.panels.wanted)
+        self.settings.set_sidebar_width(widths["sidebar"])
         self.settings.sync()
 
     def closeEvent(self, event: QCloseEvent) -> None:

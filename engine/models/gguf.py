@@ -89,33 +89,41 @@ def read_gguf_header(path: Path) -> GgufHeader:
     """Parses the metadata and tensor table; a damaged or foreign file is a ModelLoadError."""
     try:
         with open(path, "rb") as f:
-            buf = _Buffer(f)
-            if buf.take(4) != _MAGIC:
-                raise ValueError("it does not start with the GGUF magic bytes")
-            version = buf.scalar("I")
-            if version < 2:
-                raise ValueError(f"GGUF version {version} is too old")
-            n_tensors, n_fields = buf.scalar("Q"), buf.scalar("Q")
-            fields: dict[str, Any] = {}
-            for _ in range(n_fields):
-                key = buf.string()
-                fields[key] = buf.value(buf.scalar("I"))
-            shapes: dict[str, tuple[int, ...]] = {}
-            placed: list[tuple[str, tuple[int, ...], int, int]] = []  # name, dims, ggml type, data offset
-            for _ in range(n_tensors):
-                name = buf.string()
-                n_dims = buf.scalar("I")
-                if n_dims > 8:
-                    raise ValueError(f"tensor {name[:60]!r} claims {n_dims} dimensions")
-                shapes[name] = tuple(buf.scalar("Q") for _ in range(n_dims))
-                placed.append((name, shapes[name], buf.scalar("I"), buf.scalar("Q")))
-            _check_tensor_data(path, fields, placed, buf.offset())
-    except (OSError, ValueError, OverflowError, struct.error, MemoryError, RecursionError) as e:
+            return read_gguf_stream(f, path.stat().st_size, str(path))
+    except OSError as e:
         raise ModelLoadError(f"{path} is not a readable GGUF file: {e}.") from None
+
+
+def read_gguf_stream(f: BinaryIO, size: int, label: str) -> GgufHeader:
+    """read_gguf_header for a stream of `size` bytes (the packaged parts read as one file, say) called `label`."""
+    try:
+        buf = _Buffer(f)
+        if buf.take(4) != _MAGIC:
+            raise ValueError("it does not start with the GGUF magic bytes")
+        version = buf.scalar("I")
+        if version < 2:
+            raise ValueError(f"GGUF version {version} is too old")
+        n_tensors, n_fields = buf.scalar("Q"), buf.scalar("Q")
+        fields: dict[str, Any] = {}
+        for _ in range(n_fields):
+            key = buf.string()
+            fields[key] = buf.value(buf.scalar("I"))
+        shapes: dict[str, tuple[int, ...]] = {}
+        placed: list[tuple[str, tuple[int, ...], int, int]] = []  # name, dims, ggml type, data offset
+        for _ in range(n_tensors):
+            name = buf.string()
+            n_dims = buf.scalar("I")
+            if n_dims > 8:
+                raise ValueError(f"tensor {name[:60]!r} claims {n_dims} dimensions")
+            shapes[name] = tuple(buf.scalar("Q") for _ in range(n_dims))
+            placed.append((name, shapes[name], buf.scalar("I"), buf.scalar("Q")))
+        _check_tensor_data(size, fields, placed, buf.offset())
+    except (OSError, ValueError, OverflowError, struct.error, MemoryError, RecursionError) as e:
+        raise ModelLoadError(f"{label} is not a readable GGUF file: {e}.") from None
     return GgufHeader(version=version, fields=fields, tensor_shapes=shapes)
 
 
-def _check_tensor_data(path: Path, fields: dict[str, Any], placed: list, header_end: int) -> None:
+def _check_tensor_data(size: int, fields: dict[str, Any], placed: list, header_end: int) -> None:
     """Every tensor's bytes lie inside the file: a damaged table must not send a reader past its end."""
     try:
         from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
@@ -125,7 +133,6 @@ def _check_tensor_data(path: Path, fields: dict[str, Any], placed: list, header_
     if not isinstance(alignment, int) or isinstance(alignment, bool) or alignment < 1 or alignment > 1 << 20:
         raise ValueError(f"its alignment {alignment!r} is not a usable number")
     start = -(-header_end // alignment) * alignment
-    size = path.stat().st_size
     for name, dims, kind, offset in placed:
         try:
             block, width = GGML_QUANT_SIZES[GGMLQuantizationType(kind)]

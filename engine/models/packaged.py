@@ -3,12 +3,14 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import io
 import json
 import logging
 import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 from engine.errors import ModelLoadError
 from engine.loadspec import ProgressFn, emit
@@ -92,10 +94,58 @@ def _part_files(model: PackagedModel) -> list[Path]:
     return [parts[i] for i in expected]
 
 
+def assembled_path(model: PackagedModel) -> Path:
+    """Where assemble_default writes (and finds) the model's GGUF."""
+    return cache_dir() / "gguf" / f"{_safe(model.name)}-{model.sha256[:12]}.gguf"
+
+
+class PartsReader(io.RawIOBase):
+    """The part files read as the one GGUF they make, without assembling it (for reading its header)."""
+
+    def __init__(self, parts: list[Path]) -> None:
+        super().__init__()
+        self._parts = parts
+        self._index = 0
+        self._file: BinaryIO | None = None
+        self._offset = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._offset
+
+    def readinto(self, buffer) -> int:  # type: ignore[override]
+        while self._index < len(self._parts):
+            if self._file is None:
+                self._file = open(self._parts[self._index], "rb")
+            n = self._file.readinto(buffer)
+            if n:
+                self._offset += n
+                return n
+            self._file.close()
+            self._file, self._index = None, self._index + 1
+        return 0
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        super().close()
+
+
+def open_default(model: PackagedModel) -> BinaryIO:
+    """The model's GGUF as a stream: the assembled file when it is there, else its installed parts in order."""
+    out = assembled_path(model)
+    if out.is_file() and out.stat().st_size == model.size:
+        return open(out, "rb")
+    return io.BufferedReader(PartsReader(_part_files(model)), buffer_size=_CHUNK)
+
+
 def assemble_default(model: PackagedModel, progress: ProgressFn | None) -> Path:
     """Concatenates the parts into one GGUF, hashing while writing; a mismatch deletes the file."""
-    out_dir = cache_dir() / "gguf"
-    out = out_dir / f"{_safe(model.name)}-{model.sha256[:12]}.gguf"
+    out = assembled_path(model)
+    out_dir = out.parent
     if out.is_file() and out.stat().st_size == model.size:
         if still_verified(out, model.sha256):
             return out  # hashed when it was written and untouched since (the llama.cpp runtime keeps it)

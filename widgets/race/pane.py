@@ -15,8 +15,8 @@ from PySide6.QtGui import (
 )
 from PySide6.QtWidgets import (
     QFrame,
-    QHBoxLayout,
     QLabel,
+    QSizePolicy,
     QTextEdit,
     QVBoxLayout,
     QWidget,
@@ -24,6 +24,7 @@ from PySide6.QtWidgets import (
 
 import widgets.charts  # noqa: F401  (sets pyqtgraph options once, before any plot exists)
 from engine.types import Step, Summary
+from widgets.flow_layout import FlowLayout
 from widgets.palette import current_palette
 from widgets.race.chart import MODE_STATUS
 from widgets.token_text import TokenTextView
@@ -177,11 +178,13 @@ class RacePane(QFrame):
         layout = QVBoxLayout(self)
         layout.setContentsMargins(8, 6, 8, 8)
         layout.setSpacing(4)
-        header = QHBoxLayout()
-        header.addWidget(self.title)
-        header.addStretch(1)
-        header.addWidget(self.stats)
-        layout.addLayout(header)
+        self.stats.setWordWrap(True)  # a narrow pane puts its figures under the title, on as many lines as they need
+        self.stats.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Preferred)
+        header = QWidget(self)
+        row = FlowLayout(header, spacing=12, line_spacing=2)
+        row.addWidget(self.title)
+        row.addWidget(self.stats)
+        layout.addWidget(header)
         layout.addWidget(self.view, 1)
         self.reset("waiting")
 

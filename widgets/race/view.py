@@ -37,6 +37,7 @@ from PySide6.QtWidgets import (
 
 import widgets.charts  # noqa: F401  (sets pyqtgraph options once, before any plot exists)
 from engine.types import Step, Summary
+from widgets.flow_layout import FlowLayout
 from widgets.race.chart import RACE_MODES, RaceChart
 from widgets.race.pane import DIVERGENCE_COLOUR, RacePane, times_text
 from widgets.race.table import CATEGORY_LABELS, PromptLike, RaceSummaryLike, RaceTable
@@ -70,6 +71,17 @@ def replay_scale(longest_s: float, *, shortest: float = REPLAY_SHORTEST_S, longe
     if longest_s <= 0:
         return 1.0
     return min(max(longest_s, shortest), longest) / longest_s
+
+
+def _row(*parts: QWidget) -> QWidget:
+    """Widgets side by side that wrap together (a label stays with its field)."""
+    row = QWidget()
+    layout = QHBoxLayout(row)
+    layout.setContentsMargins(0, 0, 0, 0)
+    layout.setSpacing(6)
+    for part in parts:
+        layout.addWidget(part, 1 if isinstance(part, QComboBox) else 0)
+    return row
 
 
 # --------------------------------------------------------------------------- the view
@@ -107,7 +119,7 @@ class RaceView(QWidget):
     def _build(self) -> None:
         self.picker = QComboBox()
         self.picker.setObjectName("racePromptPicker")
-        self.picker.setMinimumContentsLength(40)
+        self.picker.setMinimumContentsLength(28)
         self.picker.setSizeAdjustPolicy(QComboBox.SizeAdjustPolicy.AdjustToMinimumContentsLengthWithIcon)
         self.picker.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Fixed)
         self.picker.currentIndexChanged.connect(self._on_picked)
@@ -126,13 +138,13 @@ class RaceView(QWidget):
         self.export_button = QPushButton("Export CSV…")
         self.export_button.clicked.connect(self.export_requested)
 
-        bar = QHBoxLayout()
-        bar.setSpacing(6)
-        bar.addWidget(QLabel("Prompt"))
-        bar.addWidget(self.picker, 1)
-        bar.addWidget(QLabel("Repeat"))
-        bar.addWidget(self.repeats_spin)
-        bar.addWidget(QLabel("times"))
+        # One row when the window is wide; the buttons wrap under the prompt picker when it is narrow.
+        bar_widget = QWidget()
+        bar = FlowLayout(bar_widget, spacing=6, line_spacing=6)
+        picked = _row(QLabel("Prompt"), self.picker)
+        picked.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Fixed)
+        bar.addWidget(picked)
+        bar.addWidget(_row(QLabel("Repeat"), self.repeats_spin, QLabel("times")))
         for b in (self.race_button, self.stop_button, self.replay_button, self.export_button):
             bar.addWidget(b)
 
@@ -196,7 +208,7 @@ class RaceView(QWidget):
         layout = QVBoxLayout(self)
         layout.setContentsMargins(8, 8, 8, 8)
         layout.setSpacing(6)
-        layout.addLayout(bar)
+        layout.addWidget(bar_widget)
         layout.addWidget(self.prompt_edit)
         layout.addWidget(self.note)
         layout.addWidget(self.splitter, 1)

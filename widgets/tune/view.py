@@ -32,6 +32,7 @@ from PySide6.QtWidgets import (
 
 from engine.limits import K_MAX, MAX_NEW_TOKENS
 from engine.types import PROPOSERS, SweepRow
+from widgets.flow_layout import FlowLayout
 from widgets.palette import current_palette
 from widgets.tune.plots import SweepPlots
 
@@ -106,9 +107,9 @@ class TuneView(QWidget):
         self.ks.setToolTip(f"Draft lengths to measure, 1..{K_MAX}; 'auto' chooses K per step")
         self.temperatures = QLineEdit("0,0.7", plan)
         self.temperatures.setToolTip("Sampling temperatures; 0 is greedy (outputs are checked against standard)")
+        # The check boxes and the numbers wrap onto more lines in a narrow window instead of being cut off.
         proposers = QWidget(plan)
-        row = QHBoxLayout(proposers)
-        row.setContentsMargins(0, 0, 0, 0)
+        row = FlowLayout(proposers, spacing=10)
         self.proposer_boxes = {p: QCheckBox(p, proposers) for p in PROPOSERS}
         for p, box in self.proposer_boxes.items():
             box.setChecked(p == "draft")
@@ -117,7 +118,6 @@ class TuneView(QWidget):
         self.auto.setChecked(True)
         self.auto.setToolTip("Also measure auto mode (K and proposer chosen per step) for each proposer")
         row.addWidget(self.auto)
-        row.addStretch(1)
         self.prompts = QSpinBox(plan)
         self.prompts.setRange(1, 20)
         self.prompts.setValue(4)
@@ -131,12 +131,14 @@ class TuneView(QWidget):
         form.addRow("Temperatures", self.temperatures)
         form.addRow("Proposers", proposers)
         numbers = QWidget(plan)
-        line = QHBoxLayout(numbers)
-        line.setContentsMargins(0, 0, 0, 0)
+        line = FlowLayout(numbers, spacing=10)
         for label, widget in (("prompts", self.prompts), ("new tokens", self.max_new_tokens), ("repeats", self.repeat)):
-            line.addWidget(widget)
-            line.addWidget(QLabel(label, numbers))
-        line.addStretch(1)
+            pair = QWidget(numbers)  # a number and its word stay together
+            both = QHBoxLayout(pair)
+            both.setContentsMargins(0, 0, 0, 0)
+            both.addWidget(widget)
+            both.addWidget(QLabel(label, pair))
+            line.addWidget(pair)
         form.addRow("Each", numbers)
         buttons = QHBoxLayout()
         self.start_button = QPushButton("Start sweep", plan)
