@@ -19,6 +19,7 @@ from app.ui.settings import AppSettings
 from app.ui.status_bar import StatusBarController
 from app.ui.worker import FLUSH_INTERVAL_S, EngineWorker
 from engine.types import GenerationRequest, ModelInfo
+from widgets.charts import LiveCharts
 from widgets.chat.view import ChatView
 from widgets.remote_box import RemoteChoice
 
@@ -179,13 +180,14 @@ class RemoteController(QObject):
     models (the worker's load_started) ends it. `ready_changed()` re-reads what the window allows."""
 
     def __init__(self, worker: EngineWorker, session: ChatSession, chat_controller: ChatController, chat: ChatView,
-                 status: StatusBarController, notices: Notices, *, settings: AppSettings,
+                 charts: LiveCharts, status: StatusBarController, notices: Notices, *, settings: AppSettings,
                  ready_changed: Callable[[], None], parent: QObject | None = None) -> None:
         super().__init__(parent)
         self.worker = worker
         self.session = session
         self.chat_controller = chat_controller
         self.chat = chat
+        self.charts = charts
         self.status = status
         self.notices = notices
         self.settings = settings
@@ -253,6 +255,7 @@ class RemoteController(QObject):
         self.chat_controller.use_source(None)
         self.session.info = None  # the local pair's info comes with load_finished
         self.status.show_pair(None)
+        self.charts.set_no_drafts_note("")
         self.settings.set_remote(replace(self.settings.remote(), use=False))
 
     # --- signals ---------------------------------------------------------------------------------
@@ -266,6 +269,7 @@ class RemoteController(QObject):
             self._show()
 
     def _on_colours_known(self, request_id: int, colours: bool) -> None:
+        self.charts.set_no_drafts_note("" if colours else "not reported")
         view = self.chat.token_view(request_id)
         if view is not None and not colours:
             view.set_colouring(False)  # no statuses: one colour would claim a status nobody reported

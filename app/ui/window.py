@@ -235,8 +235,9 @@ class MainWindow(QMainWindow):
         )
         self.loading.loaded.connect(self.models_loaded)
         self.loading.load_failed.connect(self.models_load_failed)
-        self.remote = RemoteController(self.worker, self.session, c, self.chat, self.status, self.notices,
-                                       settings=self.settings, ready_changed=self._set_ready_state, parent=self)
+        self.remote = RemoteController(self.worker, self.session, c, self.chat, self.charts, self.status,
+                                       self.notices, settings=self.settings, ready_changed=self._set_ready_state,
+                                       parent=self)
         self.exports = SessionExporter(lambda: self.records, self.notices)
 
     def _restore_saved(self) -> None:
