@@ -145,8 +145,13 @@ def _run(argv: Sequence[str] | None) -> int:
         from PySide6.QtCore import QTimer
 
         QTimer.singleShot(min(max(0, args.quit_after_ms), 2**31 - 1), window.close)
-    # The default (or remembered) pair loads in the background while the window is already usable.
-    window.load_models(_selection_from_args(args, settings.models()))
+    # The default (or remembered) pair loads in the background while the window is already usable; a remote
+    # server chosen last time is used again instead, unless models are named on the command line.
+    asked = any(getattr(args, name) is not None for name in ("target", "draft", "device", "runtime")) or args.demo
+    if settings.remote().use and not asked:
+        window.use_remote(settings.remote())
+    else:
+        window.load_models(_selection_from_args(args, settings.models()))
     code = app.exec()
     # The window must go before the QApplication: the reverse order crashes PySide6 at exit.
     del window

@@ -9,7 +9,7 @@ import pytest
 from app.core.remote import RemoteClient, RemoteConfig, RemoteError, RemoteFinish, RemotePiece
 from engine.types import GenerationRequest, Message
 from tests.engine_fixtures import tiny_engine
-from tests.serve_fixtures import MODEL, serving
+from tests.serve_fixtures import MODEL, llama_cpp_serving, serving
 
 
 @pytest.fixture(scope="module")
@@ -96,37 +96,14 @@ def test_a_server_that_never_answers_times_out_in_one_line():
 def test_llama_cpp_pythons_own_server_is_a_remote_with_counts_only(tmp_path):
     """A real third-party OpenAI server (llama-cpp-python's) on a tiny GGUF: text streams, no colours, and
     what it does not report (timings, speculative metrics) is None rather than invented."""
-    server_app = pytest.importorskip("llama_cpp.server.app")
-    settings_mod = pytest.importorskip("llama_cpp.server.settings")
-    import time
-
-    import uvicorn
-
     from tests.tiny_gguf import save_gguf_pair
 
     gguf = save_gguf_pair(tmp_path)[0]
-    app = server_app.create_app(
-        server_settings=settings_mod.ServerSettings(host="127.0.0.1", port=0),
-        model_settings=[settings_mod.ModelSettings(model=str(gguf), model_alias="tiny", n_ctx=256, verbose=False,
-                                                   n_threads=1, chat_format="chatml")])
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "llama-cpp-python's server did not start"
-        time.sleep(0.05)
-    try:
-        client = RemoteClient(RemoteConfig(f"http://127.0.0.1:{sock.getsockname()[1]}/v1", model="tiny"))
+    with llama_cpp_serving(gguf, "tiny") as url:
+        client = RemoteClient(RemoteConfig(url, model="tiny"))
         assert client.models() == ["tiny"]
         events = list(client.stream_chat((Message("user", "hello"),), max_tokens=8, temperature=0))
         finish = events[-1]
         assert isinstance(finish, RemoteFinish) and finish.finish_reason in ("stop", "length")
         assert not finish.colours and finish.tokens_per_target_forward is None
         assert all(not p.tokens for p in events[:-1])
-    finally:
-        server.should_exit = True
-        thread.join(10)
-        sock.close()

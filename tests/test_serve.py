@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import threading
-import time
 
 import httpx
 import openai
@@ -14,6 +13,7 @@ from engine.runners.batched import BatchedDecoder
 from engine.types import GenerationRequest, Message, Sampling
 from tests.engine_fixtures import tiny_engine
 from tests.serve_fixtures import MODEL, serving, wait_until
+from tests.serve_fixtures import Slow as _Slow
 
 QUESTION = "def add(a, b):"
 TIMEOUT = 60.0
@@ -225,39 +225,6 @@ def test_the_api_key_is_checked(engine):
         reply = _client(running, api_key="sesame").completions.create(model=MODEL, prompt="hi", max_tokens=4)
         assert reply.choices[0].text is not None
         assert httpx.get(f"{running.root}/health", timeout=TIMEOUT).status_code == 200
-
-
-class _Slow:
-    """Slows every target forward, so a generation is still running when the test acts on it."""
-
-    def __init__(self, engine, seconds: float, gate: threading.Event | None = None) -> None:
-        """gate: every forward waits until it is set (bounded), then sleeps `seconds`. Both the
-        single-sequence runner and the batched decoder are slowed."""
-        self.runner, self.seconds, self.gate = engine.target_runner, seconds, gate
-        self.forward, self.batched = self.runner.forward, BatchedDecoder.forward
-
-    def _wait(self) -> None:
-        if self.gate is not None:
-            assert self.gate.wait(TIMEOUT), "the test never opened the gate"
-        time.sleep(self.seconds)
-
-    def __enter__(self):
-        def slow(*args, **kwargs):
-            self._wait()
-            return self.forward(*args, **kwargs)
-
-        def slow_batch(decoder, parts, logits=True):
-            if logits:
-                self._wait()
-            return self.batched(decoder, parts, logits)
-
-        self.runner.forward = slow
-        BatchedDecoder.forward = slow_batch
-        return self
-
-    def __exit__(self, *exc):
-        del self.runner.forward
-        BatchedDecoder.forward = self.batched
 
 
 def test_a_client_that_disconnects_cancels_its_generation(engine):

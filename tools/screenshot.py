@@ -3,6 +3,7 @@ or of the "Train a draft head" dialog showing the training log of the head in us
 
     .venv/bin/python tools/screenshot.py --real --tune --tune-prompts 2 --max-new-tokens 16 --out assets/screenshot-tune.png
     .venv/bin/python tools/screenshot.py --real --runtime torch --train-dialog --out assets/screenshot-train.png
+    .venv/bin/python tools/screenshot.py --remote http://127.0.0.1:8000/v1 --max-new-tokens 48 --out assets/screenshot-remote.png
 """
 from __future__ import annotations
 
@@ -49,6 +50,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rejected-display", choices=["mark", "flash"], default="",
                    help="how the answer shows rejected drafts (default: the palette's)")
     p.add_argument("--temperature", type=float, default=None, help="the panel's temperature")
+    p.add_argument("--remote", default="", metavar="URL",
+                   help="chat through this OpenAI-compatible server instead of loading models (e.g. a running serve)")
+    p.add_argument("--remote-model", default="", help="the model to ask the --remote server for (default: its first)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO)
 
@@ -65,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     from app.ui.window import MainWindow
     from engine.settings import ModelSelection
     from widgets.palette import load_stylesheet
+    from widgets.remote_box import RemoteChoice
 
     app = QApplication.instance() or QApplication(["specdec-studio"])
     app.setStyle("Fusion")
@@ -92,8 +97,12 @@ def main(argv: list[str] | None = None) -> int:
         QTimer.singleShot(int(timeout_s * 1000), loop.quit)
         loop.exec()
 
-    window.load_models(ModelSelection(runtime=args.runtime))
-    wait_for(lambda: window.info is not None or not window.is_loading(), args.timeout)
+    if args.remote:
+        window.use_remote(RemoteChoice(use=True, url=args.remote, model=args.remote_model))
+        wait_for(lambda: not window.model_label.text().startswith("Remote: first"), 30)  # the server named its model
+    else:
+        window.load_models(ModelSelection(runtime=args.runtime))
+        wait_for(lambda: window.info is not None or not window.is_loading(), args.timeout)
     if window.info is None:
         print("models did not load", file=sys.stderr)
         return 1

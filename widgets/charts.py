@@ -22,6 +22,7 @@ pg.setConfigOptions(antialias=True, background="w", foreground="k")
 
 ACCEPTANCE_WINDOW = 20  # steps in the rolling acceptance rate
 RATE_WINDOW_S = 1.0  # seconds of wall clock in the rolling tokens/s
+NO_DRAFTS_NOTE = "no drafts in standard decoding"  # the draft plots' titles when no step drafted
 # Ring buffer columns, one row per step.
 _STEP, _ACCEPTANCE, _K, _ACCEPTED, _TPS, _TPS_ROLLING, _DRAFT_MS, _VERIFY_MS, _OVERHEAD_MS = range(9)
 _COLUMNS = 9
@@ -161,6 +162,14 @@ class LiveCharts(QWidget):
         positions = self.position_acceptance()
         self._bars.setOpts(x=np.arange(1, len(positions) + 1), height=positions, width=0.6)
         self._position_plot.setXRange(0.4, max(len(positions), 1) + 0.6, padding=0)
+
+    def set_no_drafts_note(self, note: str) -> None:
+        """What the draft plots' titles say when no step drafted ("": no drafts in standard decoding), e.g.
+        that a remote server does not report its drafts."""
+        self._no_drafts_note = note or NO_DRAFTS_NOTE
+        if self._no_drafts_titles:
+            self._no_drafts_titles = False
+            self._set_draft_titles(no_drafts=True)
 
     def reset(self) -> None:
         """Clears everything for a new message."""
@@ -310,6 +319,7 @@ class LiveCharts(QWidget):
             self._position_plot: "Acceptance by draft position",
         }
         self._no_drafts_titles = False
+        self._no_drafts_note = NO_DRAFTS_NOTE
         self.refresh_theme()
 
     def refresh_theme(self) -> None:
@@ -336,7 +346,7 @@ class LiveCharts(QWidget):
         if no_drafts == self._no_drafts_titles:
             return
         self._no_drafts_titles = no_drafts
-        suffix = " — no drafts in standard decoding" if no_drafts else ""
+        suffix = f" — {self._no_drafts_note}" if no_drafts else ""
         for plot, title in self._draft_titles.items():
             set_title(plot, title + suffix)
 

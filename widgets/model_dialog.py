@@ -45,6 +45,7 @@ from engine.settings import (
 from engine.types import MemoryPlan, PlanChange
 from widgets.check_view import CheckView
 from widgets.plan_bar import PlanBar
+from widgets.remote_box import RemoteBox, RemoteChoice
 
 Planner = Callable[[ModelSelection], MemoryPlan]  # raises EngineError when a model cannot be sized
 PLAN_DELAY_MS = 250  # typing a path re-plans once it pauses, not per keystroke
@@ -216,6 +217,8 @@ class ModelDialog(QDialog):
         self.check_view = CheckView(self)  # the draft check's result, shown once one is asked for
         self.check_view.hide()
         layout.addWidget(self.check_view)
+        self.remote = RemoteBox(self)  # checked: Connect to a server instead of loading (see remote_toggled)
+        layout.addWidget(self.remote)
         buttons = QDialogButtonBox(QDialogButtonBox.StandardButton.Ok | QDialogButtonBox.StandardButton.Cancel,
                                    Qt.Orientation.Horizontal, self)
         buttons.button(QDialogButtonBox.StandardButton.Ok).setText("Load")
@@ -223,6 +226,7 @@ class ModelDialog(QDialog):
         self.check_button.setToolTip("Rank the draft, the draft head and n-gram lookup by the speedup they should "
                                      "give on this machine, from a look at the loaded target's own answers")
         self.check_button.clicked.connect(self._on_check)
+        self._load_button = buttons.button(QDialogButtonBox.StandardButton.Ok)
         buttons.accepted.connect(self.accept)
         buttons.rejected.connect(self.reject)
         layout.addWidget(buttons)
@@ -241,6 +245,7 @@ class ModelDialog(QDialog):
         self.context.valueChanged.connect(self._timer.start)
         self.memory.valueChanged.connect(self._timer.start)
         self.runtime.currentIndexChanged.connect(self._timer.start)  # the plan is of the runtime that will run
+        self.remote.toggled.connect(self._on_remote_toggled)
         self.update_plan()
 
     def _offer_precisions(self, device: str) -> None:
@@ -329,3 +334,22 @@ class ModelDialog(QDialog):
         """The check's Apply for a draft other than the loaded one: it becomes this dialog's draft."""
         self.no_draft.setChecked(False)
         self.draft.set_choice(ModelChoice.from_spec(spec))
+
+    # --- a remote server instead of local models -------------------------------------------------
+
+    def remote_choice(self) -> RemoteChoice:
+        """The "Remote server" box: with `use`, Connect streams the chat from it and loads nothing."""
+        return self.remote.choice()
+
+    def set_remote_choice(self, choice: RemoteChoice) -> None:
+        self.remote.set_choice(choice)
+        self._on_remote_toggled(choice.use)
+
+    def _on_remote_toggled(self, on: bool) -> None:
+        # The local choices stay as they were (greyed), for the next time local models are loaded.
+        for part in (self.preset, self.target, self.draft, self.no_draft, self.device, self.dtype, self.context,
+                     self.memory, self.runtime, self.threads, self.plan_bar, self.check_button):
+            part.setEnabled(not on)
+        if not on:
+            self.draft.setEnabled(not self.no_draft.isChecked())
+        self._load_button.setText("Connect" if on else "Load")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -30,7 +30,7 @@ class RemoteConfig:
     """Where the server is and how to ask it (the Models dialog's "Remote server" fields)."""
 
     url: str  # base URL, e.g. http://127.0.0.1:8000/v1 (a URL without /v1 gets it added)
-    api_key: str = ""  # sent as a bearer token when not empty
+    api_key: str = field(default="", repr=False)  # sent as a bearer token when not empty; never logged
     model: str = ""  # model name; "" asks /v1/models and takes the first
     timeout_s: float = 60.0  # connect and between-bytes timeout
 

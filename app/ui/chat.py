@@ -68,6 +68,8 @@ class ChatController(QObject):
         worker.steps.connect(self._on_steps)
         worker.generation_finished.connect(self._on_generation_finished)
         worker.generation_failed.connect(self._on_generation_failed)
+        self._source = worker  # who answers: the worker, or a remote server (use_source)
+        self._header = answer_header  # the line above an answer, from its request and the pair in use
 
     # --- asking ----------------------------------------------------------------------------------
 
@@ -131,7 +133,7 @@ class ChatController(QObject):
 
     def stop(self) -> None:
         if self.session.active_request is not None:
-            self.worker.stop(self.session.active_request)
+            self._source.stop(self.session.active_request)
 
     def messages_for_request(self) -> tuple[Message, ...]:
         return self.session.messages_for(self._settings(), self.guard.drop_count())
@@ -189,7 +191,7 @@ class ChatController(QObject):
     def _leave(self, streaming: int | None) -> None:
         # The shown conversation changed: a streaming answer is stopped (it is saved to its own conversation).
         if streaming is not None:
-            self.worker.stop(streaming)
+            self._source.stop(streaming)
         self.chat.clear()
         self.conversations.bubble_turn.clear()
         self.charts.reset()
@@ -200,12 +202,12 @@ class ChatController(QObject):
         self.conversations.sync_chat(until=turn_id)  # the question (and a fork) shown, then the new answer's bubble
         siblings = self.session.conversation.siblings(turn_id) if turn_id else []
         self.conversations.bubble_turn[rid] = turn_id or ""
-        self.chat.begin_assistant_message(rid, answer_header(request, self.session.info), turn_id or "",
+        self.chat.begin_assistant_message(rid, self._header(request, self.session.info), turn_id or "",
                                           (max(0, len(siblings) - 1), max(1, len(siblings))))
         self.charts.reset()
         self._ready_changed()
         self.conversations.touch_current()
-        self.worker.generate_requested.emit(request)
+        self._source.generate_requested.emit(request)
         return rid
 
     # --- the worker's signals --------------------------------------------------------------------
@@ -241,3 +243,18 @@ class ChatController(QObject):
         self.chat.fail_assistant_message(request_id, message)
         self._ready_changed()
         self.failed.emit(request_id, message)
+
+    # --- who answers -----------------------------------------------------------------------------
+
+    def add_source(self, source: QObject) -> None:
+        """Another answerer with the worker's chat signals and calls (app/ui/remote.py's RemoteStreams):
+        `generate_requested(request)`, `stop(request_id)`, `steps`, `generation_finished`, `generation_failed`."""
+        source.steps.connect(self._on_steps)
+        source.generation_finished.connect(self._on_generation_finished)
+        source.generation_failed.connect(self._on_generation_failed)
+
+    def use_source(self, source: QObject | None, header: Callable[[object, object], str] | None = None) -> None:
+        """Answers come from `source` from the next request on (None: the worker, with the local models),
+        each under `header(request, info)` (None: which model and how it decodes)."""
+        self._source = source or self.worker
+        self._header = header or answer_header

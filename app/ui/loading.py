@@ -23,16 +23,20 @@ from engine.settings import ModelSelection
 from engine.types import ModelInfo
 from widgets.chat.view import ChatView
 from widgets.model_dialog import ModelDialog
+from widgets.remote_box import RemoteChoice
 from widgets.settings_panel import SettingsPanel
 
 
-def choose_models(selection: ModelSelection, notices: Notices,
-                  attach_check: Callable[[ModelDialog], None]) -> tuple[ModelSelection, bool] | None:
+def choose_models(selection: ModelSelection, notices: Notices, attach_check: Callable[[ModelDialog], None],
+                  use_remote: Callable[[RemoteChoice], None] | None = None) -> tuple[ModelSelection, bool] | None:
     """The model dialog, then a question when the memory plan says the pair will not fit:
-    (selection, force), or None when the person cancelled."""
+    (selection, force), or None when the person cancelled or chose a remote server (given to `use_remote`)."""
     dialog = ModelDialog(selection, notices.parent, planner=plan_for, presets=pair_presets())
     attach_check(dialog)
     if dialog.exec() != ModelDialog.DialogCode.Accepted:
+        return None
+    if use_remote is not None and dialog.remote_choice().use:
+        use_remote(dialog.remote_choice())
         return None
     plan = dialog.plan
     force = False
@@ -105,8 +109,9 @@ class LoadingController(QObject):
         self._ready_changed()
         self.worker.load_requested.emit(load_request_for(selection, force=force))
 
-    def open_model_dialog(self, attach_check: Callable[[ModelDialog], None]) -> None:
-        choice = choose_models(self.selection, self.notices, attach_check)
+    def open_model_dialog(self, attach_check: Callable[[ModelDialog], None],
+                          use_remote: Callable[[RemoteChoice], None] | None = None) -> None:
+        choice = choose_models(self.selection, self.notices, attach_check, use_remote)
         if choice is not None:
             self.load_models(choice[0], force=choice[1])
 
@@ -115,6 +120,11 @@ class LoadingController(QObject):
         info = self.session.info
         if info is None:
             self.notices.info("Train a draft head", "Load a target first: File ▸ Load models…")
+            return None
+        if info.runtime == "remote":
+            self.notices.info("Train a draft head", "Training a draft head needs the target loaded on this "
+                              "machine; the chat uses a remote server now. Load local models first: "
+                              "File ▸ Load models… (leave “Remote server” unchecked).")
             return None
         if info.runtime != "torch":  # a head reads the target's hidden states; llama.cpp gives none
             self.offer_torch(info)

@@ -12,6 +12,7 @@ from pathlib import Path
 from PySide6.QtCore import QByteArray, QSettings
 
 from engine.settings import GenerationSettings, ModelSelection
+from widgets.remote_box import RemoteChoice
 from widgets.settings_panel import DisplaySettings
 
 log = logging.getLogger(__name__)
@@ -100,6 +101,13 @@ class AppSettings:
 
     def set_models(self, selection: ModelSelection) -> None:
         self._set("models/selection", json.dumps(asdict(selection)))
+
+    def remote(self) -> RemoteChoice:
+        """The Models dialog's remote server (its API key is stored like every setting, and never logged)."""
+        return RemoteChoice.from_dict(self._json("models/remote"))
+
+    def set_remote(self, choice: RemoteChoice) -> None:
+        self._set("models/remote", json.dumps(asdict(choice), ensure_ascii=False))
 
     # --- generation -----------------------------------------------------------------------------
 

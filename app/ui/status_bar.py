@@ -83,6 +83,16 @@ class StatusBarController(QObject):
             self.device_label.setText(device_line(info))
             self.device_label.setToolTip("\n".join(n for n in (info.fast_path_note, info.runtime_note) if n))
 
+    def show_remote(self, server: str, model: str) -> None:
+        """The chat streams from a remote server: which one and which model (no local device or costs)."""
+        self.model_label.setText(f"Remote: {model}")
+        self.device_label.setText(f"{server} · OpenAI API")
+        self.device_label.setToolTip("Answers come from this server; no local models are loaded")
+        self.cost_label.setText("")
+        self.cost_label.setToolTip("")
+        self.decision_label.setText("")
+        self.load_label.setText("")
+
     # --- figures -------------------------------------------------------------------------------
 
     def show_costs(self, info: ModelInfo | None, summary: Summary | None, proposer: str = "draft") -> None:

@@ -22,6 +22,7 @@ from app.ui.help import Help
 from app.ui.notices import Notices
 from app.ui.panels import COLLAPSE_BELOW, DEFAULT_WIDTHS, Panel, SidePanels
 from app.ui.race import RaceController
+from app.ui.remote import RemoteController
 from app.ui.settings import AppSettings
 from app.ui.status_bar import StatusBarController
 from app.ui.training import HeadTrainingController
@@ -38,6 +39,7 @@ from widgets.chat.view import ChatView
 from widgets.context_meter import ContextMeter
 from widgets.legend import Legend
 from widgets.race.view import RaceView
+from widgets.remote_box import RemoteChoice
 from widgets.settings_panel import SettingsPanel
 from widgets.theme import ThemeManager
 from widgets.tune.view import TuneView
@@ -49,6 +51,7 @@ DEFAULT_SIZE = (1480, 900)
 MIN_CHAT_WIDTH = 300  # the chat column never gets narrower: a message box and a readable line
 _NOT_READY = "Models are loading; Send is enabled once they are ready."
 _NO_MODEL = "No model loaded: File ▸ Load models… (Ctrl+L)."
+_REMOTE = "{} needs local models; the chat uses a remote server now (File ▸ Load models… to load them)"
 
 
 def _open_store() -> ConversationStore | None:
@@ -95,6 +98,7 @@ class MainWindow(QMainWindow):
         self.worker = self.host.worker
         self.session = ChatSession(store or _open_store(), on_save_error=self._on_save_error_thread)
         self._closed = False
+        self._remote_said = False  # the Race and Tune tabs say they need local models (while remote)
 
         self.themes = ThemeManager(self.settings.theme(), self)
         self.themes.apply(force=True)  # cheap when the app already has this theme's palette and stylesheet
@@ -227,7 +231,7 @@ class MainWindow(QMainWindow):
         self.chat_controller = c = ChatController(
             self.worker, self.session, self.chat, self.prompt, self.charts, conversations=self.conversations,
             guard=self.guard, status=self.status, notices=self.notices, settings=self.panel.values,
-            can_chat=self._can_chat, annotate=self.check_link.annotate, ready_changed=self._set_ready_state,
+            can_chat=self._can_chat, annotate=self._annotate, ready_changed=self._set_ready_state,
             evidence_changed=self._update_evidence, apply_settings=self._apply_settings, parent=self,
         )
         c.finished.connect(self.answer_finished)
@@ -258,6 +262,9 @@ class MainWindow(QMainWindow):
         )
         self.loading.loaded.connect(self.models_loaded)
         self.loading.load_failed.connect(self.models_load_failed)
+        self.remote = RemoteController(self.worker, self.session, c, self.chat, self.charts, self.status,
+                                       self.notices, settings=self.settings, ready_changed=self._set_ready_state,
+                                       parent=self)
         self.exports = SessionExporter(lambda: self.records, self.notices, races=lambda: self.race.results,
                                        sweeps=lambda: self.tune.session_runs)
 
@@ -334,7 +341,15 @@ class MainWindow(QMainWindow):
         self.loading.load_models(selection, force=force)
 
     def open_model_dialog(self) -> None:
-        self.loading.open_model_dialog(self.check_link.attach)
+        def attach(dialog) -> None:
+            self.check_link.attach(dialog)
+            self.remote.attach(dialog)
+
+        self.loading.open_model_dialog(attach, self.use_remote)
+
+    def use_remote(self, choice: RemoteChoice) -> None:
+        """The chat streams from an OpenAI-compatible server; the local models are released (app/ui/remote.py)."""
+        self.remote.use(choice)
 
     def open_train_dialog(self):
         """The "Train a draft head" dialog for the loaded target (None when no target is loaded yet)."""
@@ -389,13 +404,20 @@ class MainWindow(QMainWindow):
             self.prompt.set_ready(False, "A draft head is training (cancel it in its window)")
         else:
             self.prompt.set_ready(True)
+        remote = self.remote.active
         can_chat = not generating and self.info is not None and not self.is_loading() and not self.training.running
         reason = (_NOT_READY if self.is_loading() else _NO_MODEL if self.info is None
                   else "A draft head is training" if self.training.running else "An answer is streaming in the chat")
-        self.race_view.set_race_enabled(can_chat and not self.tune.running,
+        self.race_view.set_race_enabled(can_chat and not self.tune.running and not remote,
+                                        _REMOTE.format("Racing") if remote else
                                         "A sweep is running in the Tune tab" if self.tune.running else reason)
-        self.tune_view.set_enabled(can_chat and not self.race.running,
+        self.tune_view.set_enabled(can_chat and not self.race.running and not remote,
+                                   _REMOTE.format("Tuning") if remote else
                                    "A race is running in the Race tab" if self.race.running else reason)
+        if remote != self._remote_said:  # said where their buttons are, once per change
+            self._remote_said = remote
+            self.race_view.show_status(_REMOTE.format("Racing") if remote else "")
+            self.tune_view.show_status(_REMOTE.format("Tuning") if remote else "")
         self.stop_action.setEnabled(generating)
         self.chat.set_busy(generating)
         self.regenerate_action.setEnabled(can_chat and not racing and self.session.can_regenerate())
@@ -403,6 +425,11 @@ class MainWindow(QMainWindow):
         self.train_head_action.setEnabled(self.info is not None and not self.is_loading())
 
     # --- settings, evidence, view -----------------------------------------------------------------
+
+    def _annotate(self, stats: str, summary, request) -> str:
+        """An answer's stats line: the remote server's, or the local one with the draft check's note."""
+        line = self.remote.annotate(request)
+        return line if line is not None else self.check_link.annotate(stats, summary, request)
 
     def _on_settings_changed(self, settings: GenerationSettings) -> None:
         self.settings.set_generation(settings)
@@ -479,6 +506,7 @@ class MainWindow(QMainWindow):
             self._closed = True
             self.save_state()
             self.status.stop()
+            self.remote.shutdown()
             self.host.shutdown()
             self.context.shutdown()
             self.conversations.shutdown()

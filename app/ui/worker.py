@@ -149,6 +149,7 @@ class EngineWorker(QObject):
     load_finished = Signal(object)  # ModelInfo of the pair now in use
     load_failed = Signal(str)  # one-line message; the previous engine stays in use (or was loaded again)
     engine_released = Signal(str)  # the pair in use was released to make room for a new one; says why
+    release_requested = Signal(str)  # UI -> worker: let the pair go, saying why (the chat uses a remote server)
     generation_started = Signal(int)  # request_id
     steps = Signal(int, object)  # request_id, tuple[Step, ...] in order
     generation_finished = Signal(int, object)  # request_id, Summary
@@ -195,6 +196,7 @@ class EngineWorker(QObject):
         self.sweep_requested.connect(self._on_sweep_requested, Qt.ConnectionType.QueuedConnection)
         self.train_requested.connect(self._on_train_requested, Qt.ConnectionType.QueuedConnection)
         self.check_requested.connect(self._on_check_requested, Qt.ConnectionType.QueuedConnection)
+        self.release_requested.connect(self._on_release_requested, Qt.ConnectionType.QueuedConnection)
 
     # --- called from the UI thread -------------------------------------------------------------
 
@@ -351,6 +353,10 @@ class EngineWorker(QObject):
             return
         self.generation_finished.emit(rid, summary)
 
+    @Slot(str)
+    def _on_release_requested(self, note: str) -> None:
+        if self.engine is not None:
+            self._release_engine(note)
 
     @Slot(object)
     def _on_sweep_requested(self, job: Any) -> None:
