@@ -225,8 +225,10 @@ class ChatController(QObject):
         request = self.session.request(request_id)
         if request is None:
             return
-        self.chat.finish_assistant_message(request_id, summary, format_stats_plain(summary, request),
-                                           self._annotate(format_stats_line(summary, request), summary, request))
+        detail = self._annotate(format_stats_line(summary, request), summary, request)
+        # A remote answer's line is already plain (what the server reported and what it cannot show).
+        plain = format_stats_plain(summary, request) if self._source is self.worker else detail
+        self.chat.finish_assistant_message(request_id, summary, plain, detail)
         record = self.session.finish(request_id, summary)
         if summary.mode == "speculative" and request.proposer in ("draft", "head") and record is not None:
             self.status.show_costs(record.info, summary, request.proposer)

@@ -11,7 +11,7 @@ from pathlib import Path
 from PySide6.QtCore import QObject, Qt, Signal
 
 from app.core.chat_tree import Conversation, search_text
-from app.core.conversations import ConversationHeader
+from app.core.conversations import ConversationHeader, ConversationStore, default_folder
 from app.core.export import write_conversation_json, write_conversation_markdown
 from app.core.session import ChatSession, ShownTurn, answer_header
 from app.ui.notices import Notices
@@ -39,6 +39,15 @@ def subtitle(header: ConversationHeader, now: datetime | None = None) -> str:
     parts = [p for p in (stamp, header.model, f"{header.turns} messages") if p]
     return " · ".join(parts)
 
+
+
+def open_store() -> ConversationStore | None:
+    """The user's conversations folder; without one (a read-only home) the app still works, unsaved."""
+    try:
+        return ConversationStore(default_folder())
+    except OSError as e:
+        log.warning("conversations will not be saved: %s", e)
+        return None
 
 class ConversationsController(QObject):
     """Keeps the sidebar in step with the store and the conversation shown.

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from PySide6.QtCore import QUrl
 from PySide6.QtGui import QDesktopServices
-from PySide6.QtWidgets import QWidget
+from PySide6.QtWidgets import QMessageBox, QWidget
 
 from app.ui.notices import Notices
 from widgets.shortcuts_dialog import ShortcutsDialog
@@ -53,3 +53,12 @@ class Help:
         self.dialog.show()
         self.dialog.raise_()
         return self.dialog
+
+    def about(self) -> None:
+        QMessageBox.about(
+            self._parent, "About SpecDec Studio",
+            "<b>SpecDec Studio</b><p>Speculative decoding you can watch: a small draft proposes K tokens, "
+            "the target verifies them in one forward, and the output is exactly the target's.</p>"
+            "<p>Green: accepted draft tokens · a red mark: where drafts were rejected (hover it for them) · "
+            "amber: the target's correction · blue: the bonus token · violet: standard decoding.</p>",
+        )

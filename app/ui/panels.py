@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from PySide6.QtCore import QEvent, QObject, QSignalBlocker, QTimer
 from PySide6.QtGui import QAction
-from PySide6.QtWidgets import QSplitter, QWidget
+from PySide6.QtWidgets import QFrame, QScrollArea, QSplitter, QWidget
 
 from app.ui.settings import AppSettings
 
@@ -151,3 +151,12 @@ class SidePanels(QObject):
                 width = panel.splitter.sizes()[panel.index]
                 if width > 0:
                     self.widths[name] = width
+
+
+def scrolling(view: QWidget) -> QScrollArea:
+    """A tab's view in a frameless scroll area: a small window scrolls it instead of growing to fit it."""
+    area = QScrollArea()
+    area.setWidgetResizable(True)
+    area.setFrameShape(QFrame.Shape.NoFrame)
+    area.setWidget(view)
+    return area

@@ -7,20 +7,20 @@ from collections.abc import Callable
 
 from PySide6.QtCore import QByteArray, Qt, QTimer, Signal
 from PySide6.QtGui import QCloseEvent
-from PySide6.QtWidgets import QFrame, QMainWindow, QMessageBox, QScrollArea, QSplitter, QTabWidget, QVBoxLayout, QWidget
+from PySide6.QtWidgets import QFrame, QMainWindow, QScrollArea, QSplitter, QTabWidget, QVBoxLayout, QWidget
 
-from app.core.conversations import ConversationStore, default_folder
+from app.core.conversations import ConversationStore
 from app.core.session import ChatSession
 from app.ui.chat import ChatController
 from app.ui.check import CheckLink
 from app.ui.context import ContextCounter, ContextGuard, ask_overflow
-from app.ui.conversations import ConversationsController
+from app.ui.conversations import ConversationsController, open_store
 from app.ui.exports import SessionExporter
+from app.ui.help import Help
 from app.ui.loading import LoadingController
 from app.ui.menus import Menus
-from app.ui.help import Help
 from app.ui.notices import Notices
-from app.ui.panels import COLLAPSE_BELOW, DEFAULT_WIDTHS, Panel, SidePanels
+from app.ui.panels import COLLAPSE_BELOW, DEFAULT_WIDTHS, Panel, SidePanels, scrolling
 from app.ui.race import RaceController
 from app.ui.remote import RemoteController
 from app.ui.settings import AppSettings
@@ -54,23 +54,6 @@ _NO_MODEL = "No model loaded: File ▸ Load models… (Ctrl+L)."
 _REMOTE = "{} needs local models; the chat uses a remote server now (File ▸ Load models… to load them)"
 
 
-def _open_store() -> ConversationStore | None:
-    """The user's conversations folder; without one (a read-only home) the app still works, unsaved."""
-    try:
-        return ConversationStore(default_folder())
-    except OSError as e:
-        log.warning("conversations will not be saved: %s", e)
-        return None
-
-
-def _scrolling(view: QWidget) -> QScrollArea:
-    area = QScrollArea()
-    area.setWidgetResizable(True)
-    area.setFrameShape(QFrame.Shape.NoFrame)
-    area.setWidget(view)
-    return area
-
-
 class MainWindow(QMainWindow):
     """SpecDec Studio: a view of a ChatSession (the conversation and its requests); the models live in the worker.
 
@@ -96,7 +79,7 @@ class MainWindow(QMainWindow):
         self.settings = settings or AppSettings()
         self.host = WorkerHost(engine_factory, self, head_trainer=head_trainer)
         self.worker = self.host.worker
-        self.session = ChatSession(store or _open_store(), on_save_error=self._on_save_error_thread)
+        self.session = ChatSession(store or open_store(), on_save_error=self._on_save_error_thread)
         self._closed = False
         self._remote_said = False  # the Race and Tune tabs say they need local models (while remote)
 
@@ -175,8 +158,8 @@ class MainWindow(QMainWindow):
             splitter.setMinimumWidth(MIN_CHAT_WIDTH)
         self.tabs.addTab(self.outer, "Chat")
         # In a window smaller than they need, the Race and Tune tabs scroll instead of holding the window large.
-        self.tabs.addTab(_scrolling(self.race_view), "Race: standard vs speculative")
-        self.tabs.addTab(_scrolling(self.tune_view), "Tune")
+        self.tabs.addTab(scrolling(self.race_view), "Race: standard vs speculative")
+        self.tabs.addTab(scrolling(self.tune_view), "Tune")
         self.setCentralWidget(self.tabs)
 
     def _build_menus_and_status(self) -> None:
@@ -196,7 +179,7 @@ class MainWindow(QMainWindow):
                            ("export_md", lambda: self.conversations.export(None, "markdown")),
                            ("export_json", lambda: self.conversations.export(None, "json")),
                            ("quit", self.close), ("new_chat", self.new_chat), ("regenerate", self.regenerate),
-                           ("stop", self.stop), ("about", self._about), ("docs", self.help.open_docs),
+                           ("stop", self.stop), ("about", self.help.about), ("docs", self.help.open_docs),
                            ("shortcuts", self.help.show_shortcuts)):
             m.connect(name, slot)
         self.view_options = ViewOptions(
@@ -481,15 +464,6 @@ class MainWindow(QMainWindow):
     def export_trace(self, path: str | None = None) -> bool:
         """Writes one row per decoding step of every answer."""
         return self.exports.export_trace(path)
-
-    def _about(self) -> None:
-        QMessageBox.about(
-            self, f"About {APP_NAME}",
-            f"<b>{APP_NAME}</b><p>Speculative decoding you can watch: a small draft model proposes K tokens, "
-            "the target verifies them in one forward, and the output is exactly the target's.</p>"
-            "<p>Green: accepted draft tokens · red, struck: rejected drafts · amber: the target's correction · "
-            "blue: the bonus token · violet: standard decoding.</p>",
-        )
 
     def save_state(self) -> None:
         self.settings.set_generation(self.panel.values())
