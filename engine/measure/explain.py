@@ -5,7 +5,7 @@ decision reads the same under an answer, in the status bar and on the command li
 """
 from __future__ import annotations
 
-from engine.types import Decision, Diagnosis, Summary
+from engine.types import Decision, Diagnosis, PrefillProgress, Summary
 
 SOURCE_WORDS = {"draft": "the draft", "ngram": "n-gram lookup", None: "drafting"}
 
@@ -29,6 +29,13 @@ def describe_decision(d: Decision) -> str:
         return f"probing {who} with K={d.k}: checking whether the {acceptance} still does not pay"
     speed = f", predicted {d.predicted_speedup:.2f}x" if d.predicted_speedup is not None else ""
     return f"K={d.k} with {who}: {acceptance}{speed}"
+
+
+def describe_prefill(progress: PrefillProgress) -> str:
+    """e.g. "Reading the prompt: 2,100 / 4,449 tokens" (the draft model's and the head's say whose)."""
+    who = {"target": "Reading the prompt", "draft": "The draft model is reading the prompt",
+           "head": "The draft head is reading the prompt"}[progress.part]
+    return f"{who}: {progress.done:,} / {progress.total:,} tokens"
 
 
 def time_split(s: Summary) -> str:
