@@ -29,6 +29,7 @@ class StatusBarController(QObject):
         self._info = info
         self._on_memory = on_memory
         self.memory_full = False
+        self._prefill_shown = False  # the load label shows a prompt's progress
         self.model_label = QLabel("No model")
         self.device_label = QLabel("")
         self.memory_label = QLabel("")
@@ -74,6 +75,12 @@ class StatusBarController(QObject):
     def load_ended(self, message: str) -> None:
         self.load_bar.hide()
         self.load_label.setText(message)
+
+    def show_prefill(self, text: str) -> None:
+        """How far the prompt has been read, where loading shows its progress ("" clears it)."""
+        if text or self._prefill_shown:
+            self.load_label.setText(text)
+        self._prefill_shown = bool(text)
 
     def show_pair(self, info: ModelInfo | None, names: str = "No model") -> None:
         self.model_label.setText(names)
