@@ -14,7 +14,7 @@ WORDS = "def add(a, b): return a + b. The quick brown fox jumps over the lazy do
 
 
 @pytest.fixture
-def chunks_of_eight(monkeypatch):
+def smallest_chunks(monkeypatch):
     monkeypatch.setattr(prefill, "CHUNK_S", 1e-9)
 
 
@@ -55,18 +55,18 @@ def _head_request(prompt: str = WORDS * 4) -> GenerationRequest:
     return GenerationRequest(prompt=prompt, mode="speculative", proposer="head", k=4, max_new_tokens=24)
 
 
-def test_the_head_drafts_the_same_after_a_prompt_read_in_chunks(make_head_engine, chunks_of_eight):
+def test_the_head_drafts_the_same_after_a_prompt_read_in_chunks(make_head_engine, smallest_chunks):
     engine = make_head_engine()
     whole = _whole(engine, _head_request())
     tokens, drafts, events, _ = _run(engine, _head_request())
     assert tokens == whole[0]
     # The same drafts: the head read every prompt row, gathered over the target's chunks.
     assert drafts == whole[1]
-    assert sum(e.part == "target" for e in events) > 10 and sum(e.part == "head" for e in events) > 10
+    assert sum(e.part == "target" for e in events) > 5 and sum(e.part == "head" for e in events) > 5
 
 
 @pytest.mark.parametrize("part", ["target", "head"])
-def test_a_stop_while_the_head_reads_leaves_a_fresh_engine(make_head_engine, chunks_of_eight, part):
+def test_a_stop_while_the_head_reads_leaves_a_fresh_engine(make_head_engine, smallest_chunks, part):
     used = make_head_engine()
     cancel, watch = _stopped_at(part, 30)
     generation = used.generate(_head_request(), cancel, watch)
@@ -102,7 +102,7 @@ def _cpp_request(mode: str, prompt: str = WORDS * 4) -> GenerationRequest:
     return GenerationRequest(prompt=prompt, mode=mode, proposer="draft", k=4, max_new_tokens=24)
 
 
-def test_llamacpp_answers_and_drafts_the_same_in_chunks(make_llamacpp, chunks_of_eight):
+def test_llamacpp_answers_and_drafts_the_same_in_chunks(make_llamacpp, smallest_chunks):
     engine = make_llamacpp()
     for mode in ("standard", "speculative"):
         whole = _whole(engine, _cpp_request(mode))
@@ -110,12 +110,12 @@ def test_llamacpp_answers_and_drafts_the_same_in_chunks(make_llamacpp, chunks_of
         assert (tokens, drafts) == whole[:2]
         for part in ("target", "draft") if mode == "speculative" else ("target",):
             done = [e.done for e in events if e.part == part]
-            assert len(done) > 10 and done[0] == 0 and done[-1] == summary.prompt_tokens - 1
+            assert len(done) > 5 and done[0] == 0 and done[-1] == summary.prompt_tokens - 1
             assert all(b > a for a, b in zip(done, done[1:]))
 
 
 @pytest.mark.parametrize("part", ["target", "draft"])
-def test_a_stop_in_llamacpps_prefill_leaves_a_fresh_engine(make_llamacpp, chunks_of_eight, part):
+def test_a_stop_in_llamacpps_prefill_leaves_a_fresh_engine(make_llamacpp, smallest_chunks, part):
     used = make_llamacpp()
     cancel, watch = _stopped_at(part, 30)
     generation = used.generate(_cpp_request("speculative"), cancel, watch)

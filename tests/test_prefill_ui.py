@@ -75,6 +75,6 @@ def test_the_worker_carries_a_real_engines_progress(tiny_pair, qtbot, no_danglin
         assert {rid for rid, _ in events} == {3}
         target = [p.done for _, p in events if p.part == "target"]
         assert target[0] == 0 and target[-1] == done[0].prompt_tokens - 1 and target == sorted(target)
-        assert len(target) > 10
+        assert len(target) > 5
     finally:
         assert host.shutdown()
