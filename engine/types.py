@@ -140,6 +140,19 @@ class Step:
     extra: int | None = None
 
 
+# Which model is reading the prompt: the target, the draft model, or the draft head (its one layer).
+PrefillPart = Literal["target", "draft", "head"]
+
+
+@dataclass(frozen=True)
+class PrefillProgress:
+    """How far one model has read the prompt (engine/decoding/prefill.py), reported between chunks."""
+
+    part: PrefillPart  # the model reading it
+    done: int  # prompt tokens in its cache so far
+    total: int  # prompt tokens it reads in all (the prompt less its last token, which the first step feeds)
+
+
 @dataclass(frozen=True)
 class Summary:
     """What one generation did, as numbers."""
@@ -163,6 +176,7 @@ class Summary:
     k_mean: float = 0.0  # mean K asked for per step (standard steps count 0)
     standard_steps: int = 0  # steps the controller made standard (K = 0) in speculative or auto mode
     prefill_s: float = 0.0  # time to take the prompt into the caches
+    first_token_s: float = 0.0  # seconds from the start until the first token was committed (0: none was)
     draft_s: float = 0.0  # time spent drafting (sum of the steps' draft_ms)
     verify_s: float = 0.0  # time spent in target forwards and acceptance (sum of verify_ms)
     overhead_s: float = 0.0  # the rest: seconds - prefill_s - draft_s - verify_s (host work, syncs, consumer)

@@ -26,7 +26,7 @@ from engine.limits import K_AUTO
 from engine.loadspec import LoadSpec
 from engine.measure.stats import summarize
 from engine.settings import GenerationSettings, ModelChoice, ModelSelection
-from engine.types import GenerationRequest, Message, ModelInfo, Step, Summary, TokenView
+from engine.types import GenerationRequest, Message, ModelInfo, PrefillProgress, Step, Summary, TokenView
 from widgets.model_dialog import ModelDialog
 from widgets.palette import current_palette
 from widgets.settings_panel import DisplaySettings
@@ -71,17 +71,26 @@ SCRIPT_STATUSES = ["accepted", "accepted", "rejected", "rejected", "corrected",
 
 class FakeGeneration(Iterator[Step]):
     def __init__(self, steps: list[Step], request: GenerationRequest, cancel: threading.Event,
-                 delay_s: float, fail_at: int | None, error: BaseException | None) -> None:
+                 delay_s: float, fail_at: int | None, error: BaseException | None,
+                 prefill: tuple[int, int, float] = (0, 0, 0.0), progress=None) -> None:
         self.summary: Summary | None = None
-        self._it = self._run(steps, request, cancel, delay_s, fail_at, error)
+        self._it = self._run(steps, request, cancel, delay_s, fail_at, error, prefill, progress)
 
     def __next__(self) -> Step:
         return next(self._it)
 
-    def _run(self, steps, request, cancel, delay_s, fail_at, error) -> Iterator[Step]:
+    def _run(self, steps, request, cancel, delay_s, fail_at, error, prefill, progress) -> Iterator[Step]:
         out: list[Step] = []
         stop = "eos"
         t0 = time.perf_counter()
+        total, chunk, chunk_s = prefill  # a prompt of `total` tokens read `chunk` at a time, chunk_s each
+        for done in [*range(0, total, chunk or 1), total] if total else []:
+            if progress is not None:
+                progress(PrefillProgress("target", done, total))
+            if done < total and cancel.wait(chunk_s):
+                steps = []  # stopped while the prompt was read: no step at all
+                stop = "cancelled"
+                break
         for i, step in enumerate(steps):
             if cancel.wait(delay_s) if delay_s else cancel.is_set():
                 stop = "cancelled"
@@ -105,10 +114,12 @@ class FakeEngine:
         self.error = error
         self.info = info
         self.requests: list[GenerationRequest] = []
+        self.prefill: tuple[int, int, float] = (0, 0, 0.0)  # (prompt tokens, per chunk, seconds per chunk)
 
-    def generate(self, request: GenerationRequest, cancel: threading.Event) -> FakeGeneration:
+    def generate(self, request: GenerationRequest, cancel: threading.Event, progress=None) -> FakeGeneration:
         self.requests.append(request)
-        return FakeGeneration(self.steps, request, cancel, self.delay_s, self.fail_at, self.error)
+        return FakeGeneration(self.steps, request, cancel, self.delay_s, self.fail_at, self.error,
+                              self.prefill, progress)
 
 
 def long_script(n: int = 400) -> list[Step]:

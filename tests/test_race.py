@@ -131,7 +131,7 @@ class RaceEngine:
         self.delay_s = delay_s
         self.requests: list[GenerationRequest] = []
 
-    def generate(self, request: GenerationRequest, cancel: threading.Event) -> ScriptedGeneration:
+    def generate(self, request: GenerationRequest, cancel: threading.Event, progress=None) -> ScriptedGeneration:
         self.requests.append(request)
         mode = "standard" if request.mode == "standard" else "speculative"  # the chat's auto mode drafts too
         seconds = self.seconds[mode][self.calls[mode] % len(self.seconds[mode])]
@@ -418,7 +418,7 @@ def test_stop_ends_the_race_and_keeps_finished_repeats(race_setup, qtbot):
 
 def test_a_failed_run_is_reported_and_ends_the_race(race_setup, qtbot):
     class Failing(RaceEngine):
-        def generate(self, request, cancel):
+        def generate(self, request, cancel, progress=None):
             if request.mode == "speculative":
                 from engine.errors import GenerationError
                 raise GenerationError("Speculative decoding with a draft model needs a draft; load one first.")

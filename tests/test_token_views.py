@@ -17,6 +17,7 @@ class ScriptedRunner:
     """A runner whose greedy choice at every position is scripted: the answer is known in advance."""
 
     name = "scripted"
+    hidden = None  # no rows for a draft head
 
     def __init__(self, script: list[int], prompt_len: int, vocab: int, wrong_every: int = 0) -> None:
         self.script = script  # token ids of the answer, in order
@@ -32,6 +33,9 @@ class ScriptedRunner:
 
     def prefill(self, ids: torch.Tensor) -> None:
         self.length += ids.shape[-1]
+
+    def reserve(self, length: int) -> None:
+        pass
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         width = ids.shape[-1]

@@ -330,12 +330,14 @@ def test_stats_line():
     line = format_stats_line(summary, GenerationRequest(k=4))
     split = (f"draft {summary.draft_s / summary.seconds:.0%} / verify {summary.verify_s / summary.seconds:.0%} / "
              f"other {1 - (summary.draft_s + summary.verify_s) / summary.seconds:.0%} of the time")
-    assert line == "speculative · K=4 · 73% accepted · 3.7 tokens/step · 22 tok/s · 11 tokens · 0.5 s · " + split
+    assert line == ("speculative · K=4 · 73% accepted · 3.7 tokens/step · 22 tok/s · 11 tokens · 0.5 s · "
+                    f"first token {steps[0].elapsed_s:.1f} s · " + split)
     sampled = GenerationRequest(k=4, sampling=Sampling(temperature=0.7))
     assert format_stats_line(summary, sampled).endswith("· T=0.7")
     std = summarize([standard_step(i, "a") for i in range(128)], mode="standard", k=0, prompt_tokens=3,
                     seconds=10.1, stop_reason="max_new_tokens")
-    assert format_stats_line(std).startswith("standard · 1.0 tokens/step · 13 tok/s · 128 tokens · 10.1 s · draft 0% / ")
+    assert format_stats_line(std).startswith("standard · 1.0 tokens/step · 13 tok/s · 128 tokens · 10.1 s · "
+                                             f"first token {std.first_token_s:.1f} s · draft 0% / ")
 
 
 # --- legend, palette --------------------------------------------------------------------------

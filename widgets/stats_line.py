@@ -34,6 +34,8 @@ def format_stats_line(summary: Summary, request: GenerationRequest | None = None
     parts.append(f"{_rate(summary.tokens_per_s)} tok/s")
     parts.append(f"{summary.new_tokens} tokens")
     parts.append(f"{summary.seconds:.1f} s")
+    if summary.new_tokens:
+        parts.append(f"first token {summary.first_token_s:.1f} s")
     if summary.draft_s or summary.verify_s:
         # Shares of the answer's time; never over 100% (steps timed on the device can overlap the host).
         total = max(summary.seconds, summary.draft_s + summary.verify_s)

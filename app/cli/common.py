@@ -160,6 +160,8 @@ def summary_line(s: Summary) -> str:
 
     line = (f"[{s.mode}] {s.new_tokens} tokens in {s.seconds:.2f} s ({s.tokens_per_s:.1f} tok/s), "
             f"stop: {s.stop_reason}")
+    if s.new_tokens:
+        line += f"; first token after {s.first_token_s:.2f} s ({s.prompt_tokens} prompt tokens read in {s.prefill_s:.2f} s)"
     if s.mode != "standard":
         line += (f"; acceptance {s.acceptance_rate:.0%} ({s.accepted}/{s.drafted}), "
                  f"{s.tokens_per_target_forward:.2f} tokens per target forward, mean K {s.k_mean:.1f}")

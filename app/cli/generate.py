@@ -9,12 +9,15 @@ from dataclasses import asdict
 from app.cli import common
 from app.cli.common import PROG
 from app.core.session import runtime_label
+from engine.types import PrefillProgress
+from engine.measure.explain import describe_prefill
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
     needs_draft = args.mode != "standard" and args.proposer in ("draft", "draft+ngram")
     engine = common.load_engine(args, needs_draft)
-    generation = engine.generate(common.request_for(args, args.prompt, args.mode, args.max_new_tokens))
+    generation = engine.generate(common.request_for(args, args.prompt, args.mode, args.max_new_tokens),
+                                 progress=_show_prefill if sys.stderr.isatty() and not args.json else None)
     tokens: list[dict[str, str]] = []
     for step in generation:
         if args.json:
@@ -36,3 +39,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         if info.fast_path_note:
             print(f"{PROG}: {info.fast_path_note}", file=sys.stderr)
     return 0
+
+
+def _show_prefill(progress: PrefillProgress) -> None:
+    """A long prompt's progress on the terminal, on one line that the answer's first token follows."""
+    end = "\n" if progress.done == progress.total else ""
+    print(f"\r{describe_prefill(progress)}", end=end, file=sys.stderr, flush=True)

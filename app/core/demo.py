@@ -16,6 +16,7 @@ from engine.types import (
     Decision,
     GenerationRequest,
     ModelInfo,
+    PrefillProgress,
     Step,
     StopReason,
     Summary,
@@ -174,10 +175,15 @@ class ScriptedEngine:
     requests_seen: int = 0  # how many generations were started (tests of regenerate)
     context_length: int = 32768  # tokens the "model" holds (the context meter reads it)
 
-    def generate(self, request: GenerationRequest, cancel: threading.Event | None = None) -> ScriptedGeneration:
+    def generate(self, request: GenerationRequest, cancel: threading.Event | None = None,
+                 progress: Callable[[PrefillProgress], None] | None = None) -> ScriptedGeneration:
+        """progress: told that the scripted prompt (12 tokens) was read, at once."""
         if request.mode == "speculative" and not K_AUTO <= request.k <= K_MAX:
             raise GenerationError(f"K must be 1..{K_MAX}, or auto (got {request.k}).")
         self.requests_seen += 1
+        if progress is not None:
+            progress(PrefillProgress("target", 0, 11))
+            progress(PrefillProgress("target", 11, 11))
         source = "ngram" if request.proposer == "ngram" else "draft"
         adaptive = request.mode == "auto" or request.k == K_AUTO
         steps = scripted_steps(self.text, mode=request.mode, k=DEMO_AUTO_K if adaptive else request.k,

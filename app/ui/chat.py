@@ -15,7 +15,8 @@ from app.ui.notices import Notices
 from app.ui.status_bar import StatusBarController
 from app.ui.worker import EngineWorker
 from engine.settings import GenerationSettings
-from engine.types import Message, Step, Summary
+from engine.measure.explain import describe_prefill
+from engine.types import Message, PrefillProgress, Step, Summary
 from widgets.charts import LiveCharts
 from widgets.chat.prompt_box import PromptBox
 from widgets.chat.view import ChatView
@@ -65,6 +66,7 @@ class ChatController(QObject):
         self._drafts: dict[str, str] = {}  # conversation id -> the unsent text of its message box
         chat.example_chosen.connect(self.fill_prompt)
         # The worker lives on its own thread: these are queued connections, run on the UI thread.
+        worker.prefill_progress.connect(self._on_prefill_progress)
         worker.steps.connect(self._on_steps)
         worker.generation_finished.connect(self._on_generation_finished)
         worker.generation_failed.connect(self._on_generation_failed)
@@ -212,12 +214,20 @@ class ChatController(QObject):
 
     # --- the worker's signals --------------------------------------------------------------------
 
+    def _on_prefill_progress(self, request_id: int, progress: PrefillProgress) -> None:
+        # A few per second at most (one per chunk of about 0.5 s of work).
+        if request_id == self.session.active_request:
+            text = describe_prefill(progress)
+            self.chat.show_progress(request_id, text)
+            self.status.show_prefill(text)
+
     def _on_steps(self, request_id: int, steps: tuple[Step, ...]) -> None:
         # The hot path: one edit block in one bubble, ring-buffer appends for the charts (drawn by their timer).
         if not self.session.add_steps(request_id, steps):
             return
         self.chat.append_steps(request_id, steps)
         if request_id == self.session.active_request:
+            self.status.show_prefill("")
             self.charts.push_steps(steps)
             self.status.show_decision(steps[-1].decision)
 
@@ -230,6 +240,7 @@ class ChatController(QObject):
         plain = format_stats_plain(summary, request) if self._source is self.worker else detail
         self.chat.finish_assistant_message(request_id, summary, plain, detail)
         record = self.session.finish(request_id, summary)
+        self.status.show_prefill("")
         if summary.mode == "speculative" and request.proposer in ("draft", "head") and record is not None:
             self.status.show_costs(record.info, summary, request.proposer)
         self.status.show_decision(summary.decision)
@@ -243,6 +254,7 @@ class ChatController(QObject):
         if not self.session.fail(request_id, message):
             return
         self.chat.fail_assistant_message(request_id, message)
+        self.status.show_prefill("")
         self._ready_changed()
         self.failed.emit(request_id, message)
 

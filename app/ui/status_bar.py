@@ -30,6 +30,7 @@ class StatusBarController(QObject):
         self._info = info
         self._on_memory = on_memory
         self.memory_full = False
+        self._prefill_shown = False  # the load label shows a prompt's progress
         # Long texts elide with "…" and keep the whole text (and the figures behind it) in their tooltip.
         self.model_label = ElidedLabel("No model")
         self.device_label = ElidedLabel("")
@@ -76,6 +77,12 @@ class StatusBarController(QObject):
     def load_ended(self, message: str) -> None:
         self.load_bar.hide()
         self.load_label.setText(message)
+
+    def show_prefill(self, text: str) -> None:
+        """How far the prompt has been read, where loading shows its progress ("" clears it)."""
+        if text or self._prefill_shown:
+            self.load_label.setText(text)
+        self._prefill_shown = bool(text)
 
     def show_pair(self, info: ModelInfo | None, names: str = "No model") -> None:
         self.model_label.setText(names)

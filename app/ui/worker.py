@@ -18,7 +18,7 @@ from engine import garbage
 from engine.errors import EngineError
 from engine.loadspec import LoadSpec
 from engine.measure.stats import summarize
-from engine.types import GenerationRequest, ModelInfo, Step
+from engine.types import GenerationRequest, ModelInfo, PrefillProgress, Step
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +38,8 @@ def running_threads() -> list[QThread]:
 class EngineLike(Protocol):
     info: ModelInfo
 
-    def generate(self, request: GenerationRequest, cancel: threading.Event) -> Any: ...
+    def generate(self, request: GenerationRequest, cancel: threading.Event,
+                 progress: Callable[[PrefillProgress], None] | None = None) -> Any: ...
 
 
 ProgressCallback = Callable[[Any], None]
@@ -151,6 +152,7 @@ class EngineWorker(QObject):
     engine_released = Signal(str)  # the pair in use was released to make room for a new one; says why
     release_requested = Signal(str)  # UI -> worker: let the pair go, saying why (the chat uses a remote server)
     generation_started = Signal(int)  # request_id
+    prefill_progress = Signal(int, object)  # request_id, engine.types.PrefillProgress (between prompt chunks)
     steps = Signal(int, object)  # request_id, tuple[Step, ...] in order
     generation_finished = Signal(int, object)  # request_id, Summary
     generation_failed = Signal(int, str)  # request_id, one-line message
@@ -336,7 +338,8 @@ class EngineWorker(QObject):
             last_flush = time.perf_counter()
 
         try:
-            generation = self.engine.generate(request, self.stop_event)
+            generation = self.engine.generate(request, self.stop_event,
+                                              lambda progress: self.prefill_progress.emit(rid, progress))
             for step in generation:
                 pending.append(step)
                 if time.perf_counter() - last_flush >= self._flush_interval_s:

@@ -12,6 +12,7 @@ from engine.decoding.control import AdaptiveK, FixedK, KController, StepCosts, T
 from engine.decoding.costs import measure_again, measure_costs, measure_trees
 from engine.decoding.factory import TREE_ALTERNATIVES, make_proposer, make_proposers
 from engine.decoding.loop import Generation, widest
+from engine.decoding.prefill import ProgressCallback
 from engine.decoding.proposers import Proposer, ProposerSet
 from engine.errors import GenerationError
 from engine.heads.model import DraftHead
@@ -75,6 +76,9 @@ class Engine:
         # rows), 0 on a CPU (forward cost grows with width) and on runners without tree forwards.
         self.tree_alternatives: int | None = None
         self._trees: dict[tuple[int, int], Tree] = {}  # (K, S) -> its sibling tree on the device
+        # Prompt tokens per second each part read at last (target, draft, head): the next prompt's
+        # chunks are sized from it (engine/decoding/prefill.py).
+        self.prefill_rates: dict[str, float] = {}
 
 
     def attach_head(self, head: DraftHead, name: str, progress=None, compile_step: bool = False) -> None:
@@ -152,6 +156,15 @@ class Engine:
         a sweep measures beside its runs, as the machine's speed drifts."""
         measure_again(self)
 
+    def prefill_estimate(self, part: str) -> float | None:
+        """Prompt tokens per second of a part before it has read one, from the costs measured at load:
+        the widest verify's rows per second (a prompt chunk is wider, so it reads at least as fast)."""
+        if part == "target" and self.info.target_ms:
+            width, ms = max(self.info.target_ms)
+            return width * 1e3 / ms if ms > 0 else None
+        ms = self.info.draft_ms if part == "draft" else self.info.head_ms if part == "head" else 0.0
+        return 1e3 / ms if ms > 0 else None
+
     def step_costs(self, sampled: bool = False) -> StepCosts:
         """The measured costs as the adaptive controller reads them (measured now if they are missing);
         sampled: those of sampled rounds (temperature > 0), where they were measured."""
@@ -184,8 +197,12 @@ class Engine:
             raise GenerationError("The prompt is empty.")
         return list(ids)
 
-    def generate(self, request: GenerationRequest, cancel: threading.Event | None = None) -> Generation:
-        """Validates the request now (so errors surface before any step) and returns the steps."""
+    def generate(self, request: GenerationRequest, cancel: threading.Event | None = None,
+                 progress: ProgressCallback | None = None) -> Generation:
+        """Validates the request now (so errors surface before any step) and returns the steps.
+
+        cancel: checked between steps and between the prompt's chunks. progress: called (on the
+        iterating thread) with each model's PrefillProgress as it reads the prompt."""
         if request.mode == "speculative" and request.k != K_AUTO and not 1 <= request.k <= K_MAX:
             raise GenerationError(f"K must be 1..{K_MAX}, or auto (got {request.k}).")
         if request.mode != "standard":
@@ -213,7 +230,7 @@ class Engine:
                 f"The prompt is {len(prompt)} tokens; the model's context holds "
                 f"{self.target_runner.max_length}. Shorten the prompt or start a new chat."
             )
-        return Generation(self, request, prompt, cancel)
+        return Generation(self, request, prompt, cancel, progress)
 
     def proposer_sources(self) -> tuple[DraftSource, ...]:
         """Every proposer this engine can run; each one's cost is measured at load."""

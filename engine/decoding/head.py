@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+from engine.decoding.prefill import FeedFn
 from engine.decoding.proposers import Offer, Proposal, Proposer
 from engine.decoding.sampling import draw, process
 from engine.heads.runner import HeadRunner
@@ -60,6 +61,25 @@ class HeadProposer(Proposer):
         # A copy: the first round (a standard one, say) writes the runner's rows before the head reads them.
         self.rows = self.target.hidden[: len(prompt) - 1].clone() if len(prompt) > 1 else None
         self.next_ids = prompt[1:]
+
+    def read_prompt(self, feed: FeedFn) -> bool:
+        """Reads the prompt's rows now, in chunks, but the last widest catch-up's worth (its first draft
+        reads those): as commit() reads rows of rounds it does not draft, so it is never far behind."""
+        n = len(self.next_ids)
+        m = n - (n % self.head.widest_catch_up or self.head.widest_catch_up) if self.rows is not None else 0
+        if m <= 0:
+            return True
+        rows, ids, fed = self.rows, self.next_ids, 0
+
+        def work(start: int, end: int) -> None:
+            nonlocal fed
+            self.head.catch_up(rows[start:end], ids_tensor(ids[start:end], self.device),
+                               self.head.span(self.head.length + end - start))
+            fed = end
+
+        done = feed("head", m, work)
+        self.rows, self.next_ids = rows[fed:n], ids[fed:]
+        return done
 
     def offer(self, k: int) -> Offer:
         # Nothing to read yet (a one-token prompt): it cannot draft until a round has left rows.

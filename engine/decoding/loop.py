@@ -14,6 +14,7 @@ from engine.decoding.control import KController
 from engine.decoding.describe import describe_step, with_text
 from engine.decoding.detok import Detokenizer
 from engine.decoding.outcome import Launched, RoundResult, read_outcome
+from engine.decoding.prefill import Feed, ProgressCallback
 from engine.decoding.proposers import ProposerSet
 from engine.decoding.verify import verify_chain, verify_standard, verify_tree
 from engine.limits import K_MAX, TREE_K_MAX, widest_draft
@@ -57,11 +58,15 @@ class _Run:
 class Generation(Iterator[Step]):
     """The Steps of one request; `summary` is set once iteration ends."""
 
-    def __init__(self, engine: Engine, request: GenerationRequest, prompt: list[int], cancel) -> None:
+    def __init__(self, engine: Engine, request: GenerationRequest, prompt: list[int], cancel,
+                 progress: ProgressCallback | None = None) -> None:
+        """progress: told how far each model has read the prompt (PrefillProgress), between its chunks."""
         self.engine = engine
         self.request = request
         self.prompt = prompt
         self.cancel = cancel or threading.Event()
+        self.feed = Feed(engine.prefill_rates, engine.device, cancel=self.cancel, progress=progress,
+                         estimate=engine.prefill_estimate)
         self.summary: Summary | None = None
         self.token_ids: list[int] = []  # committed tokens, EOS included
         self.tree_alternatives = 0  # alternatives beside each draft of its proposer (0: chains)
@@ -76,7 +81,7 @@ class Generation(Iterator[Step]):
 
     def _loop(self) -> Iterator[Step]:
         run = self._prefill()  # 1. both caches take the prompt
-        if self.cancel.is_set():
+        if run.proposers is None or self.cancel.is_set():
             run.stop_reason = "cancelled"
         else:
             self._top_up(run)  # 2. launch rounds
@@ -114,20 +119,46 @@ class Generation(Iterator[Step]):
             t0=time.perf_counter(),
         )
         target.reset()
-        if len(self.prompt) > 1:
-            target.prefill(ids_tensor(self.prompt[:-1], eng.device))
-        run.proposers = eng.make_proposers(req, run.generator)  # none for standard decoding
-        self.tree_alternatives = max((p.alternatives for p in run.proposers.parts), default=0)
-        run.proposers.start(self.prompt)
+        if not self._prefill_target():
+            run.prefilled = time.perf_counter()
+            return run  # cancelled: no proposers, no rounds
+        proposers = eng.make_proposers(req, run.generator)  # none for standard decoding
+        self.tree_alternatives = max((p.alternatives for p in proposers.parts), default=0)
+        proposers.start(self.prompt)
         run.pending = self.prompt[-1]
+        if not proposers.read_prompt(self.feed.feed):  # a head reads the prompt's rows now; cancelled midway
+            run.prefilled = time.perf_counter()
+            return run
+        run.proposers = proposers
         # 2. With lookahead, rounds are queued before the host describes the previous one, so the
         #    device computes while the host describes and the consumer takes each step. A standard
         #    round's input is the previous round's token, already on the device: two are kept
         #    queued, so the device never waits for the host. A speculative round needs the host's
         #    decision (how much was accepted), so it is queued once the previous one is committed.
-        run.depth = 2 if run.lookahead and run.proposers.queue_standard else 1
+        run.depth = 2 if run.lookahead and proposers.queue_standard else 1
         run.prefilled = run.last_collect = time.perf_counter()
         return run
+
+    def _prefill_target(self) -> bool:
+        """The target takes prompt[:-1] in measured chunks (prefill.Feed); False when cancelled midway.
+
+        A draft head reads the rows of every prompt position: gathered over the chunks, they are left
+        in the runner's `hidden` as one prefill of the whole prompt would leave them.
+        """
+        target, device = self.engine.target_runner, self.engine.device
+        body = self.prompt[:-1]
+        target.reserve(len(self.prompt))
+        rows: list[torch.Tensor] = []
+
+        def work(start: int, end: int) -> None:
+            target.prefill(ids_tensor(body[start:end], device))
+            if target.hidden is not None:
+                rows.append(target.hidden[: end - start].clone() if rows or end < len(body) else target.hidden)
+
+        done = self.feed.feed("target", len(body), work)
+        if done and len(rows) > 1:
+            target.hidden = torch.cat(rows)  # [len(body), F]
+        return done
 
     def _top_up(self, run: _Run) -> None:
         """2. Launch rounds until `depth` are in flight; the controller picks each round's K first."""
@@ -141,7 +172,12 @@ class Generation(Iterator[Step]):
             if decision.k and queue:
                 return  # a speculative round starts from the committed state
             source = queue[-1].token if queue else run.pending
-            queue.append(self._launch(run.proposers, decision, source, run.generator))
+            begin = _mark(self.engine.device.type == "cuda", self.engine.device)
+            prepared = self._prepare(run.proposers, decision, begin)
+            if self.cancel.is_set() and prepared is not begin:  # stopped while a proposer read the prompt
+                run.stop_reason = "cancelled"
+                return
+            queue.append(self._launch(run.proposers, decision, source, run.generator, begin, prepared))
 
     def _wall_ms(self, run: _Run, launched: Launched, result: RoundResult) -> float:
         """Host time since the last round was collected, less a deferred prompt prefill (booked as prefill)."""
@@ -232,18 +268,30 @@ class Generation(Iterator[Step]):
         assert self.summary.text == run.text, "step texts and generation text disagree"
 
     # -- one round: launch (queue the device work); outcome.read_outcome is its one host sync ----
+    def _prepare(self, proposers: ProposerSet, decision: Decision, begin):
+        """The proposer's deferred prompt prefill (the draft model's), fed in chunks before its first
+        draft (Stop is checked between them): a mark after it, or `begin` when there was none."""
+        if decision.k == 0 or decision.source is None:
+            return begin
+        if not proposers.prepare(decision.source, self.feed.feed):
+            return begin
+        return _mark(self.engine.device.type == "cuda", self.engine.device)
+
     def _launch(
-        self, proposers: ProposerSet, decision: Decision, pending: int | torch.Tensor, generator: torch.Generator
+        self, proposers: ProposerSet, decision: Decision, pending: int | torch.Tensor, generator: torch.Generator,
+        begin=None, prepared=None,
     ) -> Launched:
         """Queues one round of K = decision.k drafts. No host syncs in here: on CUDA it returns before the
         device has run it.
 
         pending: the token this round feeds first; for a standard round it may be the previous
         round's token still on the device ([1] long), so the round can be queued behind it.
+        begin, prepared: the marks _top_up took around the proposer's prepare (None: begin now, no prepare).
         """
         eng, sampling = self.engine, self.request.sampling
         cuda = eng.device.type == "cuda"
-        marks = [_mark(cuda, eng.device)]
+        begin = _mark(cuda, eng.device) if begin is None else begin
+        marks = [begin]
         tree = False
         if decision.k == 0:  # a standard round: one target forward, one token
             ids = pending if isinstance(pending, torch.Tensor) else ids_tensor([pending], eng.device)
@@ -254,8 +302,8 @@ class Generation(Iterator[Step]):
         else:
             next_input = None
             assert decision.source is not None, "a speculative round names its proposer"
-            # The proposer's deferred prompt prefill, if any, gets its own mark: it is prefill, not drafting.
-            marks.append(_mark(cuda, eng.device) if proposers.prepare(decision.source) else marks[0])
+            # The proposer's deferred prompt prefill, if any, has its own mark: it is prefill, not drafting.
+            marks.append(begin if prepared is None else prepared)
             proposal = proposers.propose(decision.source, decision.k)
             draft = proposal.tokens  # [n]
             n = draft.shape[0]

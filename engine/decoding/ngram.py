@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from engine.decoding.prefill import FeedFn, feed_all
 from engine.decoding.proposers import Offer, Proposal, Proposer
 from engine.runners import ids_tensor
 
@@ -99,9 +100,9 @@ class CombinedProposer(Proposer):
             return Offer("ngram", len(tokens), key=f"ngram:{n}")
         return self.draft.offer(k)
 
-    def prepare(self, source: str) -> bool:
+    def prepare(self, source: str, feed: FeedFn = feed_all) -> bool:
         """The draft model's one-off prompt prefill, when it is the one about to propose."""
-        return self.draft.prepare(source) if source == "draft" else False
+        return self.draft.prepare(source, feed) if source == "draft" else False
 
     def propose(self, k: int) -> Proposal:
         tokens, n = self.ngram.match(k)

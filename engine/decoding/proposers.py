@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 import torch
 
+from engine.decoding.prefill import FeedFn, feed_all
 from engine.decoding.sampling import draw, process
 from engine.runners import Runner, ids_tensor
 from engine.types import DraftSource, ProposerCost, Sampling
@@ -72,12 +73,18 @@ class Proposer:
         """
         raise NotImplementedError
 
-    def prepare(self, source: str) -> bool:
+    def prepare(self, source: str, feed: FeedFn = feed_all) -> bool:
         """The one-off work it defers to its first proposal of a generation (the draft model's prompt
-        prefill); says whether there was any. The loop calls it just before propose() and books its
-        time as prefill, not drafting: it is paid once per answer, so costing it per proposal or per
-        token would mispredict every step. Default: nothing to do."""
+        prefill), fed through `feed` in chunks (the loop stops between them on a cancel); says whether
+        there was any. The loop calls it just before propose() and books its time as prefill, not
+        drafting: it is paid once per answer, so costing it per proposal or per token would mispredict
+        every step. Default: nothing to do."""
         return False
+
+    def read_prompt(self, feed: FeedFn) -> bool:
+        """The prompt work it needs whether it drafts or not (a head reading the prompt's rows), right
+        after start() and fed through `feed`; False when cancelled midway. Default: nothing to do."""
+        return True
 
 
 def empty_proposal(device: torch.device) -> Proposal:
@@ -114,13 +121,24 @@ class DraftModelProposer(Proposer):
         self.pending = list(prompt)
 
     @torch.inference_mode()
-    def prepare(self, source: str = "draft") -> bool:
-        """The first draft of this generation feeds the prompt (all pending tokens but the last) first."""
+    def prepare(self, source: str = "draft", feed: FeedFn = feed_all) -> bool:
+        """The first draft of this generation feeds the prompt (all pending tokens but the last) first.
+
+        Cancelled midway, what was fed stays cached and the rest pending: the next proposal would
+        catch up on it (the loop ends the generation instead, and start() empties the cache)."""
         if self.cached or len(self.pending) <= 1:
             return False
-        self.runner.prefill(ids_tensor(self.pending[:-1], self.device))
-        self.cached = len(self.pending) - 1
-        self.pending = self.pending[-1:]
+        body = self.pending[:-1]
+        self.runner.reserve(len(self.pending))
+        fed = 0
+
+        def work(start: int, end: int) -> None:
+            nonlocal fed
+            self.runner.prefill(ids_tensor(body[start:end], self.device))
+            fed = end
+
+        feed("draft", len(body), work)
+        self.cached, self.pending = fed, self.pending[fed:]
         return True
 
     @torch.inference_mode()
@@ -190,9 +208,13 @@ class ProposerSet:
         self._offered = {offer.source: part for offer, part in zip(offers, self.parts)}
         return offers
 
-    def prepare(self, source: str) -> bool:
+    def prepare(self, source: str, feed: FeedFn = feed_all) -> bool:
         """The one-off work of the part that will propose for `source` (see Proposer); True if there was any."""
-        return self._offered[source].prepare(source)
+        return self._offered[source].prepare(source, feed)
+
+    def read_prompt(self, feed: FeedFn) -> bool:
+        """Every part's prompt work after start() (see Proposer); False when cancelled midway."""
+        return all(part.read_prompt(feed) for part in self.parts)
 
     def propose(self, source: str, k: int) -> Proposal:
         self._drafter = self._offered[source]

@@ -6,7 +6,7 @@ decision reads the same under an answer, in the status bar and on the command li
 from __future__ import annotations
 
 from engine.measure.verdict import NOISE_FLOOR
-from engine.types import Decision, Diagnosis, Summary
+from engine.types import Decision, Diagnosis, PrefillProgress, Summary
 
 SOURCE_WORDS = {"draft": "the draft", "ngram": "n-gram lookup", None: "drafting"}
 
@@ -60,6 +60,13 @@ def plain_decision(d: Decision) -> str:
         return f"Trying {who} again to see whether it pays now"
     faster = f", about {d.predicted_speedup:.2f}× faster" if d.predicted_speedup is not None else ""
     return f"Drafting {d.k} tokens a step with {who}" + (f": {accepted}" if accepted else "") + faster
+
+
+def describe_prefill(progress: PrefillProgress) -> str:
+    """e.g. "Reading the prompt: 2,100 / 4,449 tokens" (the draft model's and the head's say whose)."""
+    who = {"target": "Reading the prompt", "draft": "The draft model is reading the prompt",
+           "head": "The draft head is reading the prompt"}[progress.part]
+    return f"{who}: {progress.done:,} / {progress.total:,} tokens"
 
 
 def time_split(s: Summary) -> str:

@@ -44,6 +44,7 @@ def summarize(
     chosen = [s.decision.k if s.decision is not None else len(s.proposed) for s in steps]
     draft_s = sum(s.draft_ms for s in steps) / 1000
     verify_s = sum(s.verify_ms for s in steps) / 1000
+    first = next((s for s in steps if s.new_tokens), None)  # the first step that committed a token
     return Summary(
         mode=mode,
         k=k if drafting else 0,
@@ -64,6 +65,7 @@ def summarize(
         k_mean=sum(chosen) / len(chosen) if chosen else 0.0,
         standard_steps=sum(1 for s in steps if s.decision is not None and s.decision.k == 0) if drafting else 0,
         prefill_s=prefill_s,
+        first_token_s=first.elapsed_s if first is not None else 0.0,
         draft_s=draft_s,
         verify_s=verify_s,
         overhead_s=max(seconds - prefill_s - draft_s - verify_s, 0.0),

@@ -37,6 +37,10 @@ class Runner(Protocol):
     def prefill(self, ids: torch.Tensor) -> None:
         """Appends ids [W] to the cache without computing logits (the prompt needs none)."""
 
+    def reserve(self, length: int) -> None:
+        """After reset(): room for a prompt of `length` tokens (and an answer), before it is fed in chunks.
+        A cache allocated whole ignores it; one that grows (llama.cpp) grows once, not per chunk."""
+
     def rollback(self, length: int) -> None:
         """Keeps the first `length` cached tokens and forgets the rest."""
 

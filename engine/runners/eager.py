@@ -74,6 +74,9 @@ class EagerRunner:
         self._keep(out)
         self.length += width
 
+    def reserve(self, length: int) -> None:
+        """A DynamicCache grows by appending: nothing to reserve."""
+
     def measure_costs(self, widths: Iterable[int], iters: int = 3) -> dict[int, float]:
         return measure_forward_costs(self, widths, iters)
 

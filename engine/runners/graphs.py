@@ -227,6 +227,9 @@ class StaticGraphRunner:
             )
         self._chunks(ids.view(width), logits=False)
 
+    def reserve(self, length: int) -> None:
+        """The static cache holds max_length from the start: nothing to reserve."""
+
     # -- fast path ----------------------------------------------------------------------------
 
     def _bucket(self, end: int) -> int:

@@ -249,11 +249,17 @@ class LlamaCppRunner:
         rows = self._lib.llama_get_logits(self._ctx)  # [W * V] floats, in batch order
         return torch.from_numpy(np.ctypeslib.as_array(rows, shape=(width, self.vocab_size)))
 
+    def reserve(self, length: int) -> None:
+        """A new prompt of `length` tokens: room for it and a long answer, made now, so that feeding it
+        in chunks never grows the context (which feeds everything cached again) midway."""
+        if self.length == 0:
+            self._grow(length + ANSWER_ROOM)
+
     def prefill(self, ids: torch.Tensor) -> None:
         """Appends ids [W] in chunks of n_batch, asking for no logits (the prompt needs none)."""
         tokens = ids.tolist()
         if self.length == 0:
-            self._grow(len(tokens) + ANSWER_ROOM)  # a new prompt: room for it and a long answer
+            self.reserve(len(tokens))
         for start in range(0, len(tokens), self.n_batch):
             self._decode(tokens[start:start + self.n_batch], outputs=False)
 

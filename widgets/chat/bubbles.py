@@ -298,6 +298,10 @@ class AssistantBubble(QFrame):
         self.header = plain_label(header, "bubbleHeader", self)
         self.header.setVisible(bool(header))
         layout.addWidget(self.header)
+        # While the prompt is read, before the first token: "Reading the prompt: 2,100 / 4,449 tokens".
+        self.progress = plain_label("", "bubbleProgress", self)
+        self.progress.hide()
+        layout.addWidget(self.progress)
         self.view = TokenTextView(self, fit_content=True)
         self.view.setObjectName("assistantText")
         self.view.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Fixed)
@@ -328,8 +332,14 @@ class AssistantBubble(QFrame):
     def plain_text(self) -> str:
         return self._final_text if self._final_text is not None else self.view.committed_text()
 
+    def show_progress(self, text: str) -> None:
+        """The line above the answer while there is none yet ("" hides it)."""
+        self.progress.setText(text)
+        self.progress.setVisible(bool(text))
+
     def finish(self, final_text: str | None) -> None:
         self.done = True
+        self.show_progress("")
         self._final_text = final_text
         self.view.finish()
         self.copy_button.show()

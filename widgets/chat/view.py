@@ -185,7 +185,20 @@ class ChatView(PagedColumn):
         if bubble is None or bubble.done:
             log.debug("steps for unknown or finished request %s ignored", request_id)
             return
+        if bubble.progress.isVisibleTo(bubble):  # the answer has begun: the prompt has been read
+            bubble.show_progress("")
         bubble.view.append_steps(steps)
+
+    def show_progress(self, request_id: int, text: str) -> None:
+        """A line in an answer's bubble before its first token (how far the prompt has been read)."""
+        bubble = self._assistants.get(request_id)
+        if bubble is not None and not bubble.done:
+            bubble.show_progress(text)
+
+    def progress_text(self, request_id: int) -> str:
+        """The bubble's progress line as shown ("" when hidden)."""
+        bubble = self._assistants.get(request_id)
+        return bubble.progress.text() if bubble is not None and bubble.progress.isVisibleTo(bubble) else ""
 
     def finish_assistant_message(self, request_id: int, summary: Summary, stats_text: str,
                                  stats_detail: str = "") -> None:
