@@ -68,6 +68,8 @@ def format_stats_plain(summary: Summary, request: GenerationRequest | None = Non
             lead = f"{accepted}, {summary.tokens_per_target_forward:.1f} tokens per step"
             lead = lead[0].upper() + lead[1:]
     parts = [lead, f"{_rate(summary.tokens_per_s)} tok/s", f"{summary.new_tokens} tokens in {summary.seconds:.1f} s"]
+    if summary.new_tokens:
+        parts.append(f"first token after {summary.first_token_s:.1f} s")
     if request is not None and not request.sampling.greedy:
         parts.append(f"T={request.sampling.temperature:g}")
     if summary.stop_reason in _NOTABLE_STOPS:
