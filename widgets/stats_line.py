@@ -1,7 +1,7 @@
 """The one-line summary shown under each finished answer ("speculative · K=5 · 78% accepted · ...")."""
 from __future__ import annotations
 
-from engine.measure.explain import describe_decision
+from engine.measure.explain import describe_decision, describe_unsettled
 from engine.types import GenerationRequest, Summary
 
 # Stop reasons worth telling a reader; eos / stop strings / max tokens are the normal endings.
@@ -12,9 +12,10 @@ def _rate(tokens_per_s: float) -> str:
     return f"{tokens_per_s:.1f}" if tokens_per_s < 10 else f"{tokens_per_s:.0f}"
 
 
-def format_stats_line(summary: Summary, request: GenerationRequest | None = None) -> str:
+def format_stats_line(summary: Summary, request: GenerationRequest | None = None, *, unsettled: bool = False) -> str:
     """e.g. "speculative · K=5 · 78% accepted · 3.9 tokens/step · 41 tok/s · 256 tokens · 6.2 s ·
-    draft 30% · verify 64% · overhead 6%"; with K chosen per step, the mean K and the last decision too."""
+    draft 30% · verify 64% · overhead 6%"; with K chosen per step, the mean K and the last decision too
+    (unsettled: the forward costs looked disturbed, so no verdict on whether drafting pays)."""
     parts: list[str] = []
     adaptive = summary.mode == "auto" or (summary.mode == "speculative" and summary.k == 0 and summary.k_mean)
     if summary.mode != "standard":
@@ -45,5 +46,5 @@ def format_stats_line(summary: Summary, request: GenerationRequest | None = None
     if summary.stop_reason in _NOTABLE_STOPS:
         parts.append(_NOTABLE_STOPS[summary.stop_reason])
     if adaptive and summary.decision is not None:
-        parts.append(describe_decision(summary.decision))
+        parts.append((describe_unsettled if unsettled else describe_decision)(summary.decision))
     return " · ".join(parts)

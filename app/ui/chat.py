@@ -12,6 +12,7 @@ from app.ui.conversations import ConversationsController
 from app.ui.notices import Notices
 from app.ui.status_bar import StatusBarController
 from app.ui.worker import EngineWorker
+from engine.measure.explain import UNSETTLED
 from engine.settings import GenerationSettings
 from engine.types import Message, Step, Summary
 from widgets.charts import LiveCharts
@@ -37,7 +38,7 @@ class ChatController(QObject):
                  status: StatusBarController, notices: Notices, settings: Callable[[], GenerationSettings],
                  can_chat: Callable[[], bool], annotate: Callable[[str, Summary, object], str],
                  ready_changed: Callable[[], None], evidence_changed: Callable[[], None],
-                 parent: QObject | None = None) -> None:
+                 loading: Callable[[], bool] = lambda: False, parent: QObject | None = None) -> None:
         super().__init__(parent)
         self.worker = worker
         self.session = session
@@ -53,6 +54,8 @@ class ChatController(QObject):
         self._annotate = annotate
         self._ready_changed = ready_changed
         self._evidence_changed = evidence_changed
+        self._loading = loading
+        self.queued: str | None = None  # a message sent while the models load: sent once they are ready
         # The worker lives on its own thread: these are queued connections, run on the UI thread.
         worker.steps.connect(self._on_steps)
         worker.generation_finished.connect(self._on_generation_finished)
@@ -61,8 +64,13 @@ class ChatController(QObject):
     # --- asking ----------------------------------------------------------------------------------
 
     def send(self, text: str) -> int | None:
-        """Adds a question and asks for the answer; returns the request id (None if not sent)."""
+        """Adds a question and asks for the answer; returns the request id (None if not sent). While the
+        models load it is queued instead (shown in the box, sent by send_queued, cancelled by cancel_queued)."""
         text = text.strip()
+        if text and self._loading() and self.queued is None:
+            self.queued = text
+            self.prompt.show_queued(text)
+            return None
         if not text or not self._can_chat():
             return None
         drop = self.guard.room_for(text)
@@ -70,6 +78,23 @@ class ChatController(QObject):
             self.prompt.set_text(text)  # nothing is lost: the question goes back into the box
             return None
         return self._submit(self.session.send(text, self._settings(), drop))
+
+    def send_queued(self) -> int | None:
+        """The models are ready: the queued message is sent (it goes back into the box if it cannot be)."""
+        text, self.queued = self.queued, None
+        if text is None:
+            return None
+        self.prompt.end_queued(keep_text=False)
+        rid = self.send(text)
+        if rid is None and not self.prompt.text().strip():
+            self.prompt.set_text(text)  # nothing is lost
+        return rid
+
+    def cancel_queued(self) -> None:
+        """The queued message is not sent; it stays in the box, editable."""
+        if self.queued is not None:
+            self.queued = None
+            self.prompt.end_queued(keep_text=True)
 
     def regenerate(self, request_id: int | None = None) -> int | None:
         """A new version of an answer (the last one by default); the old one stays as another version."""
@@ -163,8 +188,9 @@ class ChatController(QObject):
         request = self.session.request(request_id)
         if request is None:
             return
-        self.chat.finish_assistant_message(request_id, summary,
-                                           self._annotate(format_stats_line(summary, request), summary, request))
+        unsettled = self.session.info is not None and self.session.info.costs_state in UNSETTLED
+        line = format_stats_line(summary, request, unsettled=unsettled)
+        self.chat.finish_assistant_message(request_id, summary, self._annotate(line, summary, request))
         record = self.session.finish(request_id, summary)
         if summary.mode == "speculative" and request.proposer in ("draft", "head") and record is not None:
             self.status.show_costs(record.info, summary, request.proposer)

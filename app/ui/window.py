@@ -46,7 +46,7 @@ APP_NAME = "SpecDec Studio"
 DEFAULT_SIZE = (1480, 900)
 DEFAULT_SPLITTER = [290, 780, 410]  # settings | chat | charts
 DEFAULT_SIDEBAR = 230  # the conversations sidebar, left of everything
-_NOT_READY = "Models are loading; Send is enabled once they are ready."
+_NOT_READY = "Models are loading."
 _NO_MODEL = "No model loaded: File ▸ Load models… (Ctrl+L)."
 
 
@@ -201,12 +201,13 @@ class MainWindow(QMainWindow):
             self.worker, self.session, self.chat, self.prompt, self.charts, conversations=self.conversations,
             guard=self.guard, status=self.status, notices=self.notices, settings=self.panel.values,
             can_chat=self._can_chat, annotate=self.check_link.annotate, ready_changed=self._set_ready_state,
-            evidence_changed=self._update_evidence, parent=self,
+            evidence_changed=self._update_evidence, loading=self.is_loading, parent=self,
         )
         c.finished.connect(self.answer_finished)
         c.failed.connect(self.answer_failed)
         self.prompt.send_requested.connect(self.send)
         self.prompt.stop_requested.connect(self.stop)
+        self.prompt.queue_cancelled.connect(c.cancel_queued)
         self.chat.regenerate_requested.connect(self.regenerate)
         self.chat.edit_submitted.connect(self.edit_and_resend)
         self.chat.branch_requested.connect(self.show_branch)
@@ -230,7 +231,9 @@ class MainWindow(QMainWindow):
             closed=lambda: self._closed, parent=self,
         )
         self.loading.loaded.connect(self.models_loaded)
+        self.loading.loaded.connect(lambda _info: c.send_queued())  # a message sent while loading goes now
         self.loading.load_failed.connect(self.models_load_failed)
+        self.loading.load_failed.connect(lambda _message: c.cancel_queued())  # back in the box, editable
         self.exports = SessionExporter(lambda: self.records, self.notices)
 
     def _restore_saved(self) -> None:
@@ -342,7 +345,7 @@ class MainWindow(QMainWindow):
         racing = self.race.running or self.tune.running
         self.prompt.set_generating(generating)
         if self.is_loading():
-            self.prompt.set_ready(False, _NOT_READY)
+            self.prompt.set_ready(False, _NOT_READY, queue=True)
         elif self.info is None:
             self.prompt.set_ready(False, _NO_MODEL)
         elif self.tune.running:

@@ -13,6 +13,7 @@ from typing import Any, Protocol
 from PySide6.QtCore import QObject, Qt, QThread, Signal, Slot
 
 from app.ui.collector import collector
+from app.ui.cost_refresh import CostRefresh
 from app.core.session import TrainRequest
 from engine import garbage
 from engine.errors import EngineError
@@ -195,6 +196,9 @@ class EngineWorker(QObject):
         self.sweep_requested.connect(self._on_sweep_requested, Qt.ConnectionType.QueuedConnection)
         self.train_requested.connect(self._on_train_requested, Qt.ConnectionType.QueuedConnection)
         self.check_requested.connect(self._on_check_requested, Qt.ConnectionType.QueuedConnection)
+        # Last, so its queued connections run after the worker's own: costs measured again when idle.
+        self.costs = CostRefresh(self, (self.load_requested, self.generate_requested, self.sweep_requested,
+                                        self.train_requested, self.check_requested), self._closing, parent=self)
 
     # --- called from the UI thread -------------------------------------------------------------
 
@@ -351,7 +355,6 @@ class EngineWorker(QObject):
             return
         self.generation_finished.emit(rid, summary)
 
-
     @Slot(object)
     def _on_sweep_requested(self, job: Any) -> None:
         """Runs a sweep (engine.measure.sweep.run_sweep) on the resident engine; one terminal signal."""
@@ -393,7 +396,6 @@ class EngineWorker(QObject):
         if info is not None:
             self.head_attached.emit(info)
         self.training_finished.emit(rid, summary)
-
 
     @Slot(object)
     def _on_check_requested(self, job: Any) -> None:

@@ -31,6 +31,17 @@ def describe_decision(d: Decision) -> str:
     return f"K={d.k} with {who}: {acceptance}{speed}"
 
 
+def describe_unsettled(d: Decision) -> str:
+    """A decision taken on forward costs that looked disturbed (ModelInfo.costs_state "disturbed" or
+    "unsteady"): what was done, without a verdict on whether drafting pays."""
+    if d.reason in ("no_gain", "probe"):
+        return "standard for now: the forward costs are being measured again"
+    return describe_decision(d) + " (forward costs being measured again)"
+
+
+UNSETTLED = ("disturbed", "unsteady")  # ModelInfo.costs_state values no verdict is given on
+
+
 def time_split(s: Summary) -> str:
     """e.g. "draft 31% · verify 62% · overhead 7%" (prefill counts as overhead here)."""
     total = max(s.seconds, s.draft_s + s.verify_s)  # device-timed steps can overlap the host's clock
