@@ -188,6 +188,26 @@ def test_a_second_start_with_kept_costs_measures_nothing_before_ready(tiny_pair,
     assert calls["rounds"] > 0 and third.info.costs_state == "measured"
 
 
+def test_on_llama_cpp_the_gguf_files_and_the_thread_count_are_the_key(tmp_path, monkeypatch):
+    pytest.importorskip("llama_cpp")
+    from engine.assemble import build_engine
+    from engine.loadspec import LoadSpec
+    from tests.tiny_gguf import save_gguf_pair
+
+    monkeypatch.setattr(cost_check, "SPREAD", 1e9)
+    monkeypatch.setattr(cost_check, "DRAFT_PLAUSIBLE", 1e9)
+    target, draft, _, _ = save_gguf_pair(tmp_path / "gguf", noise=0.02, seed=0)
+    calls = _count_measurements(monkeypatch)
+    spec = LoadSpec(str(target), str(draft), runtime="llamacpp", threads=1, keep_costs=True)
+    first = build_engine(spec)
+    assert calls["rounds"] > 0 and first.info.costs_state == "measured"
+    assert cost_key(first)["target"].startswith(f"{target.stat().st_size}:")
+    calls.update(rounds=0, proposer=0)
+    assert build_engine(spec).info.costs_state == "kept" and calls == {"rounds": 0, "proposer": 0}
+    two = build_engine(replace(spec, threads=2))  # another thread count: measured again
+    assert calls["rounds"] > 0 and two.info.costs_state == "measured"
+
+
 def _scripted(monkeypatch, passes: list[tuple[float, float]]):
     """measure_pass returns (1-token forward ms, draft ms per token) from the list, in order."""
     queue = list(passes)

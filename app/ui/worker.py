@@ -457,6 +457,7 @@ class WorkerHost(QObject):
         self.thread = QThread()  # no parent: it must outlive nothing but this host
         self.thread.setObjectName("EngineWorker")
         self.worker.moveToThread(self.thread)
+        self.thread.finished.connect(self.worker.costs.timer.stop, Qt.ConnectionType.DirectConnection)  # its thread
         _threads.add(self.thread)
         # While the thread lives, cycles are collected on the GUI thread only (app/ui/collector.py).
         self._collector = collector()
