@@ -142,3 +142,25 @@ def test_a_pass_in_progress_yields_to_a_message_at_once(make_window, qtbot, monk
     started = time.perf_counter()
     w.close()
     assert time.perf_counter() - started < 3.0 and engine.events[-1] == "interrupted"
+
+
+def test_on_disturbed_costs_the_stats_line_and_status_bar_give_no_verdict(make_window, qtbot, monkeypatch):
+    from engine.settings import GenerationSettings
+    from engine.types import Decision
+    from tests.test_app import script, send_with_enter
+
+    monkeypatch.setattr(cost_refresh, "IDLE_MS", 60000)  # no pass during this test
+    no_gain = Decision(0, None, "no_gain", acceptance=0.9, best_k=6, best_speedup=0.96)
+    steps = [replace(s, decision=no_gain) for s in script()]
+    engine = CheckingEngine(steps=steps)
+    w = make_window(engine)
+    w.panel.set_values(GenerationSettings())  # auto
+    rid, _ = send_with_enter(qtbot, w, "hi")
+    line = w.chat.stats_text(rid)
+    assert "standard for now: the forward costs are being measured again" in line
+    assert "costs more than it saves" not in line and "costs more than it saves" not in w.decision_label.text()
+    assert w.decision_label.text() == "standard for now: the forward costs are being measured again"
+    engine.info = replace(engine.info, costs_state="measured")  # settled: the verdict is back
+    w.session.info = engine.info
+    rid, _ = send_with_enter(qtbot, w, "again")
+    assert "costs more than it saves" in w.chat.stats_text(rid)
