@@ -7,8 +7,10 @@ does. "Load finished" is the first progress event of the warm-up stage (llama.cp
 torch: packing or graphs), Ready is build_engine's return.
 
 Three starts: the first only makes sure the next one finds no kept costs for this machine and pair
-(it forgets them, and warms the page cache); the second is a first start (costs measured, then kept);
-the third a second start (kept costs used, nothing measured). The cost file's other entries stay.
+(it forgets them, and warms the page cache); the second is a first start (one pass of the costs
+before Ready; then, as the app does while idle, the rest measured and judged, and kept when they
+hold: its seconds and outcome are printed too); the third a second start (kept costs used, nothing
+measured before Ready). The cost file's other entries stay.
 
     python bench/ready_time.py --json bench/results/ready_time_cpu.json
 """
@@ -32,7 +34,8 @@ TARGETS = {"first start": 60.0, "second start": 15.0}  # seconds from load finis
 
 
 def one_start(forget: bool) -> dict:
-    """In the child: one load as the app loads, timed; with `forget`, its kept costs are dropped after."""
+    """In the child: one load as the app loads, timed; then what the app measures after Ready while idle
+    (Engine.refresh_costs until it is done), timed; with `forget`, its kept costs are dropped instead."""
     from app.core.session import load_request_for
     from engine.assemble import build_engine
     from engine.decoding.kept_costs import cost_key, forget as forget_costs
@@ -51,9 +54,16 @@ def one_start(forget: bool) -> dict:
     info = engine.info
     if forget:
         forget_costs(cost_key(engine))
+        return {}
+    after = time.perf_counter()
+    while engine.cost_check is not None and not engine.cost_check.done:
+        engine.refresh_costs()
+    settled = engine.info
     return {"load_s": loaded - began, "to_ready_s": ready - loaded, "costs_state": info.costs_state,
             "costs_note": info.costs_note, "measure_s": info.measure_s, "runtime": info.runtime,
-            "threads": info.threads, "target_ms_1": dict(info.target_ms).get(1), "draft_ms": info.draft_ms}
+            "threads": info.threads, "after_ready_s": time.perf_counter() - after,
+            "settled_state": settled.costs_state, "settled_note": settled.costs_note,
+            "target_ms_1": dict(settled.target_ms).get(1), "draft_ms": settled.draft_ms}
 
 
 def start(forget: bool) -> dict:
@@ -83,6 +93,8 @@ def main() -> int:
         print(f"{label}: Ready {f['to_ready_s']:.1f} s after the models loaded ({verdict} the {TARGETS[label]:.0f} s "
               f"target); loading took {f['load_s']:.1f} s; costs {f['costs_state'] or 'not judged'}"
               + (f" ({f['costs_note']})" if f["costs_note"] else "")
+              + f"; after Ready {f['after_ready_s']:.1f} s of measuring while idle: {f['settled_state']}"
+              + (f" ({f['settled_note']})" if f["settled_note"] else "")
               + f"; 1-token forward {f['target_ms_1'] or 0:.1f} ms, draft {f['draft_ms']:.1f} ms")
     if args.json is not None:
         config = {"command": "python bench/ready_time.py", "runtime": figures["first start"]["runtime"],

@@ -171,12 +171,17 @@ def test_a_second_start_with_kept_costs_measures_nothing_before_ready(tiny_pair,
     spec = LoadSpec(target=str(tiny_pair[0]), draft=str(tiny_pair[1]), runtime="torch", device="cpu",
                     dtype="float32", head=None, keep_costs=True)
     first = build_engine(spec)
-    assert calls["rounds"] > 0 and calls["proposer"] > 0 and first.info.costs_state == "measured"
-    assert first.cost_check is None and costs_path().is_file()
+    assert calls["rounds"] > 0 and calls["proposer"] > 0 and first.info.costs_state == "measuring"
+    assert not costs_path().exists()  # one pass before Ready: the other two follow, then all three are kept
+    first.refresh_costs()
+    assert first.info.costs_state == "measuring"
+    assert first.refresh_costs() and first.info.costs_state == "measured" and first.cost_check.done
+    assert len(first.cost_passes) == 1 and costs_path().is_file()
     calls.update(rounds=0, proposer=0)
     second = build_engine(spec)
     assert calls == {"rounds": 0, "proposer": 0}  # Ready without one timed round
-    assert second.info.costs_state == "kept" and second.info.target_ms == first.info.target_ms
+    assert second.info.costs_state == "kept"
+    assert second.info.target_ms == first.info.target_ms
     assert second.info.proposer_costs == first.info.proposer_costs
     assert second.cost_check is not None and not second.cost_check.done  # checked again after Ready
     for _ in range(cost_check.ROUNDS):
@@ -185,7 +190,7 @@ def test_a_second_start_with_kept_costs_measures_nothing_before_ready(tiny_pair,
     # Without keep_costs (the CLI, benchmarks) every start measures.
     calls.update(rounds=0, proposer=0)
     third = build_engine(replace(spec, keep_costs=False))
-    assert calls["rounds"] > 0 and third.info.costs_state == "measured"
+    assert calls["rounds"] > 0 and third.info.costs_state == "measured" and len(third.cost_passes) == 3
 
 
 def test_on_llama_cpp_the_gguf_files_and_the_thread_count_are_the_key(tmp_path, monkeypatch):
@@ -200,12 +205,14 @@ def test_on_llama_cpp_the_gguf_files_and_the_thread_count_are_the_key(tmp_path, 
     calls = _count_measurements(monkeypatch)
     spec = LoadSpec(str(target), str(draft), runtime="llamacpp", threads=1, keep_costs=True)
     first = build_engine(spec)
+    while not first.cost_check.done:
+        first.refresh_costs()
     assert calls["rounds"] > 0 and first.info.costs_state == "measured"
     assert cost_key(first)["target"].startswith(f"{target.stat().st_size}:")
     calls.update(rounds=0, proposer=0)
     assert build_engine(spec).info.costs_state == "kept" and calls == {"rounds": 0, "proposer": 0}
     two = build_engine(replace(spec, threads=2))  # another thread count: measured again
-    assert calls["rounds"] > 0 and two.info.costs_state == "measured"
+    assert calls["rounds"] > 0 and two.info.costs_state == "measuring"
 
 
 def _scripted(monkeypatch, passes: list[tuple[float, float]]):
@@ -234,7 +241,10 @@ def test_a_disturbed_measurement_at_load_gives_no_verdict_and_is_measured_again(
 
     # One pass under a neighbour's burst: the passes disagree.
     queue = _scripted(monkeypatch, [(40, 24), (95, 60), (41, 24), (40, 24), (41, 25), (40, 24)])
-    engine.settle_costs(keep_costs=True)
+    engine.settle_costs(keep_costs=True)  # one pass before Ready
+    assert engine.info.costs_state == "measuring" and cost_verdict(engine.info, None)[0] == "draft cost: measuring"
+    engine.refresh_costs()
+    engine.refresh_costs()
     assert engine.info.costs_state == "disturbed" and "spread" in engine.info.costs_note
     assert read_kept(cost_key(engine)) is None  # not kept
     short, full = cost_verdict(engine.info, None)
@@ -250,8 +260,9 @@ def test_a_disturbed_measurement_at_load_gives_no_verdict_and_is_measured_again(
 def test_a_draft_dearer_than_the_target_is_measured_again_before_it_is_believed(engine, monkeypatch):
     # 259% of a target forward (measured beside a competing process), consistent in its passes.
     queue = _scripted(monkeypatch, [(40, 104), (41, 106), (40, 104), (40, 24), (40, 24), (41, 24)])
-    engine.settle_costs(keep_costs=True)
+    engine.settle_costs(keep_costs=False)  # all three passes before Ready, as the CLI measures
     assert engine.info.costs_state == "disturbed" and "260%" in engine.info.costs_note
+    engine.cost_check.key = cost_key(engine)  # kept once settled
     while queue:
         engine.refresh_costs()
     assert engine.info.costs_state == "measured" and engine.info.draft_ms == 24
@@ -260,6 +271,8 @@ def test_a_draft_dearer_than_the_target_is_measured_again_before_it_is_believed(
 def test_a_draft_that_stays_dear_is_believed_once_a_second_measurement_confirms_it(engine, monkeypatch):
     queue = _scripted(monkeypatch, [(40, 60), (40, 60), (40, 61)] * 2)
     engine.settle_costs(keep_costs=True)
+    engine.refresh_costs()
+    engine.refresh_costs()
     assert engine.info.costs_state == "disturbed"
     while queue:
         engine.refresh_costs()
@@ -289,11 +302,12 @@ def test_figures_that_never_settle_are_left_unsteady(engine, monkeypatch):
     from app.core.session import cost_verdict
 
     noisy = [(40, 24), (90, 24), (40, 24)]
-    queue = _scripted(monkeypatch, noisy * (1 + cost_check.ATTEMPTS))
+    queue = _scripted(monkeypatch, noisy * cost_check.ATTEMPTS)
     engine.settle_costs(keep_costs=True)
     while queue:
         engine.refresh_costs()
     assert engine.cost_check.done and engine.info.costs_state == "unsteady"
+    assert not engine.refresh_costs() and read_kept(cost_key(engine)) is None
     assert cost_verdict(engine.info, None)[0] == "draft cost: unsteady"
 
 

@@ -157,9 +157,9 @@ def test_on_disturbed_costs_the_stats_line_and_status_bar_give_no_verdict(make_w
     w.panel.set_values(GenerationSettings())  # auto
     rid, _ = send_with_enter(qtbot, w, "hi")
     line = w.chat.stats_text(rid)
-    assert "standard for now: the forward costs are being measured again" in line
+    assert "standard for now: the forward costs are still being measured" in line
     assert "costs more than it saves" not in line and "costs more than it saves" not in w.decision_label.text()
-    assert w.decision_label.text() == "standard for now: the forward costs are being measured again"
+    assert w.decision_label.text() == "standard for now: the forward costs are still being measured"
     engine.info = replace(engine.info, costs_state="measured")  # settled: the verdict is back
     w.session.info = engine.info
     rid, _ = send_with_enter(qtbot, w, "again")

@@ -140,6 +140,9 @@ def cost_verdict(info: ModelInfo | None, summary: Summary | None, proposer: str 
              + ", ".join(f"{ms:.1f} ms ({w} tok)" for w, ms in info.target_ms) + ".")
     if info.costs_state == "kept":
         costs += f" ({info.costs_note}; measured again in the background while the app is idle.)"
+    if info.costs_state == "measuring":
+        return (f"{name} cost: measuring", f"Measured in part before Ready ({info.costs_note}); the rest is measured "
+                "while the app is idle, and then kept for the next start. No verdict until then. " + costs)
     if info.costs_state in ("disturbed", "unsteady"):
         again = ("they are measured again while the app is idle; no verdict until they agree"
                  if info.costs_state == "disturbed" else "they stayed unsteady (is the machine busy?); no verdict")

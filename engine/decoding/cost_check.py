@@ -7,7 +7,9 @@ passes are measured as before (costs.measure_costs). A measurement looks disturb
 disagree (a neighbour's burst in one of them), when a draft model costs more than a target forward
 (measured 259% under load on 2 shared cores, about 60% quiet), or, after Ready, when it is far from
 the kept figures. Disturbed figures are still used by auto (they are all there is) but no verdict is
-given on them (ModelInfo.costs_state "disturbed": the app says "measuring again").
+given on them (ModelInfo.costs_state "disturbed": the app says "measuring again"). A start without
+kept costs is Ready after one pass (about a third of the measurement); the other two follow after Ready
+("measuring": no verdict yet either), and the three are judged and kept together.
 
 After Ready (CostCheck.step, one pass at a time, only while nothing else wants the engine) the
 figures are measured again: kept figures are replaced only by a consistent measurement that agrees
@@ -18,10 +20,19 @@ from __future__ import annotations
 import logging
 import statistics
 import time
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from engine.decoding.costs import CostPass, Interrupted, gpu_pass, measure_costs, measure_pass, measure_trees, \
-    pooled, publish
+from engine.decoding.costs import (
+    CostPass,
+    Interrupted,
+    gpu_pass,
+    measure_costs,
+    measure_pass,
+    measure_trees,
+    pooled,
+    publish,
+)
 from engine.decoding.kept_costs import KeptCosts, cost_key, keep, read_kept
 from engine.limits import K_MAX
 from engine.loadspec import LoadProgress
@@ -110,8 +121,6 @@ def _covers(kept: KeptCosts, engine: Engine) -> bool:
 
 
 def _set_state(engine: Engine, state: str, note: str = "") -> None:
-    from dataclasses import replace
-
     engine.info = replace(engine.info, costs_state=state, costs_note=note)
 
 
@@ -136,10 +145,17 @@ def settle_costs(engine: Engine, progress=None, keep_costs: bool = False) -> Non
         _set_state(engine, "kept", f"measured {when}")
         engine.cost_check = CostCheck(key, as_pass(kept), kept=True)
         return
-    measure_costs(engine, progress)
+    # The app (a key) is Ready after one pass on a CPU; the others follow while it is idle, and the
+    # three are judged and kept together (CostCheck). A GPU measures everything in about a second.
+    on_cpu = engine.device.type != "cuda"
+    measure_costs(engine, progress, 1 if key is not None and on_cpu else ROUNDS)
     if not engine.info.target_ms:
         return  # could not measure: nothing to judge or keep
     measured = engine.cost_passes or [_info_pass(engine)]
+    if on_cpu and len(measured) < ROUNDS:
+        _set_state(engine, "measuring", f"{len(measured)} of {ROUNDS} passes before Ready")
+        engine.cost_check = CostCheck(key, pooled(measured), kept=False, passes=measured)
+        return
     reason = disturbance(measured)
     if reason is None:
         _set_state(engine, "measured")
@@ -164,14 +180,17 @@ class CostCheck:
 
     key: where to keep what holds (None: not kept); reference: the figures in use; kept: they came from
     the file; last: the previous measurement that did not settle, which a new one may confirm.
+    step() measures only when the caller says the engine is free; it leaves the caches as they were.
     """
 
-    def __init__(self, key: dict | None, reference: CostPass, *, kept: bool, last: CostPass | None = None) -> None:
+    def __init__(self, key: dict | None, reference: CostPass, *, kept: bool, last: CostPass | None = None,
+                 passes: list[CostPass] | None = None) -> None:
+        """passes: those of the measurement in progress (the one measured before Ready)."""
         self.key = key
         self.reference = reference
         self.kept = kept
         self.last = last
-        self.passes: list[CostPass] = []
+        self.passes: list[CostPass] = list(passes or ())
         self.sampled_target: dict[int, float] = {}
         self.attempts = 0  # measurements finished
         self.done = False

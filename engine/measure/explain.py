@@ -32,14 +32,14 @@ def describe_decision(d: Decision) -> str:
 
 
 def describe_unsettled(d: Decision) -> str:
-    """A decision taken on forward costs that looked disturbed (ModelInfo.costs_state "disturbed" or
-    "unsteady"): what was done, without a verdict on whether drafting pays."""
+    """A decision taken on forward costs not settled yet (ModelInfo.costs_state in UNSETTLED): what was
+    done, without a verdict on whether drafting pays."""
     if d.reason in ("no_gain", "probe"):
-        return "standard for now: the forward costs are being measured again"
-    return describe_decision(d) + " (forward costs being measured again)"
+        return "standard for now: the forward costs are still being measured"
+    return describe_decision(d) + " (forward costs still being measured)"
 
 
-UNSETTLED = ("disturbed", "unsteady")  # ModelInfo.costs_state values no verdict is given on
+UNSETTLED = ("measuring", "disturbed", "unsteady")  # ModelInfo.costs_state values no verdict is given on
 
 
 def time_split(s: Summary) -> str:
