@@ -307,8 +307,20 @@ def test_figures_that_never_settle_are_left_unsteady(engine, monkeypatch):
     while queue:
         engine.refresh_costs()
     assert engine.cost_check.done and engine.info.costs_state == "unsteady"
-    assert not engine.refresh_costs() and read_kept(cost_key(engine)) is None
+    assert not engine.refresh_costs()
     assert cost_verdict(engine.info, None)[0] == "draft cost: unsteady"
+    # The median of every pass is kept as unsteady: the next start is Ready at once, with no verdict,
+    # and a consistent measurement after Ready replaces them.
+    kept = read_kept(cost_key(engine))
+    assert kept is not None and not kept.steady and dict(kept.target_ms)[1] == 40
+    queue = _scripted(monkeypatch, [(50, 30), (50, 30), (51, 30)])
+    engine.settle_costs(keep_costs=True)
+    assert engine.info.costs_state == "disturbed" and "never held together" in engine.info.costs_note
+    assert cost_verdict(engine.info, None)[0] == "draft cost: measuring again" and len(queue) == 3  # none measured
+    while queue:
+        engine.refresh_costs()
+    assert engine.info.costs_state == "measured" and read_kept(cost_key(engine)).steady
+    assert dict(read_kept(cost_key(engine)).target_ms)[1] == 50
 
 
 def test_an_interrupted_pass_is_dropped_and_leaves_the_caches_as_they_were(engine):

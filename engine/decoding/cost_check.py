@@ -108,10 +108,10 @@ def as_pass(kept: KeptCosts) -> CostPass:
             {c.source: c for c in kept.sampled_costs})
 
 
-def _kept(p: CostPass, sampled_target: dict[int, float]) -> KeptCosts:
+def _kept(p: CostPass, sampled_target: dict[int, float], steady: bool = True) -> KeptCosts:
     target, costs, sampled = p
     return KeptCosts(tuple(sorted(target.items())), tuple(costs.values()), tuple(sampled.values()),
-                     tuple(sorted(sampled_target.items())), time.time())
+                     tuple(sorted(sampled_target.items())), time.time(), steady)
 
 
 def _covers(kept: KeptCosts, engine: Engine) -> bool:
@@ -142,8 +142,11 @@ def settle_costs(engine: Engine, progress=None, keep_costs: bool = False) -> Non
         measure_trees(engine)
         engine.cost_passes = [as_pass(kept)]  # a sweep's passes pool with them (costs.measure_again)
         when = time.strftime("%Y-%m-%d %H:%M", time.localtime(kept.saved_at)) if kept.saved_at else "before"
-        _set_state(engine, "kept", f"measured {when}")
-        engine.cost_check = CostCheck(key, as_pass(kept), kept=True)
+        if kept.steady:
+            _set_state(engine, "kept", f"measured {when}")
+        else:  # the best there was, so Ready comes at once; still no verdict on them
+            _set_state(engine, "disturbed", f"they never held together when measured ({when})")
+        engine.cost_check = CostCheck(key, as_pass(kept), kept=kept.steady)
         return
     # The app (a key) is Ready after one pass on a CPU; the others follow while it is idle, and the
     # three are judged and kept together (CostCheck). A GPU measures everything in about a second.
@@ -191,6 +194,7 @@ class CostCheck:
         self.kept = kept
         self.last = last
         self.passes: list[CostPass] = list(passes or ())
+        self.history: list[CostPass] = []  # every pass of the measurements that did not settle
         self.sampled_target: dict[int, float] = {}
         self.attempts = 0  # measurements finished
         self.done = False
@@ -215,14 +219,30 @@ class CostCheck:
         if reason is None or (noisy is None and self.last is not None and distance(new, self.last) is None):
             return self._settle(engine, new)  # consistent, or confirmed by the previous consistent measurement
         log.info("forward costs measured again still look disturbed (%s)", reason)
+        self.history += passes
         if noisy is None:
             self.last = new
         if self.attempts >= ATTEMPTS:
             self.done = True
         if self.kept:
             return False  # the kept figures stay in use as they were
-        _set_state(engine, "unsteady" if self.done else "disturbed", reason)
+        if self.done:
+            self._keep_unsteady(engine, reason)
+        else:
+            _set_state(engine, "disturbed", reason)
         return True
+
+    def _keep_unsteady(self, engine: Engine, reason: str) -> None:
+        # Never steady on this machine: the median of every pass is in use from now on and kept as
+        # unsteady, so the next start is Ready at once (with no verdict) and measures again after it.
+        best = pooled(self.history)
+        target, costs, sampled = best
+        sampled_target = self.sampled_target or dict(engine.info.sampled_target_ms)
+        publish(engine, dict(target), dict(costs), engine.info.measure_s, dict(sampled), sampled_target)
+        engine.cost_passes = [best]
+        _set_state(engine, "unsteady", reason)
+        if self.key is not None:
+            keep(self.key, _kept(best, sampled_target, steady=False))
 
     def _settle(self, engine: Engine, new: CostPass) -> bool:
         self.done = True

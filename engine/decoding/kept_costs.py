@@ -49,6 +49,9 @@ class KeptCosts:
     sampled_costs: tuple[ProposerCost, ...]  # sampled drafting, per proposer
     sampled_target_ms: tuple[tuple[int, float], ...] = ()  # sampled verify widths (GPU only)
     saved_at: float = 0.0  # when they were measured (seconds since the epoch)
+    # False: they never held together (a machine always busy); used so Ready comes at once, but with no
+    # verdict, and measured again until a consistent measurement replaces them (cost_check.py)
+    steady: bool = True
 
 
 # --------------------------------------------------------------------------- the key
@@ -191,7 +194,7 @@ def _parse_entry(entry: object, key: dict) -> KeptCosts:
         raise ValueError("no figures")
     return KeptCosts(_widths(costs.get("target_ms"), True), _proposers(costs.get("proposers")),
                      _proposers(costs.get("sampled", {})), _widths(costs.get("sampled_target_ms", {}), False),
-                     _saved_at(entry))
+                     _saved_at(entry), entry.get("steady", True) is not False)
 
 
 def _saved_at(entry: dict) -> float:
@@ -243,7 +246,7 @@ def keep(key: dict, costs: KeptCosts, path: Path | None = None) -> bool:
     path = path or costs_path()
     entries = {d: e for d, e in _read_entries(path).items() if isinstance(e, dict)}
     entries[key_digest(key)] = {
-        "key": key, "saved_at": costs.saved_at or time.time(),
+        "key": key, "saved_at": costs.saved_at or time.time(), "steady": costs.steady,
         "costs": {"target_ms": {str(w): ms for w, ms in costs.target_ms}, "proposers": _table(costs.proposer_costs),
                   "sampled": _table(costs.sampled_costs),
                   "sampled_target_ms": {str(w): ms for w, ms in costs.sampled_target_ms}},
