@@ -68,7 +68,7 @@ def build_engine(spec: LoadSpec, progress: ProgressFn | None = None) -> Engine:
                                                          else [])
     choice = choose_runtime(spec, sources)
     if choice.runtime == "llamacpp":
-        return _llamacpp_engine(sources, spec.threads, progress, spec.context)
+        return _llamacpp_engine(sources, spec.threads, progress, spec.context, spec.keep_costs)
     engine = engine_for_pair(load_pair_packed(spec, progress), spec, progress)
     if choice.note:
         log.warning("%s", choice.note)
@@ -211,7 +211,7 @@ def engine_for_pair(loaded: LoadedPair | PackedPair, spec: LoadSpec, progress: P
                     target_runner=target_runner, draft_runner=draft_runner, max_length=context)
     if found is not None:
         engine.attach_head(found[0], found[1].name, progress, compile_step=fast_path == "compiled")
-    engine.measure_costs(progress)
+    engine.settle_costs(progress, spec.keep_costs)
     if progress is not None:
         progress(LoadProgress("warmup", 1.0, f"Ready ({name})"))
     return engine
@@ -225,7 +225,7 @@ def _first_line(exc: BaseException) -> str:
 # --------------------------------------------------------------------------- llama.cpp
 
 def _llamacpp_engine(sources: list[ModelSource], threads: int | None, progress: ProgressFn | None,
-                     context: int | None = None) -> Engine:
+                     context: int | None = None, keep_costs: bool = False) -> Engine:
     """Target (and draft) GGUFs on llama.cpp runners: tokenizers checked first, no weight conversion; each KV
     cache grows up to `context` cells (None: DEFAULT_N_CTX), as the memory plan counts it."""
     started = time.perf_counter()
@@ -263,7 +263,7 @@ def _llamacpp_engine(sources: list[ModelSource], threads: int | None, progress: 
     )
     engine = Engine(None, tokenizer, info, vocab=shared, target_runner=target,
                     draft_runner=runners[1] if len(runners) > 1 else None, eos_ids=target.eog_ids)
-    engine.measure_costs(progress)
+    engine.settle_costs(progress, keep_costs)
     if progress is not None:
         progress(LoadProgress("warmup", 1.0, f"Ready ({NAME}, {threads} threads)"))
     return engine

@@ -28,3 +28,8 @@ class IncompatibleModelsError(EngineError):
 
 class GenerationError(EngineError):
     """A request cannot be decoded (bad settings, prompt too long, out of memory)."""
+
+
+class CostsInterrupted(Exception):
+    """A measurement of the forward costs was dropped between two rounds: other work asked for the engine.
+    Not an EngineError: nothing went wrong, and the costs in use stay (engine/decoding/cost_check.py)."""

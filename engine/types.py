@@ -224,6 +224,13 @@ class ModelInfo:
     runtime: str = "torch"  # what runs the forwards: "torch" or "llamacpp"
     threads: int = 0  # CPU threads a decode uses (llama.cpp); 0 = the runtime's own default
     runtime_note: str = ""  # why this runtime, when it is not the one asked for (e.g. llama.cpp missing)
+    # How far the forward costs above can be believed (engine/decoding/cost_check.py): "measured" (and
+    # consistent), "kept" (measured on this machine at an earlier start; checked again after Ready),
+    # "measuring" (part measured before Ready, the rest after it: no verdict yet),
+    # "disturbed" (inconsistent or implausible: measured again, no verdict until then), "unsteady"
+    # (stayed disturbed: no verdict); "" where nobody judged them.
+    costs_state: str = ""
+    costs_note: str = ""  # why they looked disturbed, or when the kept ones were measured
 
 
 @dataclass(frozen=True)

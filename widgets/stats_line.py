@@ -1,7 +1,7 @@
 """The one-line summary shown under each finished answer ("speculative · K=5 · 78% accepted · ...")."""
 from __future__ import annotations
 
-from engine.measure.explain import describe_decision
+from engine.measure.explain import describe_decision, describe_unsettled
 from engine.types import GenerationRequest, Summary
 
 # Stop reasons worth telling a reader; eos / stop strings / max tokens are the normal endings.
@@ -12,9 +12,10 @@ def _rate(tokens_per_s: float) -> str:
     return f"{tokens_per_s:.1f}" if tokens_per_s < 10 else f"{tokens_per_s:.0f}"
 
 
-def format_stats_line(summary: Summary, request: GenerationRequest | None = None) -> str:
+def format_stats_line(summary: Summary, request: GenerationRequest | None = None, *, unsettled: bool = False) -> str:
     """e.g. "speculative · K=5 · 78% accepted · 3.9 tokens/step · 41 tok/s · 256 tokens · 6.2 s ·
-    draft 30% · verify 64% · overhead 6%"; with K chosen per step, the mean K and the last decision too."""
+    draft 30% · verify 64% · overhead 6%"; with K chosen per step, the mean K and the last decision too
+    (unsettled: the forward costs looked disturbed, so no verdict on whether drafting pays)."""
     parts: list[str] = []
     adaptive = summary.mode == "auto" or (summary.mode == "speculative" and summary.k == 0 and summary.k_mean)
     if summary.mode != "standard":
@@ -47,14 +48,14 @@ def format_stats_line(summary: Summary, request: GenerationRequest | None = None
     if summary.stop_reason in _NOTABLE_STOPS:
         parts.append(_NOTABLE_STOPS[summary.stop_reason])
     if adaptive and summary.decision is not None:
-        parts.append(describe_decision(summary.decision))
+        parts.append((describe_unsettled if unsettled else describe_decision)(summary.decision))
     return " · ".join(parts)
 
 
-def format_stats_plain(summary: Summary, request: GenerationRequest | None = None) -> str:
+def format_stats_plain(summary: Summary, request: GenerationRequest | None = None, *, unsettled: bool = False) -> str:
     """The visible line under an answer, in plain words (format_stats_line has the figures, for its tooltip):
     e.g. "Standard decoding was used for 92% of steps: drafting did not pay (3% of drafted tokens accepted) ·
-    8.2 tok/s · 256 tokens in 31.0 s"."""
+    8.2 tok/s · 256 tokens in 31.0 s" (unsettled: the forward costs are still being measured, so no verdict)."""
     if summary.mode == "standard":
         lead = "Standard decoding"
     else:
@@ -62,7 +63,8 @@ def format_stats_plain(summary: Summary, request: GenerationRequest | None = Non
         standard_share = summary.standard_steps / steps if steps else 0.0
         accepted = f"{summary.acceptance_rate:.0%} of drafted tokens accepted" if summary.drafted else ""
         if standard_share >= 0.5 or not summary.drafted:
-            lead = (f"Standard decoding was used for {standard_share:.0%} of steps: drafting did not pay"
+            why = "the forward costs are still being measured" if unsettled else "drafting did not pay"
+            lead = (f"Standard decoding was used for {standard_share:.0%} of steps: {why}"
                     + (f" ({accepted})" if accepted else ""))
         else:
             lead = f"{accepted}, {summary.tokens_per_target_forward:.1f} tokens per step"

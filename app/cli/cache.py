@@ -36,7 +36,7 @@ def cmd_cache(args: argparse.Namespace) -> int:
     for item in items:
         print(f"  {_size(item.size):>9}  {item.kind:<8}  {item.name}  ({item.path.name})")
     total = sum(i.size for i in items)
-    spare = sum(i.size for i in items if i.kind in ("leftover", "gguf"))
+    spare = sum(i.size for i in items if i.kind in ("leftover", "gguf", "costs"))
     models = sum(i.size for i in items if i.kind == "model")
     print(f"total {_size(total)}: `{PROG} cache clean` frees {_size(spare)}, `clean --all` {_size(spare + models)}")
     return 0

@@ -49,6 +49,7 @@ def load_request_for(selection: ModelSelection, *, force: bool = False) -> LoadS
         memory=int(selection.memory_gib * 2**30) or None,
         runtime=selection.runtime,
         threads=selection.threads or None,
+        keep_costs=True,  # Ready right after the weights load on a machine that measured this pair before
     )
 
 
@@ -132,8 +133,19 @@ def cost_verdict(info: ModelInfo | None, summary: Summary | None, proposer: str 
     model = replace(CostModel.from_info(info), draft_ms=draft_ms)
     k_max = model.k_max
     name = "draft head" if head else "draft"
-    costs = (f"Measured at load: {name} {draft_ms:.1f} ms per {'token' if head else 'forward'}, target "
+    when = "Kept from an earlier start on this machine" if info.costs_state == "kept" else "Measured at load"
+    costs = (f"{when}: {name} {draft_ms:.1f} ms per {'token' if head else 'forward'}, target "
              + ", ".join(f"{ms:.1f} ms ({w} tok)" for w, ms in info.target_ms) + ".")
+    if info.costs_state == "kept":
+        costs += f" ({info.costs_note}; measured again in the background while the app is idle.)"
+    if info.costs_state == "measuring":
+        return (f"{name} cost: measuring", f"Measured in part before Ready ({info.costs_note}); the rest is measured "
+                "while the app is idle, and then kept for the next start. No verdict until then. " + costs)
+    if info.costs_state in ("disturbed", "unsteady"):
+        again = ("they are measured again while the app is idle; no verdict until they agree"
+                 if info.costs_state == "disturbed" else "they stayed unsteady (is the machine busy?); no verdict")
+        short = f"{name} cost: measuring again" if info.costs_state == "disturbed" else f"{name} cost: unsteady"
+        return short, f"The forward costs look disturbed ({info.costs_note}): {again}. " + costs
     alpha = estimate_alpha(summary) if summary is not None else None
     ratio = draft_ms / model.target_ms[1]
     if summary is None or alpha is None:

@@ -14,8 +14,8 @@ from app.ui.conversations import ConversationsController
 from app.ui.notices import Notices
 from app.ui.status_bar import StatusBarController
 from app.ui.worker import EngineWorker
+from engine.measure.explain import UNSETTLED, describe_prefill
 from engine.settings import GenerationSettings
-from engine.measure.explain import describe_prefill
 from engine.types import Message, PrefillProgress, Step, Summary
 from widgets.charts import LiveCharts
 from widgets.chat.prompt_box import PromptBox
@@ -46,7 +46,7 @@ class ChatController(QObject):
                  can_chat: Callable[[], bool], annotate: Callable[[str, Summary, object], str],
                  ready_changed: Callable[[], None], evidence_changed: Callable[[], None],
                  apply_settings: Callable[[GenerationSettings], None] | None = None,
-                 parent: QObject | None = None) -> None:
+                 loading: Callable[[], bool] = lambda: False, parent: QObject | None = None) -> None:
         super().__init__(parent)
         self.worker = worker
         self.session = session
@@ -65,6 +65,8 @@ class ChatController(QObject):
         self._apply_settings = apply_settings
         self._drafts: dict[str, str] = {}  # conversation id -> the unsent text of its message box
         chat.example_chosen.connect(self.fill_prompt)
+        self._loading = loading
+        self.queued: str | None = None  # a message sent while the models load: sent once they are ready
         # The worker lives on its own thread: these are queued connections, run on the UI thread.
         worker.prefill_progress.connect(self._on_prefill_progress)
         worker.steps.connect(self._on_steps)
@@ -76,8 +78,13 @@ class ChatController(QObject):
     # --- asking ----------------------------------------------------------------------------------
 
     def send(self, text: str) -> int | None:
-        """Adds a question and asks for the answer; returns the request id (None if not sent)."""
+        """Adds a question and asks for the answer; returns the request id (None if not sent). While the
+        models load it is queued instead (shown in the box, sent by send_queued, cancelled by cancel_queued)."""
         text = text.strip()
+        if text and self._loading() and self.queued is None:
+            self.queued = text
+            self.prompt.show_queued(text)
+            return None
         if not text or not self._can_chat():
             return None
         drop = self.guard.room_for(text)
@@ -85,6 +92,23 @@ class ChatController(QObject):
             self.prompt.set_text(text)  # nothing is lost: the question goes back into the box
             return None
         return self._submit(self.session.send(text, self._settings(), drop))
+
+    def send_queued(self) -> int | None:
+        """The models are ready: the queued message is sent (it goes back into the box if it cannot be)."""
+        text, self.queued = self.queued, None
+        if text is None:
+            return None
+        self.prompt.end_queued(keep_text=False)
+        rid = self.send(text)
+        if rid is None and not self.prompt.text().strip():
+            self.prompt.set_text(text)  # nothing is lost
+        return rid
+
+    def cancel_queued(self) -> None:
+        """The queued message is not sent; it stays in the box, editable."""
+        if self.queued is not None:
+            self.queued = None
+            self.prompt.end_queued(keep_text=True)
 
     def regenerate(self, request_id: int | None = None) -> int | None:
         """A new version of an answer (the last one by default); the old one stays as another version."""
@@ -235,9 +259,10 @@ class ChatController(QObject):
         request = self.session.request(request_id)
         if request is None:
             return
-        detail = self._annotate(format_stats_line(summary, request), summary, request)
+        unsettled = self.session.info is not None and self.session.info.costs_state in UNSETTLED
+        detail = self._annotate(format_stats_line(summary, request, unsettled=unsettled), summary, request)
         # A remote answer's line is already plain (what the server reported and what it cannot show).
-        plain = format_stats_plain(summary, request) if self._source is self.worker else detail
+        plain = format_stats_plain(summary, request, unsettled=unsettled) if self._source is self.worker else detail
         self.chat.finish_assistant_message(request_id, summary, plain, detail)
         record = self.session.finish(request_id, summary)
         self.status.show_prefill("")

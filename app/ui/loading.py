@@ -95,6 +95,7 @@ class LoadingController(QObject):
         worker.load_finished.connect(self._on_load_finished)
         worker.load_failed.connect(self._on_load_failed)
         worker.engine_released.connect(self._on_engine_released)
+        worker.costs.updated.connect(self._on_costs_updated)
         training.head_attached.connect(self._on_head_attached)
 
     def is_loading(self) -> bool:
@@ -202,6 +203,13 @@ class LoadingController(QObject):
         if not self._closed():
             self.notices.error("Could not load the models", message)
         self.load_failed.emit(message)
+
+    def _on_costs_updated(self, info: ModelInfo) -> None:
+        # The worker measured the forward costs again after Ready (app/ui/cost_refresh.py): same pair.
+        if self.session.info is None or self.is_loading():
+            return
+        self.session.info = info
+        self.status.show_costs(info, None)
 
     def _on_head_attached(self, info: ModelInfo) -> None:
         self.session.info = info

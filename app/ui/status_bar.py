@@ -10,7 +10,7 @@ from PySide6.QtCore import QObject, Qt, QTimer
 from PySide6.QtWidgets import QLabel, QProgressBar, QStatusBar
 
 from app.core.session import cost_verdict, device_line
-from engine.measure.explain import describe_decision, plain_decision
+from engine.measure.explain import UNSETTLED, describe_decision, describe_unsettled, plain_decision
 from engine.types import Decision, ModelInfo, Summary
 from widgets.elided_label import ElidedLabel
 
@@ -110,7 +110,9 @@ class StatusBarController(QObject):
     def show_decision(self, decision: Decision | None) -> None:
         """What the K controller decided and why; a fixed K or standard decoding leaves the last line."""
         if decision is not None and decision.reason not in ("fixed", "standard"):
-            self.decision_label.setText(plain_decision(decision))
+            info = self._info()
+            unsettled = info is not None and info.costs_state in UNSETTLED
+            self.decision_label.setText(describe_unsettled(decision) if unsettled else plain_decision(decision))
             self.decision_label.setToolTip(describe_decision(decision))
 
     def update_memory(self) -> None:

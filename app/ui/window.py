@@ -49,7 +49,7 @@ log = logging.getLogger(__name__)
 APP_NAME = "SpecDec Studio"
 DEFAULT_SIZE = (1480, 900)
 MIN_CHAT_WIDTH = 300  # the chat column never gets narrower: a message box and a readable line
-_NOT_READY = "Models are loading; Send is enabled once they are ready."
+_NOT_READY = "Models are loading."
 _NO_MODEL = "No model loaded: File ▸ Load models… (Ctrl+L)."
 _REMOTE = "{} needs local models; the chat uses a remote server now (File ▸ Load models… to load them)"
 
@@ -215,12 +215,14 @@ class MainWindow(QMainWindow):
             self.worker, self.session, self.chat, self.prompt, self.charts, conversations=self.conversations,
             guard=self.guard, status=self.status, notices=self.notices, settings=self.panel.values,
             can_chat=self._can_chat, annotate=self._annotate, ready_changed=self._set_ready_state,
-            evidence_changed=self._update_evidence, apply_settings=self._apply_settings, parent=self,
+            evidence_changed=self._update_evidence, apply_settings=self._apply_settings,
+            loading=self.is_loading, parent=self,
         )
         c.finished.connect(self.answer_finished)
         c.failed.connect(self.answer_failed)
         self.prompt.send_requested.connect(self.send)
         self.prompt.stop_requested.connect(self.stop)
+        self.prompt.queue_cancelled.connect(c.cancel_queued)
         self.chat.regenerate_requested.connect(self.regenerate)
         self.chat.edit_submitted.connect(self.edit_and_resend)
         self.chat.branch_requested.connect(self.show_branch)
@@ -244,7 +246,9 @@ class MainWindow(QMainWindow):
             closed=lambda: self._closed, parent=self,
         )
         self.loading.loaded.connect(self.models_loaded)
+        self.loading.loaded.connect(lambda _info: c.send_queued())  # a message sent while loading goes now
         self.loading.load_failed.connect(self.models_load_failed)
+        self.loading.load_failed.connect(lambda _message: c.cancel_queued())  # back in the box, editable
         self.remote = RemoteController(self.worker, self.session, c, self.chat, self.charts, self.status,
                                        self.notices, settings=self.settings, ready_changed=self._set_ready_state,
                                        parent=self)
@@ -376,7 +380,7 @@ class MainWindow(QMainWindow):
         racing = self.race.running or self.tune.running
         self.prompt.set_generating(generating)
         if self.is_loading():
-            self.prompt.set_ready(False, _NOT_READY)
+            self.prompt.set_ready(False, _NOT_READY, queue=True)
         elif self.info is None:
             self.prompt.set_ready(False, _NO_MODEL)
         elif self.tune.running:

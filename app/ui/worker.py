@@ -13,6 +13,7 @@ from typing import Any, Protocol
 from PySide6.QtCore import QObject, Qt, QThread, Signal, Slot
 
 from app.ui.collector import collector
+from app.ui.cost_refresh import CostRefresh
 from app.core.session import TrainRequest
 from engine import garbage
 from engine.errors import EngineError
@@ -199,6 +200,9 @@ class EngineWorker(QObject):
         self.train_requested.connect(self._on_train_requested, Qt.ConnectionType.QueuedConnection)
         self.check_requested.connect(self._on_check_requested, Qt.ConnectionType.QueuedConnection)
         self.release_requested.connect(self._on_release_requested, Qt.ConnectionType.QueuedConnection)
+        # Last, so its queued connections run after the worker's own: costs measured again when idle.
+        self.costs = CostRefresh(self, (self.load_requested, self.generate_requested, self.sweep_requested,
+                                        self.train_requested, self.check_requested), self._closing, parent=self)
 
     # --- called from the UI thread -------------------------------------------------------------
 
@@ -403,7 +407,6 @@ class EngineWorker(QObject):
             self.head_attached.emit(info)
         self.training_finished.emit(rid, summary)
 
-
     @Slot(object)
     def _on_check_requested(self, job: Any) -> None:
         """The draft check on the resident engine; one terminal signal (check_finished or check_failed)."""
@@ -464,6 +467,7 @@ class WorkerHost(QObject):
         self.thread = QThread()  # no parent: it must outlive nothing but this host
         self.thread.setObjectName("EngineWorker")
         self.worker.moveToThread(self.thread)
+        self.thread.finished.connect(self.worker.costs.timer.stop, Qt.ConnectionType.DirectConnection)  # its thread
         _threads.add(self.thread)
         # While the thread lives, cycles are collected on the GUI thread only (app/ui/collector.py).
         self._collector = collector()

@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import statistics
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -28,6 +28,7 @@ import torch
 from engine.decoding.loop import Generation
 from engine.decoding.outcome import read_outcome
 from engine.decoding.proposers import Offer, Proposal, Proposer, ProposerSet, measure_proposer
+from engine.errors import CostsInterrupted
 from engine.limits import K_MAX, TREE_K_MAX
 from engine.loadspec import LoadProgress
 from engine.runners import ids_tensor
@@ -42,6 +43,14 @@ CPU_FILL = 64  # tokens in the target's cache while its widths are timed on a CP
 # The sampling sampled costs are measured with. Their cost does not depend on the temperature;
 # top-k and top-p add to it (a top-k, a sort over the vocabulary), which this leaves out.
 SAMPLED = Sampling(temperature=1.0)
+
+
+Interrupted = Callable[[], bool]  # True: stop measuring now (a person's request is waiting)
+
+
+def _check(interrupted: Interrupted | None) -> None:
+    if interrupted is not None and interrupted():
+        raise CostsInterrupted()
 
 
 class _CannedDrafts(Proposer):
@@ -67,10 +76,12 @@ class _CannedDrafts(Proposer):
 
 
 def measure_rounds(engine: Engine, widths: Iterable[int], iters: int, warm: bool = True,
-                   sampling: Sampling | None = None, alternatives: int = 0) -> dict[int, list[float]]:
+                   sampling: Sampling | None = None, alternatives: int = 0,
+                   interrupted: Interrupted | None = None) -> dict[int, list[float]]:
     """Verify ms of `iters` rounds per width (K = width - 1 canned drafts; width 1 is a standard round),
     greedy unless `sampling` says otherwise. alternatives > 0: greedy tree rounds of K = width - 1
-    drafts with that many alternatives beside each (keyed by K + 1 all the same)."""
+    drafts with that many alternatives beside each (keyed by K + 1 all the same). CostsInterrupted
+    between two rounds once `interrupted()` says so."""
     request = GenerationRequest(prompt="x", max_new_tokens=1, sampling=sampling or Sampling())
     generation = Generation(engine, request, [1], None)
     proposers = ProposerSet((_CannedDrafts(engine.vocab, engine.device, alternatives),), engine.device)
@@ -83,6 +94,7 @@ def measure_rounds(engine: Engine, widths: Iterable[int], iters: int, warm: bool
         decision = Decision(width - 1, "canned" if width > 1 else None, "fixed")  # type: ignore[arg-type]
         times[width] = []
         for i in range(iters + 1 if warm else iters):
+            _check(interrupted)
             result = read_outcome(generation._launch(proposers, decision, 1, generator))
             target.rollback(saved)
             if i or not warm:
@@ -101,14 +113,19 @@ def _measurable_sources(engine: Engine) -> list[str]:
     return [s for s in engine.proposer_sources() if s != "head"]
 
 
-def _proposers(engine: Engine, iters: int, warm: bool) -> dict[str, ProposerCost]:
+def _proposers(engine: Engine, iters: int, warm: bool, interrupted: Interrupted | None = None
+               ) -> dict[str, ProposerCost]:
     greedy = GenerationRequest().sampling
     prompt = _pattern(engine, 24)
-    return {s: measure_proposer(engine.proposer(s, greedy, None), s, prompt, engine.device, iters=iters, warm=warm)
-            for s in _measurable_sources(engine)}
+    costs = {}
+    for s in _measurable_sources(engine):
+        _check(interrupted)
+        costs[s] = measure_proposer(engine.proposer(s, greedy, None), s, prompt, engine.device, iters=iters, warm=warm)
+    return costs
 
 
-def _sampled_proposers(engine: Engine, iters: int, warm: bool) -> dict[str, ProposerCost]:
+def _sampled_proposers(engine: Engine, iters: int, warm: bool, interrupted: Interrupted | None = None
+                       ) -> dict[str, ProposerCost]:
     """Every proposer's cost when it samples its drafts, the head's included (through its own propose(),
     as the loop calls it). Never fails: what cannot be measured is priced at its greedy cost."""
     generator = torch.Generator(device=engine.device).manual_seed(0)
@@ -117,6 +134,7 @@ def _sampled_proposers(engine: Engine, iters: int, warm: bool) -> dict[str, Prop
         # The head catches up on 2 rows, as after a partly accepted draft (HeadRunner.measure_ms too);
         # n-gram lookup needs a repeating context to find matches.
         prompt = _pattern(engine, 3 if source == "head" else 24)
+        _check(interrupted)
         try:
             proposer = engine.proposer(source, SAMPLED, generator)
             costs[source] = measure_proposer(proposer, source, prompt, engine.device, iters=iters, warm=warm)
@@ -129,7 +147,7 @@ def _sampled_proposers(engine: Engine, iters: int, warm: bool) -> dict[str, Prop
 CostPass = tuple[dict[int, float], dict[str, ProposerCost], dict[str, ProposerCost]]
 
 
-def measure_pass(engine: Engine) -> CostPass:
+def measure_pass(engine: Engine, interrupted: Interrupted | None = None) -> CostPass:
     """One CPU pass: every verify width (a warm round, then a timed one) after a context of at least
     CPU_FILL tokens (what the target caches, topped up), then every proposer once. The target's
     cache is left as it was.
@@ -140,7 +158,7 @@ def measure_pass(engine: Engine) -> CostPass:
     widths against 35.2 after one another (2-token 68.5 vs 66.6, 6-token 160.6 vs 156.8): 6% on the
     standard step, which every predicted speedup divides by. And after a context of a chat's size:
     attention's cost grows with it (llama.cpp, a 6-token verify: 134.7 ms after no context, 139 after
-    80 tokens, 142-145 in the runs).
+    80 tokens, 142-145 in the runs). CostsInterrupted between two rounds once `interrupted()` says so.
     """
     target_runner = engine.target_runner
     saved = target_runner.length
@@ -148,11 +166,24 @@ def measure_pass(engine: Engine) -> CostPass:
     if fill:
         target_runner.prefill(ids_tensor(_pattern(engine, fill), engine.device))
     try:
-        rounds = measure_rounds(engine, range(1, K_MAX + 2), 1, warm=True)
+        rounds = measure_rounds(engine, range(1, K_MAX + 2), 1, warm=True, interrupted=interrupted)
     finally:
         target_runner.rollback(saved)
     # Sampled drafts after the rounds: the head reads rows the target's last forward left.
-    return {w: ms[0] for w, ms in rounds.items()}, _proposers(engine, 1, False), _sampled_proposers(engine, 1, False)
+    return ({w: ms[0] for w, ms in rounds.items()}, _proposers(engine, 1, False, interrupted),
+            _sampled_proposers(engine, 1, False, interrupted))
+
+
+def gpu_pass(engine: Engine, interrupted: Interrupted | None = None) -> tuple[CostPass, dict[int, float]]:
+    """On a GPU, one whole measurement: the median of 20 rounds per width (greedy, then sampled) and of
+    5 timed proposals per proposer, greedy and sampled (about a second): (pass, sampled widths)."""
+    widths = range(1, K_MAX + 2)  # every verify width the loop may use
+    target = {w: statistics.median(ms) for w, ms in measure_rounds(engine, widths, 20, interrupted=interrupted).items()}
+    # A sampled verify processes all K+1 rows and draws its token: about 1 s more, on a GPU only.
+    sampled_target = {w: statistics.median(ms) for w, ms in
+                      measure_rounds(engine, widths, 20, sampling=SAMPLED, interrupted=interrupted).items()}
+    return (target, _proposers(engine, 5, True, interrupted), _sampled_proposers(engine, 5, True, interrupted)), \
+        sampled_target
 
 
 def _median_costs(tables: list[dict[str, ProposerCost]]) -> dict[str, ProposerCost]:
@@ -161,14 +192,15 @@ def _median_costs(tables: list[dict[str, ProposerCost]]) -> dict[str, ProposerCo
                             statistics.median(t[s].per_proposal_ms for t in tables)) for s in sources}
 
 
-def _pooled(passes: list[CostPass]) -> CostPass:
+def pooled(passes: list[CostPass]) -> CostPass:
     """The median of every figure over the passes."""
     target = {w: statistics.median(t[w] for t, _, _ in passes) for w in passes[0][0]}
     return target, _median_costs([p for _, p, _ in passes]), _median_costs([p for _, _, p in passes])
 
 
-def _publish(engine: Engine, target: dict[int, float], costs: dict[str, ProposerCost], seconds: float,
-             sampled: dict[str, ProposerCost], sampled_target: dict[int, float]) -> None:
+def publish(engine: Engine, target: dict[int, float], costs: dict[str, ProposerCost], seconds: float,
+            sampled: dict[str, ProposerCost], sampled_target: dict[int, float]) -> None:
+    """Puts figures into ModelInfo (target_ms, proposer_costs with the head's own, draft_ms, sampled ones)."""
     if engine.head_runner is not None:
         costs["head"] = ProposerCost("head", engine.info.head_ms, 0.0)
     draft = costs["draft"].per_token_ms if "draft" in costs else 0.0
@@ -188,13 +220,7 @@ def measure_costs(engine: Engine, progress=None, rounds: int = 3) -> None:
     started = time.perf_counter()
     try:
         if engine.device.type == "cuda":
-            widths = range(1, K_MAX + 2)  # every verify width the loop may use
-            target = {w: statistics.median(ms) for w, ms in measure_rounds(engine, widths, 20).items()}
-            # A sampled verify processes all K+1 rows and draws its token: about 1 s more, on a GPU only.
-            sampled_target = {w: statistics.median(ms)
-                              for w, ms in measure_rounds(engine, widths, 20, sampling=SAMPLED).items()}
-            costs = _proposers(engine, 5, True)
-            sampled = _sampled_proposers(engine, 5, True)
+            (target, costs, sampled), sampled_target = gpu_pass(engine)
             engine.cost_passes = []
         else:
             # Interleaved passes, so slow drift of the machine's speed hits every width and proposer
@@ -205,12 +231,12 @@ def measure_costs(engine: Engine, progress=None, rounds: int = 3) -> None:
             # Sampled verify widths are not timed on a CPU: they would double the pass, for the
             # processing of K+1 rows (about 1% of a forward there), below the pass's own noise.
             engine.cost_passes = [measure_pass(engine) for _ in range(rounds)]
-            target, costs, sampled = _pooled(engine.cost_passes)
+            target, costs, sampled = pooled(engine.cost_passes)
             sampled_target = {}
     except Exception as exc:  # measuring is advice, not a reason to refuse the models
         log.warning("could not measure forward costs: %s", exc)
         return
-    _publish(engine, target, costs, time.perf_counter() - started, sampled, sampled_target)
+    publish(engine, target, costs, time.perf_counter() - started, sampled, sampled_target)
     measure_trees(engine)
 
 
@@ -250,5 +276,5 @@ def measure_again(engine: Engine) -> None:
     except Exception as exc:
         log.warning("could not measure forward costs again: %s", exc)
         return
-    target, costs, sampled = _pooled(engine.cost_passes)
-    _publish(engine, target, costs, engine.info.measure_s + time.perf_counter() - started, sampled, {})
+    target, costs, sampled = pooled(engine.cost_passes)
+    publish(engine, target, costs, engine.info.measure_s + time.perf_counter() - started, sampled, {})

@@ -8,6 +8,7 @@ from dataclasses import replace
 
 import torch
 
+from engine.decoding.cost_check import CostCheck, settle_costs
 from engine.decoding.control import AdaptiveK, FixedK, KController, StepCosts, TuningMemory
 from engine.decoding.costs import measure_again, measure_costs, measure_trees
 from engine.decoding.factory import TREE_ALTERNATIVES, make_proposer, make_proposers
@@ -51,6 +52,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.info = info
         self.cost_passes: list = []  # CPU: every pass of the cost measurement so far (costs.measure_pass)
+        self.cost_check: CostCheck | None = None  # the costs to measure again after Ready (cost_check.py)
         self.target = target
         self.draft = draft
         if target_runner is None or (draft is not None and draft_runner is None):
@@ -150,6 +152,18 @@ class Engine:
         app and bench say nothing about costs, and adaptive K measures on its first request.
         """
         measure_costs(self, progress, rounds)
+
+    def settle_costs(self, progress=None, keep_costs: bool = False) -> None:
+        """The costs at load (cost_check.settle_costs): with `keep_costs`, the figures kept for this machine
+        and pair when there are some (nothing measured before Ready), else measured and kept when they
+        hold; disturbed figures are measured again after Ready (refresh_costs)."""
+        settle_costs(self, progress, keep_costs)
+
+    def refresh_costs(self, interrupted=None) -> bool:
+        """One pass of measuring the costs again after Ready, when there is one to do (CostsInterrupted
+        drops it when `interrupted()` says so); True when ModelInfo changed."""
+        check = self.cost_check
+        return check.step(self, interrupted) if check is not None and not check.done else False
 
     def measure_again(self) -> None:
         """On a CPU, one more pass of the cost measurement, pooled with those so far (costs.measure_again):

@@ -69,6 +69,17 @@ def describe_prefill(progress: PrefillProgress) -> str:
     return f"{who}: {progress.done:,} / {progress.total:,} tokens"
 
 
+def describe_unsettled(d: Decision) -> str:
+    """A decision taken on forward costs not settled yet (ModelInfo.costs_state in UNSETTLED): what was
+    done, without a verdict on whether drafting pays."""
+    if d.reason in ("no_gain", "probe"):
+        return "Standard decoding for now: the forward costs are still being measured"
+    return plain_decision(d) + " (the forward costs are still being measured)"
+
+
+UNSETTLED = ("measuring", "disturbed", "unsteady")  # ModelInfo.costs_state values no verdict is given on
+
+
 def time_split(s: Summary) -> str:
     """e.g. "draft 31% · verify 62% · overhead 7%" (prefill counts as overhead here)."""
     total = max(s.seconds, s.draft_s + s.verify_s)  # device-timed steps can overlap the host's clock

@@ -27,6 +27,7 @@ log = logging.getLogger(__name__)
 
 MARKER = "specdec.json"  # written last into a converted folder: its presence means "complete"
 CACHE_FORMAT = 1  # bump to invalidate every converted folder after a change in conversion
+COSTS_FILE = "costs.json"  # in the cache root: forward costs kept between starts (engine/decoding/kept_costs.py)
 LOCK_NAME = ".lock"  # one lock for every process that assembles or converts into this cache
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")  # what a converted folder cannot load without
 SAMPLE_BLOCK = 1 << 20  # bytes hashed at each sampled offset

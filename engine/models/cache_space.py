@@ -14,6 +14,7 @@ from pathlib import Path
 
 from engine.errors import ModelLoadError
 from engine.models.cache import (
+    COSTS_FILE,
     MARKER,
     cache_dir,
     cache_lock,
@@ -34,11 +35,13 @@ _VERIFIED = re.compile(_ENTRY + r"\.gguf\.verified\.json")  # its recorded SHA-2
 _MODEL = re.compile(_ENTRY)  # a converted model folder
 # .<entry>.pid<pid>.<mkdtemp's 8 random characters> (older: .<entry>-<8 random>, no pid)
 _TEMP_DIR = re.compile(r"\." + _ENTRY + r"(?:\.pid(\d+)\.[A-Za-z0-9_]{8}|-[A-Za-z0-9_]{8})")
+_COSTS_PART = re.compile(r"\." + re.escape(COSTS_FILE) + r"\.(\d+)\.part")  # the costs file being written
 TAG = "CACHEDIR.TAG"  # the cache's root tag (https://bford.info/cachedir/): this folder is ours
 TAG_TEXT = ("Signature: 8a477f597d28d172789f06886806bc55\n"
             "# This folder is the SpecDec Studio model cache; `specdec-studio cache clean` frees it.\n")
-# What the cache root holds when SpecDec Studio made it (the lock, models, GGUFs, trained heads, AMX verdicts).
-ROOT_NAMES = frozenset({TAG, ".lock", "models", "gguf", "heads", "llamacpp-amx.json"})
+# What the cache root holds when SpecDec Studio made it (the lock, models, GGUFs, trained heads, AMX verdicts,
+# kept forward costs).
+ROOT_NAMES = frozenset({TAG, ".lock", "models", "gguf", "heads", "llamacpp-amx.json", COSTS_FILE})
 
 
 class ForeignCacheError(ModelLoadError):
@@ -58,7 +61,7 @@ def foreign(root: Path) -> list[Path]:
         return []
     found: list[Path] = []
     for path in sorted(root.iterdir()):
-        if path.name not in ROOT_NAMES:
+        if path.name not in ROOT_NAMES and not _COSTS_PART.fullmatch(path.name):
             found.append(path)
         elif path.name in ("models", "gguf") and path.is_dir() and not path.is_symlink():
             found += [p for p in sorted(path.iterdir()) if _kind(p)[0] == "foreign"]
@@ -90,7 +93,8 @@ class CacheItem:
     """One thing in the cache folder, as `cache info` lists it."""
 
     path: Path  # the file or folder
-    kind: str  # "model" (converted), "gguf" (assembled, rebuildable), "leftover" (temp of a dead process), "busy",
+    kind: str  # "model" (converted), "gguf" (assembled, rebuildable), "costs" (kept forward costs, measured again),
+    # "leftover" (temp of a dead process), "busy",
     # or "foreign" (not made by SpecDec Studio: listed, never removed)
     name: str  # what it is, for people
     size: int  # bytes on disk
@@ -150,6 +154,16 @@ def _kind(path: Path) -> tuple[str, int | None]:
     return "foreign", None
 
 
+def _root_kind(path: Path, root: Path) -> tuple[str, int | None] | None:
+    """What a file in the cache root is when the cache may remove it: ("costs", None), ("temp", pid); else None."""
+    if path.is_symlink() or not path.is_file() or path.parent != root:
+        return None
+    if path.name == COSTS_FILE:
+        return "costs", None
+    m = _COSTS_PART.fullmatch(path.name)
+    return ("temp", int(m.group(1))) if m else None
+
+
 def _is_stale(path: Path, pid: int | None) -> bool:
     try:
         idle = time.time() - path.stat().st_mtime
@@ -187,12 +201,22 @@ def cache_items(root: Path | None = None) -> list[CacheItem]:
                 continue  # a GGUF's recorded hash goes with it
             with contextlib.suppress(OSError):
                 items.append(CacheItem(path, kind, name, _size(path)))
+    for path in sorted(root.iterdir()) if root.is_dir() else ():
+        what = _root_kind(path, root)
+        if what is None:
+            continue
+        if what[0] == "costs":
+            kind, name = "costs", "forward costs measured on this machine (measured again when missing)"
+        else:
+            kind, name = ("leftover" if _is_stale(path, what[1]) else "busy"), f"temp file of process {what[1]}"
+        with contextlib.suppress(OSError):
+            items.append(CacheItem(path, kind, name, _size(path)))
     return items
 
 
 def _remove(path: Path) -> None:
-    if _kind(path)[0] == "foreign":  # checked again at the last moment: never anything the cache did not make
-        return
+    if _kind(path)[0] == "foreign" and _root_kind(path, cache_dir()) is None:  # checked again at the last moment: never
+        return  # anything the cache did not make
     if path.is_dir() and not path.is_symlink():
         shutil.rmtree(path, ignore_errors=True)
     else:
@@ -225,7 +249,7 @@ def sweep(root: Path | None = None) -> int:
 
 
 def clean(*, models: bool = False) -> int:
-    """Frees space: leftovers and assembled GGUFs, and with `models` the converted models too.
+    """Frees space: leftovers, assembled GGUFs and the kept forward costs, and with `models` the converted models too.
 
     Takes the lock without waiting: a process converting right now keeps its files. Returns bytes freed.
     """
@@ -235,7 +259,7 @@ def clean(*, models: bool = False) -> int:
             raise ModelLoadError("Another SpecDec Studio process is preparing models in the cache; try again "
                                  "when it has finished.")
         claim(cache_dir())
-        kinds = {"leftover", "gguf"} | ({"model"} if models else set())
+        kinds = {"leftover", "gguf", "costs"} | ({"model"} if models else set())
         freed = 0
         for item in cache_items():
             if item.kind in kinds:

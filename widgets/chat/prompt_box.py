@@ -1,14 +1,16 @@
-"""The message box under the chat: Enter sends, Shift+Enter breaks the line, Esc stops; Send turns into Stop."""
+"""The message box under the chat: Enter sends, Shift+Enter breaks the line, Esc stops; Send turns into Stop.
+While the models load a message sent is queued: the box holds it, says so, and Cancel (or Esc) gives it back."""
 from __future__ import annotations
 
 from PySide6.QtCore import Qt, Signal
 from PySide6.QtGui import QKeyEvent
-from PySide6.QtWidgets import QHBoxLayout, QPlainTextEdit, QPushButton, QSizePolicy, QWidget
+from PySide6.QtWidgets import QHBoxLayout, QLabel, QPlainTextEdit, QPushButton, QSizePolicy, QVBoxLayout, QWidget
 
 MIN_LINES, MAX_LINES = 2, 8  # the box grows with its text between these
 # The placeholder, longest first: the longest that fits the box is shown (never one cut at the edge).
 PLACEHOLDERS = ("Type a message…  (Enter to send, Shift+Enter for a new line)", "Type a message…  (Enter to send)",
                 "Type a message…", "Message…")
+QUEUED_TEXT = "Queued — sends when the models are ready"
 
 
 class PromptEdit(QPlainTextEdit):
@@ -60,17 +62,27 @@ class PromptEdit(QPlainTextEdit):
 
 
 class PromptBox(QWidget):
-    """PromptEdit plus one button that reads Send, or Stop while an answer streams."""
+    """PromptEdit plus one button that reads Send, Stop while an answer streams, or Cancel while a message
+    waits for the models (show_queued)."""
 
     send_requested = Signal(str)  # the text to send (already stripped; never empty)
     stop_requested = Signal()  # Stop clicked or Esc pressed while generating
+    queue_cancelled = Signal()  # Cancel clicked or Esc pressed while a message is queued
 
     def __init__(self, parent: QWidget | None = None) -> None:
         super().__init__(parent)
         self.setObjectName("promptBox")
-        row = QHBoxLayout(self)
+        column = QVBoxLayout(self)
+        column.setContentsMargins(0, 0, 0, 0)
+        column.setSpacing(4)
+        self.queued_label = QLabel(QUEUED_TEXT, self)
+        self.queued_label.setObjectName("queuedLabel")
+        self.queued_label.hide()
+        column.addWidget(self.queued_label)
+        row = QHBoxLayout()
         row.setContentsMargins(0, 0, 0, 0)
         row.setSpacing(8)
+        column.addLayout(row)
         self.edit = PromptEdit(self)
         row.addWidget(self.edit, 1)
         self.button = QPushButton("Send", self)
@@ -81,6 +93,8 @@ class PromptBox(QWidget):
         self._generating = False
         self._ready = True
         self._not_ready_reason = ""
+        self._queues = False  # not ready, but a message sent now is queued (the models are loading)
+        self._queued = False  # a queued message is in the box
         self.edit.submitted.connect(self._on_submit)
         self.edit.stop_pressed.connect(self._on_stop)
         self.button.clicked.connect(self._on_button)
@@ -98,19 +112,49 @@ class PromptBox(QWidget):
         self._generating = generating
         self._update_button()
 
-    def set_ready(self, ready: bool, reason: str = "") -> None:
-        """While not ready (models loading) Send is disabled and says why; typing stays possible."""
+    def set_ready(self, ready: bool, reason: str = "", *, queue: bool = False) -> None:
+        """While not ready Send is disabled and says why, unless `queue` (the models are loading): then
+        Send stays enabled and what is sent waits (the window queues it: show_queued). Typing stays possible."""
         self._ready = ready
         self._not_ready_reason = reason
+        self._queues = queue
         self._update_button()
+
+    def show_queued(self, text: str) -> None:
+        """The box holds a message that is sent when the models are ready; Cancel (or Esc) gives it back."""
+        self._queued = True
+        self.edit.setPlainText(text)
+        self.edit.setReadOnly(True)
+        self.queued_label.show()
+        self._update_button()
+
+    def end_queued(self, *, keep_text: bool) -> None:
+        """The queued message was sent (keep_text False: the box empties) or cancelled (it stays, editable)."""
+        self._queued = False
+        self.edit.setReadOnly(False)
+        if not keep_text:
+            self.edit.clear()
+        self.queued_label.hide()
+        self._update_button()
+
+    def is_queued(self) -> bool:
+        return self._queued
 
     # --- internals ------------------------------------------------------------------------------
 
     def _update_button(self) -> None:
-        if self._generating:
+        if self._queued and not self._generating:
+            self.button.setText("Cancel")
+            self.button.setEnabled(True)
+            self.button.setToolTip(f"{QUEUED_TEXT}; click (or Esc) to cancel it and edit it again")
+        elif self._generating:
             self.button.setText("Stop")
             self.button.setEnabled(True)
             self.button.setToolTip("Stop generating (Esc)")
+        elif not self._ready and self._queues:
+            self.button.setText("Send")
+            self.button.setEnabled(True)
+            self.button.setToolTip(f"{self._not_ready_reason} A message sent now waits and is sent when they are ready.")
         else:
             self.button.setText("Send")
             self.button.setEnabled(self._ready)
@@ -120,7 +164,7 @@ class PromptBox(QWidget):
         self.button.style().polish(self.button)
 
     def _on_submit(self) -> None:
-        if self._generating or not self._ready:
+        if self._generating or self._queued or not (self._ready or self._queues):
             return
         text = self.edit.toPlainText().strip()
         if not text:
@@ -131,9 +175,13 @@ class PromptBox(QWidget):
     def _on_stop(self) -> None:
         if self._generating:
             self.stop_requested.emit()
+        elif self._queued:
+            self.queue_cancelled.emit()
 
     def _on_button(self) -> None:
         if self._generating:
             self.stop_requested.emit()
+        elif self._queued:
+            self.queue_cancelled.emit()
         else:
             self._on_submit()
