@@ -54,7 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--runtime", default=None, choices=["auto", "torch", "llamacpp"],
                    help="auto: llama.cpp on the CPU for GGUF models, torch otherwise (default: last used, else auto)")
     p.add_argument("--threads", type=int, default=None,
-                   help="CPU threads per llama.cpp decode, 0 = the physical cores (default: last used, else 0)")
+                   help="CPU threads per decode (llama.cpp, torch on a CPU), 0 = chosen for the cores "
+                        "(default: last used, else 0)")
     p.add_argument("--demo", action="store_true", help="no models: a scripted engine streams a sample answer")
     p.add_argument("--settings", default=None, help="use this .ini file for settings instead of the user's")
     p.add_argument("-v", "--verbose", action="store_true", help="log debug messages")

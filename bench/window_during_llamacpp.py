@@ -2,9 +2,11 @@
 
 The real MainWindow loads the packaged pair on the llama.cpp runtime and streams real answers
 (standard, then speculative) while a 5 ms timer on the UI thread records the gaps between its
-ticks; the same answers are then decoded headless on the same engine, so the cost of the UI to
-the decode is measured too. llama.cpp's calls release the GIL, so the UI thread only competes
-for a core. Run under the real-model lock:
+ticks, and the UI thread's own CPU time is read around each answer (its share of one core while
+streaming at the CPU's speed); the same answers are then decoded headless on the same engine, so the
+cost of the UI to the decode is measured too. llama.cpp's calls release the GIL, so the UI thread only
+competes for a core. bench/cpu_beside_a_burner.py streams through the same helpers. Run under the
+real-model lock:
 
     flock /tmp/specdec-real.lock .venv/bin/python bench/window_during_llamacpp.py --threads 2,1
 """
@@ -15,33 +17,54 @@ import os
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import engine  # noqa: E402,F401  (first: the engine's OpenMP settings come before torch)
 from record import write_record  # noqa: E402
 
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+# Saved conversations go to a throw-away folder, never the user's.
+os.environ.setdefault("SPECDEC_DATA_DIR", tempfile.mkdtemp(prefix="specdec-bench-"))
 
 TARGET_MAX_GAP_MS = 50.0
+TARGET_GUI_SHARE = 0.10  # the UI thread's CPU while streaming: at most a tenth of one core
 PROBE_MS = 5
 PROMPT = "Explain quicksort and write it in Python."
+_APP = None
 
 
-def measure(threads: int, max_new_tokens: int, target: str | None, draft: str | None) -> dict:
-    import numpy as np
-    from PySide6.QtCore import QElapsedTimer, QEventLoop, Qt, QTimer
+@dataclass
+class Streamed:
+    """One answer streamed in the window, with what the UI thread did meanwhile."""
+
+    summary: object  # the engine's Summary
+    wall_s: float  # from send to the answer's last signal
+    gui_cpu_s: float  # CPU time of the UI thread over the same span
+    gaps_ms: list[float] = field(default_factory=list)  # between the probe timer's ticks
+    at_s: list[float] = field(default_factory=list)  # when each gap ended, seconds after send
+
+    @property
+    def gui_share(self) -> float:
+        """The UI thread's CPU time as a share of one core."""
+        return self.gui_cpu_s / self.wall_s if self.wall_s > 0 else 0.0
+
+
+def open_window(threads: int, target: str | None = None, draft: str | None = None, size: tuple[int, int] = (1480, 900)):
+    """(window, engines) with the pair loaded on llama.cpp; threads 0: the engine's own choice."""
+    from PySide6.QtCore import QEventLoop
     from PySide6.QtWidgets import QApplication
 
-    from app.core.session import build_request, system_messages
     from app.ui.settings import AppSettings
     from app.ui.window import MainWindow
     from app.ui.worker import default_engine_factory
-    from engine.settings import GenerationSettings, ModelChoice, ModelSelection
-    from engine.types import Message
+    from engine.settings import ModelChoice, ModelSelection
 
-    _app = QApplication.instance() or QApplication(["ui_llamacpp"])  # kept alive for the whole run
+    global _APP
+    _APP = QApplication.instance() or QApplication(["bench_window"])  # kept alive for the whole run
     engines: list = []
 
     def factory(request, progress):
@@ -49,7 +72,7 @@ def measure(threads: int, max_new_tokens: int, target: str | None, draft: str | 
         return engines[-1]
 
     window = MainWindow(engine_factory=factory, settings=AppSettings(Path(tempfile.mkdtemp()) / "ui.ini"))
-    window.resize(1480, 900)
+    window.resize(*size)
     window.show()
     loop = QEventLoop()
     window.models_loaded.connect(lambda _info: loop.quit())
@@ -58,42 +81,71 @@ def measure(threads: int, max_new_tokens: int, target: str | None, draft: str | 
                                       runtime="llamacpp", threads=threads))
     loop.exec()
     assert window.info is not None and window.info.runtime == "llamacpp", window.info
-    figures: dict = {"threads": threads, "runtime": window.info.fast_path}
+    return window, engines
+
+
+def stream(window, prompt: str = PROMPT, timeout_s: float = 600.0, probe_ms: int | None = PROBE_MS) -> Streamed:
+    """Sends `prompt` in a new chat and waits for the answer, probing the UI thread every probe_ms (None: not)."""
+    from PySide6.QtCore import QElapsedTimer, QEventLoop, Qt, QTimer
+
     done: list = []
     finished = QEventLoop()
-    window.answer_finished.connect(lambda _rid, s: (done.append(s), finished.quit()))
+
+    def on_finished(_rid, summary) -> None:
+        done.append(summary)
+        finished.quit()
+
+    window.answer_finished.connect(on_finished)
+    gaps: list[float] = []
+    at: list[float] = []
+    clock = QElapsedTimer()
+    probe = QTimer()
+    probe.setTimerType(Qt.TimerType.PreciseTimer)
+    probe.setInterval(probe_ms or PROBE_MS)
+    last = [0]
+
+    def tick() -> None:
+        now = clock.nsecsElapsed()
+        gaps.append((now - last[0]) / 1e6)
+        at.append(now / 1e9)
+        last[0] = now
+
+    probe.timeout.connect(tick)
+    window.new_chat()
+    clock.start()
+    if probe_ms:
+        probe.start()
+    cpu0, wall0 = time.thread_time(), time.perf_counter()  # this is the UI thread
+    window.send(prompt)
+    QTimer.singleShot(int(timeout_s * 1000), finished.quit)
+    finished.exec()
+    cpu, wall = time.thread_time() - cpu0, time.perf_counter() - wall0
+    probe.stop()
+    window.answer_finished.disconnect(on_finished)
+    assert done, f"no answer within {timeout_s:.0f} s"
+    # With the probe on, its own ticks (200 a second) are part of the UI thread's time: an upper bound.
+    return Streamed(done[0], wall, cpu, gaps[1:], at[1:])
+
+
+def measure(threads: int, max_new_tokens: int, target: str | None, draft: str | None) -> dict:
+    import numpy as np
+
+    from app.core.session import build_request, system_messages
+    from engine.settings import GenerationSettings
+    from engine.types import Message
+
+    window, engines = open_window(threads, target, draft)
+    figures: dict = {"threads": window.info.threads, "runtime": window.info.fast_path,
+                     "policy": window.info.threads_note}
+    print(f"thread policy: {window.info.threads_note}", flush=True)
     for mode in ("standard", "speculative"):
         window.panel.set_values(GenerationSettings(mode=mode, k=5, max_new_tokens=max_new_tokens))
-        gaps: list[float] = []
-        clock = QElapsedTimer()
-        probe = QTimer()
-        probe.setTimerType(Qt.TimerType.PreciseTimer)
-        probe.setInterval(PROBE_MS)
-        last = [0]
-
-        at: list[float] = []
-
-        def tick() -> None:
-            now = clock.nsecsElapsed()
-            gaps.append((now - last[0]) / 1e6)
-            at.append(now / 1e9)
-            last[0] = now
-
-        probe.timeout.connect(tick)
-        done.clear()
-        window.new_chat()
-        clock.start()
-        last[0] = clock.nsecsElapsed()
-        probe.start()
-        window.send(PROMPT)
-        QTimer.singleShot(600_000, finished.quit)
-        finished.exec()
-        probe.stop()
-        summary = done[0]
-        if len(gaps) < 3:
+        run = stream(window)
+        summary = run.summary
+        if len(run.gaps_ms) < 3:
             print(f"{mode}: the answer took {summary.seconds * 1000:.0f} ms, too short to measure", flush=True)
             continue
-        gaps_ms = np.array(gaps[1:])
+        gaps_ms = np.array(run.gaps_ms)
         # The same request headless on the same engine: what the window costs the decode.
         settings = window.panel.values()
         request = build_request(settings, system_messages(settings) + (Message("user", PROMPT),))
@@ -102,15 +154,16 @@ def measure(threads: int, max_new_tokens: int, target: str | None, draft: str | 
             pass
         # Where the worst gaps fell: (ms, seconds into the answer) - a gap at the very end is the
         # window finishing the answer (markdown), not llama.cpp decoding.
-        worst = sorted(zip(gaps[1:], at[1:]), reverse=True)[:5]
+        worst = sorted(zip(run.gaps_ms, run.at_s), reverse=True)[:5]
         figures[mode] = {
             "max_gap_ms": float(gaps_ms.max()), "p99_gap_ms": float(np.percentile(gaps_ms, 99)),
             "worst_gaps": [(round(g, 1), round(t, 2)) for g, t in worst], "answer_s": summary.seconds,
             "tok_s_in_window": summary.tokens_per_s, "tok_s_headless": headless.summary.tokens_per_s,
-            "tokens": summary.new_tokens,
+            "tokens": summary.new_tokens, "gui_share": run.gui_share,
         }
-        print(f"threads={threads} {mode}: max UI gap {figures[mode]['max_gap_ms']:.1f} ms "
+        print(f"threads={window.info.threads} {mode}: max UI gap {figures[mode]['max_gap_ms']:.1f} ms "
               f"(p99 {figures[mode]['p99_gap_ms']:.1f} ms; target < {TARGET_MAX_GAP_MS:.0f}), "
+              f"UI thread {100 * run.gui_share:.1f}% of a core (target <= {100 * TARGET_GUI_SHARE:.0f}%), "
               f"{summary.tokens_per_s:.1f} tok/s in the window vs {headless.summary.tokens_per_s:.1f} headless; "
               f"worst gaps (ms, s into the {summary.seconds:.1f} s answer): {figures[mode]['worst_gaps']}",
               flush=True)
@@ -120,7 +173,7 @@ def measure(threads: int, max_new_tokens: int, target: str | None, draft: str | 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--threads", default="0", help="comma-separated thread counts (0: the physical cores)")
+    parser.add_argument("--threads", default="0", help="comma-separated thread counts (0: the engine's own choice)")
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--target", default=None, help="a .gguf target (default: the packaged pair)")
@@ -128,10 +181,6 @@ def main() -> int:
     args = parser.parse_args()
     results = []
     for threads in (int(t) for t in args.threads.split(",")):
-        if threads == 0:
-            from engine.runners.llamacpp import physical_cores
-
-            threads = physical_cores()
         results.append(measure(threads, args.max_new_tokens, args.target, args.draft))
         time.sleep(1)
     if args.json is not None:

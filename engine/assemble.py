@@ -10,10 +10,10 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, replace
-from pathlib import Path
 
 import torch
 
+from engine.cpu_threads import ThreadPolicy, choose_threads
 from engine.decoding import Engine
 from engine.decoding.factory import TREE_ALTERNATIVES
 from engine.errors import IncompatibleModelsError, ModelLoadError
@@ -26,7 +26,7 @@ from engine.models.planner import plan_pair
 from engine.models.quant import quantized_kind
 from engine.models.store import ModelSource, gguf_file, resolve_source
 from engine.models.tokenizers import check_compatible, read_gguf_tokenizer
-from engine.runners.cpu import try_pack
+from engine.runners.cpu import try_pack, use_torch_threads
 from engine.runners.graphs import build_runners
 from engine.runners.llamacpp import (
     DEFAULT_N_CTX,
@@ -59,17 +59,23 @@ class RuntimeChoice:
 def build_engine(spec: LoadSpec, progress: ProgressFn | None = None) -> Engine:
     """The Engine for `spec` on the runtime it chooses (the CLI and the app both load through here).
 
-    dtype, precisions, fast_path and head apply to torch; threads to llama.cpp (None: the physical
-    cores). needs_head: the head proposer will be asked for, so auto picks torch; a head folder given
-    counts as that too. On llama.cpp, head "auto" finds nothing to attach (no hidden states there)
-    and the head proposer is refused in one line.
+    dtype, precisions, fast_path and head apply to torch; threads to llama.cpp and to torch on a CPU (None:
+    cpu_threads.choose_threads for the physical cores). needs_head: the head proposer will be asked for,
+    so auto picks torch; a head folder given counts as that too. On llama.cpp, head "auto" finds nothing
+    to attach (no hidden states there) and the head proposer is refused in one line.
     """
     sources = [resolve_source(spec.target, "target")] + ([resolve_source(spec.draft, "draft")] if spec.with_draft
                                                          else [])
     choice = choose_runtime(spec, sources)
+    policy = choose_threads(physical_cores(), spec.threads)
     if choice.runtime == "llamacpp":
-        return _llamacpp_engine(sources, spec.threads, progress, spec.context, spec.keep_costs)
+        return _llamacpp_engine(sources, policy, progress, spec.context, spec.keep_costs)
+    on_cpu = spec.device == "cpu" or (spec.device == "auto" and not torch.cuda.is_available())
+    threads = use_torch_threads(policy) if on_cpu else 0
     engine = engine_for_pair(load_pair_packed(spec, progress), spec, progress)
+    if on_cpu:
+        engine.info = replace(engine.info, threads=threads, threads_batch=threads,
+                              threads_note=replace(policy, decode=threads, batch=threads).describe())
     if choice.note:
         log.warning("%s", choice.note)
         engine.info = replace(engine.info, runtime_note=choice.note)
@@ -224,7 +230,7 @@ def _first_line(exc: BaseException) -> str:
 
 # --------------------------------------------------------------------------- llama.cpp
 
-def _llamacpp_engine(sources: list[ModelSource], threads: int | None, progress: ProgressFn | None,
+def _llamacpp_engine(sources: list[ModelSource], policy: ThreadPolicy, progress: ProgressFn | None,
                      context: int | None = None, keep_costs: bool = False) -> Engine:
     """Target (and draft) GGUFs on llama.cpp runners: tokenizers checked first, no weight conversion; each KV
     cache grows up to `context` cells (None: DEFAULT_N_CTX), as the memory plan counts it."""
@@ -235,7 +241,7 @@ def _llamacpp_engine(sources: list[ModelSource], threads: int | None, progress: 
     infos = [read_gguf_tokenizer(f, s.name) for f, s in zip(files, sources)]
     shared = check_compatible(infos[0], infos[1]) if len(infos) > 1 else infos[0].head_rows
     emit(progress, "check", 1.0, f"Tokenizers match (shared vocabulary {shared:,})")
-    threads = threads or physical_cores()
+    threads = policy.label()
     runners, without_amx = [], []
     for i, (f, s) in enumerate(zip(files, sources)):
         fraction = (i + 1) / (len(files) + 1)
@@ -243,8 +249,9 @@ def _llamacpp_engine(sources: list[ModelSource], threads: int | None, progress: 
         repack = amx_runs(f, lambda message, fraction=fraction: emit(progress, "load", fraction, message))
         if not repack:
             without_amx.append(s.name)
-        emit(progress, "load", fraction, f"Loading {s.name} ({s.role}) with llama.cpp, {threads} threads")
-        runners.append(LlamaCppRunner(f, n_ctx=context or DEFAULT_N_CTX, threads=threads, label=s.name,
+        emit(progress, "load", fraction, f"Loading {s.name} ({s.role}) with llama.cpp, {threads}")
+        runners.append(LlamaCppRunner(f, n_ctx=context or DEFAULT_N_CTX, threads=policy.decode,
+                                      batch_threads=policy.batch, label=s.name,
                                       repack=repack))
     shared = min(shared, *(r.vocab_size for r in runners))
     emit(progress, "warmup", 0.4, f"Models loaded in {time.perf_counter() - started:.1f} s")
@@ -258,14 +265,16 @@ def _llamacpp_engine(sources: list[ModelSource], threads: int | None, progress: 
         fast_path=NAME,
         vocab_size=shared,
         runtime="llamacpp",
-        threads=threads,
+        threads=policy.decode,
+        threads_batch=policy.batch,
+        threads_note=policy.describe(),
         fast_path_note=amx_note(without_amx),
     )
     engine = Engine(None, tokenizer, info, vocab=shared, target_runner=target,
                     draft_runner=runners[1] if len(runners) > 1 else None, eos_ids=target.eog_ids)
     engine.settle_costs(progress, keep_costs)
     if progress is not None:
-        progress(LoadProgress("warmup", 1.0, f"Ready ({NAME}, {threads} threads)"))
+        progress(LoadProgress("warmup", 1.0, f"Ready ({NAME}, {threads})"))
     return engine
 
 

@@ -48,7 +48,7 @@ class LoadSpec:
     compile_k: int = 5  # the K whose verify the "compiled" fast path compiles
     head: str | None = "auto"  # the draft head: "auto" (the shipped one for this target), a folder, or None
     needs_head: bool = False  # the head proposer will be asked for: auto picks torch (llama.cpp keeps no hidden states)
-    threads: int | None = None  # CPU threads per llama.cpp decode; None = the physical cores
+    threads: int | None = None  # CPU threads per decode (llama.cpp, torch on a CPU); None = chosen for the cores
     context: int | None = None  # positions each KV cache holds (None: the default)
     gpus: int | None = None  # GPUs to split the target over (None: one, or as many as the plan needs)
     memory: int | None = None  # memory budget per device in bytes (None: what the device has free)

@@ -32,7 +32,7 @@ MEMORY_RANGE = (0.0, 4096.0)  # GiB per device; 0: what the device has free
 # Who runs the forwards: auto = llama.cpp on the CPU for GGUF models (when installed), torch otherwise.
 RUNTIMES = ("auto", "torch", "llamacpp")
 RUNTIME_LABELS = {"auto": "auto", "torch": "torch", "llamacpp": "llama.cpp"}
-MAX_THREADS = 256  # upper bound of the threads setting (0 = the physical cores)
+MAX_THREADS = 256  # upper bound of the threads setting (0 = chosen for the cores)
 
 
 def _clamp(value, low, high):
@@ -114,7 +114,7 @@ class ModelSelection:
     context: int = 0  # positions each KV cache holds; 0: the default
     memory_gib: float = 0.0  # memory budget per device in GiB; 0: the device's free memory
     runtime: str = "auto"  # auto / torch / llamacpp
-    threads: int = 0  # CPU threads per llama.cpp decode; 0 = the physical cores
+    threads: int = 0  # CPU threads per decode (llama.cpp, torch on a CPU); 0 = engine.cpu_threads chooses
 
     @classmethod
     def from_dict(cls, raw: dict[str, object]) -> ModelSelection:

@@ -222,7 +222,9 @@ class ModelInfo:
     tree_ms: tuple[tuple[int, float], ...] = ()
     tree_alternatives: int = 0
     runtime: str = "torch"  # what runs the forwards: "torch" or "llamacpp"
-    threads: int = 0  # CPU threads a decode uses (llama.cpp); 0 = the runtime's own default
+    threads: int = 0  # CPU threads a one-row forward uses (llama.cpp, torch on a CPU); 0 = the runtime's own default
+    threads_batch: int = 0  # CPU threads a wider forward (prompt, verify) uses; 0 = as `threads`
+    threads_note: str = ""  # how the counts were chosen and how idle threads wait (cpu_threads.ThreadPolicy.describe)
     runtime_note: str = ""  # why this runtime, when it is not the one asked for (e.g. llama.cpp missing)
     # How far the forward costs above can be believed (engine/decoding/cost_check.py): "measured" (and
     # consistent), "kept" (measured on this machine at an earlier start; checked again after Ready),

@@ -5,6 +5,8 @@ import os
 
 import pytest
 
+import engine  # noqa: F401  (before torch: OpenMP's passive wait, engine/cpu_threads.py)
+
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

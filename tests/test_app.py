@@ -673,7 +673,10 @@ def test_model_dialog_round_trips_a_selection(qtbot):
     assert dialog.selection() == selection
     assert dialog.runtime.currentText() == "llama.cpp" and dialog.threads.text() == "3"
     dialog.threads.setValue(0)
-    assert dialog.selection().threads == 0 and dialog.threads.text() == "physical cores"
+    from engine.cpu_threads import choose_threads, physical_cores
+
+    auto = choose_threads(physical_cores())  # 0 is the engine's own choice, named with its count
+    assert dialog.selection().threads == 0 and dialog.threads.text() == f"auto ({auto.label()})"
     dialog.no_draft.setChecked(True)
     assert dialog.selection().no_draft and not dialog.draft.isEnabled()
     dialog.target.gguf.setText("/m/x.gguf")

@@ -15,7 +15,8 @@ ROOT = Path(__file__).resolve().parents[1]
 ENGINE_FORBIDDEN = ("PySide6", "shiboken6", "pyqtgraph", "PyQt5", "PyQt6", "qtpy", "app", "widgets")
 WIDGETS_FORBIDDEN = ("torch", "transformers", "accelerate", "bitsandbytes", "app")
 WIDGETS_ALLOWED_ENGINE = ("engine.types", "engine.measure.stats", "engine.measure.explain", "engine.errors",
-                          "engine.settings", "engine.limits", "engine.measure.check_types")
+                          "engine.settings", "engine.limits", "engine.measure.check_types",
+                          "engine.cpu_threads")  # cpu_threads: the standard library only
 
 
 def imports(path: Path) -> list[tuple[int, str]]:

@@ -53,6 +53,8 @@ def test_runtime_label_names_the_runtime_and_why():
 
     llama = replace(INFO, fast_path="llama.cpp", runtime="llamacpp", threads=2, dtype="Q4_K_M")
     assert runtime_label(llama) == "llama.cpp · 2 threads"
+    assert runtime_label(replace(llama, threads=3, threads_batch=4)) == "llama.cpp · 3 threads (4 for prompts)"
+    assert runtime_label(replace(INFO, fast_path="cpu-onednn", threads=1)) == "cpu-onednn · 1 thread"
     assert runtime_label(INFO) == "eager"
     fallback = replace(INFO, fast_path="cpu-onednn", runtime_note="llama.cpp unavailable (ImportError: x)")
     assert runtime_label(fallback) == "cpu-onednn (torch; llama.cpp unavailable (ImportError: x))"

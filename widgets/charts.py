@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from collections.abc import Sequence
 
@@ -27,6 +28,11 @@ NO_DRAFTS_NOTE = "no drafts in standard decoding"  # the draft plots' titles whe
 _STEP, _ACCEPTANCE, _K, _ACCEPTED, _TPS, _TPS_ROLLING, _DRAFT_MS, _VERIFY_MS, _OVERHEAD_MS = range(9)
 _COLUMNS = 9
 _AXIS_WIDTH = 52  # pixels for every left axis
+# Redrawing five plots costs ~5 ms of the UI thread on a slow 2-core CPU (setData, then the repaint): at
+# 15 Hz that is 8% of a core taken from a decode sharing those cores. The redraws may take at most this
+# share of one core; where they cost more, they come less often (never less than twice a second).
+CPU_SHARE = 0.04
+SLOWEST_REFRESH_MS = 500
 EMPTY_TEXT = ("No data yet\n\nSend a message: as the answer streams, these charts show how many drafted "
               "tokens are accepted, how many are drafted per step, the speed, and where the time goes.")
 
@@ -96,8 +102,22 @@ def theme_plot(plot: pg.PlotItem) -> None:
             label.setText(label.text, color=fg)
 
 
+class _TimedGraphics(pg.GraphicsLayoutWidget):
+    """The plots' view, counting the UI thread's CPU time its repaints take."""
+
+    painted_s = 0.0  # CPU seconds spent painting since the charts last read it
+
+    def paintEvent(self, event) -> None:  # noqa: N802 (Qt override)
+        started = time.thread_time()
+        super().paintEvent(event)
+        self.painted_s += time.thread_time() - started
+
+
 class LiveCharts(QWidget):
     """Five stacked plots fed by `push_steps`; a 15 Hz timer redraws only when new data arrived.
+
+    A redraw's measured CPU cost (its setData calls and the repaint that follows) sets how often the
+    timer may fire: at most CPU_SHARE of one core, so a slow machine redraws less often, not slower.
 
     Curves are created once; data lives in a preallocated ring buffer that keeps the newest
     `capacity` steps contiguous (the older half is dropped when it fills), so pushing is O(steps)
@@ -111,9 +131,11 @@ class LiveCharts(QWidget):
         self._buffer = np.full((capacity, _COLUMNS), np.nan)
         self._build_plots()
         self.reset()
+        self._fastest_ms = max(1, round(1000 / refresh_hz))
+        self._cost_s = 0.0  # a redraw's CPU seconds, smoothed
         self._timer = QTimer(self)
-        self._timer.setInterval(max(1, round(1000 / refresh_hz)))
-        self._timer.timeout.connect(self.refresh)
+        self._timer.setInterval(self._fastest_ms)
+        self._timer.timeout.connect(self._on_timer)
         self._timer.start()
 
     # --- public API -------------------------------------------------------------------------
@@ -124,6 +146,21 @@ class LiveCharts(QWidget):
             self._push(step)
         if steps:
             self._dirty = True
+
+    def refresh_interval_ms(self) -> int:
+        """How often the timer redraws now (the fastest rate, or slower where redraws cost more)."""
+        return self._timer.interval()
+
+    def _on_timer(self) -> None:
+        if not self._dirty:
+            return
+        started = time.thread_time()
+        self.refresh()
+        cost = time.thread_time() - started + self._graphics.painted_s  # the repaint of the previous redraw
+        self._graphics.painted_s = 0.0
+        self._cost_s = cost if self._cost_s == 0.0 else 0.7 * self._cost_s + 0.3 * cost
+        wanted = round(1000 * self._cost_s / CPU_SHARE)
+        self._timer.setInterval(min(SLOWEST_REFRESH_MS, max(self._fastest_ms, wanted)))
 
     def refresh(self) -> None:
         """Pushes the buffers to the plots if anything changed since the last refresh."""
@@ -228,7 +265,7 @@ class LiveCharts(QWidget):
         accepted = palette.colours("accepted").chart
         bonus = palette.colours("bonus").chart
         neutral = palette.muted
-        self._graphics = pg.GraphicsLayoutWidget(self)
+        self._graphics = _TimedGraphics(self)
         # Before the first step: one line saying what will show here, not empty plots with made-up axes.
         self._empty = QLabel(EMPTY_TEXT, self)
         self._empty.setObjectName("chartsEmpty")

@@ -26,6 +26,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from engine.cpu_threads import choose_threads, physical_cores
 from engine.errors import EngineError
 from engine.settings import (
     CONTEXT_RANGE,
@@ -200,8 +201,9 @@ class ModelDialog(QDialog):
                                 "GGUF's own quantization.")
         self.threads = QSpinBox(self)
         self.threads.setRange(0, MAX_THREADS)
-        self.threads.setSpecialValueText("physical cores")
-        self.threads.setToolTip("CPU threads per llama.cpp decode (0: one per physical core)")
+        auto = choose_threads(physical_cores())
+        self.threads.setSpecialValueText(f"auto ({auto.label()})")
+        self.threads.setToolTip(f"CPU threads per decode, llama.cpp and torch on a CPU. auto: {auto.describe()}")
         form.addRow("Runtime", self.runtime)
         form.addRow("Threads", self.threads)
         row.addLayout(form)

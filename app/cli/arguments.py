@@ -80,7 +80,8 @@ def add_model_args(p: argparse.ArgumentParser, decoding: bool = True) -> None:
                    help="auto: llama.cpp on the CPU for .gguf files and the packaged pair (when installed), "
                         "torch otherwise; --dtype and --fast-path apply to torch")
     g.add_argument("--threads", type=positive_int, default=None,
-                   help="CPU threads per llama.cpp decode (default: the physical cores)")
+                   help="CPU threads per decode, llama.cpp and torch on a CPU (default: chosen for the "
+                        "physical cores)")
     d = p.add_argument_group("decoding")
     d.add_argument("-v", "--verbose", action="store_true", help="log what the engine does (stderr)")
     if not decoding:

@@ -78,11 +78,14 @@ def device_line(info: ModelInfo) -> str:
 
 def runtime_label(info: ModelInfo) -> str:
     """What runs the pair, for the status bar and the CLI: 'llama.cpp · 2 threads', the torch fast
-    path's name, and 'cpu-onednn (torch; llama.cpp unavailable (…))' when auto could not use llama.cpp."""
-    if info.runtime == "llamacpp":
-        threads = f"{info.threads} thread{'s' if info.threads != 1 else ''}"
-        return f"{info.fast_path} · {threads}" if info.threads else info.fast_path
-    return f"{info.fast_path} (torch; {info.runtime_note})" if info.runtime_note else info.fast_path
+    path's name ('cpu-onednn · 2 threads' on a CPU), and 'cpu-onednn (torch; llama.cpp unavailable (…))'
+    when auto could not use llama.cpp."""
+    line = info.fast_path
+    if info.threads:
+        line += f" · {info.threads} thread{'s' if info.threads != 1 else ''}"
+        if info.threads_batch and info.threads_batch != info.threads:
+            line += f" ({info.threads_batch} for prompts)"
+    return f"{line} (torch; {info.runtime_note})" if info.runtime_note else line
 
 
 def system_messages(settings: GenerationSettings) -> tuple[Message, ...]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import replace
 
-from PySide6.QtCore import QObject, Signal
+from PySide6.QtCore import QObject, QTimer, Signal
 from PySide6.QtGui import QTextCursor
 
 from app.core.session import ChatSession, answer_header
@@ -22,8 +22,12 @@ from widgets.chat.prompt_box import PromptBox
 from widgets.chat.view import ChatView
 from widgets.stats_line import format_stats_line, format_stats_plain
 
-
 REGENERATE_TEMPERATURE = 0.7  # what Regenerate at T = 0 offers instead
+
+# Streamed steps reach the chat, the charts and the status bar at most this often: tokens arriving one
+# signal at a time (a CPU decoding 10-30 tok/s) are shown in batches, so the window relayouts ~12 times a
+# second whatever the token rate (the worker batches too, at 33 Hz, to keep cross-thread signals few).
+VIEW_INTERVAL_MS = 80
 
 
 class ChatController(QObject):
@@ -67,6 +71,13 @@ class ChatController(QObject):
         chat.example_chosen.connect(self.fill_prompt)
         self._loading = loading
         self.queued: str | None = None  # a message sent while the models load: sent once they are ready
+        # Steps recorded in the session but not shown yet (one request's), and the timer that shows them.
+        self._unshown: list[Step] = []
+        self._unshown_request: int | None = None
+        self._view_timer = QTimer(self)
+        self._view_timer.setSingleShot(True)
+        self._view_timer.setInterval(VIEW_INTERVAL_MS)
+        self._view_timer.timeout.connect(self._show_steps)
         # The worker lives on its own thread: these are queued connections, run on the UI thread.
         worker.prefill_progress.connect(self._on_prefill_progress)
         worker.steps.connect(self._on_steps)
@@ -218,6 +229,7 @@ class ChatController(QObject):
         # The shown conversation changed: a streaming answer is stopped (it is saved to its own conversation).
         if streaming is not None:
             self._source.stop(streaming)
+        self._drop_unshown()  # recorded in the session; the chat they were for is gone
         self.chat.clear()
         self.conversations.bubble_turn.clear()
         self.charts.reset()
@@ -246,8 +258,22 @@ class ChatController(QObject):
             self.status.show_prefill(text)
 
     def _on_steps(self, request_id: int, steps: tuple[Step, ...]) -> None:
-        # The hot path: one edit block in one bubble, ring-buffer appends for the charts (drawn by their timer).
+        # The hot path: the session records the steps now; the views get them in one batch per VIEW_INTERVAL_MS.
         if not self.session.add_steps(request_id, steps):
+            return
+        if self._unshown_request not in (None, request_id):
+            self._show_steps()
+        self._unshown_request = request_id
+        self._unshown.extend(steps)
+        if not self._view_timer.isActive():
+            self._view_timer.start()
+
+    def _show_steps(self) -> None:
+        """One edit block in one bubble, ring-buffer appends for the charts (drawn by their timer)."""
+        self._view_timer.stop()
+        request_id, steps = self._unshown_request, tuple(self._unshown)
+        self._drop_unshown()
+        if request_id is None or not steps:
             return
         self.chat.append_steps(request_id, steps)
         if request_id == self.session.active_request:
@@ -255,7 +281,13 @@ class ChatController(QObject):
             self.charts.push_steps(steps)
             self.status.show_decision(steps[-1].decision)
 
+    def _drop_unshown(self) -> None:
+        self._view_timer.stop()
+        self._unshown = []
+        self._unshown_request = None
+
     def _on_generation_finished(self, request_id: int, summary: Summary) -> None:
+        self._show_steps()  # every step is shown before the answer is finished
         request = self.session.request(request_id)
         if request is None:
             return
@@ -276,6 +308,7 @@ class ChatController(QObject):
         self.finished.emit(request_id, summary)
 
     def _on_generation_failed(self, request_id: int, message: str) -> None:
+        self._show_steps()  # what was decoded before the error stays visible
         if not self.session.fail(request_id, message):
             return
         self.chat.fail_assistant_message(request_id, message)

@@ -88,7 +88,8 @@ class StatusBarController(QObject):
         self.model_label.setText(names)
         if info is not None:
             self.device_label.setText(device_line(info))
-            self.device_label.setToolTip("\n".join(n for n in (info.fast_path_note, info.runtime_note) if n))
+            notes = (info.threads_note, info.fast_path_note, info.runtime_note)
+            self.device_label.setToolTip("\n".join(n for n in notes if n))
 
     def show_remote(self, server: str, model: str) -> None:
         """The chat streams from a remote server: which one and which model (no local device or costs)."""

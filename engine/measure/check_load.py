@@ -150,7 +150,8 @@ def _load_one(engine, spec: str, name: str, shared: int, load_torch) -> DraftUnd
         if source.kind not in ("gguf", "default"):
             raise EngineError(f"{name} is a model folder; the llama.cpp runtime checks .gguf drafts "
                               "(run the check with --runtime torch for folders).")
-        runner = LlamaCppRunner(gguf_file(source), threads=engine.info.threads or None, label=name)
+        runner = LlamaCppRunner(gguf_file(source), threads=engine.info.threads or None,
+                                batch_threads=engine.info.threads_batch or None, label=name)
         holder, model = runner, None
     else:
         if load_torch is None:

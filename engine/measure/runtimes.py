@@ -44,7 +44,7 @@ def plain_llama(engine) -> Any:
         _plain[engine] = lib.Llama(
             model_path=str(runner.path), n_ctx=runner.max_length, n_batch=runner.n_batch, n_ubatch=runner.n_ubatch,
             type_k=runner.kv_type_id, type_v=runner.kv_type_id, n_threads=runner.threads,
-            n_threads_batch=runner.threads, flash_attn=runner.flash_attn, use_mmap=runner.use_mmap,
+            n_threads_batch=runner.batch_threads, flash_attn=runner.flash_attn, use_mmap=runner.use_mmap,
             n_gpu_layers=0, verbose=False,
         )
     return _plain[engine]

@@ -12,12 +12,29 @@ import logging
 
 import torch
 from torch import nn
+from engine.cpu_threads import ThreadPolicy
 from engine.garbage import collect_garbage
 from engine.models import memory  # memory.trim_heap: looked up per call (tests count the trims)
 
 log = logging.getLogger(__name__)
 
 BATCH_HINT = 8  # rows oneDNN tunes the packed layout for: the verify widths K+1 we expect
+
+
+def use_torch_threads(policy: ThreadPolicy) -> int:
+    """torch's intra-op threads for a CPU decode as the policy says; returns the count torch uses.
+
+    torch's own default is every physical core: it is changed where the policy differs (a person's count,
+    a core left spare), never otherwise (a process that chose its own count keeps it). One inter-op thread:
+    a decode runs one op at a time.
+    """
+    if policy.chosen == "setting" or policy.decode < policy.cores:
+        torch.set_num_threads(policy.decode)
+    try:
+        torch.set_num_interop_threads(1)
+    except RuntimeError:  # set once per process, before any inter-op work: a second load keeps the first
+        pass
+    return torch.get_num_threads()
 
 
 def onednn_available() -> bool:

@@ -11,7 +11,6 @@ import collections
 import ctypes
 import importlib
 import logging
-import os
 import threading
 from collections.abc import Iterable
 from functools import lru_cache
@@ -21,6 +20,7 @@ from types import ModuleType
 import numpy as np
 import torch
 
+from engine.cpu_threads import physical_cores  # noqa: F401  (named here too: the runtime's default)
 from engine.errors import GenerationError, ModelLoadError
 from engine.limits import K_MAX
 from engine.runners.llamacpp_probe import AMX_ENV, amx_advertised, forced  # noqa: F401  (AMX_ENV: named here too)
@@ -119,27 +119,6 @@ def _last_error() -> str:
     return "see the log (-v) for llama.cpp's reason"
 
 
-def physical_cores() -> int:
-    """Physical cores this process may run on (hyperthreads do not speed up a memory-bound decode)."""
-    allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
-    cores: set[tuple[str, str]] = set()
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            cpu, package = -1, "0"
-            for line in f:
-                key, _, value = line.partition(":")
-                key, value = key.strip(), value.strip()
-                if key == "processor":
-                    cpu = int(value)
-                elif key == "physical id":
-                    package = value
-                elif key == "core id" and cpu in allowed:
-                    cores.add((package, value))
-    except (OSError, ValueError):
-        pass
-    return max(1, min(len(cores) or len(allowed), len(allowed)))
-
-
 def extra_buffers() -> bool:
     """Whether llama.cpp may repack weights into its extra buffer types here, without trying: off where
     AMX is advertised (its kernels died on this project's virtual Xeons), unless AMX_ENV is 1. The
@@ -176,11 +155,13 @@ class LlamaCppRunner:
     hidden: torch.Tensor | None = None  # llama.cpp hands out logits and embeddings, not a layer's outputs
 
     def __init__(self, path: Path, *, n_ctx: int = DEFAULT_N_CTX, threads: int | None = None,
-                 n_batch: int = DEFAULT_N_BATCH, n_ubatch: int = DEFAULT_N_UBATCH, kv_type: str = KV_TYPE,
+                 batch_threads: int | None = None, n_batch: int = DEFAULT_N_BATCH,
+                 n_ubatch: int = DEFAULT_N_UBATCH, kv_type: str = KV_TYPE,
                  flash_attn: bool = FLASH_ATTN, use_mmap: bool = USE_MMAP, min_cells: int = MIN_CELLS,
                  label: str | None = None, repack: bool | None = None) -> None:
-        """repack: let llama.cpp repack weights into its extra buffer types for this CPU (AMX, AVX-512
-        layouts); None: as extra_buffers() says."""
+        """threads: for one-row forwards (None: the physical cores); batch_threads: for wider ones, the prompt
+        and verifies (None: as threads). repack: let llama.cpp repack weights into its extra buffer types for
+        this CPU (AMX, AVX-512 layouts); None: as extra_buffers() says."""
         lib = llama_cpp()
         self._lib = lib
         self.path = path
@@ -202,6 +183,7 @@ class LlamaCppRunner:
         self.vocab_size = int(lib.llama_vocab_n_tokens(vocab))  # one logits row per token id
         self.max_length = max(8, min(n_ctx, int(lib.llama_model_n_ctx_train(model)) or n_ctx))
         self.threads = threads or physical_cores()
+        self.batch_threads = batch_threads or self.threads
         self.file_type = file_type_name(int(lib.llama_model_ftype(model)))
         self.file_bytes = int(lib.llama_model_size(model))
         # End-of-generation ids as llama.cpp sees them (eos, eot, <|endoftext|>, ...).
@@ -215,7 +197,7 @@ class LlamaCppRunner:
         cparams.n_ubatch = min(n_ubatch, n_batch)
         cparams.n_outputs_max = RESERVED_OUTPUTS  # no forward asks for more rows of logits
         cparams.n_seq_max = 1
-        cparams.n_threads = cparams.n_threads_batch = self.threads
+        cparams.n_threads, cparams.n_threads_batch = self.threads, self.batch_threads
         cparams.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn else lib.LLAMA_FLASH_ATTN_TYPE_DISABLED
         cparams.no_perf = True
         self._cparams = cparams
@@ -280,10 +262,11 @@ class LlamaCppRunner:
         return measure_forward_costs(self, widths, iters)
 
     # -- llama.cpp specifics ------------------------------------------------------------------
-    def set_threads(self, threads: int) -> None:
-        """Threads for every later decode (single-token and batched alike)."""
-        self.threads = self._cparams.n_threads = self._cparams.n_threads_batch = max(1, int(threads))
-        self._lib.llama_set_n_threads(self._ctx, self.threads, self.threads)
+    def set_threads(self, threads: int, batch: int | None = None) -> None:
+        """Threads for every later decode: `threads` for one-row forwards, `batch` (default: the same) wider."""
+        self.threads = self._cparams.n_threads = max(1, int(threads))
+        self.batch_threads = self._cparams.n_threads_batch = max(1, int(batch or threads))
+        self._lib.llama_set_n_threads(self._ctx, self.threads, self.batch_threads)
 
     def kv_length(self) -> int:
         """Tokens llama.cpp itself holds for the sequence (its largest position + 1)."""
