@@ -7,8 +7,8 @@ burner toggled between answers (a child process of this script: `python -c "whil
 >= 0.7x at nice 19, >= 0.4x at nice 0), the UI thread's CPU share of one core while streaming at the CPU's
 speed (target <= 10%, from time.thread_time on the UI thread), and the thread policy the engine chose.
 
-    flock /tmp/specdec-real.lock .venv/bin/python bench/cpu_beside_a_burner.py            # ~3-4 min on 2 cores
-    flock /tmp/specdec-real.lock .venv/bin/python bench/cpu_beside_a_burner.py --quick    # < 90 s
+    flock /tmp/specdec-real.lock .venv/bin/python bench/cpu_beside_a_burner.py            # ~2 min on 2 cores
+    flock /tmp/specdec-real.lock .venv/bin/python bench/cpu_beside_a_burner.py --quick    # ~60 s
 """
 from __future__ import annotations
 

@@ -165,7 +165,8 @@ def settle_costs(engine: Engine, progress=None, keep_costs: bool = False) -> Non
         if key is not None:
             keep(key, _kept(pooled(measured), dict(engine.info.sampled_target_ms)))
         return
-    log.warning("the forward costs measured at load look disturbed (%s): measuring them again after Ready", reason)
+    # Not a warning: the status bar says "measuring again", and a command-line run prints one line or none.
+    log.info("the forward costs measured at load look disturbed (%s): measuring them again after Ready", reason)
     _set_state(engine, "disturbed", reason)
     # Passes that held together but look implausible are a measurement a later one may confirm.
     engine.cost_check = CostCheck(key, pooled(measured), kept=False,
