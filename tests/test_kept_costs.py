@@ -254,7 +254,7 @@ def test_a_disturbed_measurement_at_load_gives_no_verdict_and_is_measured_again(
     assert engine.info.costs_state == "measured" and engine.cost_check.done
     assert engine.info.draft_ms == 24 and dict(engine.info.target_ms)[1] == 40
     assert read_kept(cost_key(engine)).target_ms == figures(40, 24).target_ms
-    assert "of a target forward" in cost_verdict(engine.info, None)[0]
+    assert "of a forward" in cost_verdict(engine.info, None)[0]  # a verdict again, e.g. "The draft costs 60% of a forward"
 
 
 def test_a_draft_dearer_than_the_target_is_measured_again_before_it_is_believed(engine, monkeypatch):

@@ -107,9 +107,9 @@ class CheckingEngine(FakeEngine):
         self.info = replace(self.info, draft_ms=24.0, costs_state="measured", costs_note="")
         return True
 
-    def generate(self, request, cancel):
+    def generate(self, request, cancel, progress=None):
         self.events.append("generate")
-        return super().generate(request, cancel)
+        return super().generate(request, cancel, progress)
 
 
 def test_costs_are_measured_again_after_ready_when_idle_and_the_verdict_waits_for_them(make_window, qtbot,
@@ -121,8 +121,8 @@ def test_costs_are_measured_again_after_ready_when_idle_and_the_verdict_waits_fo
     assert w.cost_label.text() == "draft cost: measuring again"
     with qtbot.waitSignal(w.worker.costs.updated, timeout=10000):
         pass
-    qtbot.waitUntil(lambda: "of a target forward" in w.cost_label.text(), timeout=5000)
-    assert w.cost_label.text() == "draft = 60% of a target forward" and w.info.costs_state == "measured"
+    qtbot.waitUntil(lambda: "of a forward" in w.cost_label.text(), timeout=5000)
+    assert w.cost_label.text() == "The draft costs 60% of a forward" and w.info.costs_state == "measured"
     assert engine.events == ["pass"] * 3
 
 
@@ -158,7 +158,7 @@ def test_on_disturbed_costs_the_stats_line_and_status_bar_give_no_verdict(make_w
     rid, _ = send_with_enter(qtbot, w, "hi")
     line, detail = w.chat.stats_text(rid), w.chat.stats_detail(rid)
     assert "the forward costs are still being measured" in line and "did not pay" not in line
-    assert "standard for now: the forward costs are still being measured" in detail.lower()
+    assert "standard decoding for now: the forward costs are still being measured" in detail.lower()
     assert "costs more than it saves" not in line + detail and "costs more than it saves" not in w.decision_label.text()
     assert w.decision_label.text() == "Standard decoding for now: the forward costs are still being measured"
     engine.info = replace(engine.info, costs_state="measured")  # settled: the verdict is back

@@ -28,7 +28,20 @@ def _generate(capsys, mode: str) -> dict:
     return json.loads(captured.out)
 
 
-def test_cli_json_on_the_real_pair_is_lossless_in_float32(real_cache, capsys):
+def test_cli_json_on_the_real_pair_is_lossless_in_float32(real_cache, capsys, monkeypatch):
+    # The three commands share one load of the pair (77 s each on 2 cores in float32): the first loads it
+    # through the CLI as a person's would; standard and auto then decode on that same engine (standard
+    # never asks its draft), so the comparison is of decoding, token for token, on the same weights.
+    from app.cli import common
+
+    load, loaded = common.load_engine, []
+
+    def load_once(args, needs_draft, *a, **kw):
+        if not loaded:
+            loaded.append(load(args, True, *a, **kw))
+        return loaded[0]
+
+    monkeypatch.setattr(common, "load_engine", load_once)
     spec = _generate(capsys, "speculative")
     assert spec["config"]["target"] == "Qwen2.5-Coder-1.5B-Instruct"
     assert spec["config"]["draft"] == "Qwen2.5-Coder-0.5B-Instruct"

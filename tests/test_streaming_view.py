@@ -39,7 +39,7 @@ class HeldEngine:
         self.steps = steps
         self.release = threading.Event()
 
-    def generate(self, request: GenerationRequest, cancel: threading.Event) -> _Held:
+    def generate(self, request: GenerationRequest, cancel: threading.Event, progress=None) -> _Held:
         return _Held(self.steps, self.release)
 
 

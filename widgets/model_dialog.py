@@ -299,6 +299,8 @@ class ModelDialog(QDialog):
             self.plan_bar.set_message(str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__)
             return
         self.plan_bar.set_plan(self.plan)
+        if self.plan is None:  # a planner with nothing to say (no plan for this choice)
+            return
         self.context.setSpecialValueText(f"auto ({self.plan.context:,})" if not self.context.value() else "auto")
         gguf = self.plan.runner == "llama.cpp"
         for picker in (self.target, self.draft):

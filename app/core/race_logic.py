@@ -10,6 +10,7 @@ from dataclasses import dataclass, fields
 from typing import Literal
 
 from app.core.export import ENCODING, cell, now_iso, restore, write_csv
+from engine.measure.verdict import NOISE_FLOOR, is_win, speedup_spread
 from engine.measure import experiment
 from engine.measure.experiment import BenchPrompt
 from engine.types import ModelInfo, Mode, Step, Summary
@@ -109,6 +110,7 @@ class RaceSummary:
     acceptance_rate: float  # median over repeats
     tokens_per_target_forward: float  # median over repeats (speculative)
     identical: bool | None  # all repeats identical (greedy); None when sampling
+    verdict: str = ""  # in plain words, by the one rule Chat and Tune use (engine.measure.verdict)
 
 
 # --------------------------------------------------------------------------- comparing two runs
@@ -210,7 +212,26 @@ def summarize_race(results: Sequence[RaceResult]) -> RaceSummary:
         acceptance_rate=median(r.speculative.acceptance_rate for r in results),
         tokens_per_target_forward=median(r.speculative.tokens_per_target_forward for r in results),
         identical=None if any(f is None for f in flags) else all(flags),
+        verdict=race_verdict([r.speedup for r in results], median(r.speculative.acceptance_rate for r in results)),
     )
+
+
+def race_verdict(speedups: Sequence[float], acceptance: float) -> str:
+    """Who won, only beyond the spread the repeats show (one repeat: the noise floor), e.g. "No clear winner:
+    1.02× is within the ±3% that runs of the same work vary by"."""
+    stats = speedup_stats(speedups)
+    if stats.n == 0:
+        return ""
+    spread = speedup_spread([v for v in speedups if not math.isnan(v)])
+    margin = f"±{max(spread, NOISE_FLOOR):.0%}"
+    if is_win(stats.median, spread, acceptance):
+        return f"Speculative decoding is faster here: {stats.median:.2f}×, beyond the {margin} its runs vary by"
+    if stats.median > 1 and not acceptance > 0:
+        return f"No clear winner: no drafted token was accepted, so {stats.median:.2f}× is noise"
+    if 1 - stats.median > max(spread, NOISE_FLOOR):
+        return f"Standard decoding is faster here: speculative ran at {stats.median:.2f}×"
+    again = "; race again for a firmer answer" if stats.n == 1 else ""
+    return f"No clear winner: {stats.median:.2f}× is within the {margin} that runs of the same work vary by{again}"
 
 
 def run_order(repeat: int) -> tuple[Mode, Mode]:

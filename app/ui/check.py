@@ -8,8 +8,7 @@ from dataclasses import dataclass, replace
 
 from PySide6.QtCore import QObject
 
-from app.ui.worker import _generation_error_message
-
+from app.core.failures import generation_error_message
 from engine.measure.check_types import CandidateCheck, CheckReport
 from engine.settings import GenerationSettings, ModelSelection
 from engine.types import GenerationRequest, Sampling, Summary
@@ -38,7 +37,7 @@ class CheckJob:
             report = check_engine(engine, self.target, self.drafts, sampling=self.sampling, head=True, ngram=True,
                                   progress=progress, cancel=cancel, load_torch=self._load_torch)
         except Exception as e:
-            failed(_generation_error_message(e))
+            failed(generation_error_message(e))
             return
         finished(report)
 

@@ -12,11 +12,11 @@ from typing import Any, Protocol
 
 from PySide6.QtCore import QObject, Qt, QThread, Signal, Slot
 
+from app.core.failures import first_line, generation_error_message, load_error_message, training_error_message
+from app.core.session import TrainRequest
 from app.ui.collector import collector
 from app.ui.cost_refresh import CostRefresh
-from app.core.session import TrainRequest
 from engine import garbage
-from engine.errors import EngineError
 from engine.loadspec import LoadSpec
 from engine.measure.stats import summarize
 from engine.types import GenerationRequest, ModelInfo, PrefillProgress, Step
@@ -122,16 +122,6 @@ def default_head_trainer(request: TrainRequest, engine: EngineLike, progress: Pr
     dtype = next(engine.target.parameters()).dtype  # type: ignore[attr-defined]
     engine.attach_head(head.to(dtype=dtype).eval().requires_grad_(False), distiller.name)  # type: ignore[attr-defined]
     return summary, engine.info
-
-
-def _is_out_of_memory(exc: BaseException) -> bool:
-    # torch.OutOfMemoryError without importing torch here (the fake engines never need it).
-    return isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError"
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
 
 
 class EngineWorker(QObject):
@@ -254,7 +244,7 @@ class EngineWorker(QObject):
             self.load_failed.emit("Loading was cancelled.")
             return
         except Exception as e:
-            failure = _load_error_message(e)
+            failure = load_error_message(e)
         if failure is not None:
             # Out of the except block: its traceback held the failed load's frames, and with them
             # whatever it had loaded, which must not stay beside the old pair loading again.
@@ -313,7 +303,7 @@ class EngineWorker(QObject):
         except Exception as e:
             log.warning("could not load the old pair again: %s", e)
             self._engine_request = None
-            return (f" The old pair was released to make room and could not be loaded again ({_first_line(e)}): "
+            return (f" The old pair was released to make room and could not be loaded again ({first_line(e)}): "
                     "no models are loaded; choose File ▸ Load models….")
         log.info("the old pair, released to make room, was loaded again after the new pair failed")
         return " The old pair, released to make room, has been loaded again."
@@ -356,7 +346,7 @@ class EngineWorker(QObject):
                                     stop_reason="cancelled" if self.stop_event.is_set() else "eos")
         except Exception as e:
             flush()  # what was decoded before the error stays visible
-            self.generation_failed.emit(rid, _generation_error_message(e))
+            self.generation_failed.emit(rid, generation_error_message(e))
             return
         self.generation_finished.emit(rid, summary)
 
@@ -380,7 +370,7 @@ class EngineWorker(QObject):
                                 progress=lambda done, total, record: self.sweep_progress.emit(done, total, record),
                                 cancel=self.sweep_stop)
         except Exception as e:
-            self.sweep_failed.emit(_generation_error_message(e))
+            self.sweep_failed.emit(generation_error_message(e))
             return
         self.sweep_finished.emit(records)
 
@@ -399,7 +389,7 @@ class EngineWorker(QObject):
             summary, info = self._trainer(request, self.engine, lambda p: self.training_progress.emit(rid, p),
                                           self.train_cancel)
         except Exception as e:
-            self.training_failed.emit(rid, _training_error_message(e))
+            self.training_failed.emit(rid, training_error_message(e))
             return
         finally:
             _release_memory()  # the training's own copy of the target goes now
@@ -411,38 +401,6 @@ class EngineWorker(QObject):
     def _on_check_requested(self, job: Any) -> None:
         """The draft check on the resident engine; one terminal signal (check_finished or check_failed)."""
         job.run(self.engine, self.check_progress.emit, self.check_finished.emit, self.check_failed.emit, self._closing)
-
-
-def _training_error_message(exc: BaseException) -> str:
-    if _is_out_of_memory(exc):
-        return "Out of memory while training the draft head: close other programs or use a GPU."
-    if isinstance(exc, EngineError):
-        return _first_line(exc)
-    log.exception("unexpected error while training a draft head")
-    return f"Training failed ({type(exc).__name__}: {_first_line(exc)})."
-
-
-def _load_error_message(exc: BaseException) -> str:
-    if isinstance(exc, EngineError):
-        log.warning("load failed: %s", exc)
-        return _first_line(exc)
-    if _is_out_of_memory(exc):
-        return "Out of memory while loading: choose smaller models, bfloat16, or free memory."
-    # Anything else is a bug or an environment problem: say it, keep going.
-    log.exception("unexpected error while loading models")
-    return f"Could not load the models ({type(exc).__name__}: {_first_line(exc)})."
-
-
-def _generation_error_message(exc: BaseException) -> str:
-    if _is_out_of_memory(exc):
-        log.warning("out of memory while generating: %s", exc)
-        return ("Out of memory while generating: try a shorter max new tokens, a smaller K, "
-                "or smaller models.")
-    if isinstance(exc, EngineError):
-        log.warning("generation failed: %s", exc)
-        return _first_line(exc)
-    log.exception("unexpected error while generating")
-    return f"Generation failed ({type(exc).__name__}: {_first_line(exc)})."
 
 
 def _release_memory() -> None:

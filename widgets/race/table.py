@@ -56,6 +56,7 @@ class RaceSummaryLike(Protocol):
     acceptance_rate: float
     tokens_per_target_forward: float
     identical: bool | None
+    verdict: str  # who won, in plain words (only beyond the measured spread)
 
 
 class RaceTable(QTableWidget):

@@ -351,9 +351,10 @@ class RaceView(QWidget):
         if s.n > 1:
             self.repeats_label.setText(
                 f"Over {s.n} repeats: median speedup {times_text(s.median)} · min–max {times_text(s.minimum)}–"
-                f"{times_text(s.maximum)} · IQR {s.iqr:.2f}×")
+                f"{times_text(s.maximum)} · IQR {s.iqr:.2f}×" + (f" — {summary.verdict}" if summary.verdict else ""))
         else:
-            self.repeats_label.setText("One repeat: repeat the race a few times for the median and spread.")
+            self.repeats_label.setText(summary.verdict or "One repeat: repeat the race a few times for the median "
+                                       "and spread.")
         self.table.add_summary(summary)
 
     def race_ended(self, note: str = "") -> None:
