@@ -28,10 +28,10 @@ def _generate(capsys, mode: str) -> dict:
     return json.loads(captured.out)
 
 
-def test_cli_json_on_the_real_pair_is_lossless_in_float32(real_cache, capsys, monkeypatch):
-    # The three commands share one load of the pair (77 s each on 2 cores in float32): the first loads it
-    # through the CLI as a person's would; standard and auto then decode on that same engine (standard
-    # never asks its draft), so the comparison is of decoding, token for token, on the same weights.
+def _load_once(monkeypatch) -> None:
+    """The commands of one test share one load of the pair (on 2 cores a load with its cost measurement takes
+    30-80 s): the first loads it through the CLI as a person's would, the others decode on that same engine
+    (standard decoding never asks its draft), so they compare decoding, token for token, on the same weights."""
     from app.cli import common
 
     load, loaded = common.load_engine, []
@@ -42,6 +42,10 @@ def test_cli_json_on_the_real_pair_is_lossless_in_float32(real_cache, capsys, mo
         return loaded[0]
 
     monkeypatch.setattr(common, "load_engine", load_once)
+
+
+def test_cli_json_on_the_real_pair_is_lossless_in_float32(real_cache, capsys, monkeypatch):
+    _load_once(monkeypatch)
     spec = _generate(capsys, "speculative")
     assert spec["config"]["target"] == "Qwen2.5-Coder-1.5B-Instruct"
     assert spec["config"]["draft"] == "Qwen2.5-Coder-0.5B-Instruct"
@@ -61,8 +65,9 @@ def test_cli_json_on_the_real_pair_is_lossless_in_float32(real_cache, capsys, mo
     assert auto["text"] == std["text"]
 
 
-def test_llamacpp_runtime_on_the_real_pair(real_cache, capsys):
+def test_llamacpp_runtime_on_the_real_pair(real_cache, capsys, monkeypatch):
     """The packaged GGUFs straight into llama.cpp: no conversion, llama.cpp's own tokenizer."""
+    _load_once(monkeypatch)  # both commands decode on one load of the pair
     outputs = {}
     for mode in ("speculative", "standard"):
         code = main(["generate", "--prompt", "用一句话解释什么是快速排序。", "--mode", mode, "--k", "4",
