@@ -39,6 +39,16 @@ def test_chat_streams_with_colours_and_counts_from_our_own_server(engine):
             wrong.test()
 
 
+@pytest.mark.parametrize("url", ["", "not a url", "http://", "ftp://x", "http://[::1", "\x00", "http://127.0.0.1:99999/v1"])
+def test_a_url_that_names_no_server_is_one_line_before_anything_is_sent(url):
+    client = RemoteClient(RemoteConfig(url, timeout_s=2))
+    for call in (client.test, client.read_metrics,
+                 lambda: list(client.stream_chat((Message("user", "hi"),), max_tokens=4, temperature=0.0))):
+        with pytest.raises(RemoteError) as e:
+            call()
+        assert "\n" not in str(e.value) and ("not a server URL" in str(e.value) or "cannot reach" in str(e.value))
+
+
 def test_nobody_listening_is_one_line():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -103,6 +103,7 @@ class RemoteClient:
                     seed: int | None = None, cancel: threading.Event | None = None
                     ) -> Iterator[RemotePiece | RemoteFinish]:
         """Streams one answer; ends with a RemoteFinish. Raises RemoteError (nothing typed is touched)."""
+        self._check_url()
         model = self.config.model or next(iter(self.models()), "")
         body = {"model": model, "messages": [{"role": m.role, "content": m.content} for m in messages],
                 "max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "stream": True,
@@ -171,7 +172,19 @@ class RemoteClient:
         positions = tuple(by_pos[i] / drafts for i in sorted(by_pos)) if drafts else ()
         return RemoteMetrics(drafts, sums.get("draft_tokens"), sums.get("accepted_tokens"), positions)
 
+    def _check_url(self) -> None:
+        """A URL that cannot name a server (no http(s) scheme, no host, a bad port, control characters) is one
+        line before anything is sent, not httpx's exception."""
+        try:
+            url = httpx.URL(self.config.base)
+            ok = url.scheme in ("http", "https") and bool(url.host)
+        except (httpx.InvalidURL, TypeError, ValueError):
+            ok = False
+        if not ok:
+            raise RemoteError(f"{self.config.url.strip()!r} is not a server URL: give one like http://127.0.0.1:8000/v1")
+
     def _call(self, method: str, url: str) -> httpx.Response:
+        self._check_url()
         try:
             r = self.http.request(method, url)
         except httpx.ConnectError:
