@@ -25,20 +25,26 @@ def visible(text: str) -> str:
     return text.replace("\n", "↵").replace("\t", "⇥") or "∅"
 
 
+def token_figures(token: TokenView, k: int | None = None) -> list[str]:
+    """The numbers behind a token that it has: draft q, target p, accept prob, draft position (of k)."""
+    parts: list[str] = []
+    if token.q is not None:
+        parts.append(f"draft q={token.q:.2f}")
+    if token.p is not None:
+        parts.append(f"target p={token.p:.2f}")
+    if token.accept_prob is not None:
+        parts.append(f"accept prob={token.accept_prob:.2f}")
+    if token.draft_pos is not None:
+        parts.append(f"draft position {token.draft_pos + 1}/{k}" if k else f"draft position {token.draft_pos + 1}")
+    return parts
+
+
 def format_rejected_tooltip(tokens: Sequence[TokenView], k: int | None = None) -> str:
     """e.g. 'Rejected here: “ foo bar” (step 0)' and one line of q/p per rejected token."""
     head = f"Rejected here: “{visible(''.join(t.text for t in tokens))}” (step {tokens[0].step})" if tokens else ""
     lines = [head]
     for t in tokens:
-        parts = []
-        if t.q is not None:
-            parts.append(f"draft q={t.q:.2f}")
-        if t.p is not None:
-            parts.append(f"target p={t.p:.2f}")
-        if t.accept_prob is not None:
-            parts.append(f"accept prob={t.accept_prob:.2f}")
-        if t.draft_pos is not None:
-            parts.append(f"draft position {t.draft_pos + 1}/{k}" if k else f"draft position {t.draft_pos + 1}")
+        parts = token_figures(t, k)
         if t.source is not None:
             parts.append(f"proposer {t.source}")
         lines.append(f"  “{visible(t.text)}”: " + " · ".join(parts))

@@ -21,7 +21,7 @@ from PySide6.QtWidgets import QFrame, QTextEdit, QToolTip, QWidget
 
 from engine.types import Step, TokenView
 from widgets.palette import REJECTED_DISPLAYS, current_palette
-from widgets.rejection_marks import RejectionMarks, format_rejected_tooltip
+from widgets.rejection_marks import RejectionMarks, format_rejected_tooltip, token_figures
 
 FLASH_MS = 350  # "flash": how long the newest step's rejected drafts stay in the text at most
 
@@ -32,15 +32,7 @@ def format_token_tooltip(token: TokenView, k: int | None = None) -> str:
     e.g. "draft q=0.82 · target p=0.91 · accept prob=1.00 · draft position 2/5 · step 14 · status
     accepted · proposer draft"; a target token shows only p, step and status.
     """
-    parts: list[str] = []
-    if token.q is not None:
-        parts.append(f"draft q={token.q:.2f}")
-    if token.p is not None:
-        parts.append(f"target p={token.p:.2f}")
-    if token.accept_prob is not None:
-        parts.append(f"accept prob={token.accept_prob:.2f}")
-    if token.draft_pos is not None:
-        parts.append(f"draft position {token.draft_pos + 1}/{k}" if k else f"draft position {token.draft_pos + 1}")
+    parts = token_figures(token, k)
     parts.append(f"step {token.step}")
     parts.append(f"status {token.status}")
     if token.source is not None:
