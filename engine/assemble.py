@@ -20,6 +20,7 @@ from engine.errors import IncompatibleModelsError, ModelLoadError
 from engine.heads.shards import resolve_head
 from engine.limits import TREE_K_MAX
 from engine.loadspec import LoadProgress, LoadSpec, ProgressFn, emit
+from engine.models import fastquant
 from engine.models.loader import LoadedPair, load_pair
 from engine.models.memory import cast_releasing_pages
 from engine.models.planner import plan_pair
@@ -185,6 +186,8 @@ def engine_for_pair(loaded: LoadedPair | PackedPair, spec: LoadSpec, progress: P
         head = None  # "auto" too: a shipped head is skipped rather than failing the load
     # Before packing: the head gathers its output rows from the target's own output head.
     found = packed.head if packed.head_resolved else resolve_head(pair.target, head)
+    if found is not None and spec.draft_precision in fastquant.FAST_PRECISIONS and found[0].kind is None:
+        notes.append(_quantize_head(found[0], spec.draft_precision, pair.target.device))
     layers = found[0].config.feature_layers if found else ()
     if fast_path in ("auto", "static") and on_cpu and not quantized:
         if progress is not None:
@@ -221,6 +224,16 @@ def engine_for_pair(loaded: LoadedPair | PackedPair, spec: LoadSpec, progress: P
     if progress is not None:
         progress(LoadProgress("warmup", 1.0, f"Ready ({name})"))
     return engine
+
+
+def _quantize_head(head, precision: str, device: torch.device) -> str:
+    """The draft precision applies to the head's layer too (the head is the drafter): one line on what happened."""
+    problem = fastquant.precision_problem(precision, device)
+    if problem is not None:
+        return f"draft head: kept in {head.embed.dtype if head.embed is not None else 'float'} ({problem})"
+    count = head.quantize(precision)
+    log.info("draft head: %d layer matrices in %s", count, precision)
+    return f"draft head: layer in {precision}"
 
 
 def _first_line(exc: BaseException) -> str:

@@ -48,10 +48,12 @@ def build_tiny_head(root: Path) -> TinyHead:
     return TinyHead(target, root / "head", root / "work", summary)
 
 
-def head_engine(target: Path, head: Path, dtype: torch.dtype = torch.float32, *, static: bool = False) -> Engine:
+def head_engine(target: Path, head: Path, dtype: torch.dtype = torch.float32, *, static: bool = False,
+                quant: str | None = None) -> Engine:
     """An engine on the tiny target (eager runner, no draft model) with the head attached.
 
-    static: the fast path's static-cache runner instead (run eagerly on the CPU), which does tree forwards."""
+    static: the fast path's static-cache runner instead (run eagerly on the CPU), which does tree forwards.
+    quant: the head's layer in this 8-bit precision ("int8-wo")."""
     model, tok = load_target(target, dtype)
     info = ModelInfo(target_name="tiny-target", draft_name=None, device="cpu",
                      dtype=str(dtype).removeprefix("torch."), fast_path="static-eager" if static else "eager",
@@ -63,7 +65,10 @@ def head_engine(target: Path, head: Path, dtype: torch.dtype = torch.float32, *,
         runner = StaticGraphRunner(model, max_length=512, graph_widths=(1,))
     engine = Engine(model, tok, info, target_runner=runner)
     files = read_manifest(head)
-    engine.attach_head(load_head(files, torch.device("cpu"), dtype).bind(model), files.name)
+    drafter = load_head(files, torch.device("cpu"), dtype).bind(model)
+    if quant is not None:
+        drafter.quantize(quant)
+    engine.attach_head(drafter, files.name)
     return engine
 
 

@@ -8,10 +8,10 @@ import torch
 import torch.nn.functional as F
 
 from engine.errors import ModelLoadError
-from engine.models import fastquant as fq
-from engine.models.plan import ModelSpec, layer_weight_bytes
 from engine.loadspec import LoadSpec, normalize_precision
+from engine.models import fastquant as fq
 from engine.models.loader import load_pair
+from engine.models.plan import ModelSpec, layer_weight_bytes
 from tests.tiny import build_model
 
 VOCAB = 320
@@ -192,6 +192,62 @@ def test_fp8_checkpoints_are_refused_in_one_line(tmp_path, tiny_pair):
     assert "\n" not in str(info.value)
 
 
+# --------------------------------------------------------------------------- the draft head's layer
+
+def test_head_layer_quantizes_and_matches_its_dequantized_weights(tiny_head):
+    from engine.heads.model import LAYER_WEIGHTS
+    from engine.heads.shards import load_head, read_manifest
+
+    files = read_manifest(tiny_head.head)
+    quant = load_head(files, torch.device("cpu"), torch.float32)
+    assert quant.quantize("int8-wo") == len(LAYER_WEIGHTS) and quant.kind == "int8-wo"
+    assert all(getattr(quant, name) is None for name in LAYER_WEIGHTS), "the float weights are released"
+    ref = load_head(files, torch.device("cpu"), torch.float32)  # float weights = the dequantized ones
+    with torch.no_grad():
+        for name in LAYER_WEIGHTS:
+            getattr(ref, name).copy_(quant.quantized[name].weight_float())
+    c = ref.config
+    g = torch.Generator().manual_seed(3)
+    feats = torch.randn(2, 5, c.features, generator=g)
+    h, emb = torch.randn(2, 5, c.hidden, generator=g), torch.randn(2, 5, c.hidden, generator=g)
+    attended = torch.randn(2, 5, c.n_heads * c.head_dim, generator=g)
+    with torch.no_grad():
+        torch.testing.assert_close(quant.fuse(feats), ref.fuse(feats), atol=1e-4, rtol=1e-4)
+        for a, b in zip(quant.project(h, emb), ref.project(h, emb)):
+            torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(quant.finish(h, attended), ref.finish(h, attended), atol=1e-4, rtol=1e-4)
+
+
+def test_speculative_with_an_int8_head_equals_standard(tiny_head):
+    from engine.types import GenerationRequest, Message
+    from tests.head_fixtures import head_engine
+
+    engine = head_engine(tiny_head.target, tiny_head.head, quant="int8-wo")
+    assert engine.head_runner.head.kind == "int8-wo"
+    accepted = 0
+    for seed, prompt in enumerate(["def add", "quick fox 快速", "hello world (a, b) return"]):
+        messages = (Message("user", prompt),)
+        std = engine.generate(GenerationRequest(messages=messages, mode="standard", max_new_tokens=20 + seed))
+        list(std)
+        spec = engine.generate(GenerationRequest(messages=messages, mode="speculative", proposer="head", k=4,
+                                                 max_new_tokens=20 + seed))
+        list(spec)
+        assert spec.token_ids == std.token_ids, prompt
+        accepted += spec.summary.accepted
+    assert accepted > 0, "the int8 head never had a draft accepted: the test would not exercise acceptance"
+
+
+def test_a_draft_precision_of_int8_wo_quantizes_the_attached_head(tiny_head):
+    from engine.assemble import _quantize_head
+    from engine.heads.shards import load_head, read_manifest
+
+    head = load_head(read_manifest(tiny_head.head), torch.device("cpu"), torch.float32)
+    assert _quantize_head(head, "int8-wo", torch.device("cpu")) == "draft head: layer in int8-wo"
+    kept = load_head(read_manifest(tiny_head.head), torch.device("cpu"), torch.float32)
+    note = _quantize_head(kept, "fp8", torch.device("cpu"))
+    assert kept.kind is None and "fp8 needs a GPU" in note and "\n" not in note
+
+
 # --------------------------------------------------------------------------- the GPU
 
 @pytest.mark.gpu
@@ -210,6 +266,27 @@ def test_cuda_kernel_matches_the_dequantized_matmul(kind, rows):
         for mode in ("tensor", "token"):
             out = fq.fp8_act_matmul(x, q, scale, mode).float()
             assert float((out - ref).abs().max()) < 0.1 * float(ref.abs().max())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", fq.FAST_PRECISIONS)
+@pytest.mark.parametrize("split", [1, 4])
+@pytest.mark.parametrize("rows", [1, 16])
+def test_cuda_kernel_epilogue_adds_bias_and_residual_in_every_split(kind, split, rows):
+    from engine.models.fastquant_kernel import Tile, matmul
+
+    if kind == "fp8" and fq.precision_problem("fp8", torch.device("cuda")):
+        pytest.skip(fq.precision_problem("fp8", torch.device("cuda")))
+    w = torch.randn(700, 2000, device="cuda") * 0.02  # ragged: 2000 is no multiple of the tile depth
+    q, scale = fq.quantize(w, kind)
+    x = torch.randn(rows, 2000, device="cuda", dtype=torch.bfloat16)
+    bias = torch.randn(700, device="cuda", dtype=torch.bfloat16)
+    residual = torch.randn(rows, 700, device="cuda", dtype=torch.bfloat16)
+    ref = F.linear(x.float(), fq.dequantize(q, scale)) + bias.float() + residual.float()
+    out = matmul(x, q, scale, bias, residual, tile=Tile(64, 128, split)).float()
+    torch.testing.assert_close(out, ref, atol=2e-2 * float(ref.abs().max()), rtol=0)
+    again = matmul(x, q, scale, bias, residual, tile=Tile(64, 128, split)).float()
+    assert torch.equal(out, again), "split-K sums in a fixed order: the same bits every run"
 
 
 @pytest.mark.gpu

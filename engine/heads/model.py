@@ -20,8 +20,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.heads.config import HeadConfig
+from engine.models import fastquant
 
 INIT_STD = 0.02  # as Hugging Face initialises Qwen2/Llama linears
+LAYER_WEIGHTS = ("fc", "wqkv", "wo", "w13", "w2")  # the matrices quantize() can turn 8-bit
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -59,6 +61,7 @@ class DraftHead(nn.Module):
         self.register_buffer("d2t", d2t.long().clone())  # [Vd] draft row -> target token id
         for w in (self.fc, self.wqkv, self.wo, self.w13, self.w2):
             nn.init.normal_(w, std=INIT_STD)
+        self.quantized = nn.ModuleDict()  # name -> QuantLinear, once quantize() ran (decoding only)
         # Bound by bind(): the target's tensors, never saved with the head.
         self.embed: torch.Tensor | None = None  # [V, H] target input embeddings
         self.lm_rows: torch.Tensor | None = None  # [Vd, H] target output rows of the draft vocabulary
@@ -99,6 +102,34 @@ class DraftHead(nn.Module):
         cos, sin = self.rotary(dummy, positions)  # [1, length, D]
         return cos[0].to(dtype), sin[0].to(dtype)
 
+    def quantize(self, kind: str) -> int:
+        """The layer's matrices (fc, q/k/v, o, gate/up, down) to int8-wo or fp8, for decoding; returns how many.
+
+        The float weights are released; the norms and the target's bound rows stay as they are (the
+        output rows are the target's own head, which stays in float as the target's does).
+        """
+        for name in LAYER_WEIGHTS:
+            weight = getattr(self, name)
+            if weight is None:
+                continue
+            with torch.no_grad():
+                q, scale = fastquant.quantize(weight.detach(), kind)
+            self.quantized[name] = fastquant.QuantLinear(q, scale, None, kind)
+            setattr(self, name, None)
+        return len(self.quantized)
+
+    @property
+    def kind(self) -> str | None:
+        """'int8-wo' / 'fp8' once quantized, else None (the float dtype of the weights)."""
+        return next((m.kind for m in self.quantized.values()), None)
+
+    def _linear(self, name: str, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x @ W_name.T (+ residual): the 8-bit kernel (the add fused) once quantized, else F.linear."""
+        if name in self.quantized:
+            return self.quantized[name](x, residual=residual)
+        out = F.linear(x, getattr(self, name).to(x.dtype))
+        return out if residual is None else residual + out
+
     # -- the maths, shared by training and decoding --------------------------------------------
 
     def fuse(self, features: torch.Tensor) -> torch.Tensor:
@@ -110,7 +141,7 @@ class DraftHead(nn.Module):
         c = self.config
         parts = features.unflatten(-1, (len(c.feature_layers), c.hidden))  # [..., n_feat, H]
         normed = rms_norm(parts, self.feat_norm.to(parts.dtype), c.eps).flatten(-2)  # [..., n_feat * H]
-        return F.linear(normed, self.fc.to(normed.dtype))
+        return self._linear("fc", normed)
 
     def embed_ids(self, ids: torch.Tensor) -> torch.Tensor:
         assert self.embed is not None, "bind() the head to its target first"
@@ -122,7 +153,7 @@ class DraftHead(nn.Module):
         dtype = h.dtype
         x = torch.cat([rms_norm(emb.to(dtype), self.emb_norm.to(dtype), c.eps),
                        rms_norm(h, self.hid_norm.to(dtype), c.eps)], dim=-1)  # [..., W, 2H]
-        qkv = F.linear(x, self.wqkv.to(dtype))
+        qkv = self._linear("wqkv", x)
         q_size, kv_size = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
         q = qkv[..., :q_size].unflatten(-1, (c.n_heads, c.head_dim))
         k = qkv[..., q_size : q_size + kv_size].unflatten(-1, (c.n_kv_heads, c.head_dim))
@@ -133,9 +164,9 @@ class DraftHead(nn.Module):
         """Residual state h [..., W, H] and attention output [..., W, Hq * D] -> the new state [..., W, H]."""
         c = self.config
         dtype = h.dtype
-        h = h + F.linear(attended, self.wo.to(dtype))
-        gate, up = F.linear(rms_norm(h, self.post_norm.to(dtype), c.eps), self.w13.to(dtype)).chunk(2, dim=-1)
-        return h + F.linear(F.silu(gate) * up, self.w2.to(dtype))
+        h = self._linear("wo", attended, residual=h)
+        gate, up = self._linear("w13", rms_norm(h, self.post_norm.to(dtype), c.eps)).chunk(2, dim=-1)
+        return self._linear("w2", F.silu(gate) * up, residual=h)
 
     def normed(self, h: torch.Tensor) -> torch.Tensor:
         """What the output rows read: the final norm of the state (regressed onto the target's)."""

@@ -78,21 +78,28 @@ def dequant_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> tor
 
 
 @torch.library.custom_op("specdec::wo_matmul", mutates_args=())
-def wo_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x [M, K] (contiguous) times the 8-bit weight q [N, K] with row scales [N] -> [M, N] in x's dtype.
+def wo_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
+              residual: torch.Tensor | None = None) -> torch.Tensor:
+    """residual + x [M, K] (contiguous) times the 8-bit weight q [N, K] with row scales [N] + bias -> [M, N].
 
-    CUDA, few rows, bf16/fp16: the Triton kernel (dequantizes in registers). Elsewhere: the weight
-    dequantized to x's dtype, then one matmul (int8 on a CPU: torch's int8-weight kernel).
+    CUDA, few rows, bf16/fp16: the Triton kernel (dequantizes in registers; bias and residual added
+    in float32 in its epilogue, one rounding). Elsewhere: the weight dequantized to x's dtype, then
+    one matmul (int8 on a CPU: torch's int8-weight kernel), then the adds.
     """
     if kernel.runs(x, q):
-        return kernel.matmul(x, q, scale)
+        return kernel.matmul(x, q, scale, bias, None if residual is None else residual.contiguous())
     if x.device.type == "cpu" and q.dtype == torch.int8 and x.dtype in (torch.float32, torch.bfloat16):
-        return torch._weight_int8pack_mm(x, q, scale.to(x.dtype))
-    return dequant_matmul(x, q, scale)
+        out = torch._weight_int8pack_mm(x, q, scale.to(x.dtype))
+    else:
+        out = dequant_matmul(x, q, scale)
+    if bias is not None:
+        out = out + bias
+    return out if residual is None else residual + out
 
 
 @wo_matmul.register_fake
-def _wo_matmul_fake(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def _wo_matmul_fake(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
+                    residual: torch.Tensor | None = None) -> torch.Tensor:
     return x.new_empty(x.shape[0], q.shape[0])
 
 
@@ -132,16 +139,19 @@ class QuantLinear(nn.Module):
             bias = None if linear.bias is None else linear.bias.detach().clone()
         return cls(q, scale, bias, kind)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x [..., K] -> [..., N]; with `residual` [..., N], residual + the layer (fused on CUDA)."""
         shape = x.shape
         x2 = x.reshape(-1, shape[-1]).contiguous()  # [M, K]
         mode = FP8_ACTIVATIONS if self.kind == "fp8" and x.is_cuda else "none"
         if mode in ("tensor", "token") and x2.shape[0] <= kernel.MAX_ROWS:
             out = fp8_act_matmul(x2, self.qweight, self.scale, mode)
-        else:
-            out = wo_matmul(x2, self.qweight, self.scale)
-        if self.bias is not None:
-            out = out + self.bias
+            if self.bias is not None:
+                out = out + self.bias
+            out = out.view(*shape[:-1], self.out_features)
+            return out if residual is None else residual + out
+        res2 = None if residual is None else residual.reshape(-1, self.out_features)
+        out = wo_matmul(x2, self.qweight, self.scale, self.bias, res2)
         return out.view(*shape[:-1], self.out_features)
 
     def weight_float(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:

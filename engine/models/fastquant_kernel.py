@@ -1,13 +1,30 @@
-"""The Triton kernel behind 8-bit weights on CUDA: y = (x @ q.T) * scale for a few rows, dequantized in registers.
+"""The Triton kernel behind 8-bit weights on CUDA: y = (x @ q.T) * scale (+ bias) (+ residual) for a few rows.
 
-A forward of decoding has 1 to K+1 rows, so the matmul is bound by reading the weight: the kernel
-loads 8-bit tiles [BN, BK], widens them to x's dtype (exact: int8 and e4m3 values are bf16 values)
-and accumulates x [16, BK] @ tile.T on the tensor cores in float32. A layer with few output
-columns and a long input (the MLP's down projection) splits K over programs (split-K) so enough
-of them stream at once; their partial sums meet in a float32 buffer by atomic adds.
-Without Triton (or on a CPU) `runs` is False and the caller dequantizes instead.
+A forward of decoding has 1 to K+1 rows (16 in a tree), so the matmul is bound by reading the
+weight: the kernel loads 8-bit tiles [BN, BK], widens them to x's dtype in registers and accumulates
+x [16, BK] @ tile.T on the tensor cores in float32. int8 widens by conversion; e4m3 by moving its
+bits into a bf16 (or fp16) word — sign to the top, exponent and mantissa under it — which is the
+value times 2^-120 (2^-8 in fp16), exact for every e4m3 number; the 2^120 rides in the scale.
+The epilogue adds the bias and the residual stream in float32 and rounds once, as cuBLAS's
+addmm does for bf16 weights, so no separate add kernels run.
+
+A layer with few output columns and a long input (the MLP's down projection, o, q/k/v on wide
+models) splits K over programs (split-K) so enough of them stream at once: each writes its float32
+partial sum to its own slice of a [split, M, N] buffer and a second small kernel sums the slices
+with the epilogue — no zero-fill, no atomics, the same sum in the same order every time.
+
+Tile shapes: tuned per GPU and layer shape by bench/int8_kernel_sweep.py into
+fastquant_tuned.json (the sweep times this kernel, L2-cold, inside CUDA graphs); shapes or GPUs
+without an entry use `heuristic`. Without Triton (or on a CPU) `runs` is False and the caller
+dequantizes instead.
 """
 from __future__ import annotations
+
+import contextlib
+import functools
+import json
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -21,8 +38,61 @@ except ImportError:  # CPU-only installs: the dequantizing path serves
 AVAILABLE = triton is not None
 MAX_ROWS = 16  # rows one tile holds (tl.dot's smallest M); wider inputs dequantize and use cuBLAS
 TARGET_PROGRAMS = 264  # about two waves of an H200's 132 SMs: enough loads in flight to stream
-BLOCK_K = 256
-STAGES = 3  # software pipelining depth; 3 x (BN x BK + 16 x BK x 2) bytes fits Ada's 100 KB too
+TUNED_FILE = Path(__file__).with_name("fastquant_tuned.json")
+# e4m3's bits moved into a 16-bit float are its value times 2^-(bias difference): bf16 127 - 7, fp16 15 - 7
+FP8_UNSCALE = {torch.bfloat16: 2.0 ** 120, torch.float16: 2.0 ** 8}
+REDUCE_BN = 256
+
+
+@dataclass(frozen=True)
+class Tile:
+    bn: int  # output columns per program
+    bk: int  # input depth per step
+    split: int  # programs along K (1: no split)
+    warps: int = 4
+    stages: int = 3  # software pipelining depth; 3 x (BN x BK + 16 x BK x 2) bytes fits Ada's 100 KB too
+
+    def key(self) -> list[int]:
+        return [self.bn, self.bk, self.split, self.warps, self.stages]
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def row_bucket(m: int) -> int:
+    """Rows are tuned in three bands: a standard step (1), a chain verify (2-8), a tree (9-16)."""
+    return 1 if m <= 1 else 8 if m <= 8 else 16
+
+
+def heuristic(n: int, k: int) -> Tile:
+    """A tile for a shape nobody tuned: wide tiles for wide layers, split-K until programs fill the GPU."""
+    bn = 64 if n >= 4096 else 32
+    bk = 128 if k >= 4096 or k % 256 else 256
+    blocks = -(-n // bn)
+    split = 1
+    while blocks * split < TARGET_PROGRAMS and k // (split * 2) >= 4 * bk:
+        split *= 2
+    return Tile(bn, bk, split)
+
+
+@functools.lru_cache(maxsize=8)
+def _tuned_for(gpu: str) -> dict[str, Tile]:
+    try:
+        table = json.loads(TUNED_FILE.read_text()).get(gpu, {})
+    except (OSError, ValueError):
+        return {}
+    return {key: Tile(*map(int, value)) for key, value in table.get("tiles", {}).items()}
+
+
+def tile_key(n: int, k: int, m: int) -> str:
+    return f"{n}x{k}/m{row_bucket(m)}"
+
+
+def tile_for(n: int, k: int, m: int, device: torch.device) -> Tile:
+    """The tuned tile of this GPU for an [n, k] weight and m rows, else the heuristic's."""
+    tuned = _tuned_for(torch.cuda.get_device_name(device)) if device.type == "cuda" else {}
+    return tuned.get(tile_key(n, k, m)) or heuristic(n, k)
 
 
 def runs(x: torch.Tensor, q: torch.Tensor) -> bool:
@@ -31,20 +101,23 @@ def runs(x: torch.Tensor, q: torch.Tensor) -> bool:
             and x.shape[0] <= MAX_ROWS and q.dtype in (torch.int8, torch.float8_e4m3fn))
 
 
-def config(n: int, k: int) -> tuple[int, int]:
-    """(BN, split) for an [n, k] weight: wide tiles for wide layers, split-K until programs fill the GPU."""
-    bn = 64 if n >= 8192 else 32
-    blocks = -(-n // bn)
-    split = 1
-    while blocks * split < TARGET_PROGRAMS and k // (split * 2) >= 2 * BLOCK_K:
-        split *= 2
-    return bn, split
-
-
 if AVAILABLE:
     @triton.jit
-    def _wo_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, k_per_split,
-                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FP8: tl.constexpr, SPLIT: tl.constexpr):
+    def _widen(w, dtype: tl.constexpr, FP8: tl.constexpr):
+        """An 8-bit tile [BN, BK] -> x's dtype: int8 converted; e4m3 bytes re-laid as 16-bit floats."""
+        if FP8:  # w holds the e4m3 bytes as uint8
+            b = w.to(tl.int32)
+            if dtype == tl.bfloat16:
+                bits = ((b & 0x80) << 8) | ((b & 0x7F) << 4)  # s eeee mmm -> s 0000eeee mmm0000
+            else:
+                bits = ((b & 0x80) << 8) | ((b & 0x7F) << 7)  # s eeee mmm -> s 0eeee mmm0000000
+            return bits.to(tl.int16).to(dtype, bitcast=True)  # the low 16 bits, as they are
+        return w.to(dtype)
+
+    @triton.jit
+    def _wo_kernel(x_ptr, w_ptr, s_ptr, b_ptr, r_ptr, y_ptr, M, N, K, k_per_split,
+                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FP8: tl.constexpr, SPLIT: tl.constexpr,
+                   HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, EVEN_K: tl.constexpr, UNSCALE: tl.constexpr):
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         on = pid_n * BN + tl.arange(0, BN)  # [BN] output columns
@@ -53,33 +126,74 @@ if AVAILABLE:
         k_lo = pid_k * k_per_split
         for k0 in range(k_lo, k_lo + k_per_split, BK):
             ok = k0 + tl.arange(0, BK)
-            x = tl.load(x_ptr + om[:, None] * K + ok[None, :], mask=(om[:, None] < M) & (ok[None, :] < K), other=0.0)
-            w = tl.load(w_ptr + on[:, None] * K + ok[None, :], mask=(on[:, None] < N) & (ok[None, :] < K), other=0)
-            if FP8:
-                w = w.to(tl.float8e4nv, bitcast=True)  # loaded as bytes: a zero byte is +0.0
-            acc += tl.dot(x, tl.trans(w.to(x.dtype)))  # [BM, BN]
+            if EVEN_K:  # every tile whole: only the row and column edges are masked
+                x = tl.load(x_ptr + om[:, None] * K + ok[None, :], mask=om[:, None] < M, other=0.0)
+                w = tl.load(w_ptr + on[:, None] * K + ok[None, :], mask=on[:, None] < N, other=0)
+            else:
+                x = tl.load(x_ptr + om[:, None] * K + ok[None, :], mask=(om[:, None] < M) & (ok[None, :] < K),
+                            other=0.0)
+                w = tl.load(w_ptr + on[:, None] * K + ok[None, :], mask=(on[:, None] < N) & (ok[None, :] < K),
+                            other=0)
+            acc += tl.dot(x, tl.trans(_widen(w, x.dtype, FP8)))  # [BM, BN]
         s = tl.load(s_ptr + on, mask=on < N, other=0.0)
-        acc = acc * s[None, :]  # per column, so split-K partials can be scaled before they meet
-        y = y_ptr + om[:, None] * N + on[None, :]
+        acc = acc * (s * UNSCALE)[None, :]  # per column, so split-K partials are scaled before they meet
         mask = (om[:, None] < M) & (on[None, :] < N)
         if SPLIT == 1:
-            tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=mask)
-        else:
-            tl.atomic_add(y, acc, mask=mask)
+            if HAS_BIAS:
+                acc += tl.load(b_ptr + on, mask=on < N, other=0.0).to(tl.float32)[None, :]
+            if HAS_RES:
+                acc += tl.load(r_ptr + om[:, None] * N + on[None, :], mask=mask, other=0.0).to(tl.float32)
+            tl.store(y_ptr + om[:, None] * N + on[None, :], acc.to(y_ptr.dtype.element_ty), mask=mask)
+        else:  # this program's partial sum: its own slice of the [SPLIT, M, N] float32 buffer
+            tl.store(y_ptr + pid_k * M * N + om[:, None] * N + on[None, :], acc, mask=mask)
+
+    @triton.jit
+    def _reduce_kernel(p_ptr, b_ptr, r_ptr, y_ptr, M, N, SPLIT: tl.constexpr, BN: tl.constexpr,
+                       HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr):
+        row = tl.program_id(0)
+        on = tl.program_id(1) * BN + tl.arange(0, BN)
+        live = on < N
+        acc = tl.zeros((BN,), dtype=tl.float32)
+        for s in range(SPLIT):  # in order: the same rounding every run
+            acc += tl.load(p_ptr + s * M * N + row * N + on, mask=live, other=0.0)
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + on, mask=live, other=0.0).to(tl.float32)
+        if HAS_RES:
+            acc += tl.load(r_ptr + row * N + on, mask=live, other=0.0).to(tl.float32)
+        tl.store(y_ptr + row * N + on, acc.to(y_ptr.dtype.element_ty), mask=live)
 
 
-def matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x [M <= MAX_ROWS, K] bf16/fp16 contiguous, q [N, K] int8/e4m3, scale [N] float32 -> [M, N] in x's dtype."""
+def matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
+           residual: torch.Tensor | None = None, tile: Tile | None = None) -> torch.Tensor:
+    """x [M <= MAX_ROWS, K] bf16/fp16 contiguous, q [N, K] int8/e4m3, scale [N] float32 -> [M, N] in x's dtype.
+
+    bias [N] and residual [M, N] (contiguous) are added in float32 before the one rounding.
+    """
     m, k = x.shape
     n = q.shape[0]
-    bn, split = config(n, k)
+    tile = tile or tile_for(n, k, m, x.device)
     fp8 = q.dtype == torch.float8_e4m3fn
     weight = q.view(torch.uint8) if fp8 else q
-    k_per_split = -(-(-(-k // split)) // BLOCK_K) * BLOCK_K  # K / split rounded up to whole tiles
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device) if split == 1 else \
-        torch.zeros(m, n, dtype=torch.float32, device=x.device)
-    grid = (triton.cdiv(n, bn), split)
-    with torch.cuda.device(x.device):  # Triton launches on the current device; a split model spans several
-        _wo_kernel[grid](x, weight, scale, out, m, n, k, k_per_split, BM=MAX_ROWS, BN=bn, BK=BLOCK_K, FP8=fp8,
-                         SPLIT=split, num_warps=4, num_stages=STAGES)
-    return out if split == 1 else out.to(x.dtype)
+    unscale = FP8_UNSCALE[x.dtype] if fp8 else 1.0  # the 2^-120 of e4m3's re-laid bits, taken back
+    split = tile.split
+    k_per_split = _cdiv(_cdiv(k, split), tile.bk) * tile.bk  # K / split rounded up to whole tiles
+    even_k = k % tile.bk == 0 and k_per_split * split == k
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    dummy = out  # an unused pointer where bias or residual is absent
+    b, r = (bias if bias is not None else dummy), (residual if residual is not None else dummy)
+    # Triton launches on the current device; a split model spans several (a CPU: the interpreter's checks)
+    with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
+        if split == 1:
+            _wo_kernel[(triton.cdiv(n, tile.bn), 1)](
+                x, weight, scale, b, r, out, m, n, k, k_per_split, BM=MAX_ROWS, BN=tile.bn, BK=tile.bk, FP8=fp8,
+                SPLIT=1, HAS_BIAS=bias is not None, HAS_RES=residual is not None, EVEN_K=even_k, UNSCALE=unscale,
+                num_warps=tile.warps, num_stages=tile.stages)
+            return out
+        partial = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
+        _wo_kernel[(triton.cdiv(n, tile.bn), split)](
+            x, weight, scale, b, r, partial, m, n, k, k_per_split, BM=MAX_ROWS, BN=tile.bn, BK=tile.bk, FP8=fp8,
+            SPLIT=split, HAS_BIAS=False, HAS_RES=False, EVEN_K=even_k, UNSCALE=unscale, num_warps=tile.warps, num_stages=tile.stages)
+        _reduce_kernel[(m, triton.cdiv(n, REDUCE_BN))](
+            partial, b, r, out, m, n, SPLIT=split, BN=REDUCE_BN, HAS_BIAS=bias is not None,
+            HAS_RES=residual is not None, num_warps=4)
+    return out

@@ -161,9 +161,11 @@ class _Proj:
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
 
     def residual(self, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-        """x + self(h), the add fused into the GEMM when the weight is plain."""
+        """x + self(h), the add fused into the matmul when the weight is plain or int8-wo/fp8."""
         if self.weight is not None:
             return _linear_residual(x, h, self.weight, self.bias)
+        if len(self.modules) == 1 and isinstance(self.modules[0], fastquant.QuantLinear):
+            return self.modules[0](h, residual=x)  # the 8-bit kernel adds it in its epilogue
         return x + self(h)
 
 
