@@ -192,6 +192,22 @@ def test_fp8_checkpoints_are_refused_in_one_line(tmp_path, tiny_pair):
     assert "\n" not in str(info.value)
 
 
+def test_the_tuned_tile_table_reads_back_and_covers_the_default_pair():
+    from engine.models import fastquant_kernel as kernel
+
+    table = json.loads(kernel.TUNED_FILE.read_text())
+    assert table, "the sweep's winners ship with the kernel"
+    for gpu in table:
+        tiles = kernel._tuned_for(gpu)
+        assert tiles and all(t.bn in (16, 32, 64, 128) and t.bk in (128, 256) and t.split >= 1 for t in tiles.values())
+    h200 = kernel._tuned_for("NVIDIA H200")
+    for n, k in [(2048, 1536), (17920, 1536), (1536, 8960), (9728, 896)]:  # the 1.5B target's and 0.5B draft's
+        for rows in (1, 6, 16):
+            assert kernel.tile_key(n, k, rows) in h200
+    assert kernel._tuned_for("a GPU nobody tuned") == {}
+    assert kernel.heuristic(5120, 13824).split > 1 and kernel.heuristic(27648, 5120).split == 1
+
+
 # --------------------------------------------------------------------------- the draft head's layer
 
 def test_head_layer_quantizes_and_matches_its_dequantized_weights(tiny_head):
