@@ -230,7 +230,8 @@ def _quantize_head(head, precision: str, device: torch.device) -> str:
     """The draft precision applies to the head's layer too (the head is the drafter): one line on what happened."""
     problem = fastquant.precision_problem(precision, device)
     if problem is not None:
-        return f"draft head: kept in {head.embed.dtype if head.embed is not None else 'float'} ({problem})"
+        dtype = str(head.embed.dtype).removeprefix("torch.") if head.embed is not None else "its float dtype"
+        return f"draft head: kept in {dtype} ({problem})"
     count = head.quantize(precision)
     log.info("draft head: %d layer matrices in %s", count, precision)
     return f"draft head: layer in {precision}"
