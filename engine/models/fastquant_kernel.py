@@ -89,10 +89,15 @@ def tile_key(n: int, k: int, m: int) -> str:
     return f"{n}x{k}/m{row_bucket(m)}"
 
 
+@functools.lru_cache(maxsize=64)
+def _tile_for(n: int, k: int, bucket: int, gpu: str) -> Tile:
+    return _tuned_for(gpu).get(f"{n}x{k}/m{bucket}") or heuristic(n, k)
+
+
 def tile_for(n: int, k: int, m: int, device: torch.device) -> Tile:
-    """The tuned tile of this GPU for an [n, k] weight and m rows, else the heuristic's."""
-    tuned = _tuned_for(torch.cuda.get_device_name(device)) if device.type == "cuda" else {}
-    return tuned.get(tile_key(n, k, m)) or heuristic(n, k)
+    """The tuned tile of this GPU for an [n, k] weight and m rows, else the heuristic's (looked up once)."""
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
+    return _tile_for(n, k, row_bucket(m), gpu)
 
 
 def runs(x: torch.Tensor, q: torch.Tensor) -> bool:
