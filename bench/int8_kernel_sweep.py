@@ -237,8 +237,15 @@ def main() -> int:
     p.add_argument("--budget-s", type=float, default=360.0)
     p.add_argument("--profile", default="", help="also profile one forward of a random 14B/32B-shaped target")
     args = p.parse_args()
+    if (args.check or os.environ.get("TRITON_INTERPRET") == "1") and not kernel.AVAILABLE:
+        p.error("--check runs the Triton kernel (on a CPU under TRITON_INTERPRET=1): pip install triton")
     if args.check or os.environ.get("TRITON_INTERPRET") == "1":
         return check()
+    if not torch.cuda.is_available():
+        p.error("the sweep times CUDA kernels and this machine has no CUDA GPU; --check runs the maths "
+                "on a CPU under TRITON_INTERPRET=1")
+    if not set(args.precisions) <= set(fq.FAST_PRECISIONS) or not all(1 <= m <= kernel.MAX_ROWS for m in args.rows):
+        p.error(f"--precisions takes {', '.join(fq.FAST_PRECISIONS)}; --rows takes 1..{kernel.MAX_ROWS}")
     record = sweep(args) if args.budget_s > 0 else {"best": {}, "rows": []}
     if args.tuned and record["rows"]:
         write_tuned(record)

@@ -167,7 +167,8 @@ def engine_for_pair(loaded: LoadedPair | PackedPair, spec: LoadSpec, progress: P
     warm-up, fewer kernels per forward).
     head: "auto" (the shipped draft head trained for this target, if there is one), a head
     folder (refused when it was trained for another target), or None; a PackedPair's own when it
-    was resolved before packing. spec's model specs and precisions are not read: the pair is loaded.
+    was resolved before packing. spec's model specs and the target's precision are not read: the pair
+    is loaded; an int8-wo / fp8 draft precision quantizes the head's layer.
     """
     packed = loaded if isinstance(loaded, PackedPair) else PackedPair(loaded)
     pair = packed.pair

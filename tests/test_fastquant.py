@@ -208,6 +208,24 @@ def test_the_tuned_tile_table_reads_back_and_covers_the_default_pair():
     assert kernel.heuristic(5120, 13824).split > 1 and kernel.heuristic(27648, 5120).split == 1
 
 
+@pytest.mark.parametrize("text", ["{not json", "[1, 2]", '{"NVIDIA H200": {"tiles": {"1x1/m1": "abc"}}}',
+                                  '{"NVIDIA H200": {"tiles": [3]}}'])
+def test_a_damaged_tile_table_falls_back_to_the_heuristic(tmp_path, monkeypatch, text):
+    from engine.models import fastquant_kernel as kernel
+
+    damaged = tmp_path / "fastquant_tuned.json"
+    damaged.write_text(text)
+    monkeypatch.setattr(kernel, "TUNED_FILE", damaged)
+    kernel._tuned_for.cache_clear()
+    kernel._tile_for.cache_clear()
+    try:
+        assert kernel._tuned_for("NVIDIA H200") == {}
+        assert kernel._tile_for(5120, 13824, 1, "NVIDIA H200") == kernel.heuristic(5120, 13824)
+    finally:
+        kernel._tuned_for.cache_clear()
+        kernel._tile_for.cache_clear()
+
+
 # --------------------------------------------------------------------------- the draft head's layer
 
 def test_head_layer_quantizes_and_matches_its_dequantized_weights(tiny_head):

@@ -120,7 +120,7 @@ class DraftHead(nn.Module):
 
     @property
     def kind(self) -> str | None:
-        """'int8-wo' / 'fp8' once quantized, else None (the float dtype of the weights)."""
+        """'int8-wo' / 'fp8' once quantize() ran, else None (the layer is in float)."""
         return next((m.kind for m in self.quantized.values()), None)
 
     def _linear(self, name: str, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,6 +36,7 @@ except ImportError:  # CPU-only installs: the dequantizing path serves
     triton = None
     tl = None
 
+log = logging.getLogger(__name__)
 AVAILABLE = triton is not None
 MAX_ROWS = 16  # rows one tile holds (tl.dot's smallest M); wider inputs dequantize and use cuBLAS
 TARGET_PROGRAMS = 264  # about two waves of an H200's 132 SMs: enough loads in flight to stream
@@ -78,11 +80,13 @@ def heuristic(n: int, k: int) -> Tile:
 
 @functools.lru_cache(maxsize=8)
 def _tuned_for(gpu: str) -> dict[str, Tile]:
+    """This GPU's tuned tiles; an unreadable or damaged table is no table (the heuristic serves)."""
     try:
         table = json.loads(TUNED_FILE.read_text()).get(gpu, {})
-    except (OSError, ValueError):
+        return {key: Tile(*map(int, value)) for key, value in table.get("tiles", {}).items()}
+    except (OSError, ValueError, TypeError, AttributeError) as exc:
+        log.warning("ignoring the 8-bit kernel's tuned tiles (%s): %s", TUNED_FILE.name, exc)
         return {}
-    return {key: Tile(*map(int, value)) for key, value in table.get("tiles", {}).items()}
 
 
 def tile_key(n: int, k: int, m: int) -> str:
@@ -91,7 +95,7 @@ def tile_key(n: int, k: int, m: int) -> str:
 
 @functools.lru_cache(maxsize=64)
 def _tile_for(n: int, k: int, bucket: int, gpu: str) -> Tile:
-    return _tuned_for(gpu).get(f"{n}x{k}/m{bucket}") or heuristic(n, k)
+    return _tuned_for(gpu).get(tile_key(n, k, bucket)) or heuristic(n, k)
 
 
 def tile_for(n: int, k: int, m: int, device: torch.device) -> Tile:
