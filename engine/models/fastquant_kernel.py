@@ -71,7 +71,7 @@ def heuristic(n: int, k: int) -> Tile:
     """A tile for a shape nobody tuned: wide tiles for wide layers, split-K until programs fill the GPU."""
     bn = 64 if n >= 4096 else 32
     bk = 128 if k >= 4096 or k % 256 else 256
-    blocks = -(-n // bn)
+    blocks = _cdiv(n, bn)
     split = 1
     while blocks * split < TARGET_PROGRAMS and k // (split * 2) >= 4 * bk:
         split *= 2
@@ -190,19 +190,16 @@ def matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Te
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     dummy = out  # an unused pointer where bias or residual is absent
     b, r = (bias if bias is not None else dummy), (residual if residual is not None else dummy)
+    # split 1 writes y with the epilogue; split-K writes float32 partials the reduction sums into y
+    partial = out if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x.device)
     # Triton launches on the current device; a split model spans several (a CPU: the interpreter's checks)
     with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
-        if split == 1:
-            _wo_kernel[(triton.cdiv(n, tile.bn), 1)](
-                x, weight, scale, b, r, out, m, n, k, k_per_split, BM=MAX_ROWS, BN=tile.bn, BK=tile.bk, FP8=fp8,
-                SPLIT=1, HAS_BIAS=bias is not None, HAS_RES=residual is not None, EVEN_K=even_k, UNSCALE=unscale,
-                num_warps=tile.warps, num_stages=tile.stages)
-            return out
-        partial = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
-        _wo_kernel[(triton.cdiv(n, tile.bn), split)](
+        _wo_kernel[(_cdiv(n, tile.bn), split)](
             x, weight, scale, b, r, partial, m, n, k, k_per_split, BM=MAX_ROWS, BN=tile.bn, BK=tile.bk, FP8=fp8,
-            SPLIT=split, HAS_BIAS=False, HAS_RES=False, EVEN_K=even_k, UNSCALE=unscale, num_warps=tile.warps, num_stages=tile.stages)
-        _reduce_kernel[(m, triton.cdiv(n, REDUCE_BN))](
-            partial, b, r, out, m, n, SPLIT=split, BN=REDUCE_BN, HAS_BIAS=bias is not None,
-            HAS_RES=residual is not None, num_warps=4)
+            SPLIT=split, HAS_BIAS=split == 1 and bias is not None, HAS_RES=split == 1 and residual is not None,
+            EVEN_K=even_k, UNSCALE=unscale, num_warps=tile.warps, num_stages=tile.stages)
+        if split > 1:
+            _reduce_kernel[(m, _cdiv(n, REDUCE_BN))](
+                partial, b, r, out, m, n, SPLIT=split, BN=REDUCE_BN, HAS_BIAS=bias is not None,
+                HAS_RES=residual is not None, num_warps=4)
     return out
