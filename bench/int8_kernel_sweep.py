@@ -77,7 +77,8 @@ def time_graph(fn, reps: int = 10) -> float:
 
 
 def check() -> int:
-    """The production kernel (every path: split-K, bias, residual, ragged K) against float32 references.
+    """The production kernel (every path: split-K, bias, residual, ragged K, the norm and silu*up
+    prologues) against float32 references.
 
     TRITON_INTERPRET=1 runs it on a CPU, where numpy has no bf16 matmul: fp16 there, bf16 on a GPU.
     """
@@ -85,21 +86,32 @@ def check() -> int:
     dtype = torch.float16 if device == "cpu" else torch.bfloat16
     torch.manual_seed(0)
     bad = 0
-    cases = itertools.product([(96, 320), (64, 256)], (1, 3, 16), ("int8-wo", "fp8"), (1, 2), (False, True))
+    cases = itertools.product([(96, 320), (64, 256)], (1, 3, 16), ("int8-wo", "fp8"), (1, 2),
+                              ("plain", "bias+res", "norm", "glu+res"))
     for (n, k), m, kind, split, extras in cases:
         w = torch.randn(n, k, device=device) * 0.05
         q, s = fq.quantize(w, kind)
-        x = torch.randn(m, k, device=device).to(dtype)
-        bias = torch.randn(n, device=device).to(dtype) if extras else None
-        res = torch.randn(m, n, device=device).to(dtype) if extras else None
-        ref = x.float() @ fq.dequantize(q, s).T
-        if extras:
-            ref = ref + bias.float() + res.float()
-        got = kernel.matmul(x, q, s, bias, res, tile=Tile(32, 64, split, 4, 2)).float()
+        x = torch.randn(m, 2 * k if extras == "glu+res" else k, device=device).to(dtype)
+        bias = torch.randn(n, device=device).to(dtype) if extras == "bias+res" else None
+        res = torch.randn(m, n, device=device).to(dtype) if extras.endswith("res") else None
+        norm = (torch.rand(k, device=device) + 0.5).to(dtype) if extras == "norm" else None
+        xf = x.float()
+        if extras == "glu+res":
+            gate, up = xf.chunk(2, dim=-1)
+            xf = torch.nn.functional.silu(gate) * up
+        if norm is not None:
+            xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6) * norm.float()
+        ref = xf @ fq.dequantize(q, s).T
+        if bias is not None:
+            ref = ref + bias.float()
+        if res is not None:
+            ref = ref + res.float()
+        got = kernel.matmul(x, q, s, bias, res, tile=Tile(32, 64, split, 4, 2), norm=norm,
+                            glu=extras == "glu+res").float()
         err = (got - ref).abs().max().item() / ref.abs().max().item()
         ok = err < 2e-2
         bad += not ok
-        print(f"{kind:7s} m={m:2d} n={n} k={k} split={split} bias+res={extras!s:5s}: rel err {err:.2e} "
+        print(f"{kind:7s} m={m:2d} n={n} k={k} split={split} {extras:8s}: rel err {err:.2e} "
               f"{'ok' if ok else 'BAD'}")
     print("all ok" if not bad else f"{bad} BAD")
     return 1 if bad else 0

@@ -64,6 +64,30 @@ def test_quantized_linear_equals_float_linear_on_dequantized_weights(kind, dtype
     torch.testing.assert_close(out.float(), ref, atol=tol * float(ref.abs().max()), rtol=0)
 
 
+@pytest.mark.parametrize("kind", fq.FAST_PRECISIONS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prologues_compute_what_the_model_computes_before_the_matmul(kind, dtype):
+    """norm= reads RMSNorm(x) * norm and glu= reads silu(gate) * up: off CUDA, exactly the model's own ops."""
+    linear = torch.nn.Linear(64, 48)
+    with torch.no_grad():
+        linear.weight.copy_(_weight(4))
+    layer = fq.QuantLinear.from_linear(linear, kind)
+    layer.bias = layer.bias.to(dtype)
+    g = torch.Generator().manual_seed(5)
+    x = (torch.randn(3, 64, generator=g) * 7).to(dtype)  # a residual stream is not unit-scaled
+    norm = (torch.rand(64, generator=g) + 0.5).to(dtype)
+    res = torch.randn(3, 48, generator=g).to(dtype)
+    assert torch.equal(layer(x, residual=res, norm=norm, eps=1e-5),
+                       res + layer(norm * F.rms_norm(x.float(), (64,), eps=1e-5).to(dtype)))
+    gate_up = torch.randn(3, 128, generator=g).to(dtype)
+    assert torch.equal(layer(gate_up, residual=res, glu=True),
+                       res + layer(F.silu(gate_up[:, :64]) * gate_up[:, 64:]))
+    ref = F.linear(F.silu(gate_up[:, :64].float()) * gate_up[:, 64:].float(), layer.weight_float(),
+                   linear.bias.detach())
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(layer(gate_up, glu=True).float(), ref, atol=tol * float(ref.abs().max()), rtol=0)
+
+
 def test_fused_layers_match_each_and_share_their_storage():
     layers = [fq.QuantLinear.from_linear(torch.nn.Linear(64, n, bias=b), "int8-wo") for n, b in ((32, True), (16, False))]
     x = torch.randn(3, 64)
@@ -321,6 +345,29 @@ def test_cuda_kernel_epilogue_adds_bias_and_residual_in_every_split(kind, split,
     torch.testing.assert_close(out, ref, atol=2e-2 * float(ref.abs().max()), rtol=0)
     again = matmul(x, q, scale, bias, residual, tile=Tile(64, 128, split)).float()
     assert torch.equal(out, again), "split-K sums in a fixed order: the same bits every run"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", fq.FAST_PRECISIONS)
+@pytest.mark.parametrize("split", [1, 4])
+@pytest.mark.parametrize("rows", [1, 16])
+def test_cuda_kernel_prologues_norm_and_gate_in_every_split(kind, split, rows):
+    from engine.models.fastquant_kernel import Tile, matmul
+
+    if kind == "fp8" and fq.precision_problem("fp8", torch.device("cuda")):
+        pytest.skip(fq.precision_problem("fp8", torch.device("cuda")))
+    w = torch.randn(700, 2000, device="cuda") * 0.02
+    q, scale = fq.quantize(w, kind)
+    x = torch.randn(rows, 2000, device="cuda", dtype=torch.bfloat16) * 30  # a residual stream's scale
+    norm = torch.rand(2000, device="cuda", dtype=torch.bfloat16) + 0.5
+    residual = torch.randn(rows, 700, device="cuda", dtype=torch.bfloat16)
+    ref = F.linear(fq.rms_norm(x.float(), norm.float(), 1e-6), fq.dequantize(q, scale)) + residual.float()
+    out = matmul(x, q, scale, None, residual, tile=Tile(64, 128, split), norm=norm, eps=1e-6).float()
+    torch.testing.assert_close(out, ref, atol=2e-2 * float(ref.abs().max()), rtol=0)
+    gate_up = torch.randn(rows, 4000, device="cuda", dtype=torch.bfloat16)
+    ref = F.linear(F.silu(gate_up[:, :2000].float()) * gate_up[:, 2000:].float(), fq.dequantize(q, scale))
+    out = matmul(gate_up, q, scale, tile=Tile(64, 128, split), glu=True).float()
+    torch.testing.assert_close(out, ref, atol=2e-2 * float(ref.abs().max()), rtol=0)
 
 
 @pytest.mark.gpu

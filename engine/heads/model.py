@@ -21,14 +21,12 @@ from torch import nn
 
 from engine.heads.config import HeadConfig
 from engine.models import fastquant
+from engine.models.fastquant import rms_norm
 
 INIT_STD = 0.02  # as Hugging Face initialises Qwen2/Llama linears
 LAYER_WEIGHTS = ("fc", "wqkv", "wo", "w13", "w2")  # the matrices quantize() can turn 8-bit
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Hugging Face's RMSNorm: normalise in float32, cast back, scale."""
-    return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -31,6 +31,7 @@ from torch import nn
 
 from engine.errors import EngineError
 from engine.models import fastquant
+from engine.models.fastquant import rms_norm as _rms_norm
 from engine.runners.tree import Tree
 
 log = logging.getLogger(__name__)
@@ -160,13 +161,32 @@ class _Proj:
         outs = [m(h) for m in self.modules]
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
 
+    def _fast8(self) -> fastquant.QuantLinear | None:
+        """The one fused int8-wo/fp8 module, whose kernel also takes the adds and prologues; else None."""
+        if len(self.modules) == 1 and isinstance(self.modules[0], fastquant.QuantLinear):
+            return self.modules[0]
+        return None
+
     def residual(self, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         """x + self(h), the add fused into the matmul when the weight is plain or int8-wo/fp8."""
         if self.weight is not None:
             return _linear_residual(x, h, self.weight, self.bias)
-        if len(self.modules) == 1 and isinstance(self.modules[0], fastquant.QuantLinear):
-            return self.modules[0](h, residual=x)  # the 8-bit kernel adds it in its epilogue
+        if (fast := self._fast8()) is not None:
+            return fast(h, residual=x)  # the 8-bit kernel adds it in its epilogue
         return x + self(h)
+
+    def normed(self, x: torch.Tensor, norm: torch.Tensor, eps: float) -> torch.Tensor:
+        """self(RMSNorm(x) * norm); an 8-bit kernel does the norm as it loads x (no norm kernels)."""
+        if (fast := self._fast8()) is not None:
+            return fast(x, norm=norm, eps=eps)
+        return self(_rms_norm(x, norm, eps))
+
+    def glu_residual(self, x: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
+        """x + self(silu(gate) * up) from the MLP's [gate | up]; an 8-bit kernel does the product as it loads."""
+        if (fast := self._fast8()) is not None:
+            return fast(gate_up, residual=x, glu=True)
+        gate, up = gate_up.chunk(2, dim=-1)  # [W, inter] each
+        return self.residual(x, F.silu(gate) * up)
 
 
 @dataclass
@@ -201,12 +221,6 @@ def _linear_residual(x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, bia
     if bias is not None:
         return x + F.linear(h, weight, bias)
     return torch.addmm(x, h, weight.t())
-
-
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # HF's Qwen2RMSNorm/LlamaRMSNorm: normalise in float32, cast back, then scale. F.rms_norm is one
-    # fused kernel on recent CUDA builds instead of five elementwise ones.
-    return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
 
 class LeanDecoder:
@@ -384,8 +398,7 @@ class LeanDecoder:
         n_qk = c.n_heads + c.n_kv_heads
         keep = {} if hidden is None else {layer: slot for slot, layer in enumerate(hidden[1])}
         for index, layer in enumerate(stage.layers, stage.first):
-            h = _rms_norm(x, layer.ln1, c.eps)
-            qkv = layer.qkv(h)  # [W, (Hq + 2 Hkv) * D]
+            qkv = layer.qkv.normed(x, layer.ln1, c.eps)  # [W, (Hq + 2 Hkv) * D]
             qk = qkv[:, : q_size + kv_size].view(width, n_qk, c.head_dim)  # [W, Hq + Hkv, D]
             if layer.qk_norm is not None:
                 qk = _rms_norm(qk, layer.qk_norm, c.eps)  # per head, [Hq + Hkv, D] weights broadcast over W
@@ -401,9 +414,7 @@ class LeanDecoder:
             o = self._attend(q, layer.k_cache[:, :, :kv_len], layer.v_cache[:, :, :kv_len], bias)  # [1, Hkv, G*W, D]
             o = o.reshape(c.n_heads, width, c.head_dim).transpose(0, 1).reshape(width, q_size)  # [W, Hq*D]
             x = layer.o.residual(x, o)
-            h = _rms_norm(x, layer.ln2, c.eps)
-            gate, up = layer.gate_up(h).chunk(2, dim=-1)  # [W, inter] each
-            x = layer.down.residual(x, F.silu(gate) * up)
+            x = layer.down.glu_residual(x, layer.gate_up.normed(x, layer.ln2, c.eps))
             if index in keep:
                 slot = keep[index]
                 hidden[0][:, slot * c.hidden : (slot + 1) * c.hidden].copy_(x)

@@ -1,0 +1,102 @@
+"""What attaching the draft head costs on the GPU, step by step, against the memory plan's head line.
+
+Loads the pair (the plan made before loading, with the head asked for), builds the engine without
+the head, then attaches it as Engine.attach_head does, one step at a time: the head bound, the
+target's graphs recaptured to keep the head's layers, the head's runner (cache, output rows),
+its graphs, its cost measured, the tree's graphs. After each step: memory allocated now, the peak
+allocation of the step, reserved, and what lives outside torch's allocator (CUDA context, graph
+executables). Last, answers with the head, and the plan against the measured process peak.
+
+    python3 bench/head_memory.py --target path/to/Qwen2.5-Coder-1.5B-Instruct --draft path/to/Qwen2.5-Coder-0.5B-Instruct --json head_memory.json   # ~1 min, one GPU
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import gpu_probes as qc
+import torch
+
+HEAD = "assets/heads/qwen2.5-coder-1.5b-instruct"
+GiB = 2**30
+
+
+def snapshot(step: str, rows: list[dict]) -> None:
+    torch.cuda.synchronize()
+    free, total = torch.cuda.mem_get_info()
+    reserved = torch.cuda.memory_reserved()
+    row = {"step": step, "allocated_gib": torch.cuda.memory_allocated() / GiB,
+           "step_peak_gib": torch.cuda.max_memory_allocated() / GiB, "reserved_gib": reserved / GiB,
+           "outside_allocator_gib": (total - free - reserved) / GiB}
+    rows.append(row)
+    print(f"  {step:44s} allocated {row['allocated_gib']:6.3f}  step peak {row['step_peak_gib']:6.3f}  "
+          f"reserved {row['reserved_gib']:6.3f}  outside {row['outside_allocator_gib']:6.3f} GiB", flush=True)
+    torch.cuda.reset_peak_memory_stats()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", required=True)
+    p.add_argument("--draft", required=True)
+    p.add_argument("--head", default=HEAD)
+    p.add_argument("--precision", default="bfloat16", help="target and draft precision (bfloat16, int8-wo, fp8)")
+    p.add_argument("--context", type=int, default=8192)
+    p.add_argument("--answers", type=int, default=3)
+    p.add_argument("--json", type=Path, default=Path("head_memory.json"))
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        p.error("this bench measures GPU memory: it needs CUDA")
+
+    from engine.assemble import engine_for_pair
+    from engine.decoding.engine import K_MAX
+    from engine.heads.runner import HeadRunner
+    from engine.heads.shards import resolve_head
+    from engine.loadspec import LoadSpec
+    from engine.models.loader import load_pair
+
+    rows: list[dict] = []
+    qc.reset_peaks()
+    spec = LoadSpec(args.target, args.draft, device="cuda", target_precision=args.precision,
+                    draft_precision=args.precision, context=args.context, force=True, head=args.head)
+    pair = load_pair(spec)
+    snapshot("pair loaded", rows)
+    engine = engine_for_pair(pair, LoadSpec(head=None, draft_precision=args.precision))
+    snapshot("engine without the head (graphs, costs)", rows)
+    head, _files = resolve_head(pair.target, args.head)
+    if args.precision in ("int8-wo", "fp8"):
+        head.quantize(args.precision)
+    snapshot("head read and bound (its weights)", rows)
+    head.bind_inputs(engine.target)
+    engine.target_runner.keep_hidden(head.config.feature_layers)
+    snapshot("target graphs recaptured keeping its layers", rows)
+    runner = HeadRunner(head, max_length=engine.target_runner.max_length, k_max=K_MAX)
+    snapshot("head runner (cache, buffers)", rows)
+    runner.warmup()
+    snapshot("head graphs", rows)
+    runner.measure_ms(iters=20)
+    engine.head_runner = runner
+    snapshot("head cost measured", rows)
+    engine.set_tree(None)
+    snapshot("tree graphs", rows)
+    texts = qc.prompts(args.answers)
+    out = qc.run_prompts(engine, texts, 64, proposer="head")["speculative"]
+    snapshot(f"{args.answers} answers with the head ({out['tok_s']:.1f} tok/s)", rows)
+    measured = [qc.cuda_measure(0)]
+    measured[0]["peak_allocated"] = max(r["step_peak_gib"] for r in rows) * GiB
+    measured[0]["process_peak"] = measured[0]["peak_allocated"] + measured[0]["outside_allocator"]
+    plan_rows = qc.compare_plan(pair.plan, measured)
+    print(f"  {qc.plan_line(plan_rows)}")
+    for item in pair.plan.devices[0].items:
+        print(f"    plan: {item.label:52s} {item.bytes / GiB:6.3f} GiB")
+    results = qc.Results(args.json)
+    results.data["runs"].append({"precision": args.precision, "steps": rows, "plan_vs_measured": plan_rows,
+                         "plan_items": [{"label": i.label, "gib": i.bytes / GiB} for i in pair.plan.devices[0].items]})
+    results.save()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
