@@ -77,42 +77,43 @@ def time_graph(fn, reps: int = 10) -> float:
 
 
 def check() -> int:
-    """The production kernel (every path: split-K, bias, residual, ragged K, the norm and silu*up
-    prologues) against float32 references.
+    """The production kernels (every path of the matmul: split-K, bias, residual, ragged K; the norm and
+    silu * up kernels) against float32 references.
 
-    TRITON_INTERPRET=1 runs it on a CPU, where numpy has no bf16 matmul: fp16 there, bf16 on a GPU.
+    TRITON_INTERPRET=1 runs them on a CPU, where numpy has no bf16 matmul: fp16 there, bf16 on a GPU.
     """
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.float16 if device == "cpu" else torch.bfloat16
     torch.manual_seed(0)
     bad = 0
-    cases = itertools.product([(96, 320), (64, 256)], (1, 3, 16), ("int8-wo", "fp8"), (1, 2),
-                              ("plain", "bias+res", "norm", "glu+res"))
+
+    def verdict(label: str, got: torch.Tensor, ref: torch.Tensor) -> None:
+        nonlocal bad
+        err = (got.float() - ref).abs().max().item() / ref.abs().max().item()
+        ok = err < 2e-2
+        bad += not ok
+        print(f"{label}: rel err {err:.2e} {'ok' if ok else 'BAD'}")
+
+    cases = itertools.product([(96, 320), (64, 256)], (1, 3, 16), ("int8-wo", "fp8"), (1, 2), (False, True))
     for (n, k), m, kind, split, extras in cases:
         w = torch.randn(n, k, device=device) * 0.05
         q, s = fq.quantize(w, kind)
-        x = torch.randn(m, 2 * k if extras == "glu+res" else k, device=device).to(dtype)
-        bias = torch.randn(n, device=device).to(dtype) if extras == "bias+res" else None
-        res = torch.randn(m, n, device=device).to(dtype) if extras.endswith("res") else None
-        norm = (torch.rand(k, device=device) + 0.5).to(dtype) if extras == "norm" else None
-        xf = x.float()
-        if extras == "glu+res":
-            gate, up = xf.chunk(2, dim=-1)
-            xf = torch.nn.functional.silu(gate) * up
-        if norm is not None:
-            xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6) * norm.float()
-        ref = xf @ fq.dequantize(q, s).T
-        if bias is not None:
-            ref = ref + bias.float()
-        if res is not None:
-            ref = ref + res.float()
-        got = kernel.matmul(x, q, s, bias, res, tile=Tile(32, 64, split, 4, 2), norm=norm,
-                            glu=extras == "glu+res").float()
-        err = (got - ref).abs().max().item() / ref.abs().max().item()
-        ok = err < 2e-2
-        bad += not ok
-        print(f"{kind:7s} m={m:2d} n={n} k={k} split={split} {extras:8s}: rel err {err:.2e} "
-              f"{'ok' if ok else 'BAD'}")
+        x = torch.randn(m, k, device=device).to(dtype)
+        bias = torch.randn(n, device=device).to(dtype) if extras else None
+        res = torch.randn(m, n, device=device).to(dtype) if extras else None
+        ref = x.float() @ fq.dequantize(q, s).T
+        if extras:
+            ref = ref + bias.float() + res.float()
+        got = kernel.matmul(x, q, s, bias, res, tile=Tile(32, 64, split, 4, 2))
+        verdict(f"{kind:7s} m={m:2d} n={n} k={k} split={split} bias+res={extras!s:5s}", got, ref)
+    for m, k in itertools.product((1, 3, 16), (320, 896)):
+        x = (torch.randn(m, k, device=device) * 20).to(dtype)
+        g = (torch.rand(k, device=device) + 0.5).to(dtype)
+        ref = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6) * g.float()
+        verdict(f"rms_norm m={m:2d} k={k}", kernel.rms_norm(x, g, 1e-6), ref)
+        gate_up = torch.randn(m, 2 * k, device=device).to(dtype)
+        ref = torch.nn.functional.silu(gate_up[:, :k].float()) * gate_up[:, k:].float()
+        verdict(f"silu_mul m={m:2d} k={k}", kernel.silu_mul(gate_up), ref)
     print("all ok" if not bad else f"{bad} BAD")
     return 1 if bad else 0
 
@@ -167,6 +168,49 @@ def sweep(args) -> dict:
         if args.json:
             Path(args.json).write_text(json.dumps(record))
     return record
+
+
+def _prologue_variants(n: int, k: int, down: bool, m: int) -> tuple[dict, int]:
+    """The ways to run one layer's pre-matmul step and its matmul, as fns over `copies` weight copies."""
+    dev = torch.device("cuda")
+    eps = 1e-6
+    copies = max(2, min(16, L2_BYTES * 4 // (n * k)))
+    w = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+    qs = [fq.quantize(wi, "int8-wo") for wi in w]
+    g = torch.rand(k, device=dev, dtype=torch.bfloat16) + 0.5
+    if down:
+        x = torch.randn(m, 2 * k, device=dev, dtype=torch.bfloat16)
+        before = {"torch ops": lambda: F.silu(x[:, :k]) * x[:, k:], "one kernel": lambda: kernel.silu_mul(x)}
+    else:
+        x = torch.randn(m, k, device=dev, dtype=torch.bfloat16) * 30
+        before = {"torch ops": lambda: g * F.rms_norm(x.float(), (k,), eps=eps).to(x.dtype),
+                  "one kernel": lambda: kernel.rms_norm(x, g, eps)}
+    h = before["torch ops"]()
+    variants = {"bf16 matmul alone": lambda: [F.linear(h, wi) for wi in w],
+                "8-bit matmul alone": lambda: [kernel.matmul(h, q, s) for q, s in qs]}
+    for label, fn in before.items():
+        variants[f"bf16: {label} + matmul"] = lambda fn=fn: [F.linear(fn(), wi) for wi in w]
+        variants[f"8-bit: {label} + matmul"] = lambda fn=fn: [kernel.matmul(fn(), q, s) for q, s in qs]
+    return variants, copies
+
+
+def prologues(names: list[str], rows: list[int], out: dict) -> None:
+    """What the layer does before a matmul, each way: the RMSNorm before q/k/v and gate/up, silu(gate) * up
+    before down — as torch's ops or as one small kernel — then the matmul, beside the matmul alone.
+
+    Microseconds per layer's worth (norm or product, then the matmul), in CUDA graphs over weight copies.
+    """
+    for name, m in itertools.product(names, rows):
+        n, k = SHAPES[name]
+        variants, copies = _prologue_variants(n, k, name.endswith("down"), m)
+        key = f"{name} m={m}"
+        out[key] = {}
+        for label, fn in variants.items():
+            us = time_graph(fn) / copies
+            out[key][label] = round(us, 2)
+            print(f"{key:18s} {label:28s} {us:7.1f} us", flush=True)
+        del variants
+        torch.cuda.empty_cache()
 
 
 def write_tuned(record: dict) -> None:
@@ -248,6 +292,8 @@ def main() -> int:
     p.add_argument("--precisions", type=lambda s: s.split(","), default=["int8-wo", "fp8"])
     p.add_argument("--budget-s", type=float, default=360.0)
     p.add_argument("--profile", default="", help="also profile one forward of a random 14B/32B-shaped target")
+    p.add_argument("--prologues", action="store_true",
+                   help="only compare the norm and silu*up before a matmul: torch's ops against one kernel")
     args = p.parse_args()
     if (args.check or os.environ.get("TRITON_INTERPRET") == "1") and not kernel.AVAILABLE:
         p.error("--check runs the Triton kernel (on a CPU under TRITON_INTERPRET=1): pip install triton")
@@ -258,6 +304,14 @@ def main() -> int:
                 "on a CPU under TRITON_INTERPRET=1")
     if not set(args.precisions) <= set(fq.FAST_PRECISIONS) or not all(1 <= m <= kernel.MAX_ROWS for m in args.rows):
         p.error(f"--precisions takes {', '.join(fq.FAST_PRECISIONS)}; --rows takes 1..{kernel.MAX_ROWS}")
+    if args.prologues:
+        names = [s for s in SHAPES if not s.endswith(" o") and (
+            not args.shapes or any(s.startswith(p) for p in args.shapes.split(",")))]
+        out = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "prologues": {}}
+        prologues(names, args.rows, out["prologues"])
+        if args.json:
+            Path(args.json).write_text(json.dumps(out))
+        return 0
     record = sweep(args) if args.budget_s > 0 else {"best": {}, "rows": []}
     if args.tuned and record["rows"]:
         write_tuned(record)

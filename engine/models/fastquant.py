@@ -77,39 +77,44 @@ def dequant_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> tor
     return F.linear(x, q.to(x.dtype)) * scale.to(x.dtype)
 
 
+def _one_kernel(*tensors: torch.Tensor) -> bool:
+    """Whether the one-launch norm / gate kernels take x (the first): CUDA rows of a forward without
+    gradients (they have no backward), not under compile (inductor fuses torch's ops itself)."""
+    x = tensors[0]
+    return (kernel.AVAILABLE and x.is_cuda and x.dim() == 2 and x.is_contiguous()
+            and x.dtype in (torch.bfloat16, torch.float16) and not torch.compiler.is_compiling()
+            and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)))
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """HF's Qwen2RMSNorm/LlamaRMSNorm: normalise in float32, cast back, then scale. F.rms_norm is one
-    fused kernel on recent CUDA builds instead of five elementwise ones."""
+    """HF's Qwen2RMSNorm/LlamaRMSNorm: normalise in float32, cast back, then scale (one Triton kernel
+    on CUDA for the lean forward's [W, hidden] rows; torch's ops elsewhere and under torch.compile)."""
+    if _one_kernel(x, weight) and weight.dim() == 1:
+        return kernel.rms_norm(x, weight, eps)
     return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
 
-def prologue(x: torch.Tensor, norm: torch.Tensor | None, eps: float, glu: bool) -> torch.Tensor:
-    """What the kernel's prologues compute, as the model's own ops: silu(gate) * up, then RMSNorm."""
-    if glu:
-        gate, up = x.chunk(2, dim=-1)
-        x = F.silu(gate) * up
-    return x if norm is None else rms_norm(x, norm, eps)
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[W, 2I] = [gate | up] -> silu(gate) * up [W, I] (one Triton kernel on CUDA, as rms_norm)."""
+    if _one_kernel(gate_up):
+        return kernel.silu_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 @torch.library.custom_op("specdec::wo_matmul", mutates_args=())
 def wo_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
-              residual: torch.Tensor | None = None, norm: torch.Tensor | None = None, eps: float = 1e-6,
-              glu: bool = False) -> torch.Tensor:
-    """residual + prologue(x) [M, K] (contiguous) times the 8-bit weight q [N, K] with row scales [N] + bias.
+              residual: torch.Tensor | None = None) -> torch.Tensor:
+    """residual + x [M, K] (contiguous) times the 8-bit weight q [N, K] with row scales [N] + bias -> [M, N].
 
-    prologue: with glu, x is [M, 2K] = [gate | up] and silu(gate) * up is multiplied; with norm [K],
-    RMSNorm(x) * norm is (see `prologue`).
-    CUDA, few rows, bf16/fp16: the Triton kernel (dequantizes in registers; the prologue applied as x
-    is loaded; bias and residual added in float32 in its epilogue, one rounding). Elsewhere: the
-    prologue as the model's ops, the weight dequantized to x's dtype, one matmul (int8 on a CPU:
-    torch's int8-weight kernel), then the adds.
+    CUDA, few rows, bf16/fp16: the Triton kernel (dequantizes in registers; bias and residual added
+    in float32 in its epilogue, one rounding). Elsewhere: the weight dequantized to x's dtype, then
+    one matmul (int8 on a CPU: torch's int8-weight kernel), then the adds.
     """
     if kernel.runs(x, q):
-        return kernel.matmul(x, q, scale, bias, None if residual is None else residual.contiguous(),
-                             norm=norm, eps=eps, glu=glu)
-    x = prologue(x, norm, eps, glu)
+        return kernel.matmul(x, q, scale, bias, None if residual is None else residual.contiguous())
     if x.device.type == "cpu" and q.dtype == torch.int8 and x.dtype in (torch.float32, torch.bfloat16):
-        out = torch._weight_int8pack_mm(x.contiguous(), q, scale.to(x.dtype))
+        out = torch._weight_int8pack_mm(x, q, scale.to(x.dtype))
     else:
         out = dequant_matmul(x, q, scale)
     if bias is not None:
@@ -119,8 +124,7 @@ def wo_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch
 
 @wo_matmul.register_fake
 def _wo_matmul_fake(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
-                    residual: torch.Tensor | None = None, norm: torch.Tensor | None = None, eps: float = 1e-6,
-                    glu: bool = False) -> torch.Tensor:
+                    residual: torch.Tensor | None = None) -> torch.Tensor:
     return x.new_empty(x.shape[0], q.shape[0])
 
 
@@ -160,24 +164,19 @@ class QuantLinear(nn.Module):
             bias = None if linear.bias is None else linear.bias.detach().clone()
         return cls(q, scale, bias, kind)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, norm: torch.Tensor | None = None,
-                eps: float = 1e-6, glu: bool = False) -> torch.Tensor:
-        """x [..., K] -> [..., N]; with `residual` [..., N], residual + the layer (fused on CUDA).
-
-        norm [K]: the layer reads RMSNorm(x) * norm; glu: x is [..., 2K] = [gate | up] and the layer
-        reads silu(gate) * up (both fused into the kernel on CUDA, the model's own ops elsewhere).
-        """
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x [..., K] -> [..., N]; with `residual` [..., N], residual + the layer (fused on CUDA)."""
         shape = x.shape
-        x2 = x.reshape(-1, shape[-1]).contiguous()  # [M, K] (or [M, 2K] with glu)
+        x2 = x.reshape(-1, shape[-1]).contiguous()  # [M, K]
         mode = FP8_ACTIVATIONS if self.kind == "fp8" and x.is_cuda else "none"
         if mode in ("tensor", "token") and x2.shape[0] <= kernel.MAX_ROWS:
-            out = fp8_act_matmul(prologue(x2, norm, eps, glu), self.qweight, self.scale, mode)
+            out = fp8_act_matmul(x2, self.qweight, self.scale, mode)
             if self.bias is not None:
                 out = out + self.bias
             out = out.view(*shape[:-1], self.out_features)
             return out if residual is None else residual + out
         res2 = None if residual is None else residual.reshape(-1, self.out_features)
-        out = wo_matmul(x2, self.qweight, self.scale, self.bias, res2, norm, float(eps), glu)
+        out = wo_matmul(x2, self.qweight, self.scale, self.bias, res2)
         return out.view(*shape[:-1], self.out_features)
 
     def weight_float(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -6,11 +6,14 @@ x [16, BK] @ tile.T on the tensor cores in float32. int8 widens by conversion; e
 bits into a bf16 (or fp16) word — sign to the top, exponent and mantissa under it — which is the
 value times 2^-120 (2^-8 in fp16), exact for every e4m3 number; the 2^120 rides in the scale.
 The epilogue adds the bias and the residual stream in float32 and rounds once, as cuBLAS's
-addmm does for bf16 weights, so no separate add kernels run. Two prologues take in what the layer
-did before its matmuls: the RMSNorm before q/k/v and gate/up (the norm's weight multiplies x as it
-is loaded, each row's sum of squares accumulates beside the dot, 1 / rms scales the sum), and the
-MLP's silu(gate) * up before down (x is the [gate | up] output, read at two offsets), so neither
-launches kernels of its own.
+addmm does for bf16 weights, so no separate add kernels run.
+
+Beside it, two one-launch kernels for what a layer does before its matmuls, used by the lean
+forward on CUDA for every precision: the RMSNorm (torch runs it as four kernels: cast, norm, cast,
+scale) and silu(gate) * up (two); bench/int8_kernel_sweep.py --prologues times both ways. Fused
+into the 8-bit kernel's prologue instead, they made it slower than the launches they saved (on an
+H200, one row: the 14B gate/up step took 78 us with the norm inside against 43 for the norm kernel
+then the matmul, down 96 us against 25: the per-step work on the row tile stalls the weight stream).
 
 A layer with few output columns and a long input (the MLP's down projection, o, q/k/v on wide
 models) splits K over programs (split-K) so enough of them stream at once: each writes its float32
@@ -128,44 +131,30 @@ if AVAILABLE:
         return w.to(dtype)
 
     @triton.jit
-    def _wo_kernel(x_ptr, w_ptr, s_ptr, b_ptr, r_ptr, g_ptr, ss_ptr, y_ptr, M, N, K, k_per_split, x_stride, eps,
+    def _wo_kernel(x_ptr, w_ptr, s_ptr, b_ptr, r_ptr, y_ptr, M, N, K, k_per_split,
                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FP8: tl.constexpr, SPLIT: tl.constexpr,
-                   HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, EVEN_K: tl.constexpr, UNSCALE: tl.constexpr,
-                   NORM: tl.constexpr, GLU: tl.constexpr):
+                   HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, EVEN_K: tl.constexpr, UNSCALE: tl.constexpr):
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         on = pid_n * BN + tl.arange(0, BN)  # [BN] output columns
         om = tl.arange(0, BM)  # [BM] rows (M of them real)
         acc = tl.zeros((BM, BN), dtype=tl.float32)
-        ss = tl.zeros((BM,), dtype=tl.float32)  # NORM: each row's sum of squares over this program's K
-        dtype = x_ptr.dtype.element_ty
         k_lo = pid_k * k_per_split
         for k0 in range(k_lo, k_lo + k_per_split, BK):
             ok = k0 + tl.arange(0, BK)
             if EVEN_K:  # every tile whole: only the row and column edges are masked
-                x_mask = om[:, None] < M
+                x = tl.load(x_ptr + om[:, None] * K + ok[None, :], mask=om[:, None] < M, other=0.0)
                 w = tl.load(w_ptr + on[:, None] * K + ok[None, :], mask=on[:, None] < N, other=0)
             else:
-                x_mask = (om[:, None] < M) & (ok[None, :] < K)
+                x = tl.load(x_ptr + om[:, None] * K + ok[None, :], mask=(om[:, None] < M) & (ok[None, :] < K),
+                            other=0.0)
                 w = tl.load(w_ptr + on[:, None] * K + ok[None, :], mask=(on[:, None] < N) & (ok[None, :] < K),
                             other=0)
-            x = tl.load(x_ptr + om[:, None] * x_stride + ok[None, :], mask=x_mask, other=0.0)
-            if GLU:  # x holds [gate | up]: the MLP's silu(gate) * up, rounded once
-                gate = x.to(tl.float32)
-                up = tl.load(x_ptr + om[:, None] * x_stride + K + ok[None, :], mask=x_mask, other=0.0)
-                x = (gate * tl.sigmoid(gate) * up.to(tl.float32)).to(dtype)
-            if NORM:  # RMSNorm's weight here, its 1 / rms per row after the sum
-                xf = x.to(tl.float32)
-                ss += tl.sum(xf * xf, axis=1)
-                g = tl.load(g_ptr + ok, mask=ok < K, other=0.0).to(tl.float32)
-                x = (xf * g[None, :]).to(dtype)
-            acc += tl.dot(x, tl.trans(_widen(w, dtype, FP8)))  # [BM, BN]
+            acc += tl.dot(x, tl.trans(_widen(w, x.dtype, FP8)))  # [BM, BN]
         s = tl.load(s_ptr + on, mask=on < N, other=0.0)
         acc = acc * (s * UNSCALE)[None, :]  # per column, so split-K partials are scaled before they meet
         mask = (om[:, None] < M) & (on[None, :] < N)
         if SPLIT == 1:
-            if NORM:
-                acc = acc * tl.rsqrt(ss / K + eps)[:, None]
             if HAS_BIAS:
                 acc += tl.load(b_ptr + on, mask=on < N, other=0.0).to(tl.float32)[None, :]
             if HAS_RES:
@@ -173,23 +162,16 @@ if AVAILABLE:
             tl.store(y_ptr + om[:, None] * N + on[None, :], acc.to(y_ptr.dtype.element_ty), mask=mask)
         else:  # this program's partial sum: its own slice of the [SPLIT, M, N] float32 buffer
             tl.store(y_ptr + pid_k * M * N + om[:, None] * N + on[None, :], acc, mask=mask)
-            if NORM:  # and its rows' partial sums of squares ([SPLIT, M]; the first column block writes them)
-                tl.store(ss_ptr + pid_k * M + om, ss, mask=(om < M) & (pid_n == 0))
 
     @triton.jit
-    def _reduce_kernel(p_ptr, b_ptr, r_ptr, ss_ptr, y_ptr, M, N, K, eps, SPLIT: tl.constexpr, BN: tl.constexpr,
-                       HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, NORM: tl.constexpr):
+    def _reduce_kernel(p_ptr, b_ptr, r_ptr, y_ptr, M, N, SPLIT: tl.constexpr, BN: tl.constexpr,
+                       HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr):
         row = tl.program_id(0)
         on = tl.program_id(1) * BN + tl.arange(0, BN)
         live = on < N
         acc = tl.zeros((BN,), dtype=tl.float32)
-        sq = 0.0
         for s in range(SPLIT):  # in order: the same rounding every run
             acc += tl.load(p_ptr + s * M * N + row * N + on, mask=live, other=0.0)
-            if NORM:
-                sq += tl.load(ss_ptr + s * M + row)
-        if NORM:
-            acc = acc * tl.rsqrt(sq / K + eps)
         if HAS_BIAS:
             acc += tl.load(b_ptr + on, mask=live, other=0.0).to(tl.float32)
         if HAS_RES:
@@ -197,19 +179,58 @@ if AVAILABLE:
         tl.store(y_ptr + row * N + on, acc.to(y_ptr.dtype.element_ty), mask=live)
 
 
+    @triton.jit
+    def _rms_norm_kernel(x_ptr, g_ptr, y_ptr, K, eps, BLOCK: tl.constexpr):
+        """One row per program: y = g * bf16(x * rsqrt(mean(x^2) + eps)), as HF's RMSNorm rounds."""
+        row = tl.program_id(0)
+        ok = tl.arange(0, BLOCK)
+        live = ok < K
+        x = tl.load(x_ptr + row * K + ok, mask=live, other=0.0).to(tl.float32)
+        r = tl.rsqrt(tl.sum(x * x, axis=0) / K + eps)
+        h = (x * r).to(y_ptr.dtype.element_ty)
+        g = tl.load(g_ptr + ok, mask=live, other=0.0)
+        tl.store(y_ptr + row * K + ok, (h.to(tl.float32) * g.to(tl.float32)).to(y_ptr.dtype.element_ty), mask=live)
+
+    @triton.jit
+    def _silu_mul_kernel(x_ptr, y_ptr, K, BLOCK: tl.constexpr):
+        """[M, 2K] = [gate | up] -> silu(gate) * up [M, K], rounded as the two torch ops round."""
+        row = tl.program_id(0)
+        ok = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        live = ok < K
+        gate = tl.load(x_ptr + row * 2 * K + ok, mask=live, other=0.0).to(tl.float32)
+        up = tl.load(x_ptr + row * 2 * K + K + ok, mask=live, other=0.0)
+        act = (gate * tl.sigmoid(gate)).to(y_ptr.dtype.element_ty)
+        tl.store(y_ptr + row * K + ok, (act.to(tl.float32) * up.to(tl.float32)).to(y_ptr.dtype.element_ty),
+                 mask=live)
+
+
+def rms_norm(x: torch.Tensor, g: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [M, K] contiguous bf16/fp16, g [K] -> RMSNorm(x) * g in one launch."""
+    m, k = x.shape
+    out = torch.empty_like(x)
+    with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
+        _rms_norm_kernel[(m,)](x, g, out, k, float(eps), BLOCK=triton.next_power_of_2(k), num_warps=8)
+    return out
+
+
+def silu_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [M, 2K] contiguous = [gate | up] -> silu(gate) * up [M, K] in one launch."""
+    m, k2 = x.shape
+    k = k2 // 2
+    out = torch.empty(m, k, dtype=x.dtype, device=x.device)
+    with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
+        _silu_mul_kernel[(m, _cdiv(k, 1024))](x, out, k, BLOCK=1024, num_warps=4)
+    return out
+
+
 def matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
-           residual: torch.Tensor | None = None, tile: Tile | None = None, norm: torch.Tensor | None = None,
-           eps: float = 1e-6, glu: bool = False) -> torch.Tensor:
+           residual: torch.Tensor | None = None, tile: Tile | None = None) -> torch.Tensor:
     """x [M <= MAX_ROWS, K] bf16/fp16 contiguous, q [N, K] int8/e4m3, scale [N] float32 -> [M, N] in x's dtype.
 
     bias [N] and residual [M, N] (contiguous) are added in float32 before the one rounding.
-    Prologues (what the layer did before the matmul, fused so it launches no kernels of its own):
-    glu: x is [M, 2K], the MLP's [gate | up], and the matmul reads silu(gate) * up;
-    norm [K]: the matmul reads RMSNorm(x) * norm (the 1 / rms of each row applied after the sum).
     """
-    m = x.shape[0]
-    n, k = q.shape
-    assert x.shape[1] == (2 * k if glu else k), f"x {tuple(x.shape)} does not feed a [{n}, {k}] weight"
+    m, k = x.shape
+    n = q.shape[0]
     tile = tile or tile_for(n, k, m, x.device)
     fp8 = q.dtype == torch.float8_e4m3fn
     weight = q.view(torch.uint8) if fp8 else q
@@ -218,22 +239,18 @@ def matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Te
     k_per_split = _cdiv(_cdiv(k, split), tile.bk) * tile.bk  # K / split rounded up to whole tiles
     even_k = k % tile.bk == 0 and k_per_split * split == k
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    dummy = out  # an unused pointer where bias, residual or norm is absent
+    dummy = out  # an unused pointer where bias or residual is absent
     b, r = (bias if bias is not None else dummy), (residual if residual is not None else dummy)
-    g = norm if norm is not None else dummy
     # split 1 writes y with the epilogue; split-K writes float32 partials the reduction sums into y
     partial = out if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x.device)
-    squares = (torch.empty(split, m, dtype=torch.float32, device=x.device)
-               if split > 1 and norm is not None else dummy)
     # Triton launches on the current device; a split model spans several (a CPU: the interpreter's checks)
     with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
         _wo_kernel[(_cdiv(n, tile.bn), split)](
-            x, weight, scale, b, r, g, squares, partial, m, n, k, k_per_split, x.shape[1], float(eps),
-            BM=MAX_ROWS, BN=tile.bn, BK=tile.bk, FP8=fp8, SPLIT=split, HAS_BIAS=split == 1 and bias is not None,
-            HAS_RES=split == 1 and residual is not None, EVEN_K=even_k, UNSCALE=unscale, NORM=norm is not None,
-            GLU=glu, num_warps=tile.warps, num_stages=tile.stages)
+            x, weight, scale, b, r, partial, m, n, k, k_per_split, BM=MAX_ROWS, BN=tile.bn, BK=tile.bk, FP8=fp8,
+            SPLIT=split, HAS_BIAS=split == 1 and bias is not None, HAS_RES=split == 1 and residual is not None,
+            EVEN_K=even_k, UNSCALE=unscale, num_warps=tile.warps, num_stages=tile.stages)
         if split > 1:
             _reduce_kernel[(m, _cdiv(n, REDUCE_BN))](
-                partial, b, r, squares, out, m, n, k, float(eps), SPLIT=split, BN=REDUCE_BN,
-                HAS_BIAS=bias is not None, HAS_RES=residual is not None, NORM=norm is not None, num_warps=4)
+                partial, b, r, out, m, n, SPLIT=split, BN=REDUCE_BN, HAS_BIAS=bias is not None,
+                HAS_RES=residual is not None, num_warps=4)
     return out

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.models import fastquant
 from engine.runners.lean import LeanDecoder, UnsupportedModelError, _rms_norm
 
 
@@ -83,7 +84,7 @@ class BatchedDecoder:
         n = ids.shape[0]
         x = F.embedding(ids, lean.embed)  # [N, hidden]
         for index, layer in enumerate(lean.layers):
-            qkv = layer.qkv.normed(x, layer.ln1, c.eps)  # [N, (Hq + 2 Hkv) * D]
+            qkv = layer.qkv(_rms_norm(x, layer.ln1, c.eps))  # [N, (Hq + 2 Hkv) * D]
             qk = qkv[:, : q_size + kv_size].view(n, n_qk, c.head_dim)
             if layer.qk_norm is not None:
                 qk = _rms_norm(qk, layer.qk_norm, c.eps)
@@ -99,7 +100,7 @@ class BatchedDecoder:
                 o = lean._attend(q, k_row[None, :, : s + w], v_row[None, :, : s + w], bias)  # [1, Hkv, G*W, D]
                 out[o0: o0 + w] = o.reshape(c.n_heads, w, c.head_dim).transpose(0, 1).reshape(w, q_size)
             x = layer.o.residual(x, out)
-            x = layer.down.glu_residual(x, layer.gate_up.normed(x, layer.ln2, c.eps))
+            x = layer.down.residual(x, fastquant.silu_mul(layer.gate_up(_rms_norm(x, layer.ln2, c.eps))))
         for part, w in zip(parts, widths):
             self.lengths[part.slot] += w
         if not logits:

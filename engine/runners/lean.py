@@ -161,32 +161,13 @@ class _Proj:
         outs = [m(h) for m in self.modules]
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
 
-    def _fast8(self) -> fastquant.QuantLinear | None:
-        """The one fused int8-wo/fp8 module, whose kernel also takes the adds and prologues; else None."""
-        if len(self.modules) == 1 and isinstance(self.modules[0], fastquant.QuantLinear):
-            return self.modules[0]
-        return None
-
     def residual(self, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         """x + self(h), the add fused into the matmul when the weight is plain or int8-wo/fp8."""
         if self.weight is not None:
             return _linear_residual(x, h, self.weight, self.bias)
-        if (fast := self._fast8()) is not None:
-            return fast(h, residual=x)  # the 8-bit kernel adds it in its epilogue
+        if len(self.modules) == 1 and isinstance(self.modules[0], fastquant.QuantLinear):
+            return self.modules[0](h, residual=x)  # the 8-bit kernel adds it in its epilogue
         return x + self(h)
-
-    def normed(self, x: torch.Tensor, norm: torch.Tensor, eps: float) -> torch.Tensor:
-        """self(RMSNorm(x) * norm); an 8-bit kernel does the norm as it loads x (no norm kernels)."""
-        if (fast := self._fast8()) is not None:
-            return fast(x, norm=norm, eps=eps)
-        return self(_rms_norm(x, norm, eps))
-
-    def glu_residual(self, x: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
-        """x + self(silu(gate) * up) from the MLP's [gate | up]; an 8-bit kernel does the product as it loads."""
-        if (fast := self._fast8()) is not None:
-            return fast(gate_up, residual=x, glu=True)
-        gate, up = gate_up.chunk(2, dim=-1)  # [W, inter] each
-        return self.residual(x, F.silu(gate) * up)
 
 
 @dataclass
@@ -398,7 +379,7 @@ class LeanDecoder:
         n_qk = c.n_heads + c.n_kv_heads
         keep = {} if hidden is None else {layer: slot for slot, layer in enumerate(hidden[1])}
         for index, layer in enumerate(stage.layers, stage.first):
-            qkv = layer.qkv.normed(x, layer.ln1, c.eps)  # [W, (Hq + 2 Hkv) * D]
+            qkv = layer.qkv(_rms_norm(x, layer.ln1, c.eps))  # [W, (Hq + 2 Hkv) * D]
             qk = qkv[:, : q_size + kv_size].view(width, n_qk, c.head_dim)  # [W, Hq + Hkv, D]
             if layer.qk_norm is not None:
                 qk = _rms_norm(qk, layer.qk_norm, c.eps)  # per head, [Hq + Hkv, D] weights broadcast over W
@@ -414,7 +395,8 @@ class LeanDecoder:
             o = self._attend(q, layer.k_cache[:, :, :kv_len], layer.v_cache[:, :, :kv_len], bias)  # [1, Hkv, G*W, D]
             o = o.reshape(c.n_heads, width, c.head_dim).transpose(0, 1).reshape(width, q_size)  # [W, Hq*D]
             x = layer.o.residual(x, o)
-            x = layer.down.glu_residual(x, layer.gate_up.normed(x, layer.ln2, c.eps))
+            gate_up = layer.gate_up(_rms_norm(x, layer.ln2, c.eps))  # [W, 2 * inter]: gate, then up
+            x = layer.down.residual(x, fastquant.silu_mul(gate_up))
             if index in keep:
                 slot = keep[index]
                 hidden[0][:, slot * c.hidden : (slot + 1) * c.hidden].copy_(x)
