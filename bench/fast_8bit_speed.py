@@ -111,9 +111,10 @@ def part_pair(args, results: qc.Results, texts: list[str]) -> None:
                 print(f"    refused: {why}", flush=True)
                 return {"refused": why}
             qc.reset_peaks()
-            pair = load_pair(LoadSpec(args.target, args.draft, device=args.device, target_precision=target_p,
-                                      draft_precision=draft_p, context=args.context, force=True, head=None))
             head = args.head if Path(args.head).is_dir() else None
+            # the plan is made with the head it will attach
+            pair = load_pair(LoadSpec(args.target, args.draft, device=args.device, target_precision=target_p,
+                                      draft_precision=draft_p, context=args.context, force=True, head=head))
             # the draft precision quantizes the head's layer too (engine/assemble.py)
             engine = engine_for_pair(pair, LoadSpec(head=head, draft_precision=draft_p))
             out = qc.run_prompts(engine, texts, args.max_new_tokens)

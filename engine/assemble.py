@@ -307,5 +307,5 @@ def plan_load(spec: LoadSpec) -> MemoryPlan:
     plan = plan_pair(spec.target, spec.draft if spec.with_draft else None, with_draft=spec.with_draft,
                      device=spec.device, dtype=spec.dtype, target_precision=spec.target_precision,
                      draft_precision=spec.draft_precision, context=spec.context, memory=spec.memory, gpus=spec.gpus,
-                     fast_path=spec.fast_path)
+                     fast_path=spec.fast_path, head=spec.head)
     return replace(plan, notes=plan.notes + ((f"Runs on torch: {choice.note}.",) if choice.note else ()))

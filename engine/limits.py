@@ -10,6 +10,7 @@ K_MAX = 12
 # Longest draft verified as a tree of drafts (a draft head's alternatives beside each token,
 # engine/runners/tree.py): tree graphs are captured for K = 1..TREE_K_MAX; longer drafts verify as chains.
 TREE_K_MAX = 8
+TREE_ALTERNATIVES = 2  # default next-best tokens per draft position on a GPU (bench/head_speedup.py measures 0..3)
 
 # Draft length when a person has not chosen one.
 DEFAULT_K = 5

@@ -267,3 +267,50 @@ def test_cpu_packing_releases_each_original_linear_as_it_goes(monkeypatch):
     assert alive_at_each_pack == list(range(len(originals), 0, -1))
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, before, atol=1e-4, rtol=1e-4)
+
+
+def test_an_attached_head_is_counted_by_hand_where_the_logits_come_out():
+    from engine.limits import TREE_ALTERNATIVES, TREE_K_MAX
+    from engine.models.plan import HeadSpec, forward_transient
+
+    c = census_from_config(TINY, "tiny")
+    spec = ModelSpec(c, "bfloat16", "bfloat16")
+    head = HeadSpec("tiny head", parameters=10_000, hidden=64, n_kv_heads=2, head_dim=16, n_features=3,
+                    draft_vocab=100)
+    inputs = PlanInputs(spec, spec, "cuda", 512, head=head)
+    plan = build_plan(inputs, [GiB], "given")
+    items = {i.label: i.bytes for i in plan.devices[0].items if i.model == "head"}
+    assert items["draft head (weights, output rows, cache)"] == (
+        10_000 * 2 + 100 * 64 * 2 + 2 * 2 * 16 * 512 * 2 + 3 * (inputs.k_max + 1) * 100 * 4)
+    trees = [1 + k * (1 + TREE_ALTERNATIVES) for k in range(1, TREE_K_MAX + 1)]
+    layer, logits = forward_transient(spec, trees[-1], 512)
+    kept = (sum(trees) + sum(range(1, inputs.k_max + 2))) * 3 * 64 * 2
+    assert items["tree CUDA graphs of the target (outputs and pool)"] == sum(trees) * 320 * 4 + layer + logits + kept
+    without = build_plan(PlanInputs(spec, spec, "cuda", 512), [GiB], "given")
+    assert plan.devices[0].total > without.devices[0].total
+    from dataclasses import replace
+
+    eight_bit = build_plan(PlanInputs(spec, spec, "cuda", 512, head=replace(head, precision="int8-wo")), [GiB], "given")
+    assert next(i.bytes for i in eight_bit.devices[0].items if i.model == "head") == items[
+        "draft head (weights, output rows, cache)"] - 10_000  # one byte a weight instead of two
+    cpu = build_plan(PlanInputs(spec, spec, "cpu", 512, head=head), [GiB], "given")
+    assert [i.label for i in cpu.devices[0].items if i.model == "head"] == ["draft head (weights, output rows, cache)"]
+    split = build_plan(PlanInputs(spec, spec, "cuda", 512, gpus=2, head=head), [GiB, GiB], "given")
+    assert not [i for d in split.devices for i in d.items if i.model == "head"], "a split target loads no head"
+
+
+def test_the_plan_finds_the_shipped_head_for_the_default_target_and_only_for_it(tmp_path):
+    from engine.models.planner import head_spec, model_census
+
+    target = model_census("default", "target")[0]
+    shipped = head_spec("auto", target, "bfloat16")
+    assert shipped is not None and shipped.hidden == target.hidden and shipped.draft_vocab > 0
+    assert head_spec("auto", census_from_config(TINY, "tiny"), "bfloat16") is None  # no head for this shape
+    assert head_spec(None, target, "bfloat16") is None and head_spec("none", target, "bfloat16") is None
+    (tmp_path / "manifest.json").write_text("{not json")
+    assert head_spec(tmp_path, target, "bfloat16") is None  # the load says what is wrong, in one line
+    from engine.models.planner import plan_pair
+
+    with_head = plan_pair("default", "default", device="cuda", memory=80 * GiB, gpus=1, head="auto")
+    assert any(i.model == "head" for i in with_head.devices[0].items)
+    assert "draft head" in format_plan(with_head)

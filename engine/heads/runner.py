@@ -65,6 +65,7 @@ class HeadRunner:
         self.use_graphs = cuda if use_graphs is None else (use_graphs and cuda)
         self.length = 0  # committed positions in the cache
         self.graphs: dict[tuple[str, int, int], torch.cuda.CUDAGraph] = {}  # (kind, width, span) -> graph
+        self._side_stream: torch.cuda.Stream | None = None  # warm-ups and captures (CUDA)
         with torch.inference_mode(False), torch.no_grad():
             dev, dt = self.device, self.dtype
             shape = (1, c.n_kv_heads, cache_len, c.head_dim)
@@ -251,7 +252,12 @@ class HeadRunner:
         self.start.fill_(0)
         self.pos.fill_(0)
         self.idx.fill_(0)
-        stream = torch.cuda.Stream(self.device)
+        # One side stream for every warm-up and capture of this runner, as the target's runner does: the
+        # caching allocator keeps blocks per stream, so a new stream per capture keeps each capture's
+        # blocks apart and memory grows with the number of graphs (bench/head_memory.py measures it).
+        if self._side_stream is None:
+            self._side_stream = torch.cuda.Stream(self.device)
+        stream = self._side_stream
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             for _ in range(WARMUP_ITERS):
@@ -260,7 +266,7 @@ class HeadRunner:
                 self.idx.fill_(0)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
+        with torch.cuda.graph(graph, pool=pool, stream=stream):
             body()
         self.pos.fill_(0)
         self.idx.fill_(0)

@@ -197,7 +197,7 @@ def load_pair(spec: LoadSpec, progress: ProgressFn | None = None, *, pack: Packe
                    for p, given in zip(prepared, (spec.target, spec.draft))]
         plan = plan_models(figures[0], figures[1] if with_draft else None, device=str(torch_device), dtype=dtype,
                            target_precision=asked[0], draft_precision=asked[-1] if with_draft else "auto",
-                           context=spec.context, gpus=spec.gpus, memory=spec.memory)
+                           context=spec.context, gpus=spec.gpus, memory=spec.memory, head=spec.head)
         busiest = max(plan.devices, key=lambda d: d.total - (d.capacity or 0))
         if not plan.fits:
             change = f" Cheapest change: {plan.suggestion.description[0].lower()}{plan.suggestion.description[1:]}." \

@@ -11,6 +11,7 @@ import math
 import re
 from dataclasses import dataclass, replace
 
+from engine.limits import TREE_ALTERNATIVES, TREE_K_MAX
 from engine.models.census import ModelCensus
 from engine.models.quant import CAPTURABLE, FLOAT_BYTES, NF4_BLOCK, NF4_CODE_BYTES, is_fast, is_quantized
 from engine.types import DevicePlan, MemoryPlan, PlanChange, PlanItem
@@ -48,6 +49,20 @@ class ModelSpec:
 
 
 @dataclass(frozen=True)
+class HeadSpec:
+    """A draft head as the plan sees it (its manifest's figures); it reads the target's layers."""
+
+    name: str
+    parameters: int  # its own weights (the layer, the fusing fc, the norms)
+    hidden: int  # the target's width, which the head's layer keeps
+    n_kv_heads: int
+    head_dim: int
+    n_features: int  # target layers it reads
+    draft_vocab: int  # output rows gathered from the target's head
+    precision: str = "bfloat16"  # its layer's: the draft precision (int8-wo / fp8) or the float dtype
+
+
+@dataclass(frozen=True)
 class PlanInputs:
     """Everything one plan depends on."""
 
@@ -58,6 +73,7 @@ class PlanInputs:
     gpus: int = 1  # GPUs the target is split over (the draft lives on the one with the output head)
     fast_path: str = "auto"  # "auto", "eager", "static", "compiled"
     k_max: int = K_MAX  # largest K that gets a captured verify graph
+    head: HeadSpec | None = None  # the draft head that will be attached (on torch), if any
 
 
 # --------------------------------------------------------------------------- sizes
@@ -164,6 +180,34 @@ def _graph_widths(role: str, k_max: int) -> tuple[int, ...]:
     return tuple(range(1, k_max + 2)) if role == "target" else (1, 2)
 
 
+def head_items(inputs: PlanInputs, t_kind: str, t_pos: int, span: int) -> list[PlanItem]:
+    """What attaching the draft head adds where the target's logits come out.
+
+    The head: its weights (1 byte each plus a float32 scale per row in int8-wo / fp8), the target's
+    output rows of its vocabulary gathered once, its one-layer KV cache, its graphs' catch-up logits.
+    With CUDA graphs the target also captures the tree's widths (engine/decoding/engine.py set_tree:
+    K = 1..TREE_K_MAX with TREE_ALTERNATIVES siblings per depth), each with a float32 [W, V] output,
+    in a pool of their own sized by the widest tree, and keeps the head's layers in [W, n * hidden]
+    buffers per captured width.
+    """
+    h, t = inputs.head, inputs.target
+    if h is None or (inputs.device_type == "cuda" and inputs.gpus > 1):
+        return []  # a split target loads without its head (engine/assemble.py)
+    b = FLOAT_BYTES.get(t.compute, 2)
+    weights = h.parameters * (1 if is_fast(h.precision) else b) + (h.draft_vocab * h.hidden) * b
+    cache = 2 * h.n_kv_heads * h.head_dim * t_pos * b
+    catch_up = 3 * (inputs.k_max + 1) * h.draft_vocab * 4
+    items = [PlanItem("weights", "head", "draft head (weights, output rows, cache)",
+                      weights + cache + catch_up)]
+    if t_kind == "graphs":
+        trees = [1 + k * (1 + TREE_ALTERNATIVES) for k in range(1, TREE_K_MAX + 1)]
+        layer_part, head_part = forward_transient(t, trees[-1], span)
+        kept = (sum(trees) + sum(_graph_widths("target", inputs.k_max))) * h.n_features * t.census.hidden * b
+        items.append(PlanItem("graphs", "head", "tree CUDA graphs of the target (outputs and pool)",
+                              sum(trees) * t.census.vocab * 4 + layer_part + head_part + kept))
+    return items
+
+
 # --------------------------------------------------------------------------- placement
 
 def balanced_split(layer_bytes: list[int], first: int, last: int, gpus: int) -> list[int]:
@@ -252,6 +296,8 @@ def build_plan(inputs: PlanInputs, capacities: list[int | None], capacity_source
         layer_part, head_part = forward_transient(d, widths[-1], cache_positions(d.census, inputs.context, d_kind))
         items[out_device].append(PlanItem("graphs", "draft", "draft CUDA graphs (outputs and pool)",
                                           sum(widths) * d.census.vocab * 4 + layer_part + head_part))
+
+    items[out_device].extend(head_items(inputs, t_kind, t_pos, span))
 
     # Activations outside graphs: a prompt chunk through each model (one at a time), and the
     # acceptance maths over [K+1, V] float32 tensors on the output device.

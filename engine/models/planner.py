@@ -1,8 +1,10 @@
 """Plans a pair before loading: each model's figures and the devices' free memory; plan.py does the sums."""
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass, replace
+from importlib import resources
 from pathlib import Path
 
 from engine.errors import ModelLoadError
@@ -12,6 +14,7 @@ from engine.models.plan import (
     RUNTIME_CPU,
     RUNTIME_CUDA,
     DraftOption,
+    HeadSpec,
     ModelSpec,
     PlanInputs,
     build_plan,
@@ -111,6 +114,46 @@ def _ram_available() -> int:
     return int(psutil.virtual_memory().available)
 
 
+HEAD_MANIFEST = "manifest.json"  # engine/heads/shards.py's name for it (read here as JSON: no torch, no heads)
+
+
+def _head_manifest(folder: Path) -> dict | None:
+    try:
+        data = json.loads((folder / HEAD_MANIFEST).read_text())
+        return data if isinstance(data, dict) and isinstance(data.get("config"), dict) else None
+    except (OSError, ValueError):
+        return None
+
+
+def head_spec(head: str | Path | None, target: ModelCensus, precision: str) -> HeadSpec | None:
+    """The draft head a load will attach, from its manifest: a folder given, or for "auto" the shipped
+    head whose target has this model's shape (the load checks the exact fingerprint); None for none."""
+    if head is None or str(head) == "none":
+        return None
+    if str(head) == "auto":
+        root = Path(str(resources.files("assets").joinpath("heads")))
+        folders = sorted(root.iterdir()) if root.is_dir() else []
+    else:
+        folders = [Path(head)]
+    for folder in folders:
+        m = _head_manifest(folder)
+        if m is None:
+            continue
+        shape = m.get("target") or {}
+        if str(head) == "auto" and (shape.get("model_type"), shape.get("hidden"), shape.get("layers"),
+                                    shape.get("vocab")) != (target.model_type, target.hidden,
+                                                            len(target.layers), target.vocab):
+            continue
+        c = m["config"]
+        try:
+            return HeadSpec(str(m.get("name", folder.name)), int(m.get("parameters", 0)), int(c["hidden"]),
+                            int(c["n_kv_heads"]), int(c["head_dim"]), len(c["feature_layers"]),
+                            int(c["draft_vocab"]), precision)
+        except (KeyError, TypeError, ValueError):
+            return None  # a damaged manifest: the load says so in its own line
+    return None
+
+
 def plan_pair(
     target: str | None,
     draft: str | None,
@@ -124,6 +167,7 @@ def plan_pair(
     memory: int | None = None,
     gpus: int | None = None,
     fast_path: str = "auto",
+    head: str | Path | None = None,
 ) -> MemoryPlan:
     """The memory plan for a pair of model specs on a device (see plan_models), read without weights."""
     t_census, t_id, missing = model_census(target, "target")
@@ -136,7 +180,7 @@ def plan_pair(
     plan = plan_models(
         ModelFigures(t_census, target, t_id), ModelFigures(d_census, draft, d_id) if d_census else None,
         device=device, dtype=dtype, target_precision=target_precision, draft_precision=draft_precision,
-        context=context, memory=memory, gpus=gpus, fast_path=fast_path,
+        context=context, memory=memory, gpus=gpus, fast_path=fast_path, head=head,
     )
     return replace(plan, notes=plan.notes + notes)
 
@@ -162,8 +206,11 @@ def plan_models(
     memory: int | None = None,
     gpus: int | None = None,
     fast_path: str = "auto",
+    head: str | Path | None = None,
 ) -> MemoryPlan:
     """The memory plan, with the cheapest change that fits when it does not.
+
+    head: the draft head the load attaches ("auto", a folder, None): counted where the logits come out.
 
     gpus: how many GPUs the target may be split over; None tries one, then as many as are needed
     (up to the visible ones, or the --memory plan's count).
@@ -181,7 +228,9 @@ def plan_models(
             notes += (f"{figures.census.name} is already quantized ({figures.census.prequantized}); "
                       f"it loads as it is.",)
     ctx = min(context or DEFAULT_CONTEXT, target.census.max_positions)
-    inputs = PlanInputs(t_spec, d_spec, device_type, ctx, gpus=1, fast_path=fast_path)
+    head_precision = d_spec.precision if d_spec is not None else t_compute
+    inputs = PlanInputs(t_spec, d_spec, device_type, ctx, gpus=1, fast_path=fast_path,
+                        head=head_spec(head, target.census, head_precision))
     counts = [gpus] if gpus else list(range(1, len(names) + 1))
     plan = None
     for count in counts:  # the fewest GPUs that hold it
