@@ -300,8 +300,10 @@ def test_an_attached_head_is_counted_by_hand_where_the_logits_come_out():
 
 
 def test_the_plan_finds_the_shipped_head_for_the_default_target_and_only_for_it(tmp_path):
-    from engine.models.planner import head_spec, model_census
+    from engine.heads.shards import MANIFEST
+    from engine.models.planner import HEAD_MANIFEST, head_spec, model_census
 
+    assert HEAD_MANIFEST == MANIFEST
     target = model_census("default", "target")[0]
     shipped = head_spec("auto", target, "bfloat16")
     assert shipped is not None and shipped.hidden == target.hidden and shipped.draft_vocab > 0
