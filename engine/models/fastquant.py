@@ -15,6 +15,9 @@ activation tensor) or "token" (one per row, rowwise scaled mm); bench/fast_8bit_
 
 Everything here is plain tensors and ops (the kernel is a custom op with a fake implementation),
 so the lean forward's CUDA graphs and torch.compile take it as they take nn.Linear.
+
+`rms_norm` and `silu_mul` are what every precision's lean forward runs before its matmuls: one
+Triton launch each on CUDA (torch runs four and two kernels), torch's ops elsewhere.
 """
 from __future__ import annotations
 
