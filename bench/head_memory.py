@@ -56,8 +56,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("this bench measures GPU memory: it needs CUDA (--device cpu runs the steps without figures)")
 
+    from engine.errors import EngineError
+
+    try:
+        return measure(args)
+    except EngineError as exc:  # a bad folder or a head for another target: one line
+        print(f"head_memory: {exc}", file=sys.stderr)
+        return 2
+
+
+def measure(args) -> int:
     from engine.assemble import engine_for_pair
     from engine.decoding.engine import K_MAX
+    from engine.errors import ModelLoadError
     from engine.heads.runner import HeadRunner
     from engine.heads.shards import resolve_head
     from engine.loadspec import LoadSpec
@@ -69,7 +80,10 @@ def main(argv: list[str] | None = None) -> int:
                     draft_precision=args.precision, context=args.context, force=True, head=args.head)
     pair = load_pair(spec)
     snapshot("pair loaded", rows)
-    head, _files = resolve_head(pair.target, args.head)  # before a CPU packs the target's output head
+    found = resolve_head(pair.target, args.head)  # before a CPU packs the target's output head
+    if found is None:
+        raise ModelLoadError(f"no draft head to attach ({args.head})")
+    head = found[0]
     if args.precision in ("int8-wo", "fp8"):
         head.quantize(args.precision)
     snapshot("head read and bound (weights, output rows)", rows)

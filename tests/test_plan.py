@@ -309,8 +309,10 @@ def test_the_plan_finds_the_shipped_head_for_the_default_target_and_only_for_it(
     assert shipped is not None and shipped.hidden == target.hidden and shipped.draft_vocab > 0
     assert head_spec("auto", census_from_config(TINY, "tiny"), "bfloat16") is None  # no head for this shape
     assert head_spec(None, target, "bfloat16") is None and head_spec("none", target, "bfloat16") is None
-    (tmp_path / "manifest.json").write_text("{not json")
-    assert head_spec(tmp_path, target, "bfloat16") is None  # the load says what is wrong, in one line
+    for text in ("{not json", "[]", '{"config": {"hidden": "x"}, "target": [1]}',
+                 '{"config": {"hidden": 8, "n_kv_heads": 1, "head_dim": 4, "feature_layers": 3, "draft_vocab": 5}}'):
+        (tmp_path / "manifest.json").write_text(text)
+        assert head_spec(tmp_path, target, "bfloat16") is None  # the load says what is wrong, in one line
     from engine.models.planner import plan_pair
 
     with_head = plan_pair("default", "default", device="cuda", memory=80 * GiB, gpus=1, head="auto")

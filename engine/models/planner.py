@@ -139,7 +139,7 @@ def head_spec(head: str | Path | None, target: ModelCensus, precision: str) -> H
         m = _head_manifest(folder)
         if m is None:
             continue
-        shape = m.get("target") or {}
+        shape = m.get("target") if isinstance(m.get("target"), dict) else {}
         if str(head) == "auto" and (shape.get("model_type"), shape.get("hidden"), shape.get("layers"),
                                     shape.get("vocab")) != (target.model_type, target.hidden,
                                                             len(target.layers), target.vocab):
