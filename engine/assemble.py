@@ -15,10 +15,9 @@ import torch
 
 from engine.cpu_threads import ThreadPolicy, choose_threads
 from engine.decoding import Engine
-from engine.decoding.factory import TREE_ALTERNATIVES
 from engine.errors import IncompatibleModelsError, ModelLoadError
 from engine.heads.shards import resolve_head
-from engine.limits import TREE_K_MAX
+from engine.limits import TREE_ALTERNATIVES, TREE_K_MAX
 from engine.loadspec import LoadProgress, LoadSpec, ProgressFn, emit
 from engine.models import fastquant
 from engine.models.loader import LoadedPair, load_pair

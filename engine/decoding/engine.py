@@ -11,14 +11,14 @@ import torch
 from engine.decoding.cost_check import CostCheck, settle_costs
 from engine.decoding.control import AdaptiveK, FixedK, KController, StepCosts, TuningMemory
 from engine.decoding.costs import measure_again, measure_costs, measure_trees
-from engine.decoding.factory import TREE_ALTERNATIVES, make_proposer, make_proposers
+from engine.decoding.factory import make_proposer, make_proposers
 from engine.decoding.loop import Generation, widest
 from engine.decoding.prefill import ProgressCallback
 from engine.decoding.proposers import Proposer, ProposerSet
 from engine.errors import GenerationError
 from engine.heads.model import DraftHead
 from engine.heads.runner import ALTERNATIVES, HeadRunner
-from engine.limits import K_AUTO, K_MAX, TREE_K_MAX
+from engine.limits import K_AUTO, K_MAX, TREE_ALTERNATIVES, TREE_K_MAX
 from engine.loadspec import LoadProgress
 from engine.models.device import output_device
 from engine.measure.costmodel import costs_at, tree_costs_at

@@ -8,12 +8,10 @@ import torch
 from engine.decoding.head import HeadProposer
 from engine.decoding.ngram import CombinedProposer, NgramProposer
 from engine.decoding.proposers import DraftModelProposer, Proposer, ProposerSet
-from engine.limits import TREE_ALTERNATIVES  # noqa: F401  (named here too: callers import it from here)
 from engine.types import DraftSource, GenerationRequest, Sampling
 
 if TYPE_CHECKING:  # annotations only: the Engine builds its proposers through here
     from engine.decoding.engine import Engine
-
 
 
 def make_proposer(engine: Engine, source: DraftSource, sampling: Sampling,

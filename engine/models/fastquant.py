@@ -92,7 +92,7 @@ def _one_kernel(*tensors: torch.Tensor) -> bool:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """HF's Qwen2RMSNorm/LlamaRMSNorm: normalise in float32, cast back, then scale (one Triton kernel
     on CUDA for the lean forward's [W, hidden] rows; torch's ops elsewhere and under torch.compile)."""
-    if _one_kernel(x, weight) and weight.dim() == 1:
+    if _one_kernel(x, weight) and weight.dim() == 1 and weight.dtype == x.dtype and weight.is_contiguous():
         return kernel.rms_norm(x, weight, eps)
     return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
