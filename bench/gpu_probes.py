@@ -172,16 +172,21 @@ def run_prompts(engine, texts: list[str], max_new: int, k: int = 5, proposer: st
         one(texts[0], mode, 8)
     out: dict = {}
     for mode in ("standard", "speculative"):
-        tokens, seconds, drafted, accepted, ids = 0, 0.0, 0, 0, []
+        tokens, seconds, prefill, drafted, accepted, ids = 0, 0.0, 0.0, 0, 0, []
         for text in texts:
             g = one(text, mode, max_new)
             s = g.summary
             tokens += s.new_tokens
             seconds += s.seconds
+            prefill += s.prefill_s
             drafted += s.drafted
             accepted += s.accepted
             ids.append(list(g.token_ids))
+        # tok_s: the answers' wall time from the request on; decode_tok_s: after the prompt is read
+        # (as llama.cpp's eval rate), the rate the weights' bytes bound
         out[mode] = {"tok_s": tokens / seconds if seconds else 0.0, "tokens": tokens, "seconds": seconds,
+                     "prefill_s": prefill,
+                     "decode_tok_s": tokens / (seconds - prefill) if seconds > prefill else 0.0,
                      "acceptance": accepted / drafted if drafted else None, "token_ids": ids}
     out["spec_identical_to_standard"] = compare_ids(out["standard"]["token_ids"], out["speculative"]["token_ids"])
     return out

@@ -10,6 +10,7 @@ cache misses count as in a real forward. The fastest tile per (shape, row band) 
 kernel's tuned table under this GPU's name (`--tuned`); the JSON keeps every timing.
 
     python3 bench/int8_kernel_sweep.py --json out.json --tuned     # one H200, ~5 min
+    python3 bench/int8_kernel_sweep.py --widens --rows 1,6 --tuned # fp8: which way to widen e4m3, ~1 min
     TRITON_INTERPRET=1 python3 bench/int8_kernel_sweep.py --check  # the kernel's maths on a CPU
 """
 from __future__ import annotations
@@ -94,8 +95,10 @@ def check() -> int:
         bad += not ok
         print(f"{label}: rel err {err:.2e} {'ok' if ok else 'BAD'}")
 
-    cases = itertools.product([(96, 320), (64, 256)], (1, 3, 16), ("int8-wo", "fp8"), (1, 2), (False, True))
-    for (n, k), m, kind, split, extras in cases:
+    # fp8 in each way of widening its tiles (the PTX way only on a GPU: the interpreter has no PTX)
+    ways = [("int8-wo", "bits")] + [("fp8", w) for w in kernel.WIDENS if w != "asm" or device == "cuda"]
+    cases = itertools.product([(96, 320), (64, 256)], (1, 3, 16, 40), ways, (1, 2), (False, True))
+    for (n, k), m, (kind, way), split, extras in cases:
         w = torch.randn(n, k, device=device) * 0.05
         q, s = fq.quantize(w, kind)
         x = torch.randn(m, k, device=device).to(dtype)
@@ -104,8 +107,9 @@ def check() -> int:
         ref = x.float() @ fq.dequantize(q, s).T
         if extras:
             ref = ref + bias.float() + res.float()
-        got = kernel.matmul(x, q, s, bias, res, tile=Tile(32, 64, split, 4, 2))
-        verdict(f"{kind:7s} m={m:2d} n={n} k={k} split={split} bias+res={extras!s:5s}", got, ref)
+        got = kernel.matmul(x, q, s, bias, res, tile=Tile(32, 64, split, 4, 2), widen=way)
+        label = kind if kind == "int8-wo" else f"fp8/{way}"
+        verdict(f"{label:12s} m={m:2d} n={n} k={k} split={split} bias+res={extras!s:5s}", got, ref)
     for m, k in itertools.product((1, 3, 16), (320, 896)):
         x = (torch.randn(m, k, device=device) * 20).to(dtype)
         g = (torch.rand(k, device=device) + 0.5).to(dtype)
@@ -213,6 +217,40 @@ def prologues(names: list[str], rows: list[int], out: dict) -> None:
         torch.cuda.empty_cache()
 
 
+def widens(names: list[str], rows: list[int], out: dict) -> str:
+    """Each way of widening e4m3 tiles (kernel.WIDENS), timed with the tuned tile of each shape, beside
+    int8-wo and bf16; returns the way with the smallest summed time over every shape and row count."""
+    dev = torch.device("cuda")
+    totals = dict.fromkeys(kernel.WIDENS, 0.0)
+    for name, m in itertools.product(names, rows):
+        n, k = SHAPES[name]
+        copies = max(2, min(16, L2_BYTES * 4 // (n * k)))
+        w = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+        x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+        key = f"{name} m={m}"
+        row = {"bf16": time_graph(lambda x=x, w=w: [F.linear(x, wi) for wi in w]) / copies}
+        q8 = [fq.quantize(wi, "int8-wo") for wi in w]
+        row["int8-wo"] = time_graph(lambda: [kernel.matmul(x, q, s) for q, s in q8]) / copies
+        qf = [fq.quantize(wi, "fp8") for wi in w]
+        for way in kernel.WIDENS:
+            row[f"fp8 {way}"] = time_graph(lambda way=way: [kernel.matmul(x, q, s, widen=way) for q, s in qf]) / copies
+            totals[way] += row[f"fp8 {way}"]
+        out[key] = {label: round(us, 2) for label, us in row.items()}
+        print(f"{key:18s} " + "  ".join(f"{label} {us:6.1f}" for label, us in row.items()) + "  (us)", flush=True)
+        del w, q8, qf
+        torch.cuda.empty_cache()
+    best = min(totals, key=totals.get)
+    print("fp8 widening, summed us: " + ", ".join(f"{w} {t:.0f}" for w, t in totals.items()) + f" -> {best}", flush=True)
+    return best
+
+
+def write_widen(gpu: str, way: str) -> None:
+    table = json.loads(kernel.TUNED_FILE.read_text()) if kernel.TUNED_FILE.exists() else {}
+    table.setdefault(gpu, {"tiles": {}})["fp8_widen"] = way
+    kernel.TUNED_FILE.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
+    print(f"fp8 widening for {gpu}: {way} -> {kernel.TUNED_FILE}", flush=True)
+
+
 def write_tuned(record: dict) -> None:
     """The fastest tile per (shape, row band) into the kernel's table for this GPU.
 
@@ -292,6 +330,8 @@ def main() -> int:
     p.add_argument("--precisions", type=lambda s: s.split(","), default=["int8-wo", "fp8"])
     p.add_argument("--budget-s", type=float, default=360.0)
     p.add_argument("--profile", default="", help="also profile one forward of a random 14B/32B-shaped target")
+    p.add_argument("--widens", action="store_true",
+                   help="only compare the ways to widen fp8 tiles (with --tuned: write the fastest)")
     p.add_argument("--prologues", action="store_true",
                    help="only compare the norm and silu*up before a matmul: torch's ops against one kernel")
     args = p.parse_args()
@@ -304,6 +344,15 @@ def main() -> int:
                 "on a CPU under TRITON_INTERPRET=1")
     if not set(args.precisions) <= set(fq.FAST_PRECISIONS) or not all(1 <= m <= kernel.MAX_ROWS for m in args.rows):
         p.error(f"--precisions takes {', '.join(fq.FAST_PRECISIONS)}; --rows takes 1..{kernel.MAX_ROWS}")
+    if args.widens:
+        names = [s for s in SHAPES if not args.shapes or any(s.startswith(p) for p in args.shapes.split(","))]
+        out = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "widens": {}}
+        out["best"] = widens(names, args.rows, out["widens"])
+        if args.tuned:
+            write_widen(out["gpu"], out["best"])
+        if args.json:
+            Path(args.json).write_text(json.dumps(out))
+        return 0
     if args.prologues:
         names = [s for s in SHAPES if not s.endswith(" o") and (
             not args.shapes or any(s.startswith(p) for p in args.shapes.split(",")))]

@@ -312,6 +312,24 @@ def test_cuda_kernel_matches_the_dequantized_matmul(kind, rows):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 6, 16])
+def test_cuda_fp8_widening_ways_agree(rows):
+    from engine.models.fastquant_kernel import WIDENS, Tile, matmul
+
+    if fq.precision_problem("fp8", torch.device("cuda")):
+        pytest.skip(fq.precision_problem("fp8", torch.device("cuda")))
+    w = torch.randn(700, 2000, device="cuda") * 0.02
+    w[0, :8] = torch.tensor([0.0, 1e-9, -1e-9, 3e-6, -3e-6, 0.5, -0.5, 1.0])  # zeros, e4m3 subnormals, the row max
+    q, scale = fq.quantize(w, "fp8")
+    x = torch.randn(rows, 2000, device="cuda", dtype=torch.bfloat16)
+    ref = F.linear(x.float(), fq.dequantize(q, scale))
+    outs = {way: matmul(x, q, scale, tile=Tile(64, 128, 1), widen=way).float() for way in WIDENS}
+    for way, out in outs.items():
+        torch.testing.assert_close(out, ref, atol=2e-2 * float(ref.abs().max()), rtol=0, msg=way)
+    assert torch.equal(outs["asm"], outs["bits"]), "the PTX way lays out the same bits as the integer ops"
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("kind", fq.FAST_PRECISIONS)
 @pytest.mark.parametrize("split", [1, 4])
 @pytest.mark.parametrize("rows", [1, 16])

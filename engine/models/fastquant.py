@@ -3,9 +3,9 @@
 Both keep one byte per weight and one float32 scale per output row (per-channel), quantized once
 from the loaded float weights (or read from an FP8 checkpoint, engine/models/fp8_checkpoint.py).
 The matmul reads the 8-bit weight and dequantizes inside the kernel: on CUDA a small Triton GEMM
-for the few-row forwards of decoding (engine/models/fastquant_kernel.py), so a batch-1 forward
-streams half the bytes of bf16; wider forwards (prompt chunks) dequantize the weight into the
-compute dtype and use cuBLAS. Measured on an H200 (torch 2.11): torch's own `_weight_int8pack_mm`
+for the forwards of up to 64 rows (decoding, short prompts; engine/models/fastquant_kernel.py), so a
+batch-1 forward streams half the bytes of bf16; wider forwards (long prompts' chunks) dequantize the
+weight into the compute dtype and use cuBLAS. Measured on an H200 (torch 2.11): torch's own `_weight_int8pack_mm`
 is 10-20x slower than bf16 there, a dequantize-then-matmul 3-6x, and inductor's fused dequant 2.6x
 slower at batch 1 (docs/quantization.md has the figures behind these choices).
 

@@ -1,10 +1,14 @@
 """The Triton kernel behind 8-bit weights on CUDA: y = (x @ q.T) * scale (+ bias) (+ residual) for a few rows.
 
 A forward of decoding has 1 to K+1 rows (16 in a tree), so the matmul is bound by reading the
-weight: the kernel loads 8-bit tiles [BN, BK], widens them to x's dtype in registers and accumulates
-x [16, BK] @ tile.T on the tensor cores in float32. int8 widens by conversion; e4m3 by moving its
-bits into a bf16 (or fp16) word — sign to the top, exponent and mantissa under it — which is the
-value times 2^-120 (2^-8 in fp16), exact for every e4m3 number; the 2^120 rides in the scale.
+weight (up to MAX_ROWS rows — a short prompt, a wide tree — it runs in tiles of 16 rows, the programs
+of one weight tile side by side so the tile is read from memory once): the kernel loads 8-bit tiles [BN, BK], widens them to x's dtype in registers and accumulates
+x [16, BK] @ tile.T on the tensor cores in float32. int8 widens by conversion. e4m3 widens one of
+three ways (WIDENS; the fastest per GPU is in the tuned table, `bench/int8_kernel_sweep.py
+--widens` times them): "bits" moves each byte into a bf16 (or fp16) word with integer ops — sign to
+the top, exponent and mantissa under it — which is the value times 2^-120 (2^-8 in fp16), exact for
+every e4m3 number, the 2^120 riding in the scale; "asm" lays out the same bits in PTX, four bytes
+at a time; "convert" uses the GPU's own e4m3 conversion.
 The epilogue adds the bias and the residual stream in float32 and rounds once, as cuBLAS's
 addmm does for bf16 weights, so no separate add kernels run.
 
@@ -45,12 +49,14 @@ except ImportError:  # CPU-only installs: the dequantizing path serves
 
 log = logging.getLogger(__name__)
 AVAILABLE = triton is not None
-MAX_ROWS = 16  # rows one tile holds (tl.dot's smallest M); wider inputs dequantize and use cuBLAS
+TILE_ROWS = 16  # rows one program holds (tl.dot's smallest M)
+MAX_ROWS = 64  # rows the kernel takes (in tiles of TILE_ROWS); wider inputs dequantize and use cuBLAS
 TARGET_PROGRAMS = 264  # about two waves of an H200's 132 SMs: enough loads in flight to stream
 TUNED_FILE = Path(__file__).with_name("fastquant_tuned.json")
 # e4m3's bits moved into a 16-bit float are its value times 2^-(bias difference): bf16 127 - 7, fp16 15 - 7
 FP8_UNSCALE = {torch.bfloat16: 2.0 ** 120, torch.float16: 2.0 ** 8}
 REDUCE_BN = 256
+WIDENS = ("bits", "convert", "asm")  # ways to widen e4m3 tiles in the kernel (see _widen)
 
 
 @dataclass(frozen=True)
@@ -111,6 +117,30 @@ def tile_for(n: int, k: int, m: int, device: torch.device) -> Tile:
     return _tile_for(n, k, row_bucket(m), gpu)
 
 
+def widen_for(device: torch.device) -> str:
+    """This GPU's fastest way to widen e4m3 tiles (the sweep's `--widens` writes it), else "bits"."""
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
+    return _widen_for(gpu)
+
+
+@functools.lru_cache(maxsize=8)
+def _widen_for(gpu: str) -> str:
+    try:
+        way = json.loads(TUNED_FILE.read_text()).get(gpu, {}).get("fp8_widen", "bits")
+    except (OSError, ValueError, TypeError, AttributeError):
+        return "bits"
+    return way if way in WIDENS else "bits"
+
+
+def usable_widen(way: str, x: torch.Tensor) -> str:
+    """`way` where it can run: the PTX way needs CUDA (not the interpreter) and bf16."""
+    if way not in WIDENS:
+        raise ValueError(f"widen must be one of {', '.join(WIDENS)}, not {way!r}")
+    if way == "asm" and (not x.is_cuda or x.dtype != torch.bfloat16):
+        return "bits"
+    return way
+
+
 def runs(x: torch.Tensor, q: torch.Tensor) -> bool:
     """Whether the kernel takes this call (CUDA, bf16/fp16 activations, at most MAX_ROWS rows)."""
     return (AVAILABLE and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and x.dim() == 2
@@ -119,9 +149,31 @@ def runs(x: torch.Tensor, q: torch.Tensor) -> bool:
 
 if AVAILABLE:
     @triton.jit
-    def _widen(w, dtype: tl.constexpr, FP8: tl.constexpr):
-        """An 8-bit tile [BN, BK] -> x's dtype: int8 converted; e4m3 bytes re-laid as 16-bit floats."""
-        if FP8:  # w holds the e4m3 bytes as uint8
+    def _widen(w, dtype: tl.constexpr, FP8: tl.constexpr, WIDEN: tl.constexpr):
+        """An 8-bit tile [BN, BK] -> x's dtype: int8 converted; e4m3 bytes (as uint8) by the WIDEN way.
+
+        0 ("bits"): each byte re-laid as a 16-bit float by integer ops, its value times 2^-120 (bf16)
+        or 2^-8 (fp16); 1 ("convert"): the GPU's own e4m3 conversion, the value itself; 2 ("asm", bf16
+        on CUDA only): the re-laying of "bits" as PTX on four bytes at once (two byte permutes, then a
+        mask, a shift and a merge per pair of weights).
+        """
+        if FP8:
+            if WIDEN == 1:
+                return w.to(tl.float8e4nv, bitcast=True).to(dtype)
+            if WIDEN == 2:
+                return tl.inline_asm_elementwise(
+                    asm="""{
+                    .reg .b32 lo, hi, mlo, mhi;
+                    prmt.b32 lo, $2, 0, 0x1404;
+                    prmt.b32 hi, $2, 0, 0x3424;
+                    and.b32 mlo, lo, 0x7f007f00;
+                    and.b32 mhi, hi, 0x7f007f00;
+                    shr.b32 mlo, mlo, 4;
+                    shr.b32 mhi, mhi, 4;
+                    lop3.b32 $0, lo, mlo, 0x80008000, 0xec;
+                    lop3.b32 $1, hi, mhi, 0x80008000, 0xec;
+                    }""",
+                    constraints="=r,=r,r", args=[w], dtype=tl.bfloat16, is_pure=True, pack=4)
             b = w.to(tl.int32)
             if dtype == tl.bfloat16:
                 bits = ((b & 0x80) << 8) | ((b & 0x7F) << 4)  # s eeee mmm -> s 0000eeee mmm0000
@@ -133,11 +185,14 @@ if AVAILABLE:
     @triton.jit
     def _wo_kernel(x_ptr, w_ptr, s_ptr, b_ptr, r_ptr, y_ptr, M, N, K, k_per_split,
                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FP8: tl.constexpr, SPLIT: tl.constexpr,
-                   HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, EVEN_K: tl.constexpr, UNSCALE: tl.constexpr):
-        pid_n = tl.program_id(0)
-        pid_k = tl.program_id(1)
+                   HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, EVEN_K: tl.constexpr, UNSCALE: tl.constexpr,
+                   WIDEN: tl.constexpr):
+        # row tiles vary fastest: the programs reading one weight tile run side by side (it stays in L2)
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        pid_k = tl.program_id(2)
         on = pid_n * BN + tl.arange(0, BN)  # [BN] output columns
-        om = tl.arange(0, BM)  # [BM] rows (M of them real)
+        om = pid_m * BM + tl.arange(0, BM)  # [BM] rows (those < M real)
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         k_lo = pid_k * k_per_split
         for k0 in range(k_lo, k_lo + k_per_split, BK):
@@ -150,7 +205,7 @@ if AVAILABLE:
                             other=0.0)
                 w = tl.load(w_ptr + on[:, None] * K + ok[None, :], mask=(on[:, None] < N) & (ok[None, :] < K),
                             other=0)
-            acc += tl.dot(x, tl.trans(_widen(w, x.dtype, FP8)))  # [BM, BN]
+            acc += tl.dot(x, tl.trans(_widen(w, x.dtype, FP8, WIDEN)))  # [BM, BN]
         s = tl.load(s_ptr + on, mask=on < N, other=0.0)
         acc = acc * (s * UNSCALE)[None, :]  # per column, so split-K partials are scaled before they meet
         mask = (om[:, None] < M) & (on[None, :] < N)
@@ -224,17 +279,20 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 def matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
-           residual: torch.Tensor | None = None, tile: Tile | None = None) -> torch.Tensor:
+           residual: torch.Tensor | None = None, tile: Tile | None = None, widen: str | None = None) -> torch.Tensor:
     """x [M <= MAX_ROWS, K] bf16/fp16 contiguous, q [N, K] int8/e4m3, scale [N] float32 -> [M, N] in x's dtype.
 
     bias [N] and residual [M, N] (contiguous) are added in float32 before the one rounding.
+    widen: how e4m3 tiles become x's dtype (WIDENS; default: this GPU's tuned way, else "bits").
     """
     m, k = x.shape
     n = q.shape[0]
     tile = tile or tile_for(n, k, m, x.device)
     fp8 = q.dtype == torch.float8_e4m3fn
     weight = q.view(torch.uint8) if fp8 else q
-    unscale = FP8_UNSCALE[x.dtype] if fp8 else 1.0  # the 2^-120 of e4m3's re-laid bits, taken back
+    way = usable_widen(widen or widen_for(x.device), x) if fp8 else "bits"
+    # the 2^-120 (2^-8) of e4m3's re-laid bits, taken back; the GPU's own conversion gives the value
+    unscale = FP8_UNSCALE[x.dtype] if fp8 and way != "convert" else 1.0
     split = tile.split
     k_per_split = _cdiv(_cdiv(k, split), tile.bk) * tile.bk  # K / split rounded up to whole tiles
     even_k = k % tile.bk == 0 and k_per_split * split == k
@@ -245,10 +303,10 @@ def matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Te
     partial = out if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x.device)
     # Triton launches on the current device; a split model spans several (a CPU: the interpreter's checks)
     with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
-        _wo_kernel[(_cdiv(n, tile.bn), split)](
-            x, weight, scale, b, r, partial, m, n, k, k_per_split, BM=MAX_ROWS, BN=tile.bn, BK=tile.bk, FP8=fp8,
+        _wo_kernel[(_cdiv(m, TILE_ROWS), _cdiv(n, tile.bn), split)](
+            x, weight, scale, b, r, partial, m, n, k, k_per_split, BM=TILE_ROWS, BN=tile.bn, BK=tile.bk, FP8=fp8,
             SPLIT=split, HAS_BIAS=split == 1 and bias is not None, HAS_RES=split == 1 and residual is not None,
-            EVEN_K=even_k, UNSCALE=unscale, num_warps=tile.warps, num_stages=tile.stages)
+            EVEN_K=even_k, UNSCALE=unscale, WIDEN=WIDENS.index(way), num_warps=tile.warps, num_stages=tile.stages)
         if split > 1:
             _reduce_kernel[(m, _cdiv(n, REDUCE_BN))](
                 partial, b, r, out, m, n, SPLIT=split, BN=REDUCE_BN, HAS_BIAS=bias is not None,

@@ -35,7 +35,7 @@ QUANTIZED = ("int8", "nf4")
 RUNTIME_CPU = 500 * MiB
 SLACK = 0.02  # allocator rounding and fragmentation, as a share of the tensors' bytes
 LOOP_BUFFERS = 6  # [K+1, V] float32 tensors alive at once in the acceptance maths
-FAST_ROWS = 16  # int8-wo / fp8 forwards up to this wide read 8-bit weights in the kernel (fastquant_kernel.MAX_ROWS)
+FAST_ROWS = 64  # int8-wo / fp8 forwards up to this wide read 8-bit weights in the kernel (fastquant_kernel.MAX_ROWS)
 
 
 @dataclass(frozen=True)
