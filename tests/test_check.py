@@ -237,3 +237,67 @@ def test_scan_finds_model_folders_and_ggufs_read_only(tiny_pair, tmp_path):
     hub.symlink_to(tiny_pair[1], target_is_directory=True)
     assert find_candidates(tmp_path / "a") == [str(tmp_path / "a" / "b" / "m.gguf")]
     assert find_candidates(tmp_path / "hub") == [str(hub)]
+
+
+def _in_a_thread(fn, seconds: float):
+    """fn() on a daemon thread; its result, or an AssertionError naming the hang after `seconds`."""
+    import threading
+
+    out: dict = {}
+
+    def run() -> None:
+        try:
+            out["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 - raised again on the test's thread
+            out["error"] = e
+
+    worker = threading.Thread(target=run, daemon=True)
+    worker.start()
+    worker.join(seconds)
+    assert not worker.is_alive(), f"still running after {seconds:.0f} s: the engine's lock was never released"
+    if "error" in out:
+        raise out["error"]
+    return out["value"]
+
+
+def test_the_head_is_checked_on_every_probe_without_waiting_for_the_engine(tiny_head):
+    """The head's rounds leave each probe's generation before its last step; the next probe must not
+    wait for the garbage collector to release the engine (it hung on every real model)."""
+    import gc
+
+    from tests.head_fixtures import head_engine
+
+    engine = head_engine(tiny_head.target, tiny_head.head)
+    engine.measure_costs()  # the check prices with the costs a load measures
+    prompts = (*PROMPTS, BenchPrompt("c", "code", "def mul(a, b): return"))
+    gc.disable()  # the collector must not be what frees the lock
+    try:
+        report = _in_a_thread(lambda: run_check(engine, [], sampling=Sampling(), head=True, ngram=False,
+                                                prompts=prompts, probe_tokens=16), 120)
+    finally:
+        gc.enable()
+    head = next(c for c in report.candidates if c.kind == "head")
+    assert head.status == "ok" and head.greedy_positions and head.greedy_positions[0] > 0
+
+
+def test_a_generation_closed_midway_frees_the_engine_at_once(tiny_head):
+    import gc
+
+    from engine.types import GenerationRequest, Message
+    from tests.head_fixtures import head_engine
+
+    engine = head_engine(tiny_head.target, tiny_head.head)
+    request = GenerationRequest(messages=(Message("user", "def add"),), mode="speculative", proposer="head", k=4,
+                                max_new_tokens=24)
+    gc.disable()
+    try:
+        first = engine.generate(request)
+        next(first)
+        assert engine._lock.locked()
+        first.close()
+        assert not engine._lock.locked()
+        first.close()  # closing twice does nothing
+        again = _in_a_thread(lambda: list(engine.generate(request)), 60)
+    finally:
+        gc.enable()
+    assert again and sum(s.new_tokens for s in again) == 24

@@ -75,6 +75,15 @@ class Generation(Iterator[Step]):
     def __next__(self) -> Step:
         return next(self._steps)
 
+    def close(self) -> None:
+        """Ends a generation its consumer stops reading: the engine is free for the next one at once.
+
+        A generation holds the engine's lock from its first step to its last; one abandoned midway
+        would keep it until the garbage collector found it (it references itself through its steps),
+        and the next generate() would wait for that. Closing one that has ended does nothing.
+        """
+        self._steps.close()
+
     def _run(self) -> Iterator[Step]:
         with self.engine._lock:
             yield from self._loop()

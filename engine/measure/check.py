@@ -204,23 +204,27 @@ def _head(engine, prompt: BenchPrompt, rows: torch.Tensor, cont: list[int], samp
     reached, accepted, sampled = [0.0] * HEAD_K, [0.0] * HEAD_K, [0.0] * HEAD_K
     rejected, rescued = [0.0] * HEAD_K, [0.0] * HEAD_K
     committed: list[int] = []
-    for step in engine.generate(request):
-        start = step.total_tokens - step.new_tokens
-        for i, x in enumerate(step.proposed[:step.accepted + 1]):
-            if start + i >= len(cont) or i >= HEAD_K:
+    generation = engine.generate(request)
+    try:
+        for step in generation:
+            start = step.total_tokens - step.new_tokens
+            for i, x in enumerate(step.proposed[:step.accepted + 1]):
+                if start + i >= len(cont) or i >= HEAD_K:
+                    break
+                reached[i] += 1
+                accepted[i] += i < step.accepted
+                sampled[i] += float(point_mass(rows[start + i:start + i + 1], torch.tensor([x]), sampling)[0]) \
+                    if not sampling.greedy else float(i < step.accepted)
+            if step.accepted < len(step.proposed) and step.accepted < HEAD_K:
+                rejected[step.accepted] += 1
+                rescued[step.accepted] += step.extra is not None
+            committed += list(step.proposed[:step.accepted]) + [t for t in (step.added, step.extra) if t is not None]
+            # The loop's greedy output is the target's greedy continuation (lossless); a near-tie flipped by a
+            # batched verify would show here, and the rows after it would judge another text: stop there.
+            if len(committed) >= len(cont) or committed != cont[:len(committed)]:
                 break
-            reached[i] += 1
-            accepted[i] += i < step.accepted
-            sampled[i] += float(point_mass(rows[start + i:start + i + 1], torch.tensor([x]), sampling)[0]) \
-                if not sampling.greedy else float(i < step.accepted)
-        if step.accepted < len(step.proposed) and step.accepted < HEAD_K:
-            rejected[step.accepted] += 1
-            rescued[step.accepted] += step.extra is not None
-        committed += list(step.proposed[:step.accepted]) + [t for t in (step.added, step.extra) if t is not None]
-        # The loop's greedy output is the target's greedy continuation (lossless); a near-tie flipped by a
-        # batched verify would show here, and the rows after it would judge another text: stop there.
-        if len(committed) >= len(cont) or committed != cont[:len(committed)]:
-            break
+    finally:
+        generation.close()  # left before its last step: the engine's lock is free for the next probe at once
     tally.greedy[HEAD_K] = tally.greedy[HEAD_K] + Rounds(tuple(reached), tuple(accepted), 0.0, 0.0, 0.0)
     tally.sampled[HEAD_K] = tally.sampled[HEAD_K] + Rounds(tuple(reached), tuple(sampled), 0.0, 0.0, 0.0)
     tally.top1_sum += accepted[0]

@@ -203,6 +203,8 @@ class Scheduler:
             assert ticket.generation is not None and ticket.generation.summary is not None
             self._done(ticket, "done", ticket.generation.summary)
         except Exception as e:  # noqa: BLE001 - one line to the client, the server goes on
+            if ticket.generation is not None:
+                ticket.generation.close()  # abandoned midway (its client failed): the engine's lock is freed now
             self._fail(ticket, e)
         return False
 
