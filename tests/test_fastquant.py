@@ -100,6 +100,26 @@ def test_quantize_model_replaces_layer_linears_and_keeps_the_head():
         torch.testing.assert_close(model(ids).logits, reference(ids).logits, atol=1e-4, rtol=1e-4)
 
 
+
+def test_quantize_model_onto_a_device_moves_one_float_layer_at_a_time(monkeypatch):
+    """A model loaded in host memory: each layer moves to the device, is quantized there, then the next."""
+    model = build_model(VOCAB, seed=4)
+    moves: list[str] = []
+    for i, layer in enumerate(model.model.layers):
+        original = layer.to
+
+        def to(*args, i=i, original=original, **kwargs):
+            done = sum(isinstance(m, fq.QuantLinear) for m in model.modules())
+            moves.append(f"layer {i} moves, {done} linears quantized")
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(layer, "to", to)
+    assert fq.quantize_model(model, "int8-wo", device=torch.device("meta")) == 2 * 7
+    assert moves == ["layer 0 moves, 0 linears quantized", "layer 1 moves, 7 linears quantized"]
+    assert {t.device.type for t in [*model.parameters(), *model.buffers()]} == {"meta"}
+    assert fq.model_kind(model) == "int8-wo" and type(model.lm_head) is torch.nn.Linear
+
+
 # --------------------------------------------------------------------------- the lean forward and the loop
 
 def test_lean_forward_runs_int8_weights_as_the_hf_model_does():

@@ -6,7 +6,7 @@ import logging
 import time
 from collections.abc import Callable
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -223,10 +223,18 @@ def load_pair(spec: LoadSpec, progress: ProgressFn | None = None, *, pack: Packe
                                                  f"in {place.precision}")
         packing = (pack is not None and place.device.type == "cpu" and place.device_map is None
                    and place.precision in FLOATS)
-        model = _load_model(folder, p.source.name, place, keep_linear_weights=packing)
+        # int8-wo / fp8 on one GPU: the float weights load in host memory and each layer is quantized
+        # onto the GPU in turn, so the GPU holds what the plan counts, never the float model
+        staged = (place.precision in fastquant.FAST_PRECISIONS and place.device_map is None
+                  and place.device.type != "cpu" and checkpoint_quantization(_read_json(folder / "config.json")) is None)
+        model = _load_model(folder, p.source.name, replace(place, device=torch.device("cpu")) if staged else place,
+                            keep_linear_weights=packing)
         if place.precision in fastquant.FAST_PRECISIONS and fastquant.model_kind(model) is None:
             emit(progress, "load", (i + 0.5) / len(folders), f"Quantizing {p.source.name} to {place.precision}")
-            fastquant.quantize_model(model, place.precision)
+            try:
+                fastquant.quantize_model(model, place.precision, device=place.device if staged else None)
+            except torch.OutOfMemoryError:
+                raise _out_of_memory(f"{p.source.name} on {place.device} in {place.precision}") from None
         if packing:
             emit(progress, "load", (i + 0.5) / len(folders), f"Packing {p.source.name} for the CPU fast path")
             pack(i, model, place.dtype)
