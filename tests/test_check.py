@@ -301,3 +301,15 @@ def test_a_generation_closed_midway_frees_the_engine_at_once(tiny_head):
     finally:
         gc.enable()
     assert again and sum(s.new_tokens for s in again) == 24
+
+
+def test_sizes_come_from_the_config_whatever_holds_the_weights(tiny_pair):
+    """Packed or 8-bit weights are buffers, not parameters: the size must not shrink to the embedding."""
+    from engine.measure.check_load import params_of
+    from engine.models import fastquant as fq
+
+    model = build_model(64, seed=1)
+    full = sum(p.numel() for p in model.parameters())
+    fq.quantize_model(model, "int8-wo")
+    assert sum(p.numel() for p in model.parameters()) < full  # what counting parameters would say
+    assert params_of(None, model) == full

@@ -11,8 +11,9 @@ from pathlib import Path
 import torch
 
 from engine.decoding.proposers import DraftModelProposer, measure_proposer
-from engine.errors import EngineError
+from engine.errors import EngineError, ModelLoadError
 from engine.measure.check_types import CandidateCheck
+from engine.models.census import census_from_config
 from engine.models.store import gguf_file, resolve_source
 from engine.runners.llamacpp import LlamaCppRunner
 from engine.models.tokenizers import check_compatible, tokenizer_info
@@ -39,9 +40,17 @@ class DraftUnderTest:
 
 
 def params_of(runner, model: torch.nn.Module | None = None) -> int:
-    """Parameters of a torch model, or of a llama.cpp runner's model; 0 when neither says."""
+    """Parameters of a torch model, or of a llama.cpp runner's model; 0 when neither says.
+
+    A torch model's count comes from its config: weights packed for the CPU fast path or held as
+    8-bit buffers are no longer parameters (counting those gave a 0.5B draft as "0.1B").
+    """
     if model is not None:
-        return sum(p.numel() for p in model.parameters())
+        config = getattr(model, "config", None)
+        try:
+            return census_from_config(config.to_dict(), "model").params
+        except (ModelLoadError, AttributeError, KeyError, TypeError, ValueError):  # a config the census does not know
+            return sum(p.numel() for p in model.parameters())
     lib, handle = getattr(runner, "_lib", None), getattr(runner, "model_handle", None)
     return int(lib.llama_model_n_params(handle)) if lib is not None and handle is not None else 0
 
