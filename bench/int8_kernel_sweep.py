@@ -230,10 +230,11 @@ def widens(names: list[str], rows: list[int], out: dict) -> str:
         key = f"{name} m={m}"
         row = {"bf16": time_graph(lambda x=x, w=w: [F.linear(x, wi) for wi in w]) / copies}
         q8 = [fq.quantize(wi, "int8-wo") for wi in w]
-        row["int8-wo"] = time_graph(lambda: [kernel.matmul(x, q, s) for q, s in q8]) / copies
+        row["int8-wo"] = time_graph(lambda x=x, q8=q8: [kernel.matmul(x, q, s) for q, s in q8]) / copies
         qf = [fq.quantize(wi, "fp8") for wi in w]
         for way in kernel.WIDENS:
-            row[f"fp8 {way}"] = time_graph(lambda way=way: [kernel.matmul(x, q, s, widen=way) for q, s in qf]) / copies
+            row[f"fp8 {way}"] = time_graph(
+                lambda way=way, x=x, qf=qf: [kernel.matmul(x, q, s, widen=way) for q, s in qf]) / copies
             totals[way] += row[f"fp8 {way}"]
         out[key] = {label: round(us, 2) for label, us in row.items()}
         print(f"{key:18s} " + "  ".join(f"{label} {us:6.1f}" for label, us in row.items()) + "  (us)", flush=True)

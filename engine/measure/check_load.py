@@ -15,8 +15,8 @@ from engine.errors import EngineError, ModelLoadError
 from engine.measure.check_types import CandidateCheck
 from engine.models.census import census_from_config
 from engine.models.store import gguf_file, resolve_source
-from engine.runners.llamacpp import LlamaCppRunner
 from engine.models.tokenizers import check_compatible, tokenizer_info
+from engine.runners.llamacpp import LlamaCppRunner
 from engine.types import ProposerCost, Sampling
 
 log = logging.getLogger(__name__)

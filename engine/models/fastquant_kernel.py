@@ -1,9 +1,10 @@
 """The Triton kernel behind 8-bit weights on CUDA: y = (x @ q.T) * scale (+ bias) (+ residual) for a few rows.
 
 A forward of decoding has 1 to K+1 rows (16 in a tree), so the matmul is bound by reading the
-weight (up to MAX_ROWS rows — a short prompt, a wide tree — it runs in tiles of 16 rows, the programs
-of one weight tile side by side so the tile is read from memory once): the kernel loads 8-bit tiles [BN, BK], widens them to x's dtype in registers and accumulates
-x [16, BK] @ tile.T on the tensor cores in float32. int8 widens by conversion. e4m3 widens one of
+weight: the kernel loads 8-bit tiles [BN, BK], widens them to x's dtype in registers and accumulates
+x [16, BK] @ tile.T on the tensor cores in float32. Up to MAX_ROWS rows (a short prompt, a wide
+tree) it runs in row tiles of 16, the programs of one weight tile launched side by side so that
+their re-reads of it can hit L2 (not timed beyond 16 rows). int8 widens by conversion. e4m3 widens one of
 three ways (WIDENS; the fastest per GPU is in the tuned table, `bench/int8_kernel_sweep.py
 --widens` times them): "bits" moves each byte into a bf16 (or fp16) word with integer ops — sign to
 the top, exponent and mantissa under it — which is the value times 2^-120 (2^-8 in fp16), exact for
@@ -187,7 +188,7 @@ if AVAILABLE:
                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FP8: tl.constexpr, SPLIT: tl.constexpr,
                    HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, EVEN_K: tl.constexpr, UNSCALE: tl.constexpr,
                    WIDEN: tl.constexpr):
-        # row tiles vary fastest: the programs reading one weight tile run side by side (it stays in L2)
+        # row tiles vary fastest: the programs reading one weight tile are launched side by side
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         pid_k = tl.program_id(2)
