@@ -112,16 +112,20 @@ def _tile_for(n: int, k: int, bucket: int, gpu: str) -> Tile:
     return _tuned_for(gpu).get(tile_key(n, k, bucket)) or heuristic(n, k)
 
 
+@functools.lru_cache(maxsize=16)
+def _gpu_name(device: torch.device) -> str:
+    """The name the tuned table files this device under ("" off CUDA), asked once per device."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else ""
+
+
 def tile_for(n: int, k: int, m: int, device: torch.device) -> Tile:
     """The tuned tile of this GPU for an [n, k] weight and m rows, else the heuristic's (looked up once)."""
-    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
-    return _tile_for(n, k, row_bucket(m), gpu)
+    return _tile_for(n, k, row_bucket(m), _gpu_name(device))
 
 
 def widen_for(device: torch.device) -> str:
     """This GPU's fastest way to widen e4m3 tiles (the sweep's `--widens` writes it), else "bits"."""
-    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
-    return _widen_for(gpu)
+    return _widen_for(_gpu_name(device))
 
 
 @functools.lru_cache(maxsize=8)
