@@ -151,7 +151,8 @@ def test_a_dead_url_is_one_line_and_the_question_stays(window, qtbot):
         qtbot.keyClick(window.prompt.edit, Qt.Key.Key_Return)
     message = blocker.args[1]
     assert message == f"cannot reach http://127.0.0.1:{port}: is the server running?"
-    assert message in window.statusBar().currentMessage()
+    # The status line comes from the remote controller's own slot, queued beside the chat's: wait for it.
+    qtbot.waitUntil(lambda: message in window.statusBar().currentMessage(), timeout=WAIT_MS)
     assert [m.content for m in window.history()] == ["is anyone there?"]  # nothing typed is lost
     qtbot.waitUntil(lambda: window.active_request is None and window.prompt.edit.isEnabled(), timeout=WAIT_MS)
 
