@@ -15,7 +15,7 @@ from engine.measure.explain import describe_prefill
 
 def cmd_generate(args: argparse.Namespace) -> int:
     needs_draft = args.mode != "standard" and args.proposer in ("draft", "draft+ngram")
-    engine = common.load_engine(args, needs_draft)
+    engine = common.load_engine(args, needs_draft, keep_costs=True)
     generation = engine.generate(common.request_for(args, args.prompt, args.mode, args.max_new_tokens),
                                  progress=_show_prefill if sys.stderr.isatty() and not args.json else None)
     tokens: list[dict[str, str]] = []

@@ -98,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"{PROG}: listening on {args.host}:{port}, reachable from other machines ({guard})", file=sys.stderr)
     needs_draft = args.mode != "standard" and args.proposer in ("draft", "draft+ngram")
     try:
-        engine = common.load_engine(args, needs_draft)
+        engine = common.load_engine(args, needs_draft, keep_costs=True)
         scheduler = Scheduler(engine, max_seqs=args.max_seqs, queue_size=args.queue)
         defaults = Defaults(mode=args.mode, proposer=args.proposer, k=args.k, temperature=args.temperature,
                             top_k=args.top_k, top_p=args.top_p, seed=args.seed, max_tokens=args.max_new_tokens)
