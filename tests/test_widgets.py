@@ -494,3 +494,41 @@ def test_chat_streams_a_long_answer(chat, qtbot):
     assert len(chat.token_view(3).tokens()) == 5000
 
 
+
+
+def test_a_closed_chart_takes_its_plot_menus_with_it(qtbot):
+    """pyqtgraph's context menus belong to the widget showing them: none outlives a closed chart (they
+    piled up as hidden top-level widgets, and every theme change restyled them all), and they still open."""
+    import gc
+
+    from PySide6.QtCore import QCoreApplication, QEvent
+
+    from widgets.charts import LiveCharts
+    from widgets.check_view import CheckView
+    from widgets.race.chart import RaceChart
+    from widgets.tune.plots import SweepPlots
+
+    def flush() -> None:  # what the event loop and the suite's collector do between tests
+        gc.collect()
+        QCoreApplication.sendPostedEvents(None, QEvent.Type.DeferredDelete)
+        gc.collect()
+
+    flush()
+    before = len(QApplication.topLevelWidgets())
+    for make in (LiveCharts, RaceChart, SweepPlots, CheckView):
+        widget = make()
+        widget.show()
+        assert len(QApplication.topLevelWidgets()) > before  # the widget and its menus
+        widget.close()
+        widget.deleteLater()
+        del widget
+        flush()
+        assert len(QApplication.topLevelWidgets()) == before, make.__name__
+    charts = LiveCharts()
+    qtbot.addWidget(charts)
+    charts.show()
+    box = next(iter(charts.plots().values())).getViewBox()
+    assert box.menu.parent() is not None
+    box.menu.popup(charts.mapToGlobal(QPoint(10, 10)))
+    qtbot.waitUntil(box.menu.isVisible)
+    box.menu.close()

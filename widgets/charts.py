@@ -10,7 +10,7 @@ import numpy as np
 import pyqtgraph as pg
 from PySide6.QtCore import Qt, QTimer
 from PySide6.QtGui import QColor
-from PySide6.QtWidgets import QGraphicsItem, QLabel, QStackedLayout, QWidget
+from PySide6.QtWidgets import QGraphicsItem, QLabel, QMenu, QStackedLayout, QWidget
 
 from engine.types import Step
 from widgets.palette import current_palette
@@ -37,10 +37,33 @@ EMPTY_TEXT = ("No data yet\n\nSend a message: as the answer streams, these chart
               "tokens are accepted, how many are drafted per step, the speed, and where the time goes.")
 
 
+def adopt_menus(view: pg.GraphicsView) -> None:
+    """Gives pyqtgraph's context menus (each plot's and each view box's, with their submenus) to the widget
+    that shows them, so they go when it goes. Made parentless and owned by Qt, they outlived their plots:
+    every closed dialog or window with charts left ten menus per plot as hidden top-level widgets, and
+    each theme change restyled all of them. Call once the plots are added."""
+    for item in view.scene().items():
+        menus = (getattr(item, "ctrlMenu", None), item.menu if isinstance(item, pg.ViewBox) else None)
+        for menu in menus:
+            if isinstance(menu, QMenu) and menu.parent() is None:
+                menu.setParent(view, menu.windowFlags())
+
+
 def plain_axes(plot: pg.PlotItem) -> None:
     """Axis numbers as they are: no SI prefix rescaling ("tok/s (×0.001)") on any axis."""
     for name in ("left", "bottom"):
         plot.getAxis(name).enableAutoSIPrefix(False)
+
+
+class _EmptyNote(pg.TextItem):
+    """The text in the middle of an empty plot's view box, in the box's own pixels (not data coordinates),
+    so it stays centred at any range. A method of the item, not a closure over the box: connected to the
+    box's signal, a closure kept the box and its plot alive after their widget had gone."""
+
+    def centre(self, *_: object) -> None:
+        box = self.parentItem()
+        if box is not None:
+            self.setPos(box.boundingRect().center())
 
 
 def show_empty(plot: pg.PlotItem, empty: bool, text: str = "No data yet") -> None:
@@ -50,15 +73,10 @@ def show_empty(plot: pg.PlotItem, empty: bool, text: str = "No data yet") -> Non
     note = getattr(plot, "_empty_note", None)
     if note is None:
         box = plot.getViewBox()
-        note = pg.TextItem(text, color=current_palette().muted, anchor=(0.5, 0.5))
-        note.setParentItem(box)  # in the box's own pixels, not data coordinates: stays centred at any range
-
-        def centre(*_: object) -> None:
-            rect = box.boundingRect()
-            note.setPos(rect.center())
-
-        box.sigResized.connect(centre)
-        centre()
+        note = _EmptyNote(text, color=current_palette().muted, anchor=(0.5, 0.5))
+        note.setParentItem(box)
+        box.sigResized.connect(note.centre)
+        note.centre()
         plot._empty_note = note
     note.setText(text, color=current_palette().muted)
     note.setVisible(empty)
@@ -357,6 +375,7 @@ class LiveCharts(QWidget):
         }
         self._no_drafts_titles = False
         self._no_drafts_note = NO_DRAFTS_NOTE
+        adopt_menus(self._graphics)
         self.refresh_theme()
 
     def refresh_theme(self) -> None:

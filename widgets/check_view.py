@@ -16,6 +16,7 @@ from PySide6.QtWidgets import (
 )
 
 from engine.measure.check_types import CandidateCheck, CheckReport
+from widgets.charts import adopt_menus
 
 COLUMNS = ("Candidate", "Size", "KL", "Top-1", "Acceptance by position", "Cost", "K", "Speedup")
 PAYS, LOSES = (46, 160, 67), (200, 80, 60)  # bar colours: predicted above / below standard decoding
@@ -65,6 +66,7 @@ class CheckView(QWidget):
         self.chart.setMouseEnabled(False, False)
         self._bars: pg.BarGraphItem | None = None
         self._one = self.chart.addLine(y=1.0, pen=pg.mkPen((120, 120, 120), style=Qt.PenStyle.DashLine))
+        adopt_menus(self.chart)
         self.verdict = QLabel("", self)
         self.verdict.setWordWrap(True)
         self.verdict.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)

@@ -21,6 +21,7 @@ from PySide6.QtWidgets import (
 )
 
 from engine.types import TrainingProgress
+from widgets.charts import adopt_menus
 from widgets.palette import current_palette
 
 CAPACITY = 8192  # log lines kept per curve (a 20-minute GPU run writes a few hundred)
@@ -200,6 +201,7 @@ class TrainHeadDialog(QDialog):
         for row, stretch in enumerate((2, 3, 0)):  # acceptance is what the head is for: it gets the most room
             rows.setRowStretchFactor(row, stretch)
         self._plots = (loss_plot, acc_plot)
+        adopt_menus(graphics)
         self._marks: list[tuple[pg.PlotItem, pg.InfiniteLine]] = []  # where a run continued an earlier head
         self._mark_pen = pg.mkPen(rgb(neutral), width=1, style=Qt.PenStyle.DashLine)
         self._mark_colour = rgb(neutral)

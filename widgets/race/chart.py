@@ -12,7 +12,7 @@ from PySide6.QtWidgets import (
 
 import widgets.charts  # noqa: F401  (sets pyqtgraph options once, before any plot exists)
 from engine.types import Step
-from widgets.charts import plain_axes, show_empty, theme_plot
+from widgets.charts import adopt_menus, plain_axes, show_empty, theme_plot
 from widgets.palette import current_palette
 
 RACE_MODES: tuple[str, str] = ("standard", "speculative")
@@ -44,6 +44,7 @@ class RaceChart(pg.PlotWidget):
         for mode in RACE_MODES:
             colour = palette.colours(MODE_STATUS[mode]).chart
             self._curves[mode] = item.plot(pen=pg.mkPen(colour, width=2.5), name=mode)
+        adopt_menus(self)
         self.clear_series()
         self.refresh_theme()
         self._timer = QTimer(self)

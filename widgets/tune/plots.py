@@ -15,7 +15,7 @@ from PySide6.QtWidgets import QVBoxLayout, QWidget
 
 from engine.limits import K_MAX
 from engine.types import SweepRow
-from widgets.charts import plain_axes, show_empty, theme_plot  # importing charts also sets pyqtgraph's options once
+from widgets.charts import adopt_menus, plain_axes, show_empty, theme_plot  # importing charts also sets pyqtgraph's options once
 from widgets.palette import current_palette
 
 # One colour per temperature (coolest first) and one line style per proposer.
@@ -55,6 +55,7 @@ class SweepPlots(QWidget):
         self._curves: dict[tuple[str, float], tuple[pg.PlotDataItem, pg.PlotDataItem]] = {}
         self._auto: dict[tuple[str, float], tuple[pg.ScatterPlotItem, pg.ScatterPlotItem]] = {}
         self._temperatures: list[float] = []
+        adopt_menus(self.graphics)
         self.refresh_theme()
 
     def refresh_theme(self) -> None:
