@@ -1,18 +1,21 @@
 """Will this draft pay? Every proposer ranked by its predicted speedup, from one look at the target's own continuations.
 
 For a few probe prompts per category (assets/check_prompts.jsonl, never the bench prompts) the
-target decodes greedily, one 1-token forward per token, keeping each row of logits. Each draft
-model is then teacher-forced on the same continuation (its rows in chunks of at most K_MAX + 1, so
-llama.cpp's reserved logits buffer holds them) and compared row by row: top-1 agreement, KL(p || q),
-and 1 - TV after the asked sampling on both (check_math.agreement). Positions beyond the first are
-chained over the continuation (check_math.rounds: position i of a round starting at row t is judged
-at row t + i), which at T = 0 replays greedy speculative decoding exactly, since accepted drafts are
-the target's own tokens; it was chosen over a fitted per-position decay because it keeps how
-acceptance clusters in real text (a boilerplate line accepted whole, a name rejected) at no cost.
-N-gram lookup proposes from the same continuations as it would while decoding. The draft head
-drafts through the decoding loop itself (greedy, its own continuation), since its drafts read the
-target's hidden states of its own verify passes. Speedups come from the forward costs the engine
-measured at load (engine/decoding/costs.py) through the cost model's price of a round (costmodel.py).
+target's greedy continuation is decoded through the engine's own loop, losslessly and so faster than
+token by token: with the draft head when one is attached (those rounds are the head's check too),
+else with the engine's draft model, else with n-gram lookup. The target's logits row before each
+continuation token then comes from teacher-forced forwards over the continuation (chunks of
+K_MAX + 1, the verify widths, so llama.cpp's reserved logits buffer holds them). Each draft model is
+teacher-forced on the same continuation in the same chunks and compared row by row: top-1 agreement,
+KL(p || q), and 1 - TV after the asked sampling on both (check_math.agreement). Positions beyond the
+first are chained over the continuation (check_math.rounds: position i of a round starting at row t
+is judged at row t + i), which at T = 0 replays greedy speculative decoding exactly, since accepted
+drafts are the target's own tokens; it was chosen over a fitted per-position decay because it keeps
+how acceptance clusters in real text (a boilerplate line accepted whole, a name rejected) at no cost.
+N-gram lookup proposes from the same continuations as it would while decoding. The draft head is
+judged on its own rounds of the continuation's decoding, since its drafts read the target's hidden
+states of its own verify passes. Speedups come from the forward costs the engine measured at load
+(engine/decoding/costs.py) through the cost model's price of a round (costmodel.py).
 """
 from __future__ import annotations
 
@@ -85,7 +88,9 @@ def run_check(engine, drafts: Sequence[DraftUnderTest], *, sampling: Sampling, h
     ngram_tally = _Tally.empty(K_MAX)
     head_tally = _Tally.empty(HEAD_K)
     compared = 0
-    phases = {"target": 0.0, "ngram": 0.0, "head": 0.0}  # seconds per part, over the probes
+    # seconds per part, over the probes: the loop's decoding of the continuations (with the head when it is
+    # checked), the target's teacher-forced rows, each draft model's rows, judging n-gram lookup and the head
+    phases = {"continuation": 0.0, "target": 0.0, "ngram and head": 0.0}
     for n, prompt in enumerate(prompts):
         if cancel is not None and cancel.is_set():
             raise GenerationError("The draft check was stopped.")
@@ -93,7 +98,10 @@ def run_check(engine, drafts: Sequence[DraftUnderTest], *, sampling: Sampling, h
             progress(n / len(prompts), f"Probe {n + 1} of {len(prompts)}: the target's continuation")
         ids = engine.encode(GenerationRequest(messages=(Message("user", prompt.prompt),)))
         t0 = time.perf_counter()
-        rows, cont = _continuation(engine, ids, probe_tokens)  # [N, V] float16, N tokens
+        cont, head_steps = _continuation(engine, prompt, probe_tokens, with_head)
+        phases["continuation"] += time.perf_counter() - t0
+        t0 = time.perf_counter()
+        rows = _target_rows(engine.target_runner, engine.vocab, ids, cont)  # [N, V], one row per token of cont
         phases["target"] += time.perf_counter() - t0
         compared += len(cont)
         for d in drafts:
@@ -103,11 +111,9 @@ def run_check(engine, drafts: Sequence[DraftUnderTest], *, sampling: Sampling, h
         t0 = time.perf_counter()
         if ngram:
             _ngram(ids, rows, cont, sampling, ngram_tally)
-        phases["ngram"] += time.perf_counter() - t0
-        t0 = time.perf_counter()
         if with_head:
-            _head(engine, prompt, rows, cont, sampling, head_tally)
-        phases["head"] += time.perf_counter() - t0
+            _head(head_steps, rows, cont, sampling, head_tally)
+        phases["ngram and head"] += time.perf_counter() - t0
     log.info("draft check phases (s): %s", {k: round(v, 1) for k, v in phases.items()})
     if progress is not None:
         progress(1.0, "Pricing the candidates")
@@ -133,24 +139,40 @@ def _summary(t: _Tally) -> dict:
             "top1": t.top1_sum / t.rows if t.rows else None}
 
 
+def _continuation(engine, prompt: BenchPrompt, n: int, with_head: bool) -> tuple[list[int], list]:
+    """The target's greedy continuation of the probe (at most n tokens, up to an end token), decoded by the
+    engine's loop: greedy speculative decoding is lossless, so any proposer gives the target's own text. With
+    the head, its rounds (K = HEAD_K) are kept for judging it (the steps, else an empty list)."""
+    proposer = "head" if with_head else ("draft" if engine.draft_runner is not None else "ngram")
+    request = GenerationRequest(messages=(Message("user", prompt.prompt),), mode="speculative", proposer=proposer,
+                                k=HEAD_K, max_new_tokens=n)
+    cont: list[int] = []
+    steps = []
+    generation = engine.generate(request)
+    try:
+        for step in generation:
+            cont += list(step.proposed[:step.accepted]) + [t for t in (step.added, step.extra) if t is not None]
+            if with_head:
+                steps.append(step)
+    finally:
+        generation.close()  # the engine's lock is free for the teacher-forced rows at once
+    return cont[:n], steps
+
+
 @torch.inference_mode()
-def _continuation(engine, ids: list[int], n: int) -> tuple[torch.Tensor, list[int]]:
-    """The target's greedy continuation of `ids` (at most n tokens, up to an end token) and the
-    logits row before each of its tokens [N, V] (float16: the probes' rows of a 152k vocabulary fit)."""
-    runner, vocab = engine.target_runner, engine.vocab
+def _target_rows(runner, vocab: int, ids: list[int], cont: list[int]) -> torch.Tensor:
+    """The target's logits row before each token of `cont` [N, V], teacher-forced in chunks of K_MAX + 1
+    (float16 on the host: the probes' rows of a 152k vocabulary fit)."""
     runner.reset()
     if len(ids) > 1:
         runner.prefill(ids_tensor(ids[:-1], runner.device))
-    last, rows, cont = ids[-1], [], []
-    for _ in range(n):
-        row = runner.forward(ids_tensor([last], runner.device))[-1, :vocab]  # [V]
-        last = int(row.argmax())
-        rows.append(row.to(torch.float16).cpu())  # a copy: llama.cpp's buffer is reused by the next call
-        cont.append(last)
-        if last in engine.eos_ids:
-            break
+    inputs = [ids[-1]] + cont[:-1]
+    rows = []
+    for start in range(0, len(inputs), K_MAX + 1):
+        out = runner.forward(ids_tensor(inputs[start:start + K_MAX + 1], runner.device))[:, :vocab]
+        rows.append(out.to(torch.float16).cpu())  # a copy: llama.cpp's buffer is reused by the next call
     runner.reset()
-    return torch.stack(rows).float(), cont
+    return torch.cat(rows).float()
 
 
 @torch.inference_mode()
@@ -196,35 +218,23 @@ def _ngram(ids: list[int], rows: torch.Tensor, cont: list[int], sampling: Sampli
     tally.add_offers(greedy, sampled)
 
 
-def _head(engine, prompt: BenchPrompt, rows: torch.Tensor, cont: list[int], sampling: Sampling, tally: _Tally) -> None:
-    """The head's greedy rounds of HEAD_K drafts through the loop; at T > 0 each reached draft is judged
-    by the processed target probability of its token at that row (point-mass drafts, as the head's)."""
-    request = GenerationRequest(messages=(Message("user", prompt.prompt),), mode="speculative", proposer="head",
-                                k=HEAD_K, max_new_tokens=len(cont))
+def _head(steps: list, rows: torch.Tensor, cont: list[int], sampling: Sampling, tally: _Tally) -> None:
+    """The head's greedy rounds of HEAD_K drafts that decoded the continuation; at T > 0 each reached draft is
+    judged by the processed target probability of its token at that row (point-mass drafts, as the head's)."""
     reached, accepted, sampled = [0.0] * HEAD_K, [0.0] * HEAD_K, [0.0] * HEAD_K
     rejected, rescued = [0.0] * HEAD_K, [0.0] * HEAD_K
-    committed: list[int] = []
-    generation = engine.generate(request)
-    try:
-        for step in generation:
-            start = step.total_tokens - step.new_tokens
-            for i, x in enumerate(step.proposed[:step.accepted + 1]):
-                if start + i >= len(cont) or i >= HEAD_K:
-                    break
-                reached[i] += 1
-                accepted[i] += i < step.accepted
-                sampled[i] += float(point_mass(rows[start + i:start + i + 1], torch.tensor([x]), sampling)[0]) \
-                    if not sampling.greedy else float(i < step.accepted)
-            if step.accepted < len(step.proposed) and step.accepted < HEAD_K:
-                rejected[step.accepted] += 1
-                rescued[step.accepted] += step.extra is not None
-            committed += list(step.proposed[:step.accepted]) + [t for t in (step.added, step.extra) if t is not None]
-            # The loop's greedy output is the target's greedy continuation (lossless); a near-tie flipped by a
-            # batched verify would show here, and the rows after it would judge another text: stop there.
-            if len(committed) >= len(cont) or committed != cont[:len(committed)]:
+    for step in steps:
+        start = step.total_tokens - step.new_tokens
+        for i, x in enumerate(step.proposed[:step.accepted + 1]):
+            if start + i >= len(cont) or i >= HEAD_K:
                 break
-    finally:
-        generation.close()  # left before its last step: the engine's lock is free for the next probe at once
+            reached[i] += 1
+            accepted[i] += i < step.accepted
+            sampled[i] += float(point_mass(rows[start + i:start + i + 1], torch.tensor([x]), sampling)[0]) \
+                if not sampling.greedy else float(i < step.accepted)
+        if step.accepted < len(step.proposed) and step.accepted < HEAD_K and start + step.accepted < len(cont):
+            rejected[step.accepted] += 1
+            rescued[step.accepted] += step.extra is not None
     tally.greedy[HEAD_K] = tally.greedy[HEAD_K] + Rounds(tuple(reached), tuple(accepted), 0.0, 0.0, 0.0)
     tally.sampled[HEAD_K] = tally.sampled[HEAD_K] + Rounds(tuple(reached), tuple(sampled), 0.0, 0.0, 0.0)
     tally.top1_sum += accepted[0]
