@@ -15,7 +15,7 @@ from app.cli import options as opt
 from app.cli.arguments import add_model_args
 from app.cli.common import CliError
 from app.core.export import cell
-from engine.limits import MAX_NEW_TOKENS
+from engine.limits import MAX_NEW_TOKENS, PROBE_TOKENS
 from engine.measure.check_types import CandidateCheck, CheckReport
 from engine.types import Sampling
 
@@ -41,8 +41,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="check every model folder and .gguf under FOLDER (read-only); 'hf': the local Hugging Face cache")
     g.add_argument("--prompts", type=opt.path, default=None,
                    help='probe prompts, JSONL {"id", "category", "prompt"} (default: assets/check_prompts.jsonl)')
-    g.add_argument("--probe-tokens", type=lambda t: opt.whole(t, 4, MAX_NEW_TOKENS, "probe tokens"), default=48,
-                   help="tokens of the target's greedy continuation per probe prompt (default 48)")
+    g.add_argument("--probe-tokens", type=lambda t: opt.whole(t, 4, MAX_NEW_TOKENS, "probe tokens"),
+                   default=PROBE_TOKENS, help=f"tokens of the target's greedy continuation per probe prompt (default {PROBE_TOKENS})")
     g.add_argument("--temperature", type=opt.temperature, default=0.0, help="price acceptance at this temperature")
     g.add_argument("--top-k", type=opt.top_k, default=0, help="0 disables")
     g.add_argument("--top-p", type=opt.top_p, default=1.0, help="1 disables")
@@ -138,9 +138,9 @@ def format_report(report: CheckReport) -> str:
     t = report.temperature
     head = (f"{'#':>2} {'candidate':<34} {'size':>6} {'KL':>6} {'top-1':>6} {'acc/pos T=0':>20} "
             f"{f'acc/pos T={t:g}':>20} {'cost':>5} {'K':>3} {'speedup':>8}")
-    lines = [f"{report.target} on {report.device} ({report.runtime}); {report.probes} probe prompts, "
-             f"{report.probe_tokens} continuation tokens; temperature {t:g}, top-p {report.top_p:g}, "
-             f"top-k {report.top_k}; a target forward {report.target_ms:.1f} ms", head]
+    lines = [(f"{report.target} on {report.device} ({report.runtime}); {report.probes} probe prompts, "
+              f"{report.probe_tokens} continuation tokens; temperature {t:g}, top-p {report.top_p:g}, "
+              f"top-k {report.top_k}; a target forward {report.target_ms:.1f} ms"), head]
     for n, c in enumerate(report.candidates, 1):
         if c.status != "ok":
             lines.append(f"{n:>2} {c.name[:34]:<34} refused: {c.reason}")

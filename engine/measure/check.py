@@ -3,11 +3,12 @@
 For a few probe prompts per category (assets/check_prompts.jsonl, never the bench prompts) the
 target's greedy continuation is decoded through the engine's own loop, losslessly and so faster than
 token by token: with the draft head when one is attached (those rounds are the head's check too),
-else with the engine's draft model, else with n-gram lookup. The target's logits row before each
-continuation token then comes from teacher-forced forwards over the continuation (chunks of
-K_MAX + 1, the verify widths, so llama.cpp's reserved logits buffer holds them). Each draft model is
-teacher-forced on the same continuation in the same chunks and compared row by row: top-1 agreement,
-KL(p || q), and 1 - TV after the asked sampling on both (check_math.agreement). Positions beyond the
+else in auto mode with the engine's draft and n-gram lookup (what pays on this machine). The
+target's logits row before each continuation token then comes from teacher-forced forwards over the
+continuation (chunks of K_MAX + 1, the verify widths, so llama.cpp's reserved logits buffer holds
+them). Each draft model is teacher-forced on the same continuation in the same chunks and compared
+row by row: top-1 agreement, KL(p || q), and 1 - TV after the asked sampling on both
+(check_math.agreement). Positions beyond the
 first are chained over the continuation (check_math.rounds: position i of a round starting at row t
 is judged at row t + i), which at T = 0 replays greedy speculative decoding exactly, since accepted
 drafts are the target's own tokens; it was chosen over a fitted per-position decay because it keeps
@@ -30,22 +31,21 @@ import torch
 from engine.decoding.ngram import NgramProposer
 from engine.decoding.proposers import empty_proposal
 from engine.errors import GenerationError
-from engine.limits import K_MAX, TREE_K_MAX
+from engine.limits import K_MAX, PROBE_TOKENS, TREE_K_MAX
 from engine.measure.check_load import DraftUnderTest, engine_draft, load_drafts, params_of
-from engine.measure.check_types import CandidateCheck, CheckReport
 from engine.measure.check_math import NO_ROUNDS, Rounds, agreement, chained, kl_divergence, point_mass, rounds
 from engine.measure.check_price import price_chain, price_head, price_ngram
+from engine.measure.check_types import CandidateCheck, CheckReport
 from engine.measure.experiment import BenchPrompt, packaged_prompts
 from engine.runners import ids_tensor
 from engine.types import GenerationRequest, Message, Sampling
 
 log = logging.getLogger(__name__)
 
-PROBE_TOKENS = 48  # tokens of the target's greedy continuation per probe prompt
 HEAD_K = TREE_K_MAX  # draft length of the head's own rounds (positions beyond it repeat the last rate)
 POSITIONS = ("chained over the target's greedy continuation: draft position i of a round starting at row t is "
              "judged at row t + i (an exact replay at T = 0; at T > 0 the context is the greedy text)")
-HEAD_POSITIONS = "the head's own drafts through the decoding loop (greedy rounds of K = %d)" % HEAD_K
+HEAD_POSITIONS = f"the head's own drafts through the decoding loop (greedy rounds of K = {HEAD_K})"
 Progress = Callable[[float, str], None]
 
 
@@ -142,10 +142,15 @@ def _summary(t: _Tally) -> dict:
 def _continuation(engine, prompt: BenchPrompt, n: int, with_head: bool) -> tuple[list[int], list]:
     """The target's greedy continuation of the probe (at most n tokens, up to an end token), decoded by the
     engine's loop: greedy speculative decoding is lossless, so any proposer gives the target's own text. With
-    the head, its rounds (K = HEAD_K) are kept for judging it (the steps, else an empty list)."""
-    proposer = "head" if with_head else ("draft" if engine.draft_runner is not None else "ngram")
-    request = GenerationRequest(messages=(Message("user", prompt.prompt),), mode="speculative", proposer=proposer,
-                                k=HEAD_K, max_new_tokens=n)
+    the head, its rounds (K = HEAD_K) are kept for judging it (the steps, else an empty list); without it auto
+    mode decodes with what pays here."""
+    if with_head:
+        request = GenerationRequest(messages=(Message("user", prompt.prompt),), mode="speculative", proposer="head",
+                                    k=HEAD_K, max_new_tokens=n)
+    else:  # auto: whatever pays on this machine, standard steps included (a 0.5B draft loses on some CPUs)
+        proposer = "draft+ngram" if engine.draft_runner is not None else "ngram"
+        request = GenerationRequest(messages=(Message("user", prompt.prompt),), mode="auto", proposer=proposer,
+                                    max_new_tokens=n)
     cont: list[int] = []
     steps = []
     generation = engine.generate(request)
