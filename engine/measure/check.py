@@ -1,22 +1,22 @@
 """Will this draft pay? Every proposer ranked by its predicted speedup, from one look at the target's own continuations.
 
 For a few probe prompts per category (assets/check_prompts.jsonl, never the bench prompts) the
-target's greedy continuation is decoded through the engine's own loop, losslessly and so faster than
-token by token: with the draft head when one is attached (those rounds are the head's check too),
-else in auto mode with the engine's draft and n-gram lookup (what pays on this machine). The
-target's logits row before each continuation token then comes from teacher-forced forwards over the
-continuation (chunks of K_MAX + 1, the verify widths, so llama.cpp's reserved logits buffer holds
-them). Each draft model is teacher-forced on the same continuation in the same chunks and compared
-row by row: top-1 agreement, KL(p || q), and 1 - TV after the asked sampling on both
-(check_math.agreement). Positions beyond the
-first are chained over the continuation (check_math.rounds: position i of a round starting at row t
-is judged at row t + i), which at T = 0 replays greedy speculative decoding exactly, since accepted
-drafts are the target's own tokens; it was chosen over a fitted per-position decay because it keeps
-how acceptance clusters in real text (a boilerplate line accepted whole, a name rejected) at no cost.
-N-gram lookup proposes from the same continuations as it would while decoding. The draft head is
-judged on its own rounds of the continuation's decoding, since its drafts read the target's hidden
-states of its own verify passes. Speedups come from the forward costs the engine measured at load
-(engine/decoding/costs.py) through the cost model's price of a round (costmodel.py).
+target's greedy continuation is decoded through the engine's own loop, losslessly (any proposer
+gives the target's own text): with the draft head when one is attached (those rounds are the head's
+check too), else in auto mode with the engine's draft and n-gram lookup (what pays on this machine).
+The target's logits row before each continuation token then comes from teacher-forced forwards over
+the continuation (chunks of K_MAX + 1, the verify widths, so llama.cpp's reserved logits buffer
+holds them). Each draft model is teacher-forced on the same continuation in the same chunks and
+compared row by row: top-1 agreement, KL(p || q), and 1 - TV after the asked sampling on both
+(check_math.agreement). Positions beyond the first are chained over the continuation
+(check_math.rounds: position i of a round starting at row t is judged at row t + i), which at T = 0
+replays greedy speculative decoding exactly, since accepted drafts are the target's own tokens; it
+was chosen over a fitted per-position decay because it keeps how acceptance clusters in real text (a
+boilerplate line accepted whole, a name rejected) at no cost. N-gram lookup proposes from the same
+continuations as it would while decoding. The draft head is judged on its own rounds of the
+continuation's decoding, since its drafts read the target's hidden states of its own verify passes.
+Speedups come from the forward costs the engine measured at load (engine/decoding/costs.py) through
+the cost model's price of a round (costmodel.py).
 """
 from __future__ import annotations
 
