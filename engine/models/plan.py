@@ -13,7 +13,8 @@ from dataclasses import dataclass, replace
 
 from engine.limits import TREE_ALTERNATIVES, TREE_K_MAX
 from engine.models.census import ModelCensus
-from engine.models.quant import CAPTURABLE, FLOAT_BYTES, NF4_BLOCK, NF4_CODE_BYTES, is_fast, is_quantized
+from engine.models.quant import (CAPTURABLE, FLOAT_BYTES, NF4_BLOCK, NF4_CODE_BYTES, is_fast, is_quantized,
+                                 nf4_absmax_bytes_on_cpu)
 from engine.types import DevicePlan, MemoryPlan, PlanChange, PlanItem
 
 MiB, GiB = 2**20, 2**30
@@ -102,10 +103,10 @@ def _float_bytes(spec: ModelSpec) -> int:
 def layer_weight_bytes(spec: ModelSpec, device_type: str = "cuda") -> list[int]:
     """Bytes of each decoder layer at the chosen precision (exact, bitsandbytes' layouts).
 
-    On a CPU, bitsandbytes (0.48+) repacks 4-bit weights at their first use with bf16 absmax.
+    On a CPU with AVX512-BF16, bitsandbytes (0.48+) repacks 4-bit weights at their first use with bf16 absmax.
     """
     b = _float_bytes(spec)
-    absmax = 4 if device_type == "cuda" else 2
+    absmax = nf4_absmax_bytes_on_cpu() if device_type == "cpu" and spec.precision == "nf4" else 4
     out = []
     for layer in spec.census.layers:
         if is_fast(spec.precision) and not spec.census.prequantized:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import warnings
+from functools import lru_cache
 from typing import Any
 
 from engine.errors import ModelLoadError
@@ -44,6 +45,17 @@ def bitsandbytes_problem() -> str | None:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         return f"bitsandbytes is installed but does not load ({first[:160]})"
     return None
+
+
+@lru_cache(maxsize=1)
+def nf4_absmax_bytes_on_cpu() -> int:
+    """Bytes of one 4-bit block's absmax on a CPU: bitsandbytes (0.48+) repacks 4-bit weights at their
+    first use with bf16 absmax where the CPU has AVX512-BF16, and keeps float32 absmax elsewhere."""
+    try:
+        from bitsandbytes.functional import has_avx512bf16
+    except Exception:  # no bitsandbytes, or a build without it: nothing is repacked
+        return 4
+    return 2 if has_avx512bf16() else 4
 
 
 def require_bitsandbytes(precision: str, name: str) -> None:

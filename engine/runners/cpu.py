@@ -41,6 +41,20 @@ def onednn_available() -> bool:
     return bool(torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 
 
+def onednn_packs(dtype: torch.dtype) -> bool:
+    """Whether oneDNN packs and runs a linear in `dtype` here: bfloat16 needs AVX-512 (or AVX-NE-CONVERT),
+    so a CPU with AVX2 alone stays on the plain path in bfloat16 while float32 packs."""
+    if dtype not in (torch.float32, torch.bfloat16) or not onednn_available():
+        return False
+    try:
+        probe = nn.Linear(8, 8, dtype=dtype)
+        PackedLinear(probe)(torch.zeros(2, 8, dtype=dtype))
+    except Exception as exc:  # an old or unusual build, or a CPU without the instructions for this dtype
+        log.info("oneDNN packed linears unavailable in %s: %s", dtype, exc)
+        return False
+    return True
+
+
 class PackedLinear(nn.Module):
     """nn.Linear with its weight reordered for oneDNN; same maths, float32 or bfloat16.
 
@@ -163,13 +177,7 @@ def try_pack(model: nn.Module, dtype: torch.dtype | None = None) -> str | None:
     param = next(model.parameters())
     dtype, device = dtype or param.dtype, param.device
     del param  # it is the embedding's weight: held here, packing could not release it
-    if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16) or not onednn_available():
-        return None
-    try:
-        probe = nn.Linear(8, 8, dtype=dtype)
-        PackedLinear(probe)(torch.zeros(2, 8, dtype=dtype))
-    except Exception as exc:  # an old or unusual build: stay on the plain path
-        log.info("oneDNN packed linears unavailable: %s", exc)
+    if device.type != "cpu" or not onednn_packs(dtype):
         return None
     count = pack_linears(model, dtype)
     log.info("packed %d linear layers for oneDNN", count)
