@@ -9,8 +9,8 @@ in rounds (tokens over the seconds after prefill) and end to end (the bench's to
 
 CPU, the default pair on llama.cpp (model options as the CLI's):
 
-    flock /tmp/specdec-real.lock nice -n 5 .venv/bin/python bench/check_honesty.py --runtime llamacpp \
-        --json bench/results/check_honesty_cpu_llamacpp.json
+    .venv/bin/python bench/check_honesty.py --runtime llamacpp \
+        --probe-tokens 64 --json bench/results/check_honesty_cpu_llamacpp_probe64.json
 """
 from __future__ import annotations
 
@@ -23,9 +23,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from app.cli.common import CliError, environment, load_engine, request_for  # noqa: E402
-from app.cli.parser import build_parser  # noqa: E402
-from app.cli.check import _candidates, format_report, report_json  # noqa: E402
+from app.cli.check import _candidates, format_report, report_json
+from app.cli.common import CliError, environment, load_engine, request_for
+from app.cli.parser import build_parser
 
 
 def _decode_rate(runs) -> float:
@@ -85,7 +85,17 @@ def main(argv: list[str] | None = None) -> int:
     print(format_report(report), flush=True)
     args.top_k, args.top_p, args.seed = report.top_k, report.top_p, 0
     skip = {s.strip() for s in own.skip.split(",") if s.strip()}
-    rows = []
+    rows: list[dict] = []
+
+    def write() -> None:  # after the check and after every measured row: a long CPU run keeps what it measured
+        # A CPU shared with other work moves every figure: the load average says how shared it was.
+        own.out.write_text(json.dumps({"check": report_json(report), "measured": rows,
+                                       "max_new_tokens": own.max_new_tokens, "bench_prompts": str(own.bench_prompts),
+                                       "argv": rest, "load_average_at_end": os.getloadavg(),
+                                       "environment": environment(engine)}, indent=2, ensure_ascii=False) + "\n",
+                           encoding="utf-8")
+
+    write()
     for c in report.candidates:
         # Only the engine's own draft decodes through the loop; other drafts were loaded beside it for the check.
         if c.status != "ok" or not c.best_k or c.kind in skip or (c.kind == "draft" and c.name != engine.info.draft_name):
@@ -99,11 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{c.name} K={c.best_k}: acceptance per position predicted {pred} | measured {meas}; speedup "
               f"predicted {c.speedup:.2f}x, measured {measured['speedup_in_rounds']:.2f}x in rounds "
               f"({measured['speedup_end_to_end']:.2f}x end to end)", flush=True)
-    # A CPU shared with other work moves every figure: the load average says how shared it was.
-    own.out.write_text(json.dumps({"check": report_json(report), "measured": rows, "max_new_tokens": own.max_new_tokens,
-                                   "bench_prompts": str(own.bench_prompts), "argv": rest,
-                                   "load_average_at_end": os.getloadavg(), "environment": environment(engine)}, indent=2,
-                                  ensure_ascii=False) + "\n", encoding="utf-8")
+        write()
     print(f"wrote {own.out}")
     return 0
 

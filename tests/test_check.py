@@ -171,29 +171,6 @@ def test_check_view_shows_the_ranking_and_applies_the_best(qtbot):
     assert not view.apply.isEnabled()  # a refused draft cannot be applied
 
 
-def test_the_stats_line_keeps_the_prediction_beside_what_was_measured(qtbot):
-    from PySide6.QtCore import QObject, Signal
-
-    from app.ui.check import CheckLink
-    from engine.settings import GenerationSettings
-    from engine.types import GenerationRequest
-
-    class FakeWorker(QObject):
-        check_finished = Signal(object)
-
-    worker = FakeWorker()
-    applied = []
-    link = CheckLink(worker, loaded=lambda: None, current_settings=GenerationSettings, apply_settings=applied.append)
-    worker.check_finished.emit(_report())
-    summary = type("S", (), {"mode": "speculative"})()
-    line = link.annotate("speculative (head) · K=3", summary, GenerationRequest(proposer="head"))  # type: ignore[arg-type]
-    assert line.endswith("check predicted 1.90× at K=3, 70% accepted at position 1")
-    assert link.annotate("standard", type("S", (), {"mode": "standard"})(), GenerationRequest()) == "standard"  # type: ignore[arg-type]
-    dialog = type("D", (), {"used": [], "use_draft": lambda self, spec: self.used.append(spec)})()
-    link._apply(dialog, _report().candidates[1])
-    assert dialog.used == ["/models/small"] and applied[-1].proposer == "draft" and applied[-1].k == 1
-
-
 def test_ngram_is_measured_on_the_continuation_directly():
     """A continuation that repeats the prompt is proposed, and accepted, in full; a fresh one never is."""
     from engine.measure.check import _ngram, _Tally

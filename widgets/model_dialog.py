@@ -2,7 +2,7 @@
 each model's precision, the context, and the memory plan of that choice before anything loads."""
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from PySide6.QtCore import Qt, QTimer, Signal
 from PySide6.QtWidgets import (
@@ -49,10 +49,16 @@ from widgets.plan_bar import PlanBar
 from widgets.remote_box import RemoteBox, RemoteChoice
 
 Planner = Callable[[ModelSelection], MemoryPlan]  # raises EngineError when a model cannot be sized
+# precision -> device choice ("auto", "cpu", "cuda", "cuda:N") -> why that precision cannot run there, one line;
+# made by the app (engine.models.fastquant.precision_refusals): this module never asks torch.
+Refusals = Mapping[str, Mapping[str, str]]
 PLAN_DELAY_MS = 250  # typing a path re-plans once it pauses, not per keystroke
 PRECISION_TIP = ("auto: the float dtype below. int8 / nf4: 8-bit / 4-bit weights through bitsandbytes "
                  "(about a half / a quarter of bf16; nf4 runs in CUDA graphs, int8 eagerly). int8-wo / fp8: "
                  "8-bit weights read at memory speed in CUDA graphs (fp8 needs a GPU of compute capability 8.9+).")
+CHECK_TIP = ("Rank the draft, the draft head and n-gram lookup by the speedup they should give on this machine, "
+             "from a look at the loaded target's own answers")
+STOP_TIP = "Stop the draft check after the probe in progress (on a CPU a check takes minutes)"
 
 DEFAULT_LABELS = {
     "target": "Default (Qwen2.5-Coder 1.5B, packaged)",
@@ -138,14 +144,19 @@ class ModelDialog(QDialog):
     """Picks a pair; shows its memory plan as it changes; the app loads off the UI thread after Load."""
 
     check_requested = Signal(object)  # ModelSelection: "Check drafts" (the app runs it on the worker)
+    check_stop_requested = Signal()  # "Stop check": the check in flight ends after its probe in progress
 
     def __init__(self, selection: ModelSelection | None = None, parent: QWidget | None = None, *,
-                 planner: Planner | None = None, presets: Sequence[PairPreset] = ()) -> None:
+                 planner: Planner | None = None, presets: Sequence[PairPreset] = (),
+                 refusals: Refusals | None = None) -> None:
+        """refusals: what each device cannot run (None: only that the CPU runs no GPU_PRECISIONS)."""
         super().__init__(parent)
         self.setWindowTitle("Load models")
         self.setMinimumWidth(660)
         self._planner = planner
         self._presets = tuple(presets)
+        self._refusals = refusals
+        self._checking = False  # a check runs: its button is Stop until check_ended
         self.plan: MemoryPlan | None = None  # the plan of the current choice (None: not planned)
         layout = QVBoxLayout(self)
         layout.setSpacing(10)
@@ -161,6 +172,8 @@ class ModelDialog(QDialog):
         self.preset.activated.connect(self._on_preset)
         if self._presets:
             layout.addWidget(self.preset)
+        else:
+            self.preset.hide()  # a child outside every layout would sit over the intro at the top left
         self.target = _SourcePicker("target", self)
         layout.addWidget(self.target)
         self.draft = _SourcePicker("draft", self)
@@ -225,8 +238,7 @@ class ModelDialog(QDialog):
                                    Qt.Orientation.Horizontal, self)
         buttons.button(QDialogButtonBox.StandardButton.Ok).setText("Load")
         self.check_button = buttons.addButton("Check drafts", QDialogButtonBox.ButtonRole.ActionRole)
-        self.check_button.setToolTip("Rank the draft, the draft head and n-gram lookup by the speedup they should "
-                                     "give on this machine, from a look at the loaded target's own answers")
+        self.check_button.setToolTip(CHECK_TIP)
         self.check_button.clicked.connect(self._on_check)
         self._load_button = buttons.button(QDialogButtonBox.StandardButton.Ok)
         buttons.accepted.connect(self.accept)
@@ -250,13 +262,28 @@ class ModelDialog(QDialog):
         self.remote.toggled.connect(self._on_remote_toggled)
         self.update_plan()
 
+    def set_refusals(self, refusals: Refusals) -> None:
+        """What each device cannot run, from the app; the precisions are offered again for the device shown."""
+        self._refusals = refusals
+        self._offer_precisions(self.device.currentText())
+
+    def refusal(self, precision: str, device: str) -> str | None:
+        """Why `precision` cannot run on `device` (a device choice as typed), or None."""
+        device = device.strip()
+        if self._refusals is None:
+            return f"{precision} needs a GPU" if device == "cpu" and precision in GPU_PRECISIONS else None
+        # A typed cuda:N the app did not list is no GPU it saw: loading it says so in one line.
+        return self._refusals.get(precision, {}).get(device)
+
     def _offer_precisions(self, device: str) -> None:
-        """Precisions that need a GPU are greyed out while the device is the CPU."""
-        on_cpu = device.strip() == "cpu"
+        """Precisions the device cannot run are greyed out, each item's tooltip saying why."""
         for picker in (self.target, self.draft):
-            for name in GPU_PRECISIONS:
-                item = picker.precision.model().item(picker.precision.findText(name))
-                item.setEnabled(not on_cpu)
+            model = picker.precision.model()
+            for row in range(picker.precision.count()):
+                why = self.refusal(picker.precision.itemText(row), device)
+                item = model.item(row)
+                item.setEnabled(why is None)
+                item.setToolTip(why or "")
 
     def selection(self) -> ModelSelection:
         return ModelSelection(
@@ -330,9 +357,26 @@ class ModelDialog(QDialog):
         self.update_plan()
 
     def _on_check(self) -> None:
+        """One button: Check drafts, then Stop check while it runs (Orange3's Start/Stop)."""
+        if self._checking:
+            self.check_button.setEnabled(False)  # until the worker says it ended
+            self.check_view.status.setText("Stopping the draft check after the probe in progress…")
+            self.check_stop_requested.emit()
+            return
+        self._set_checking(True)
         self.check_view.show()
         self.check_view.set_progress(0.0, "Starting the draft check on the loaded target…")
         self.check_requested.emit(self.selection())
+
+    def check_ended(self) -> None:
+        """The check finished, failed or was stopped (the app shows its result in check_view first)."""
+        self._set_checking(False)
+
+    def _set_checking(self, on: bool) -> None:
+        self._checking = on
+        self.check_button.setText("Stop check" if on else "Check drafts")
+        self.check_button.setToolTip(STOP_TIP if on else CHECK_TIP)
+        self.check_button.setEnabled(on or not self.remote_choice().use)
 
     def use_draft(self, spec: str) -> None:
         """The check's Apply for a draft other than the loaded one: it becomes this dialog's draft."""
@@ -354,6 +398,7 @@ class ModelDialog(QDialog):
         for part in (self.preset, self.target, self.draft, self.no_draft, self.device, self.dtype, self.context,
                      self.memory, self.runtime, self.threads, self.plan_bar, self.check_button):
             part.setEnabled(not on)
+        self.check_button.setEnabled(not on or self._checking)  # a check in flight can always be stopped
         if not on:
             self.draft.setEnabled(not self.no_draft.isChecked())
         self._load_button.setText("Connect" if on else "Load")

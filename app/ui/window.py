@@ -30,7 +30,7 @@ from app.ui.tune import TuneController
 from app.ui.view_options import ViewActions, ViewOptions
 from app.ui.worker import EngineFactory, HeadTrainer, WorkerHost, default_engine_factory, default_head_trainer
 from engine.measure.diagnostics import AnswerFacts, category_speedups
-from engine.settings import GenerationSettings, ModelSelection
+from engine.settings import PRECISIONS, GenerationSettings, ModelSelection
 from engine.types import Message, ModelInfo
 from widgets.charts import LiveCharts
 from widgets.chat.conversation_list import ConversationList
@@ -203,8 +203,9 @@ class MainWindow(QMainWindow):
 
     def _build_controllers(self) -> None:
         """Each controller gets what it needs; the order keeps the worker's signals reaching the chat first."""
-        self.check_link = CheckLink(self.worker, loaded=lambda: self.selection, current_settings=self.panel.values,
-                                    apply_settings=self._apply_settings, parent=self)
+        self.check_link = CheckLink(self.worker, loaded=lambda: self.selection, info=lambda: self.info,
+                                    current_settings=self.panel.values, apply_settings=self._apply_settings,
+                                    parent=self)
         self.conversations = ConversationsController(self.session, self.sidebar, self.chat, self.notices,
                                                      new_chat=self.new_chat, open_conversation=self.open_conversation,
                                                      parent=self)
@@ -328,9 +329,12 @@ class MainWindow(QMainWindow):
         self.loading.load_models(selection, force=force)
 
     def open_model_dialog(self) -> None:
+        from engine.models.fastquant import precision_refusals  # torch: imported with the dialog, not the window
+
         def attach(dialog) -> None:
             self.check_link.attach(dialog)
             self.remote.attach(dialog)
+            dialog.set_refusals(precision_refusals(PRECISIONS))  # fp8 greyed where the device cannot run it
 
         self.loading.open_model_dialog(attach, self.use_remote)
 

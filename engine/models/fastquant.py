@@ -1,7 +1,8 @@
 """8-bit weights that decode at memory speed: weight-only int8 ("int8-wo") and FP8 e4m3 ("fp8").
 
 Both keep one byte per weight and one float32 scale per output row (per-channel), quantized once
-from the loaded float weights (or read from an FP8 checkpoint, engine/models/fp8_checkpoint.py).
+from the loaded float weights; a pre-quantized FP8 checkpoint is refused in one line before its weights
+load (checkpoint_problem below, asked by engine/models/loader.py).
 The matmul reads the 8-bit weight and dequantizes inside the kernel: on CUDA a small Triton GEMM
 for the forwards of up to 64 rows (decoding, short prompts; engine/models/fastquant_kernel.py), so a
 batch-1 forward streams half the bytes of bf16; wider forwards (long prompts' chunks) dequantize the
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +32,8 @@ from torch import nn
 
 from engine.errors import ModelLoadError
 from engine.models import fastquant_kernel as kernel
+from engine.models.device import pick_device
+from engine.settings import DEVICES
 
 log = logging.getLogger(__name__)
 
@@ -272,18 +276,42 @@ def checkpoint_problem(config: dict) -> str | None:
             "--target-quant fp8 (the same weights, quantized at load), or serve it with vLLM")
 
 
+def _fp8_refused(here: str) -> str:
+    return (f"fp8 needs a GPU of compute capability {FP8_MIN_CAPABILITY[0]}.{FP8_MIN_CAPABILITY[1]} or newer "
+            f"(Ada, Hopper); {here} — use int8-wo")
+
+
 def precision_problem(precision: str, device: torch.device) -> str | None:
     """Why this device cannot run this 8-bit precision (one line naming what would), or None."""
     if precision != "fp8":
         return None
     if device.type != "cuda":
-        return (f"fp8 needs a GPU of compute capability {FP8_MIN_CAPABILITY[0]}.{FP8_MIN_CAPABILITY[1]} or newer "
-                f"(Ada, Hopper); this is the {device.type.upper()} — use int8-wo")
+        return _fp8_refused(f"this is the {device.type.upper()}")
     major, minor = torch.cuda.get_device_capability(device)
     if (major, minor) < FP8_MIN_CAPABILITY:
-        return (f"fp8 needs a GPU of compute capability {FP8_MIN_CAPABILITY[0]}.{FP8_MIN_CAPABILITY[1]} or newer "
-                f"(Ada, Hopper); this is {major}.{minor} — use int8-wo")
+        return _fp8_refused(f"this is {major}.{minor}")
     return None
+
+
+def precision_refusals(precisions: Sequence[str]) -> dict[str, dict[str, str]]:
+    """precision -> device choice -> why it cannot run there, for the Models dialog's choices (auto, cpu, cuda and
+    cuda:N for each GPU seen), each choice judged on the device a load would pick for it: plain strings, so the
+    dialog greys what cannot run without asking torch. Choices that run a precision are left out."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    found: dict[str, dict[str, str]] = {}
+    for choice in (*DEVICES, *(f"cuda:{n}" for n in range(gpus))):
+        try:
+            device = pick_device(choice)
+        except ModelLoadError:  # cuda asked for and none seen: no precision loads, fp8 least of all
+            device = None
+        for precision in precisions:
+            if device is not None:
+                problem = precision_problem(precision, device)
+            else:
+                problem = _fp8_refused("this PyTorch build sees no CUDA GPU") if precision == "fp8" else None
+            if problem is not None:
+                found.setdefault(precision, {})[choice] = problem
+    return found
 
 
 def require_runnable(precision: str, device: torch.device, name: str) -> None:
