@@ -5,7 +5,10 @@ sends the prompts of assets/bench_prompts.jsonl (greedy, mixed answer lengths) f
 the OpenAI streaming API, mixes in a few bad requests (malformed JSON, an unknown model: they must
 get 400/404 and change nothing), then asks every prompt once more alone and checks that every answer
 under load equals its single-request answer. Prints requests/s, p50/p99 time to first token and to
-the end, the server's peak RSS, errors; writes the figures as JSON.
+the end, the server's peak RSS, errors; writes the figures as JSON. RSS must stay flat: the server's
+RSS once the last request is answered may be at most RSS_RISE above its RSS once the first third
+was, or the run fails (a leak grows with the requests served; the first third pays the one-off growth
+of warm-up, caches and allocator pools).
 
     python bench/serve_load.py --requests 200 --clients 8 --json bench/results/serve_load_cpu.json \
         -- --runtime llamacpp --mode speculative --k 3
@@ -28,6 +31,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 LENGTHS = (8, 24, 48, 96)  # max_tokens, by prompt: short and long answers in one run
 BAD = ({"content": b'{"model": "x", "messages": ['}, {"json": {"model": "no-such-model", "prompt": "hi"}})
+RSS_RISE = 0.10  # most RSS may grow from the first third of the requests answered to the last
 
 
 def _free_port() -> int:
@@ -121,6 +125,8 @@ def main() -> int:
             done = threading.Event()
             cursor = iter(range(len(work)))
             lock = threading.Lock()
+            finished = [0]  # requests answered so far
+            rss_first_third = [rss_loaded]  # the server's RSS once a third of the requests were answered
 
             def sampler() -> None:
                 while not done.wait(0.5):
@@ -140,6 +146,10 @@ def main() -> int:
                             bad_status.append(own.post(f"{url}{path}", headers=headers, **bad).status_code)
                         p, max_tokens = work[i]
                         results[i] = _ask(own, url, prompts[p], max_tokens)
+                        with lock:
+                            finished[0] += 1
+                            if finished[0] == max(len(work) // 3, 1):
+                                rss_first_third[0] = _rss_kib(server.pid, "VmRSS:")
 
             threading.Thread(target=sampler, daemon=True).start()
             t0 = time.perf_counter()
@@ -165,14 +175,16 @@ def main() -> int:
     errors = [r["error"] for r in answered if r.get("error")]
     good = [r for r in answered if not r.get("error")]
     mismatched = sum(1 for (p, _), r in zip(work, results) if r and not r.get("error") and r["text"] != alone[p]["text"])
+    rss_rise = rss_after_load / max(rss_first_third[0], 1) - 1.0
     figures = {
         "requests": len(work), "clients": args.clients, "unique_prompts": len(prompts), "wall_s": wall,
         "requests_per_s": len(good) / wall, "errors": len(errors), "first_errors": errors[:3],
         "bad_requests": len(bad_status), "bad_request_statuses": sorted(set(bad_status)),
         "ttft_p50_s": _percentile([r["ttft"] for r in good], 0.5), "ttft_p99_s": _percentile([r["ttft"] for r in good], 0.99),
         "e2e_p50_s": _percentile([r["e2e"] for r in good], 0.5), "e2e_p99_s": _percentile([r["e2e"] for r in good], 0.99),
-        "rss_loaded_mib": rss_loaded / 1024, "rss_after_load_mib": rss_after_load / 1024,
-        "rss_peak_mib": max(max(peak), peak_hwm) / 1024,
+        "rss_loaded_mib": rss_loaded / 1024, "rss_first_third_mib": rss_first_third[0] / 1024,
+        "rss_after_load_mib": rss_after_load / 1024, "rss_peak_mib": max(max(peak), peak_hwm) / 1024,
+        "rss_rise": rss_rise, "rss_flat": rss_rise <= RSS_RISE,
         "greedy_equal_to_alone": len(good) - mismatched, "greedy_compared": len(good),
         "alone_e2e_mean_s": statistics.fmean(a["e2e"] for a in alone.values()),
         "serve_args": args.serve_args,
@@ -181,10 +193,15 @@ def main() -> int:
     }
     for key, value in figures.items():
         print(f"{key}: {value:.3f}" if isinstance(value, float) else f"{key}: {value}")
+    if not figures["rss_flat"]:
+        print(f"FAIL: RSS rose {rss_rise:+.1%} from the first third of the requests to the last "
+              f"({rss_first_third[0] / 1024:.0f} -> {rss_after_load / 1024:.0f} MiB; at most {RSS_RISE:+.0%})",
+              file=sys.stderr)
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(figures, indent=2) + "\n", encoding="utf-8")
-    return 0 if not errors and not mismatched and set(bad_status) <= {400, 404} else 1
+    ok = not errors and not mismatched and set(bad_status) <= {400, 404} and figures["rss_flat"]
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -2,12 +2,15 @@
 from __future__ import annotations
 
 import threading
+from dataclasses import replace
 
 import pytest
 import torch
 
-from engine.decoding.batch import BatchEngine
-from engine.runners.batched import BatchedDecoder, Part
+from engine.decoding.batch import BatchEngine, priced
+from engine.decoding.control import AdaptiveK, StepCosts
+from engine.limits import K_AUTO, K_MAX
+from engine.runners.batched import BatchedDecoder, Part, RowCosts
 from engine.types import GenerationRequest, Message, Sampling
 from tests.engine_fixtures import tiny_engine
 
@@ -78,13 +81,104 @@ def test_rows_are_reused_and_a_cancelled_sequence_ends(engine):
     assert again.token_ids == gen.token_ids
 
 
-def test_only_what_the_batch_decodes_exactly_is_batched(engine):
+def test_what_the_batch_takes(engine):
     batch = BatchEngine(engine, 2)
-    assert batch.supports(REQUESTS[0]) and batch.supports(REQUESTS[1]) and batch.supports(REQUESTS[2])
-    assert not batch.supports(GenerationRequest(prompt="x", sampling=Sampling(temperature=0.7)))
-    assert not batch.supports(GenerationRequest(prompt="x", mode="auto"))
-    assert not batch.supports(GenerationRequest(prompt="x", k=0))
+    assert all(batch.supports(r) for r in REQUESTS)
+    assert batch.supports(GenerationRequest(prompt="x", sampling=Sampling(temperature=0.7)))
+    assert batch.supports(GenerationRequest(prompt="x", k=K_AUTO))
+    assert batch.supports(GenerationRequest(prompt="x", mode="auto", proposer="draft+ngram"))
+    assert batch.supports(GenerationRequest(prompt="x", k=2, proposer="draft+ngram"))
     assert not batch.supports(GenerationRequest(prompt="x", proposer="head"))
+    assert not batch.supports(GenerationRequest(prompt="x", stop_strings=("\n",)))
+    head, engine.head_runner = engine.head_runner, object()  # auto mode drafts from a loaded head too: the loop's
+    try:
+        assert not batch.supports(GenerationRequest(prompt="x", mode="auto", proposer="ngram"))
+    finally:
+        engine.head_runner = head
+    batch.draft = None  # an engine without a draft model
+    assert not batch.supports(REQUESTS[0]) and batch.supports(REQUESTS[2])
+
+
+# Sampled requests beside greedy ones, with different K, proposers and processing.
+SAMPLED = [
+    GenerationRequest(prompt="def add(a, b):", mode="speculative", k=3, max_new_tokens=40,
+                      sampling=Sampling(temperature=0.8, seed=7)),
+    GenerationRequest(prompt="hello hello hello hello", mode="speculative", k=4, proposer="ngram", max_new_tokens=30,
+                      sampling=Sampling(temperature=1.0, top_p=0.9, seed=3)),
+    GenerationRequest(prompt="class Stack:", mode="standard", max_new_tokens=30,
+                      sampling=Sampling(temperature=0.7, top_k=20, seed=11)),
+    GenerationRequest(prompt="x = [1, 2", mode="speculative", k=2, proposer="draft+ngram", max_new_tokens=35,
+                      sampling=Sampling(temperature=1.2, top_k=8, seed=5)),
+]
+
+
+def _batched(engine, requests, slots):
+    batch = BatchEngine(engine, slots)
+    seqs = [batch.add(r, engine.encode(r), threading.Event()) for r in requests]
+    widths = []
+    while batch.active:
+        widths.append(len(batch.active))
+        batch.round()
+    return seqs, max(widths)
+
+
+def test_a_sampled_sequence_answers_in_a_batch_what_it_answers_alone(engine):
+    """Its random draws come from its own generator: its neighbours change nothing."""
+    alone = [_batched(engine, [r], 1)[0][0] for r in SAMPLED]
+    seqs, widest = _batched(engine, [SAMPLED[0], REQUESTS[1], SAMPLED[1], REQUESTS[0], SAMPLED[2], SAMPLED[3]], 6)
+    assert widest == 6
+    together = [seqs[0], seqs[2], seqs[4], seqs[5]]
+    for seq, lone in zip(together, alone):
+        assert seq.token_ids == lone.token_ids and seq.summary.text == lone.summary.text
+        assert [(s.proposed, s.accepted, s.added) for s in seq.steps] == [(s.proposed, s.accepted, s.added)
+                                                                          for s in lone.steps]
+    assert seqs[1].token_ids == _alone(engine, REQUESTS[1])[0].token_ids  # the greedy neighbours are still exact
+    assert seqs[3].token_ids == _alone(engine, REQUESTS[0])[0].token_ids
+    # It sampled: another seed answers otherwise, and so does greedy decoding.
+    other = _batched(engine, [replace(SAMPLED[0], sampling=Sampling(temperature=0.8, seed=8))], 1)[0][0]
+    greedy = _alone(engine, replace(SAMPLED[0], sampling=Sampling()))[0]
+    assert other.token_ids != alone[0].token_ids != greedy.token_ids
+    drafted = [t for s in seqs[0].steps for t in s.tokens if t.draft_pos is not None]
+    assert drafted and all(0.0 <= t.accept_prob <= 1.0 and t.q > 0 for t in drafted)
+
+
+def test_k_auto_and_auto_mode_decode_in_the_batch_priced_for_it(engine):
+    """Adaptive controllers in a batch: lossless (greedy), re-priced for the batched verify, their timing kept apart."""
+    timing = engine.tuning.timing.copy()
+    auto = [GenerationRequest(prompt="def add(a, b):", k=K_AUTO, max_new_tokens=30),
+            GenerationRequest(prompt="hello hello hello hello", mode="auto", proposer="draft+ngram", max_new_tokens=30),
+            GenerationRequest(prompt="class Stack:", k=K_AUTO, proposer="ngram", max_new_tokens=20,
+                              sampling=Sampling(temperature=0.9, seed=2))]
+    batch = BatchEngine(engine, 5)
+    seqs = [batch.add(r, engine.encode(r), threading.Event()) for r in [*auto, REQUESTS[1], REQUESTS[0]]]
+    observed: list[float] = []
+    observe = seqs[0].controller.observe
+    seqs[0].controller.observe = lambda *a, **kw: observed.append(a[4]) or observe(*a, **kw)
+    while batch.active:
+        batch.round()
+    assert all(isinstance(s.controller, AdaptiveK) for s in seqs[:3])
+    for seq, request in zip(seqs[:2], auto):  # greedy: whatever K it chose, the target's own answer
+        assert seq.token_ids == _alone(engine, replace(request, mode="standard"))[0].token_ids
+    assert seqs[2].summary.stop_reason in ("max_new_tokens", "eos") and seqs[2].summary.text
+    # It observed the batched verify (every sequence's rows), and priced its K against what the batch measured.
+    assert observed == [s.verify_ms for s in seqs[0].steps]
+    lone, priced = seqs[0].lone_costs.target_ms, seqs[0].controller.costs.target_ms
+    assert priced != lone and batch.costs.measured
+    assert engine.tuning.timing == timing, "a batch's timing is not a lone sequence's"
+
+
+def test_row_costs_scale_the_lone_shape_to_what_the_batch_measured():
+    lone = (0.0, *(2.0 + 0.1 * w for w in range(1, K_MAX + 2)))  # a lone verify of w tokens: 2 + 0.1 w ms
+    costs = RowCosts(0.15)
+    assert costs.ms(lone, 5) == lone[5]
+    assert costs.ms(lone, K_MAX + 8) == pytest.approx(lone[K_MAX + 1] + 0.1 * 7)  # past the widest: its slope
+    costs.observe(8, 6.0)
+    assert costs.ms(lone, 8) == 6.0 and costs.ms(lone, 9) == pytest.approx(6.0 * lone[9] / lone[8])
+    costs.observe(8, 7.0)  # a decayed mean: the newest forward moves it
+    assert 6.0 < costs.ms(lone, 8) < 7.0
+    # A sequence's verify of w tokens is priced as the batched forward of w + its neighbours' rows.
+    assert priced(costs, StepCosts(lone, {}), 3).target_ms == (0.0, *(costs.ms(lone, 3 + w)
+                                                                     for w in range(1, K_MAX + 2)))
 
 
 def test_a_packed_cpu_model_is_served_one_at_a_time_not_crashed(tiny_pair):
@@ -104,3 +198,26 @@ def test_a_packed_cpu_model_is_served_one_at_a_time_not_crashed(tiny_pair):
         assert scheduler.batch is None
     finally:
         scheduler.close()
+
+
+@pytest.mark.gpu
+def test_a_mixed_sampled_batch_on_cuda_graph_runners(tiny_pair):
+    """On CUDA, beside the graph runners the server uses: greedy answers equal the loop's, each sampled one
+    is the same alone and in the batch, and K auto decodes."""
+    from engine.decoding import Engine
+    from engine.runners.graphs import build_runners
+
+    eager = tiny_engine(*tiny_pair)
+    target, draft = eager.target.to("cuda"), eager.draft.to("cuda")
+    t, d, name = build_runners(target, draft, max_length=512)
+    assert name == "cuda-graphs", t.fallback_reason
+    fast = Engine(target, eager.tokenizer, eager.info, draft=draft, target_runner=t, draft_runner=d)
+    requests = [*SAMPLED, *REQUESTS, GenerationRequest(prompt="def add(a, b):", k=K_AUTO, max_new_tokens=30,
+                                                       sampling=Sampling(temperature=0.7, seed=1))]
+    seqs, widest = _batched(fast, requests, len(requests))
+    assert widest == len(requests)
+    for seq, request in zip(seqs[: len(SAMPLED)], SAMPLED):
+        assert seq.token_ids == _batched(fast, [request], 1)[0][0].token_ids
+    for seq, request in zip(seqs[len(SAMPLED): -1], REQUESTS):
+        assert seq.token_ids == _alone(fast, request)[0].token_ids
+    assert seqs[-1].summary.text and isinstance(seqs[-1].controller, AdaptiveK)

@@ -9,6 +9,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from app.serve.stops import StopCutter
+from engine.decoding.batch import BatchEngine
 from engine.runners.batched import BatchedDecoder
 from engine.types import GenerationRequest, Message, Sampling
 from tests.engine_fixtures import tiny_engine
@@ -153,17 +154,32 @@ def test_concurrent_requests_each_get_their_single_request_answer(server, engine
     assert widest[0] > 1, "requests in flight together were verified in one forward"
 
 
-def test_a_sampled_request_is_served_beside_the_batch(server, engine):
-    gen = engine.generate(GenerationRequest(prompt="import os\n", mode="speculative", k=3, max_new_tokens=16,
-                                            sampling=Sampling(temperature=0.8, seed=7)))
-    for _ in gen:
-        pass
-    client = _client(server)
-    greedy = threading.Thread(target=lambda: client.completions.create(model=MODEL, prompt=QUESTION, max_tokens=30))
-    greedy.start()
-    sampled = client.completions.create(model=MODEL, prompt="import os\n", max_tokens=16, temperature=0.8, seed=7)
-    greedy.join(TIMEOUT)
-    assert sampled.choices[0].text == gen.summary.text
+def test_a_sampled_request_is_decoded_in_the_batch(server, engine):
+    """temperature > 0 is batched too: it answers what the batch answers it alone, whatever runs beside it."""
+    batch = server.scheduler.batch
+    added: list[GenerationRequest] = []
+    add = batch.add
+    batch.add = lambda request, *a: added.append(request) or add(request, *a)
+    try:
+        client = _client(server)
+        greedy = threading.Thread(target=lambda: client.completions.create(model=MODEL, prompt=QUESTION,
+                                                                           max_tokens=30))
+        greedy.start()
+        sampled = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "import os"}],
+                                                 max_tokens=16, temperature=0.8, top_p=0.95, seed=7)
+        greedy.join(TIMEOUT)
+    finally:
+        del batch.add
+    request = next(r for r in added if not r.sampling.greedy)
+    assert request.sampling == Sampling(temperature=0.8, top_p=0.95, seed=7) and request.mode == "speculative"
+    alone = BatchEngine(engine, 1)
+    seq = alone.add(request, engine.encode(request), threading.Event())
+    while alone.active:
+        alone.round()
+    assert sampled.choices[0].message.content == seq.summary.text
+    assert sampled.choices[0].finish_reason in ("stop", "length")
+    assert sampled.usage.completion_tokens == seq.summary.new_tokens > 0
+    assert sampled.model_extra["timings"]["draft_n"] > 0
 
 
 def test_metrics_count_what_the_answers_report(server):

@@ -1,18 +1,41 @@
 """The batched step: every active sequence drafts, then the target verifies all of their drafts in one forward.
 
 A sequence is one request with its own cache rows (target and draft: engine/runners/batched.py), its
-own K (from the engine's controller: 0 is a standard step, so standard and speculative sequences mix
-in one batch) and its own proposer (the draft model or n-gram lookup). One `round()`:
+own K (from its controller: 0 is a standard step, so standard and speculative sequences mix in one
+batch), its own proposers (the draft model, n-gram lookup, or both), its own sampling and its own
+random generator. One `round()`:
 
-1. Draft: n-gram sequences look up their continuation; draft-model sequences feed what their draft
-   row lacks and draft K tokens greedily, all of them together one token per draft forward.
-2. Verify: one target forward over every sequence's pending token and drafts.
-3. Accept (greedy): the longest prefix equal to the target's argmax, then its argmax after it.
-4. Commit and roll back each row to exactly the committed prefix; cut at EOS / max_new_tokens.
-5. Describe each sequence's Step as the single-sequence loop does (statuses, q, p, text).
+1. Decide: each sequence's controller picks its K and proposer (an adaptive one against the batch's
+   costs, below).
+2. Draft: n-gram sequences look up their continuation; draft-model sequences feed what their draft
+   row lacks and draft their tokens, all of them together one token per draft forward (greedy: the
+   argmax; sampled: a draw from the draft's processed distribution q, with the sequence's generator).
+3. Verify: one target forward over every sequence's pending token and drafts.
+4. Accept, each sequence with its own generator and engine/decoding/sampling.py, as the loop: greedy,
+   the longest prefix equal to the target's argmax; sampled, Leviathan et al. / Chen et al. (accept x
+   with probability min(1, p(x)/q(x)), the correction from normalize(max(0, p - q)), the bonus from p;
+   n-gram drafts are point masses); a standard step draws from the processed p. One host sync reads
+   every sequence's outcome.
+5. Commit and roll back each row to exactly the committed prefix; cut at EOS / max_new_tokens; describe
+   each sequence's Step as the single-sequence loop does (statuses, q, p, text).
 
-Greedy only (sampled requests are served by the single-sequence loop), fixed K, draft or n-gram.
-In float32 a sequence's tokens equal the single-sequence loop's: the same argmax acceptance.
+Exactness. Greedy in float32: a sequence's tokens equal the single-sequence loop's. Sampled: every
+random draw of a sequence comes from its own generator (seeded by its request), in an order set by its
+own decisions only, so with a fixed K it answers in a batch exactly what it answers alone in the batch,
+whoever its neighbours are. It does not reproduce the single-sequence loop's tokens for the same seed
+(the loop draws in another order): only their law, the target's processed distribution.
+
+Pricing a batch. A sequence with K auto (or auto mode) gets the engine's adaptive controller, which
+prices K from verify costs by width. In a batch its round is the whole batched round: it waits for a
+verify of every sequence's rows, not of its own. So before each choice its costs are re-priced:
+target_ms[w] is what a verify of w rows plus its neighbours' rows (as they were last decided) costs,
+from RowCosts (the batch's own measured forwards by total rows; between and beyond them, the shape of
+the lone costs measured at load). After the round it observes the batched verify's time, the draft
+phase's time when it drafted with the draft model (else 0: waiting while others drafted is overhead of
+its round) and the round's wall time. Its timing corrections are the batch's own (a batch's rounds are
+not a lone sequence's); its acceptance is shared with the engine (the same pair, the same text). Each
+sequence maximises its own tokens/s beside its neighbours, not the batch's total: the time its rows add
+to their rounds is not charged to it.
 """
 from __future__ import annotations
 
@@ -22,15 +45,18 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from engine.decoding.control import KController
+from engine.decoding.control import RATE, AdaptiveK, KController, StepCosts, TuningMemory
 from engine.decoding.detok import Detokenizer
 from engine.decoding.ngram import NgramProposer
 from engine.decoding.proposers import Offer
-from engine.limits import K_AUTO, K_MAX, widest_draft
+from engine.decoding.sampling import accept_draft, display_probs, draw, process
+from engine.limits import K_MAX, widest_draft
 from engine.measure.stats import summarize
-from engine.runners.batched import BatchedDecoder, Part
+from engine.runners.batched import BatchedDecoder, Part, RowCosts
 from engine.runners.lean import PREFILL_CHUNK, LeanDecoder, UnsupportedModelError
-from engine.types import Decision, GenerationRequest, Step, StopReason, Summary, TokenView
+from engine.types import Decision, DraftSource, GenerationRequest, Step, StopReason, Summary, TokenView
+
+MIN_MATCH = 2  # speculative draft+ngram drafts by n-gram on a match this long (CombinedProposer's min_match)
 
 
 @dataclass
@@ -42,11 +68,15 @@ class Sequence:
     prompt: list[int]  # rendered prompt ids
     cancel: threading.Event  # set: the sequence ends before its next round
     controller: KController  # chooses its K each round (0: a standard step)
+    generator: torch.Generator | None  # every random draw of this sequence (None: greedy)
+    sources: tuple[DraftSource, ...]  # proposers it may draft from, in the order they are offered
     detok: Detokenizer  # its text, complete characters only
     max_new: int  # tokens it may commit (the request's cap, or what the context leaves)
     stop_reason: StopReason  # why it ends if nothing else stops it first
-    ngram: NgramProposer | None = None  # its n-gram index (proposer "ngram")
-    draft_len: int = 0  # tokens its draft row holds (proposer "draft")
+    lone_costs: StepCosts | None = None  # an adaptive controller's costs at load, re-priced for the batch
+    ngram: NgramProposer | None = None  # its n-gram index ("ngram" in sources)
+    draft_len: int = 0  # tokens its draft row holds ("draft" in sources)
+    rows: int = 1  # tokens of its last verify: what its neighbours' pricing counts for it
     token_ids: list[int] = field(default_factory=list)  # committed tokens, EOS included
     steps: list[Step] = field(default_factory=list)
     draft_forwards: int = 0  # draft forwards spent on it after prefill
@@ -59,8 +89,17 @@ class Sequence:
         return self.prompt + self.token_ids
 
 
+@dataclass
+class Drafted:
+    """One sequence's drafts of a round (host ids, what they show, and q when the draft model sampled them)."""
+
+    tokens: list[int] = field(default_factory=list)  # draft ids, in order
+    q_shown: list[float] = field(default_factory=list)  # q(x) people see (softmax at T = 1 under greedy)
+    q_rows: list[torch.Tensor] = field(default_factory=list)  # [V] each: processed q of sampled drafts
+
+
 class BatchEngine:
-    """Decodes up to `slots` greedy sequences together on an Engine's torch models."""
+    """Decodes up to `slots` sequences together on an Engine's torch models."""
 
     def __init__(self, engine, slots: int) -> None:
         """engine: a loaded engine.decoding.Engine on the torch runtime (raises UnsupportedModelError otherwise)."""
@@ -78,15 +117,27 @@ class BatchEngine:
                                         shared if isinstance(shared, LeanDecoder) else None)
         self.free = list(range(slots))
         self.active: list[Sequence] = []
+        self.costs = RowCosts(RATE)  # what this batch's verifies cost by their rows (as the controller averages)
+        self.host_ms = 0.0  # the last round's commits and descriptions, after its verify: part of a round's wall time
+        # Adaptive controllers learn the batch's timing here; acceptance is the engine's (the same dict).
+        self.tuning = TuningMemory(acceptance=engine.tuning.acceptance)
+
+    def _sources(self, request: GenerationRequest) -> tuple[DraftSource, ...]:
+        """The proposers a request drafts from (engine/decoding/factory.py's rule)."""
+        if request.mode == "standard":
+            return ()
+        kinds = request.proposer.kinds
+        if request.mode == "auto" and self.engine.head_runner is not None and "head" not in kinds:
+            kinds += ("head",)
+        return kinds
 
     def supports(self, request: GenerationRequest) -> bool:
-        """Greedy, fixed K (or standard), the draft model or n-gram lookup, no engine-side stop strings."""
-        if not request.sampling.greedy or request.stop_strings or request.mode == "auto":
-            return False
-        if request.mode == "standard":
-            return True
-        return request.k != K_AUTO and (request.proposer == "ngram" or
-                                        (request.proposer == "draft" and self.draft is not None))
+        """Greedy or sampled; standard, speculative (a fixed K or K auto) or auto; drafts from the draft
+        model, n-gram lookup or both. Not the draft head (it reads the target's hidden rows, which the
+        batched forward does not keep), not engine-side stop strings."""
+        sources = self._sources(request)
+        return not request.stop_strings and "head" not in sources and ("draft" not in sources or
+                                                                        self.draft is not None)
 
     # -- admission -------------------------------------------------------------------------------
     def add(self, request: GenerationRequest, prompt: list[int], cancel: threading.Event) -> Sequence:
@@ -96,24 +147,28 @@ class BatchEngine:
         eng = self.engine
         room = self.target.max_length - len(prompt) - (widest_draft(request.mode, request.k) + 1)
         max_new = min(request.max_new_tokens, room)
-        seq = Sequence(slot, request, list(prompt), cancel, eng.make_controller(request),
+        controller = eng.make_controller(request)
+        if isinstance(controller, AdaptiveK):
+            controller = AdaptiveK(controller.costs, self.tuning, temperature=request.sampling.temperature)
+        generator = None
+        if not request.sampling.greedy:
+            generator = torch.Generator(device=eng.device).manual_seed(request.sampling.seed)
+        seq = Sequence(slot, request, list(prompt), cancel, controller, generator, self._sources(request),
                        Detokenizer(eng.tokenizer, prompt), max_new,
-                       "max_new_tokens" if max_new == request.max_new_tokens else "context_full")
-        decoders = [self.target] + ([self.draft] if self._drafts(seq) else [])
+                       "max_new_tokens" if max_new == request.max_new_tokens else "context_full",
+                       lone_costs=controller.costs if isinstance(controller, AdaptiveK) else None)
+        decoders = [self.target] + ([self.draft] if "draft" in seq.sources else [])
         for decoder in decoders:
             decoder.reset(slot)
             for i in range(0, len(prompt) - 1, PREFILL_CHUNK):
                 decoder.forward([Part(slot, tuple(prompt[i: min(i + PREFILL_CHUNK, len(prompt) - 1)]))], logits=False)
-        seq.draft_len = len(prompt) - 1 if self._drafts(seq) else 0
-        if request.mode != "standard" and request.proposer == "ngram":
+        seq.draft_len = len(prompt) - 1 if "draft" in seq.sources else 0
+        if "ngram" in seq.sources:
             seq.ngram = NgramProposer(eng.device)
             seq.ngram.start(prompt)
         seq.prefill_s = time.perf_counter() - seq.t0
         self.active.append(seq)
         return seq
-
-    def _drafts(self, seq: Sequence) -> bool:
-        return seq.request.mode != "standard" and seq.request.proposer == "draft"
 
     # -- one round -------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -128,71 +183,135 @@ class BatchEngine:
         if not live:
             return out
         t_begin = time.perf_counter()
-        # 1. Draft.
-        decisions = {id(s): self._decide(s) for s in live}
-        drafts: dict[int, list[int]] = {id(s): [] for s in live}
-        q_shown: dict[int, list[float]] = {id(s): [] for s in live}
+        # 1. Decide, each sequence priced beside the rows its neighbours verify.
+        rows = sum(s.rows for s in live)
+        decisions: dict[int, Decision] = {}
+        for s in live:
+            decisions[id(s)] = self._decide(s, rows - s.rows)
+            rows += decisions[id(s)].k + 1 - s.rows
+            s.rows = decisions[id(s)].k + 1
+        # 2. Draft.
+        drafted = {id(s): Drafted() for s in live}
         by_model = [s for s in live if decisions[id(s)].k and decisions[id(s)].source == "draft"]
         for s in live:
-            if s.ngram is not None and decisions[id(s)].k:
-                drafts[id(s)] = s.ngram.match(decisions[id(s)].k)[0]
-                q_shown[id(s)] = [1.0] * len(drafts[id(s)])
+            if s.ngram is not None and decisions[id(s)].k and decisions[id(s)].source == "ngram":
+                tokens = drafted[id(s)].tokens = s.ngram.match(decisions[id(s)].k)[0]
+                drafted[id(s)].q_shown = [1.0] * len(tokens)  # point masses
+                s.rows = len(tokens) + 1
         if by_model:
-            self._draft_tokens(by_model, decisions, drafts, q_shown)
+            self._draft_tokens(by_model, decisions, drafted)
         t_drafted = time.perf_counter()
-        # 2. Verify: pending token + drafts, every sequence in one target forward.
-        parts = [Part(s.slot, (s.context[-1], *drafts[id(s)])) for s in live]
+        # 3. Verify: pending token + drafts, every sequence in one target forward.
+        parts = [Part(s.slot, (s.context[-1], *drafted[id(s)].tokens)) for s in live]
         logits = self.target.forward(parts)
+        vocab = self.engine.vocab
+        # 4. Accept: each sequence's outcome on the device, all read in one host sync.
+        outcomes = [self._verify(s, drafted[id(s)], lg[:, :vocab]) for s, lg in zip(live, logits)]
+        values = torch.cat(outcomes).tolist()
         t_verified = time.perf_counter()
         draft_ms, verify_ms = (t_drafted - t_begin) * 1e3, (t_verified - t_drafted) * 1e3
-        for s, lg in zip(live, logits):
-            step = self._commit(s, drafts[id(s)], q_shown[id(s)], lg[:, : self.engine.vocab], decisions[id(s)],
-                                draft_ms, verify_ms)
+        self.costs.observe(sum(len(p.ids) for p in parts), verify_ms)
+        wall_ms = (t_verified - t_begin) * 1e3 + self.host_ms
+        at = 0
+        for s, outcome in zip(live, outcomes):
+            n = outcome.shape[0]
+            own_draft_ms = draft_ms if decisions[id(s)].source == "draft" else 0.0
+            step = self._commit(s, drafted[id(s)], values[at: at + n], decisions[id(s)], own_draft_ms, verify_ms,
+                                wall_ms)
+            at += n
             out.append((s, step))
+        self.host_ms = (time.perf_counter() - t_verified) * 1e3
         return out
 
-    def _decide(self, s: Sequence) -> Decision:
+    def _decide(self, s: Sequence, others: int) -> Decision:
+        """Its controller's choice; an adaptive one priced for a verify beside `others` rows."""
         room = s.max_new - len(s.token_ids)
-        if s.request.mode == "standard":
-            offers: tuple[Offer, ...] = ()
-        elif s.ngram is not None:
-            offers = (s.ngram.offer(min(room, K_MAX)),)
-        else:
-            offers = (Offer("draft", min(room, K_MAX)),)
-        decision = s.controller.choose(offers, room)
-        if decision.k and s.ngram is not None and not s.ngram.match(decision.k)[0]:
+        if s.lone_costs is not None:
+            assert isinstance(s.controller, AdaptiveK), "only an adaptive controller is priced"
+            s.controller.costs = priced(self.costs, s.lone_costs, others)
+        decision = s.controller.choose(self._offers(s, min(room, K_MAX)), room)
+        if decision.k and s.ngram is not None and decision.source == "ngram" and not s.ngram.match(decision.k)[0]:
             return Decision(0, None, "no_match")
         return decision
 
-    def _draft_tokens(self, seqs: list[Sequence], decisions, drafts, q_shown) -> None:
-        """Greedy drafts for the draft-model sequences, one batched draft forward per position."""
+    def _offers(self, s: Sequence, k: int) -> tuple[Offer, ...]:
+        """What each of its proposers could draft now (as their Proposer.offer says in the loop)."""
+        if not s.sources:
+            return ()
+        # Its draft row lags by more than the usual 1-2 pending tokens after standard steps or n-gram drafts.
+        draft = Offer("draft", k, catch_up=s.draft_len > 0 and len(s.context) - s.draft_len > 2)
+        if s.ngram is None:
+            return (draft,)
+        tokens, n = s.ngram.match(k)
+        ngram = Offer("ngram", len(tokens), key=f"ngram:{n}")
+        if s.request.mode == "speculative" and "draft" in s.sources:  # draft+ngram: CombinedProposer's rule
+            return (ngram,) if tokens and n >= MIN_MATCH else (draft,)
+        return tuple(ngram if kind == "ngram" else draft for kind in s.sources)
+
+    def _draft_tokens(self, seqs: list[Sequence], decisions: dict[int, Decision], drafted: dict[int, Drafted]) -> None:
+        """The draft-model sequences' drafts, one batched draft forward per position."""
         assert self.draft is not None
+        # A row far behind (after standard steps or n-gram drafts) first reads what it missed, no logits.
+        lag = {id(s): s.context[s.draft_len: -1] for s in seqs if len(s.context) - s.draft_len > 2}
+        while lag:
+            self.draft.forward([Part(s.slot, tuple(lag[id(s)][:PREFILL_CHUNK])) for s in seqs if id(s) in lag],
+                               logits=False)
+            for s in [s for s in seqs if id(s) in lag]:
+                s.draft_len += len(lag[id(s)][:PREFILL_CHUNK])
+                lag[id(s)] = lag[id(s)][PREFILL_CHUNK:]
+                if not lag[id(s)]:
+                    del lag[id(s)]
         feed = {id(s): tuple(s.context[s.draft_len:]) for s in seqs}  # what each draft row lacks, pending last
         active = list(seqs)
-        position = 0
         while active:
             logits = self.draft.forward([Part(s.slot, feed[id(s)]) for s in active])
+            picked = []
             for s, lg in zip(active, logits):
                 s.draft_len += len(feed[id(s)])
                 s.draft_forwards += 1
-                probs = lg[-1, : self.engine.vocab].softmax(-1)
-                token = int(probs.argmax())
-                drafts[id(s)].append(token)
-                q_shown[id(s)].append(float(probs[token]))
-                feed[id(s)] = (token,)
-            position += 1
-            # A sequence's K-th draft token is never fed: the verify takes it.
-            active = [s for s in active if len(drafts[id(s)]) < decisions[id(s)].k]
+                lg = lg[-1, : self.engine.vocab]  # [V]
+                if s.generator is None:  # greedy: a point mass on the argmax; people see q at T = 1
+                    x = lg.argmax(-1, keepdim=True)  # [1]
+                    shown = lg.softmax(-1).gather(0, x)  # [1]
+                else:
+                    q = process(lg, s.request.sampling)  # [V]
+                    x = draw(q.unsqueeze(0), s.generator)  # [1]
+                    shown = q.gather(0, x)
+                    drafted[id(s)].q_rows.append(q)
+                picked.append(torch.cat([x.float(), shown]))  # [2]
+            # One host sync per position: the next draft forward feeds these tokens.
+            for s, (token, q_x) in zip(active, torch.stack(picked).tolist()):
+                drafted[id(s)].tokens.append(int(token))
+                drafted[id(s)].q_shown.append(q_x)
+                feed[id(s)] = (int(token),)
+            # A sequence's last draft token is never fed: the verify takes it.
+            active = [s for s in active if len(drafted[id(s)].tokens) < decisions[id(s)].k]
 
-    def _commit(self, s: Sequence, drafted: list[int], q_shown: list[float], logits: torch.Tensor,
-                decision: Decision, draft_ms: float, verify_ms: float) -> Step:
-        eng = self.engine
-        probs = logits.softmax(-1)  # [W, V] what the hover shows under greedy
-        best = logits.argmax(-1).tolist()  # [W]
-        accepted = 0
-        while accepted < len(drafted) and drafted[accepted] == best[accepted]:
-            accepted += 1
-        committed = drafted[:accepted] + [best[accepted]]
+    def _verify(self, s: Sequence, d: Drafted, logits: torch.Tensor) -> torch.Tensor:
+        """One sequence's acceptance from the target's logits [n+1, V], on the device, with its own generator.
+
+        Returns [2n + 3]: p(x) shown, accept prob (per draft), accepted, added, p(added) shown.
+        """
+        sampling, n, device = s.request.sampling, len(d.tokens), logits.device
+        p = process(logits, sampling)  # [n+1, V] (greedy: one-hot on the argmax)
+        shown = display_probs(logits, p, sampling)  # [n+1, V]
+        draft = torch.tensor(d.tokens, dtype=torch.long, device=device)  # [n]
+        if n:
+            q = torch.stack(d.q_rows).to(device) if d.q_rows else None  # [n, V]; None: point masses
+            accepted, added, accept_prob = accept_draft(draft, q, p, sampling.greedy, s.generator)
+        else:  # a standard step: the target's token from its processed distribution
+            accepted = torch.zeros((), dtype=torch.long, device=device)
+            added = p[0].argmax() if sampling.greedy else draw(p[:1], s.generator)[0]
+            accept_prob = torch.zeros(0, device=device)
+        p_x = shown[torch.arange(n, device=device), draft]  # [n]
+        added_p = shown[accepted.view(1), added.view(1)]  # [1]
+        return torch.cat([p_x, accept_prob.float(), torch.stack([accepted.float(), added.float()]), added_p])
+
+    def _commit(self, s: Sequence, d: Drafted, values: list[float], decision: Decision, draft_ms: float,
+                verify_ms: float, wall_ms: float) -> Step:
+        eng, n = self.engine, len(d.tokens)
+        accepted, added = int(values[2 * n]), int(values[2 * n + 1])
+        committed = d.tokens[:accepted] + [added]
         stop: StopReason | None = None
         cut = len(committed)
         for i, tok in enumerate(committed):
@@ -205,59 +324,58 @@ class BatchEngine:
         committed = committed[:cut]
         kept = min(accepted, cut)
         base = len(s.context)  # prompt + committed before this round
-        # 4. Rows back to the committed prefix, minus the newest token (fed next round).
+        # 5. Rows back to the committed prefix, minus the newest token (fed next round).
         self.target.rollback(s.slot, base + len(committed) - 1)
-        if drafted and decision.source == "draft":
+        if n and decision.source == "draft":
+            assert self.draft is not None
             s.draft_len = min(s.draft_len, base + kept)
             self.draft.rollback(s.slot, s.draft_len)
         if s.ngram is not None:
             s.ngram.commit(None, kept, committed)  # type: ignore[arg-type]  # n-gram ignores the proposal
-        s.controller.observe(decision, len(drafted), accepted, draft_ms, verify_ms, draft_ms + verify_ms)
-        step = self._describe(s, drafted, q_shown, probs, kept, committed, accepted, decision, draft_ms, verify_ms)
+        s.controller.observe(decision, n, accepted, draft_ms, verify_ms, wall_ms)
+        step = self._describe(s, d, values, kept, committed, accepted, decision, draft_ms, verify_ms)
         s.token_ids += committed
-        step = _with_total(step, len(s.token_ids))
+        step = replace(step, total_tokens=len(s.token_ids))
         s.steps.append(step)
         if stop is None and len(s.token_ids) >= s.max_new:
             stop = s.stop_reason
         if stop is not None:
-            tail = s.detok.flush()
-            step = _end(step, tail, stop)
+            step = _end(step, s.detok.flush(), stop)
             s.steps[-1] = step
             self._finish(s, stop)
         return step
 
-    def _describe(self, s: Sequence, drafted: list[int], q_shown: list[float], probs: torch.Tensor, kept: int,
-                  committed: list[int], accepted: int, decision: Decision, draft_ms: float,
-                  verify_ms: float) -> Step:
-        index = len(s.steps)
-        source = "ngram" if s.ngram is not None else "draft"
-        n_shown = kept if len(committed) <= accepted else len(drafted)
-        shown = drafted[:n_shown]
-        p_shown = [float(probs[i, t]) for i, t in enumerate(shown)]
+    def _describe(self, s: Sequence, d: Drafted, values: list[float], kept: int, committed: list[int],
+                  accepted: int, decision: Decision, draft_ms: float, verify_ms: float) -> Step:
+        index, n = len(s.steps), len(d.tokens)
+        source = decision.source
+        n_shown = kept if len(committed) <= accepted else n
+        shown = d.tokens[:n_shown]
+        p_shown, accept_prob = values[:n_shown], values[n: n + n_shown]
         views, rejected, pieces = [], [], []
         for i, tok in enumerate(shown):
-            common = dict(token_id=tok, step=index, draft_pos=i, q=q_shown[i], p=p_shown[i],
-                          accept_prob=min(1.0, p_shown[i] / q_shown[i]) if q_shown[i] else None, source=source)
+            common = dict(token_id=tok, step=index, draft_pos=i, q=d.q_shown[i], p=p_shown[i],
+                          accept_prob=accept_prob[i], source=source)
             if i < kept:
                 piece = s.detok.push(tok)
                 pieces.append(piece)
                 views.append(TokenView(text=piece, status="accepted", **common))
             else:
                 rejected.append(TokenView(text=s.detok.peek(tok), status="rejected", **common))
-        views.extend(rejected)
+        views.extend(rejected)  # shown before the correction that replaces them
         added = status = None
         if len(committed) > kept:
             added = committed[kept]
-            status = "target" if not drafted else ("bonus" if accepted == len(drafted) else "corrected")
+            status = "target" if not n else ("bonus" if accepted == n else "corrected")
             piece = s.detok.push(added)
             pieces.append(piece)
             views.append(TokenView(token_id=added, text=piece, status=status, step=index, draft_pos=None, q=None,
-                                   p=float(probs[kept, added]), accept_prob=None))
-        return Step(index=index, mode="speculative" if s.request.mode != "standard" else "standard",
-                    proposed=tuple(shown), proposed_q=tuple(q_shown[:n_shown]), proposed_p=tuple(p_shown),
-                    sources=(source,) * n_shown, accepted=kept, added=added, added_status=status,
-                    tokens=tuple(views), text="".join(pieces), new_tokens=len(committed), total_tokens=0,
-                    draft_ms=draft_ms, verify_ms=verify_ms, elapsed_s=time.perf_counter() - s.t0,
+                                   p=values[2 * n + 2], accept_prob=None))
+        return Step(index=index, mode="speculative" if decision.k else "standard",
+                    proposed=tuple(shown), proposed_q=tuple(d.q_shown[:n_shown]), proposed_p=tuple(p_shown),
+                    sources=(source,) * n_shown if source else (), accepted=kept, added=added,  # type: ignore[arg-type]
+                    added_status=status, tokens=tuple(views), text="".join(pieces), new_tokens=len(committed),
+                    total_tokens=0, draft_ms=draft_ms, verify_ms=verify_ms, elapsed_s=time.perf_counter() - s.t0,
                     decision=decision)
 
     def drop(self, s: Sequence) -> None:
@@ -274,8 +392,9 @@ class BatchEngine:
         self.free.append(s.slot)
 
 
-def _with_total(step: Step, total: int) -> Step:
-    return replace(step, total_tokens=total)
+def priced(costs: RowCosts, lone: StepCosts, others: int) -> StepCosts:
+    """`lone` for a sequence verifying w = 1..K_MAX+1 tokens beside `others` rows of its neighbours."""
+    return replace(lone, target_ms=(0.0, *(costs.ms(lone.target_ms, others + w) for w in range(1, K_MAX + 2))))
 
 
 def _end(step: Step, tail: str, stop: StopReason) -> Step:

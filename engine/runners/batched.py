@@ -26,6 +26,34 @@ class Part:
     ids: tuple[int, ...]  # tokens appended at positions length .. length + len(ids) - 1
 
 
+class RowCosts:
+    """ms of a batched forward by its rows (every sequence's tokens together), as its caller measured them.
+
+    A row count measured costs its decayed mean; another one the nearest measured count's, scaled by
+    the shape of `lone_ms` (a lone forward's ms by width, index 0 unused: the costs measured at load),
+    extended past its widest width along its last slope; before any measurement, `lone_ms` itself.
+    """
+
+    def __init__(self, rate: float) -> None:
+        self.rate = rate  # weight of the newest forward in a row count's mean
+        self.measured: dict[int, float] = {}  # rows -> decayed mean ms of the forwards of that many rows
+
+    def observe(self, rows: int, ms: float) -> None:
+        old = self.measured.get(rows)
+        self.measured[rows] = ms if old is None else old + self.rate * (ms - old)
+
+    def ms(self, lone_ms: tuple[float, ...], rows: int) -> float:
+        def shape(n: int) -> float:
+            top = len(lone_ms) - 1
+            slope = max((lone_ms[top] - lone_ms[1]) / (top - 1), 0.0)
+            return lone_ms[n] if n <= top else lone_ms[top] + slope * (n - top)
+
+        if rows in self.measured or not self.measured:
+            return self.measured.get(rows) or shape(rows)
+        near = min(self.measured, key=lambda n: (abs(n - rows), n))
+        return self.measured[near] * shape(rows) / shape(near)
+
+
 class BatchedDecoder:
     """forward(parts) -> float32 logits [len(ids), V] per part; each part appends to its own cache row."""
 
