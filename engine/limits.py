@@ -11,6 +11,11 @@ K_MAX = 12
 # engine/runners/tree.py): tree graphs are captured for K = 1..TREE_K_MAX; longer drafts verify as chains.
 TREE_K_MAX = 8
 TREE_ALTERNATIVES = 2  # default next-best tokens per draft position on a GPU (bench/head_speedup.py measures 0..3)
+TREE_ALTERNATIVES_MAX = 3  # the most a head proposal carries (engine/heads/runner.py keeps this many)
+# Dynamic trees (engine/heads/tree.py): nodes expanded per level, and the most nodes one verifies (the
+# target's tree forward is one prompt chunk wide at most).
+TREE_FRONTIER = 8
+TREE_NODES_MAX = 255
 
 # Draft length when a person has not chosen one.
 DEFAULT_K = 5

@@ -97,6 +97,9 @@ class TokenView:
     p: float | None  # target probability of this token (processed distribution)
     accept_prob: float | None  # min(1, p/q) for drafted tokens; None otherwise
     source: DraftSource | None = None  # which proposer drafted it; None for target tokens
+    # A tree round (engine/heads/tree.py): the token's rank among the drafter's choices after its parent
+    # (0: its first choice, 1..: a branch); None for chains and target tokens.
+    branch: int | None = None
 
 
 @dataclass(frozen=True)
@@ -138,6 +141,10 @@ class Step:
     # A tree of drafts (engine/runners/tree.py): `added` was one of the drafted alternatives, so the
     # target's token after it came from the same forward: committed after `added` (status "bonus").
     extra: int | None = None
+    # A round verified as a tree: the draft tokens it verified and how deep they went (0, 0: a chain or
+    # a standard step). A dynamic tree (engine/heads/tree.py) verifies its N nodes K levels deep.
+    tree_width: int = 0
+    tree_depth: int = 0
 
 
 # Which model is reading the prompt: the target, the draft model, or the draft head (its one layer).
@@ -218,9 +225,11 @@ class ModelInfo:
     sampled_costs: tuple[ProposerCost, ...] = ()  # per proposer, its propose() drawing its drafts
     sampled_target_ms: tuple[tuple[int, float], ...] = ()  # per verify width, sampled rounds (GPU only)
     # Greedy head rounds verified as trees (engine/runners/tree.py): per K, the round's verify ms with
-    # `tree_alternatives` alternatives beside each draft (empty when the engine drafts no trees).
+    # `tree_alternatives` alternatives beside each draft, or of a dynamic tree of `tree_nodes` nodes K
+    # levels deep (engine/heads/tree.py); empty when the engine drafts no trees.
     tree_ms: tuple[tuple[int, float], ...] = ()
     tree_alternatives: int = 0
+    tree_nodes: int = 0
     runtime: str = "torch"  # what runs the forwards: "torch" or "llamacpp"
     threads: int = 0  # CPU threads a one-row forward uses (llama.cpp, torch on a CPU); 0 = the runtime's own default
     threads_batch: int = 0  # CPU threads a wider forward (prompt, verify) uses; 0 = as `threads`

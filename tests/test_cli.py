@@ -74,7 +74,7 @@ def test_bench_json_contract(tiny_pair, tmp_path, capsys):
                           "target_forwards", "draft_forwards", "drafted", "accepted", "text", "token_ids",
                           "round_seconds", "repeat", "prefill_s", "draft_s", "verify_s", "overhead_s", "k_mean",
                           "standard_steps", "position_reached", "position_accepted", "drafted_steps", "drafted_by",
-                          "catch_up_widths", "position_alternative", "tree", "temperature"}
+                          "catch_up_widths", "position_alternative", "tree", "tree_nodes", "temperature"}
         assert len(r["token_ids"]) == r["new_tokens"]
         assert 0 < r["round_seconds"] <= r["seconds"]  # rounds are a part of the generation's time
         # The time split adds up to the generation's time.

@@ -155,11 +155,13 @@ def test_speculative_sampling_matches_the_targets_processed_distribution(engine)
     check_sampling_law(engine, "hello world", proposer="draft")
 
 
-def check_sampling_law(engine, prompt: str, *, proposer: str, messages: tuple = (), trials: int = 2000) -> int:
+def check_sampling_law(engine, prompt: str, *, proposer: str, messages: tuple = (), trials: int = 2000,
+                       count=None) -> int:
     """Asserts that speculative samples of the first two tokens follow the target's processed law (chi-square).
 
     Shared by every proposer (draft model, draft head): whatever proposes, the output law is the target's.
-    Returns how many rounds kept a tree alternative's next token (Step.extra).
+    Returns how many rounds kept a tree alternative's next token (Step.extra); `count` is handed each
+    trial's steps, for what else a caller wants to know happened.
     """
     sampling = dict(temperature=1.3, top_k=5, top_p=0.9)
     request = dict(messages=messages) if messages else dict(prompt=prompt)
@@ -177,6 +179,8 @@ def check_sampling_law(engine, prompt: str, *, proposer: str, messages: tuple = 
         gen, steps = _run(engine, mode="speculative", k=3, max_new_tokens=2, proposer=proposer,
                           sampling=Sampling(seed=seed, **sampling), **request)
         extras += sum(s.extra is not None for s in steps)
+        if count is not None:
+            count(steps)
         key = tuple(gen.token_ids)
         assert key in counts, f"sampled {key}, which the processed target law gives probability 0"
         counts[key] += 1

@@ -8,7 +8,7 @@ from typing import Any, NoReturn
 
 from app.cli import options as opt
 from app.cli.common import PROG, CliError
-from engine.limits import DEFAULT_K, K_MAX
+from engine.limits import DEFAULT_K, K_MAX, TREE_FRONTIER
 from engine.types import PROPOSERS
 
 __all__ = ["PROG", "Parser", "add_model_args", "add_pair_args", "positive_int", "memory_size"]
@@ -70,9 +70,12 @@ def add_model_args(p: argparse.ArgumentParser, decoding: bool = True) -> None:
     g.add_argument("--head", default="auto", type=opt.head,
                    help="draft head folder for --proposer head; auto: the shipped head trained for this target "
                         "(if any); none: no head")
-    g.add_argument("--tree", default="auto", choices=["auto", "0", "1", "2", "3"],
-                   help="next-best head tokens verified beside each head draft token as a tree (0: chains; "
-                        "auto: 2 on a GPU, 0 on a CPU, where a wider verify costs more)")
+    g.add_argument("--tree", default="auto", type=opt.tree,
+                   help="how head drafts are verified: 0..3 next-best tokens beside each draft token (0: chains), "
+                        "or dN: a dynamic tree of the head's N likeliest continuations, K levels deep (e.g. d48); "
+                        "auto: 2 on a GPU, 0 on a CPU, where a wider verify costs more")
+    g.add_argument("--tree-frontier", default=TREE_FRONTIER, type=opt.tree_frontier,
+                   help=f"a dynamic tree's nodes expanded per level (default {TREE_FRONTIER})")
     g.add_argument("--fast-path", default="auto", choices=["auto", "eager", "static", "compiled"],
                    help="auto: static cache + CUDA graphs where possible, else eager; compiled: also "
                         "torch.compile the per-step forwards for --k (CUDA; minutes of warm-up)")

@@ -13,7 +13,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any, TextIO
 
 from app.core.session import build_request
-from engine.limits import DEFAULT_K, K_AUTO
+from engine.limits import DEFAULT_K, K_AUTO, TREE_FRONTIER
 from engine.loadspec import LoadSpec
 from engine.settings import GenerationSettings
 from engine.types import GenerationRequest, Message, Summary
@@ -93,7 +93,9 @@ def load_engine(args: argparse.Namespace, needs_draft: bool, runtime: str | None
                    keep_costs=keep_costs)
     engine = build_engine(spec, LoadReporter(sys.stderr, args.verbose))
     tree = getattr(args, "tree", "auto")
-    if tree != "auto" and engine.head_runner is not None:
+    if tree.startswith("d") and engine.head_runner is not None:
+        engine.set_dynamic_tree(int(tree[1:]), getattr(args, "tree_frontier", TREE_FRONTIER))
+    elif tree != "auto" and engine.head_runner is not None:
         engine.set_tree(int(tree))
     return engine
 

@@ -8,7 +8,7 @@ import re
 import tempfile
 from pathlib import Path
 
-from engine.limits import K_AUTO, K_MAX, MAX_NEW_TOKENS
+from engine.limits import K_AUTO, K_MAX, MAX_NEW_TOKENS, TREE_ALTERNATIVES_MAX, TREE_NODES_MAX
 from engine.settings import TOP_K_RANGE
 
 MAX_SEED = 2**63 - 1  # every torch generator takes it
@@ -149,6 +149,17 @@ def head(text: str) -> str:
     return text
 
 
+def tree(text: str) -> str:
+    """auto, 0..3 (alternatives beside each head draft token) or dN (a dynamic tree of N nodes, e.g. d48)."""
+    value = text.strip().lower()
+    if value == "auto" or value in {str(a) for a in range(TREE_ALTERNATIVES_MAX + 1)}:
+        return value
+    if value.startswith("d"):
+        return f"d{whole(value[1:], 1, TREE_NODES_MAX, 'the nodes of a dynamic tree (dN)')}"
+    raise argparse.ArgumentTypeError(f"--tree takes auto, 0 to {TREE_ALTERNATIVES_MAX}, or dN for a dynamic tree "
+                                     f"of N nodes (1 to {TREE_NODES_MAX}, e.g. d48); got {short(text)!r}")
+
+
 def key_value(text: str) -> tuple[str, str]:
     """KEY=VALUE (the value is checked by the command that knows the key)."""
     key, sep, value = utf8(text, "a KEY=VALUE setting").partition("=")
@@ -208,3 +219,7 @@ def check_writable(path: Path) -> None:
             os.unlink(scratch)
     except OSError as e:
         raise argparse.ArgumentTypeError(f"cannot write {path}: {e.strerror or e}") from None
+
+
+def tree_frontier(text: str) -> int:
+    return whole(text, 1, TREE_NODES_MAX, "--tree-frontier")

@@ -29,6 +29,7 @@ from engine.decoding.loop import Generation
 from engine.decoding.outcome import read_outcome
 from engine.decoding.proposers import Offer, Proposal, Proposer, ProposerSet, measure_proposer
 from engine.errors import CostsInterrupted
+from engine.heads.tree import TreeDrafter, canned_tree
 from engine.limits import K_MAX, TREE_K_MAX
 from engine.loadspec import LoadProgress
 from engine.runners import ids_tensor
@@ -56,10 +57,15 @@ def _check(interrupted: Interrupted | None) -> None:
 class _CannedDrafts(Proposer):
     """A proposer whose drafts cost nothing (fixed random tokens): the round then times the verify alone."""
 
-    def __init__(self, vocab: int, device: torch.device, alternatives: int = 0) -> None:
+    def __init__(self, vocab: int, device: torch.device, alternatives: int = 0,
+                 tree: TreeDrafter | None = None) -> None:
         self.tokens = torch.randint(1, max(vocab, 2), (K_MAX,), device=device)  # [K_MAX]
         # alternatives > 0: a tree round (greedy), as a head proposes where trees are on
         self.alts = torch.randint(1, max(vocab, 2), (K_MAX, alternatives), device=device) if alternatives else None
+        # tree: a dynamic tree's round of K levels (its width, any shape: a verify costs its width)
+        self.trees = {} if tree is None else {
+            k: canned_tree(torch.randint(1, max(vocab, 2), (tree.nodes_at(k),), device=device), tree.frontier,
+                           tree.max_depth) for k in range(1, tree.max_depth + 1)}
 
     def start(self, prompt: list[int]) -> None:
         pass
@@ -68,6 +74,10 @@ class _CannedDrafts(Proposer):
         return Offer("canned", k)  # type: ignore[arg-type]  # never reaches a controller
 
     def propose(self, k: int) -> Proposal:
+        tree = self.trees.get(k)
+        if tree is not None:
+            return Proposal(tokens=tree.tokens, q=None, sources=("canned",) * tree.nodes,  # type: ignore[arg-type]
+                            forwards=0, tree=tree)
         return Proposal(tokens=self.tokens[:k], q=None, sources=("canned",) * k, forwards=0,  # type: ignore[arg-type]
                         alts=None if self.alts is None else self.alts[:k])
 
@@ -76,15 +86,15 @@ class _CannedDrafts(Proposer):
 
 
 def measure_rounds(engine: Engine, widths: Iterable[int], iters: int, warm: bool = True,
-                   sampling: Sampling | None = None, alternatives: int = 0,
+                   sampling: Sampling | None = None, alternatives: int = 0, tree: TreeDrafter | None = None,
                    interrupted: Interrupted | None = None) -> dict[int, list[float]]:
     """Verify ms of `iters` rounds per width (K = width - 1 canned drafts; width 1 is a standard round),
     greedy unless `sampling` says otherwise. alternatives > 0: greedy tree rounds of K = width - 1
-    drafts with that many alternatives beside each (keyed by K + 1 all the same). CostsInterrupted
-    between two rounds once `interrupted()` says so."""
+    drafts with that many alternatives beside each; tree: rounds of its dynamic tree K levels deep
+    (both keyed by K + 1 all the same). CostsInterrupted between two rounds once `interrupted()` says so."""
     request = GenerationRequest(prompt="x", max_new_tokens=1, sampling=sampling or Sampling())
     generation = Generation(engine, request, [1], None)
-    proposers = ProposerSet((_CannedDrafts(engine.vocab, engine.device, alternatives),), engine.device)
+    proposers = ProposerSet((_CannedDrafts(engine.vocab, engine.device, alternatives, tree),), engine.device)
     proposers.offers(K_MAX)
     generator = torch.Generator(device=engine.device).manual_seed(0)
     target = engine.target_runner
@@ -240,22 +250,33 @@ def measure_costs(engine: Engine, progress=None, rounds: int = 3) -> None:
     measure_trees(engine)
 
 
-def measure_trees(engine: Engine, iters: int | None = None) -> None:
+def measure_trees(engine: Engine, iters: int | None = None, reuse: bool = False) -> None:
     """ModelInfo.tree_ms: the verify of greedy tree rounds for K = 1..TREE_K_MAX with the engine's
-    alternatives (Engine.alternatives), median of `iters` (20 on a GPU, 3 elsewhere); empty without trees."""
-    s = engine.alternatives()
+    alternatives (Engine.alternatives) or dynamic tree, median of `iters` (20 on a GPU, 3 elsewhere);
+    empty without trees. reuse: a tree measured since the last full measurement is not measured again
+    (switching trees back and forth, as a sweep does, costs nothing); otherwise the kept ones are dropped."""
+    s, drafter = engine.alternatives(), engine.tree_drafter
+    key = (s, drafter.nodes, drafter.frontier) if drafter is not None else (s, 0, 0)
+    if reuse and key in engine.tree_costs:
+        engine.info = replace(engine.info, **engine.tree_costs[key])
+        return
+    if not reuse:
+        engine.tree_costs.clear()
     tree: dict[int, float] = {}
-    if s:
+    if s or drafter is not None:
         iters = iters or (20 if engine.device.type == "cuda" else 3)
         try:
-            rounds = measure_rounds(engine, range(2, TREE_K_MAX + 2), iters, alternatives=s)
+            rounds = measure_rounds(engine, range(2, TREE_K_MAX + 2), iters, alternatives=s, tree=drafter)
             tree = {w - 1: statistics.median(ms) for w, ms in rounds.items()}
         except Exception as exc:  # advice only, as the other costs
             log.warning("could not measure the tree rounds: %s", exc)
-            s = 0
-    engine.info = replace(engine.info, tree_ms=tuple(sorted(tree.items())), tree_alternatives=s if tree else 0)
+    nodes = drafter.nodes if drafter is not None and tree else 0
+    engine.tree_costs[key] = dict(tree_ms=tuple(sorted(tree.items())), tree_alternatives=s if tree else 0,
+                                  tree_nodes=nodes)
+    engine.info = replace(engine.info, **engine.tree_costs[key])
     if tree:
-        log.info("tree rounds (%d alternatives): %s ms by K", s, {k: round(ms, 2) for k, ms in tree.items()})
+        log.info("tree rounds (%s): %s ms by K", f"{nodes} nodes" if nodes else f"{s} alternatives",
+                 {k: round(ms, 2) for k, ms in tree.items()})
 
 
 def measure_again(engine: Engine) -> None:

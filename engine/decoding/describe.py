@@ -22,7 +22,7 @@ def describe_step(index: int, r: RoundResult, committed: list[int], kept_draft: 
     for i, tok in enumerate(proposed):
         src = proposal.sources[i] if proposal is not None else None
         common = dict(token_id=tok, step=index, draft_pos=i, q=r.q_shown[i], p=r.p_shown[i],
-                      accept_prob=r.accept_prob[i], source=src)
+                      accept_prob=r.accept_prob[i], source=src, branch=r.ranks[i] if r.ranks is not None else None)
         if i < kept_draft:
             piece = detok.push(tok)
             pieces.append(piece)
@@ -74,8 +74,21 @@ def describe_step(index: int, r: RoundResult, committed: list[int], kept_draft: 
         decision=launched.decision,
         overhead_ms=overhead_ms,
         extra=extra,
+        **_tree_shape(launched),
     )
     return step, text
+
+
+def _tree_shape(launched: Launched) -> dict[str, int]:
+    """The tree a round verified, as Step.tree_width / tree_depth (nothing for chains and standard steps)."""
+    proposal = launched.proposal
+    if proposal is None:
+        return {}
+    if launched.path and proposal.tree is not None:
+        return {"tree_width": proposal.tree.nodes, "tree_depth": launched.decision.k}
+    if launched.tree and proposal.alts is not None:
+        return {"tree_width": int(proposal.alts.numel()) + launched.n, "tree_depth": launched.n}
+    return {}
 
 
 def with_text(step: Step, text: str) -> Step:

@@ -18,7 +18,8 @@ from engine.decoding.proposers import Proposer, ProposerSet
 from engine.errors import GenerationError
 from engine.heads.model import DraftHead
 from engine.heads.runner import ALTERNATIVES, HeadRunner
-from engine.limits import K_AUTO, K_MAX, TREE_ALTERNATIVES, TREE_K_MAX
+from engine.heads.tree import TreeDrafter
+from engine.limits import K_AUTO, K_MAX, TREE_ALTERNATIVES, TREE_FRONTIER, TREE_K_MAX, TREE_NODES_MAX
 from engine.loadspec import LoadProgress
 from engine.models.device import output_device
 from engine.measure.costmodel import costs_at, tree_costs_at
@@ -78,6 +79,11 @@ class Engine:
         # rows), 0 on a CPU (forward cost grows with width) and on runners without tree forwards.
         self.tree_alternatives: int | None = None
         self._trees: dict[tuple[int, int], Tree] = {}  # (K, S) -> its sibling tree on the device
+        # A dynamic tree instead (engine/heads/tree.py, set_dynamic_tree): the head grows one per round.
+        self.tree_drafter: TreeDrafter | None = None
+        self._drafters: dict[tuple[int, int], TreeDrafter] = {}  # (nodes, frontier) -> drafter, graphs kept
+        # ModelInfo's tree fields per tree measured since the last full measurement (costs.measure_trees).
+        self.tree_costs: dict[tuple[int, int, int], dict] = {}
         # Prompt tokens per second each part read at last (target, draft, head): the next prompt's
         # chunks are sized from it (engine/decoding/prefill.py).
         self.prefill_rates: dict[str, float] = {}
@@ -108,11 +114,17 @@ class Engine:
                 ms = 0.0
             self.head_runner = runner
             self.info = replace(self.info, head_name=name, head_ms=ms)
+            drafter, self.tree_drafter = self.tree_drafter, None  # it drafted with the head replaced
+            for old in self._drafters.values():
+                old.drop()
+            self._drafters.clear()
+        if drafter is not None:
+            self.set_dynamic_tree(drafter.nodes, drafter.frontier)
         self.set_tree(self.tree_alternatives)  # the tree's graphs, where one pays
 
     def alternatives(self) -> int:
-        """Next-best tokens a head proposal carries beside each draft (0: chains only)."""
-        if self.head_runner is None or not hasattr(self.target_runner, "keep_path"):
+        """Next-best tokens a head proposal carries beside each draft (0: chains, or dynamic trees)."""
+        if self.head_runner is None or not hasattr(self.target_runner, "keep_path") or self.tree_drafter is not None:
             return 0
         if self.tree_alternatives is None:
             return TREE_ALTERNATIVES if self.device.type == "cuda" else 0
@@ -128,9 +140,41 @@ class Engine:
         if s and capture is not None:
             with self._lock:
                 capture(sibling_rows(k, s) for k in range(1, TREE_K_MAX + 1))
-        if self.info.target_ms and s != self.info.tree_alternatives:  # costs measured already: this tree's too
+        if self.info.target_ms and (s, self.tree_nodes) != (self.info.tree_alternatives, self.info.tree_nodes):
+            with self._lock:  # costs measured already: this tree's too
+                measure_trees(self, reuse=True)
+
+    @property
+    def tree_nodes(self) -> int:
+        """Nodes of the dynamic tree a head round verifies (0: none)."""
+        return self.tree_drafter.nodes if self.tree_drafter is not None else 0
+
+    def set_dynamic_tree(self, nodes: int, frontier: int = TREE_FRONTIER) -> None:
+        """The head grows dynamic trees of `nodes` nodes (0: none) from the next request on, expanding
+        `frontier` nodes per level, K levels deep; their graphs are captured on CUDA."""
+        if not 0 <= nodes <= TREE_NODES_MAX or frontier < 1:
+            raise GenerationError(f"A dynamic tree holds 1..{TREE_NODES_MAX} nodes and expands at least one per "
+                                  f"level (got {nodes} nodes, {frontier} per level).")
+        if nodes and self.head_runner is None:
+            raise GenerationError("Dynamic trees are grown by a draft head; load one with --head (torch runtime).")
+        if nodes and not hasattr(self.target_runner, "capture_trees"):
+            raise GenerationError(f"The {self.info.fast_path} runner verifies chains only: dynamic trees need the "
+                                  "static-cache fast path (a GPU, --fast-path auto, static or compiled).")
+        with self._lock:
+            self.tree_drafter = None
+            if nodes:
+                frontier = min(frontier, nodes)
+                drafter = self._drafters.get((nodes, frontier))
+                if drafter is None:  # its graphs stay captured: switching back costs nothing
+                    drafter = TreeDrafter(self.head_runner, frontier=frontier, nodes=nodes, max_depth=TREE_K_MAX)
+                    drafter.warmup()
+                    self.target_runner.capture_trees((*self.target_runner.tree_widths, *drafter.widths()),
+                                                     compile=drafter.widths()[-1:])
+                    self._drafters[(nodes, frontier)] = drafter
+                self.tree_drafter = drafter
+        if self.info.target_ms:  # costs measured already: this tree's rounds too
             with self._lock:
-                measure_trees(self)
+                measure_trees(self, reuse=True)
 
     def tree(self, k: int, s: int) -> Tree:
         tree = self._trees.get((k, s))
@@ -188,7 +232,8 @@ class Engine:
         target, costs = costs_at(self.info, sampled)
         if len(target) < K_MAX + 1:
             raise GenerationError("Adaptive K needs the forward costs, which could not be measured; choose a fixed K.")
-        trees = tree_costs_at(self.info, sampled) if self.info.tree_alternatives == self.alternatives() else {}
+        same = (self.info.tree_alternatives, self.info.tree_nodes) == (self.alternatives(), self.tree_nodes)
+        trees = tree_costs_at(self.info, sampled) if same else {}
         return StepCosts((0.0, *(target[w] for w in range(1, K_MAX + 2))), costs, trees)
 
     # -- prompts ---------------------------------------------------------------------------

@@ -23,7 +23,7 @@ def make_proposer(engine: Engine, source: DraftSource, sampling: Sampling,
     if source == "head":
         assert engine.head_runner is not None, "generate() checks that a head is loaded"
         return HeadProposer(engine.head_runner, engine.target_runner, sampling, engine.vocab, generator,
-                            alternatives=engine.alternatives())
+                            alternatives=engine.alternatives(), tree=engine.tree_drafter)
     assert source == "ngram", f"unknown proposer {source!r}"
     return NgramProposer(device=engine.device)
 

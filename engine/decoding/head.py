@@ -17,7 +17,8 @@ round of sampling work per token.
 
 Proposals may carry `alternatives` next-best tokens beside each draft (Proposal.alts): the loop
 then verifies them as a tree (engine/runners/tree.py), which keeps one more token whenever the
-target's token, where it rejects the chain, is one of the alternatives.
+target's token, where it rejects the chain, is one of the alternatives. With a TreeDrafter it
+grows a dynamic tree of K levels instead (engine/heads/tree.py), and the loop walks it.
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from engine.decoding.prefill import FeedFn
 from engine.decoding.proposers import Offer, Proposal, Proposer
 from engine.decoding.sampling import draw, process
 from engine.heads.runner import HeadRunner
+from engine.heads.tree import TreeDrafter
 from engine.runners import Runner, ids_tensor
 from engine.types import Sampling
 
@@ -41,8 +43,9 @@ class HeadProposer(Proposer):
     reads_target = True
 
     def __init__(self, head: HeadRunner, target: Runner, sampling: Sampling, vocab: int,
-                 generator: torch.Generator | None, alternatives: int = 0) -> None:
-        """alternatives: next-best tokens proposed beside each draft (0: a chain)."""
+                 generator: torch.Generator | None, alternatives: int = 0, tree: TreeDrafter | None = None) -> None:
+        """alternatives: next-best tokens proposed beside each draft (0: a chain); tree: grow dynamic
+        trees of K levels instead (then alternatives are not used)."""
         assert target.hidden_layers == head.config.feature_layers, "the target runner must keep the head's layers"
         self.head = head
         self.target = target
@@ -50,7 +53,9 @@ class HeadProposer(Proposer):
         self.vocab = vocab  # the loop's vocabulary: q rows are this wide
         self.generator = generator
         self.sampled = SAMPLED_DRAFTS and not sampling.greedy  # drafts drawn from q (chains only)
-        self.alternatives = 0 if self.sampled else alternatives
+        self.tree = None if self.sampled else tree
+        self.alternatives = 0 if self.sampled or self.tree is not None else alternatives
+        self.tree_nodes = self.tree.nodes if self.tree is not None else 0
         self.device = head.device
         self.rows: torch.Tensor | None = None  # [>= n, F] target rows the head has not read yet
         self.next_ids: list[int] = []  # [n] the committed token after each of those rows
@@ -83,18 +88,24 @@ class HeadProposer(Proposer):
 
     def offer(self, k: int) -> Offer:
         # Nothing to read yet (a one-token prompt): it cannot draft until a round has left rows.
-        return Offer("head", k if self.rows is not None else 0, tree=self.alternatives > 0)
+        return Offer("head", k if self.rows is not None else 0, tree=self.alternatives > 0 or self.tree is not None)
 
     def propose(self, k: int) -> Proposal:
         head = self.head
         if self.rows is None:  # a one-token prompt: nothing to read yet, the target decodes alone
             return self._proposal(torch.zeros(0, dtype=torch.long, device=self.device), None, None)
         n = len(self.next_ids)
-        span = head.span(head.length + n + k)
+        grow = self._tree_fits(k, n)
+        span = head.span(head.length + n + (k * self.tree.frontier if grow else k))
         head.catch_up(self.rows[:n], ids_tensor(self.next_ids, self.device), span)  # drafts token 1
         self.rows = None
         if k == 0:  # a standard step: the catch-up above keeps the head's cache in step
             return self._proposal(torch.zeros(0, dtype=torch.long, device=self.device), None, None)
+        if grow:
+            tree = self.tree.draft(k, span)
+            proposal = self._proposal(tree.tokens, None, tree.q)
+            proposal.tree, proposal.forwards = tree, k
+            return proposal
         if not self.sampled:
             for _ in range(k - 1):
                 head.step(span)
@@ -114,6 +125,15 @@ class HeadProposer(Proposer):
             q_rows.append(torch.zeros(self.vocab, device=self.device).index_copy_(0, head.head.d2t, q_draft))
             shown.append(q_draft.gather(0, x))
         return self._proposal(head.drafts[:k].clone(), torch.stack(q_rows), torch.cat(shown))
+
+    def _tree_fits(self, k: int, catch_up: int) -> bool:
+        """A tree of k levels is grown when there is one, k is within its depth, and both caches have
+        room for it (the head's slots past the catch-up; the target's rows); else a chain drafts."""
+        if self.tree is None or not 1 <= k <= self.tree.max_depth:
+            return False
+        head_end = self.head.length + catch_up + k * self.tree.frontier
+        target_end = self.target.length + 1 + self.tree.nodes_at(k)
+        return head_end <= self.head.buckets[-1] and target_end <= self.target.max_length
 
     def _proposal(self, tokens: torch.Tensor, q: torch.Tensor | None, shown: torch.Tensor | None) -> Proposal:
         n = tokens.shape[0]

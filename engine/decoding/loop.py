@@ -16,7 +16,7 @@ from engine.decoding.detok import Detokenizer
 from engine.decoding.outcome import Launched, RoundResult, read_outcome
 from engine.decoding.prefill import Feed, ProgressCallback
 from engine.decoding.proposers import ProposerSet
-from engine.decoding.verify import verify_chain, verify_standard, verify_tree
+from engine.decoding.verify import verify_chain, verify_path, verify_standard, verify_tree
 from engine.limits import K_MAX, TREE_K_MAX, widest_draft
 from engine.measure.stats import summarize
 from engine.runners import ids_tensor
@@ -70,6 +70,7 @@ class Generation(Iterator[Step]):
         self.summary: Summary | None = None
         self.token_ids: list[int] = []  # committed tokens, EOS included
         self.tree_alternatives = 0  # alternatives beside each draft of its proposer (0: chains)
+        self.tree_nodes = 0  # nodes of the dynamic trees its proposer grows (0: none)
         self._steps: Iterator[Step] = self._run()
 
     def __next__(self) -> Step:
@@ -133,6 +134,7 @@ class Generation(Iterator[Step]):
             return run  # cancelled: no proposers, no rounds
         proposers = eng.make_proposers(req, run.generator)  # none for standard decoding
         self.tree_alternatives = max((p.alternatives for p in proposers.parts), default=0)
+        self.tree_nodes = max((p.tree_nodes for p in proposers.parts), default=0)
         proposers.start(self.prompt)
         run.pending = self.prompt[-1]
         if not proposers.read_prompt(self.feed.feed):  # a head reads the prompt's rows now; cancelled midway
@@ -225,11 +227,14 @@ class Generation(Iterator[Step]):
             # The alternative is cached (the extra token after it is pending): move its slot and
             # hidden row next to the accepted chain.
             target.keep_path([*range(result.accepted + 1), result.extra_row])
+        if result.path_rows is not None:  # a walked tree: its path's rows become the cached sequence
+            target.keep_path(result.path_rows[:cut])
         if proposal is not None:
             target.rollback(len(self.prompt) + len(self.token_ids) + cut - 1)
         run.proposers.commit(proposal, kept_draft, committed)
         run.controller.observe(launched.decision, len(result.proposed), result.accepted, result.draft_ms,
-                               result.verify_ms, wall_ms, tree=launched.tree, extra=result.extra >= 0)
+                               result.verify_ms, wall_ms, tree=launched.tree or launched.path,
+                               extra=result.extra >= 0)
         self.token_ids += committed
         run.pending = committed[-1]
         return committed, kept_draft, run.stop_reason == "eos" or len(self.token_ids) >= run.max_new
@@ -301,7 +306,7 @@ class Generation(Iterator[Step]):
         cuda = eng.device.type == "cuda"
         begin = _mark(cuda, eng.device) if begin is None else begin
         marks = [begin]
-        tree = False
+        tree = path = False
         if decision.k == 0:  # a standard round: one target forward, one token
             ids = pending if isinstance(pending, torch.Tensor) else ids_tensor([pending], eng.device)
             logits = eng.target_runner.forward(ids)[0, : eng.vocab]  # [V]
@@ -318,10 +323,16 @@ class Generation(Iterator[Step]):
             n = draft.shape[0]
             marks.append(_mark(cuda, eng.device))
             alts = proposal.alts
+            path = proposal.tree is not None  # a grown tree (the proposer checked the context has room)
             # A tree verifies point-mass drafts (q = None): a sampled chain's q needs the chain rule.
             tree = alts is not None and proposal.q is None and 0 < n <= TREE_K_MAX and \
                 eng.target_runner.length + sibling_rows(n, alts.shape[1]) <= eng.target_runner.max_length
-            if tree:
+            if path:
+                ids = torch.cat([ids_tensor([pending], eng.device), draft])  # [1 + N]
+                logits = eng.target_runner.forward(ids, proposal.tree.shape)[:, : eng.vocab]  # [1 + N, V]
+                outcome = verify_path(logits, proposal.tree, sampling, generator)
+                n = proposal.tree.max_depth  # the outcome's slots per field
+            elif tree:
                 ids = torch.cat([ids_tensor([pending], eng.device), draft, alts.reshape(-1)])  # [1 + n(1 + S)]
                 logits = eng.target_runner.forward(ids, eng.tree(n, alts.shape[1]))[:, : eng.vocab]  # [W, V]
                 outcome = verify_tree(logits, draft, alts, proposal.q_display, sampling, generator)
@@ -336,7 +347,7 @@ class Generation(Iterator[Step]):
             done = torch.cuda.Event()
             done.record(torch.cuda.current_stream(eng.device))
         marks.append(_mark(cuda, eng.device))
-        return Launched(outcome, n, proposal, decision, done, tuple(marks), next_input, tree=tree)
+        return Launched(outcome, n, proposal, decision, done, tuple(marks), next_input, tree=tree, path=path)
 
 
 def _mark(cuda: bool, device: torch.device):

@@ -26,6 +26,8 @@ class RoundResult:
     extra: int = -1  # a tree round: the target's token after the alternative it picked (-1: none)
     extra_p: float = 0.0  # its displayed target probability
     extra_row: int = 0  # the tree row of that alternative (runners/tree.py)
+    ranks: list[int] | None = None  # a walked tree (verify_path): each shown token's rank among its siblings
+    path_rows: list[int] | None = None  # its tree rows of the pending token and the accepted path, by depth
 
 
 @dataclass
@@ -44,6 +46,7 @@ class Launched:
     marks: tuple  # CUDA: timing events (begin, prepared, drafted, verified); CPU: perf_counter times
     token: torch.Tensor | None = None  # standard round: its token [1] on the device, the next round's input
     tree: bool = False  # the drafts were verified as a tree (the outcome carries extra, extra_p, extra_row)
+    path: bool = False  # a tree the target walked (verify_path): n is its deepest depth, the layout its own
 
 
 def read_outcome(launched: Launched) -> RoundResult:
@@ -52,6 +55,12 @@ def read_outcome(launched: Launched) -> RoundResult:
         launched.done.synchronize()
     values = launched.outcome.tolist()
     n = launched.n
+    if launched.path:  # verify_path's layout: D slots per field, the path's rows, then the counts
+        shown, accepted, added, added_p = values[6 * n + 1:]
+        values = (values[: int(shown)] + values[n : n + int(shown)] + values[2 * n : 2 * n + int(shown)]
+                  + values[3 * n : 3 * n + int(shown)] + [accepted, added, added_p]
+                  + values[4 * n : 4 * n + int(shown)] + values[5 * n : 5 * n + int(accepted) + 1])
+        n = int(shown)
     begin, prepared, drafted, verified = launched.marks
     if isinstance(begin, float):  # CPU: the work ran inside the launch, so host times are exact
         prefill_ms = (prepared - begin) * 1e3
@@ -75,4 +84,7 @@ def read_outcome(launched: Launched) -> RoundResult:
     if launched.tree:
         result.extra, result.extra_p, result.extra_row = int(values[4 * n + 3]), values[4 * n + 4], \
             int(values[4 * n + 5])
+    if launched.path:
+        result.ranks = [int(x) for x in values[4 * n + 3 : 5 * n + 3]]
+        result.path_rows = [int(x) for x in values[5 * n + 3 :]]
     return result

@@ -9,6 +9,7 @@ import torch
 from engine.decoding.prefill import FeedFn, feed_all
 from engine.decoding.sampling import draw, process
 from engine.runners import Runner, ids_tensor
+from engine.runners.tree import TreeDraft
 from engine.types import DraftSource, ProposerCost, Sampling
 
 
@@ -22,6 +23,9 @@ class Proposal:
     # [n, S] S alternative target ids beside each draft token (point-mass drafts), verified as a tree
     # (engine/runners/tree.py: leaves sharing the draft token's parent); None: a chain.
     alts: torch.Tensor | None = None
+    # A tree the proposer grew (the head's dynamic trees): `tokens` are its nodes [N], verified in one
+    # tree forward and walked (verify.verify_path); None: a chain (or alts' sibling tree).
+    tree: TreeDraft | None = None
 
 
 @dataclass(frozen=True)
@@ -52,6 +56,7 @@ class Proposer:
     # then never queues a standard round ahead of that commit (ProposerSet.queue_standard).
     reads_target: bool = False
     alternatives: int = 0  # next-best tokens proposed beside each draft, verified as a tree (0: chains)
+    tree_nodes: int = 0  # nodes of the dynamic trees it grows instead of chains (0: none)
 
     def start(self, prompt: list[int]) -> None:
         """A new generation begins with these prompt ids."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from engine.decoding.sampling import accept_draft, display_probs, draw, process
+from engine.runners.tree import TreeDraft
 from engine.types import Sampling
 
 
@@ -96,3 +97,68 @@ def verify_tree(logits: torch.Tensor, draft: torch.Tensor, alts: torch.Tensor, q
     return torch.cat([draft.float(), q_x.float(), p_x.float(), accept_prob.float(),
                       torch.stack([accepted.float(), added[0].float()]), added_p.float(),
                       torch.stack([extra.float(), extra_p[0].float(), row.float()])])
+
+
+def tree_choices(logits: torch.Tensor, tree: TreeDraft, sampling: Sampling,
+                 generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Which tree nodes the target accepts once their parent is reached, and its token after every row.
+
+    Recursive rejection sampling over siblings (SpecInfer, Miao et al. 2023; EAGLE's
+    evaluate_posterior) with point-mass drafts: the first child x1 is accepted with r(x1), r = p; on
+    a rejection r loses x1 and is renormalised, the next child is tried with r(x2) = p(x2) / (1 -
+    p(x1)), and so on; once every child is rejected the token is drawn from r. Child i is thus
+    accepted with probability p(x_i) and the token after rejecting them all follows p without the
+    children: the law of drawing y ~ p once and going down to the child that is y. That is how it
+    runs here, every row at once, one draw per row (greedy: y is the argmax). Rows the walk never
+    reaches draw too; their draws are discarded, so each reached row's token is a fresh draw from p.
+    Returns ok [N] (row i + 1 is y of its parent), y [W] and the law people are shown [W, V].
+    """
+    if sampling.greedy:
+        y = logits.argmax(-1)  # [W]
+        shown = logits.softmax(-1)  # a one-hot says nothing: the softmax at T = 1
+    else:
+        shown = process(logits, sampling)  # [W, V]
+        y = draw(shown, generator)  # [W]
+    return tree.tokens == y.index_select(0, tree.parents), y, shown
+
+
+def verify_path(logits: torch.Tensor, tree: TreeDraft, sampling: Sampling,
+                generator: torch.Generator | None) -> torch.Tensor:
+    """A tree of drafts (rows 1..N under the pending token, logits [N + 1, V]): the path the target walks.
+
+    From row 0 the walk goes down to the child that is the target's token (tree_choices) while
+    there is one; the target's token after the last row of the path is the round's added token.
+    Shown like a chain: the path's tokens (accepted), then where the walk stopped the drafter's
+    best child there (rejected; none at a leaf, where the added token is a bonus).
+    Returns [6D + 5] (D = tree.max_depth): shown tokens, q(x), p(x), accept prob, branch rank (each
+    [D], the first `shown` valid), the path's rows [D + 1], then shown, accepted, added, p(added).
+    """
+    depth_max, device = tree.max_depth, logits.device
+    ok, y, shown = tree_choices(logits, tree, sampling, generator)  # [N], [W], [W, V]
+    depth, ancestors = tree.shape.depth, tree.shape.ancestors  # [W], [W, W]
+    width = depth.shape[0]
+    reached = torch.cat([ok.new_ones(1), ok])  # [W] row 0, the pending token, always
+    on_path = ~(ancestors & ~reached[None, :]).any(-1)  # [W] it and every ancestor accepted
+    last = torch.where(on_path, depth, -1).argmax()  # one row per depth is on the path: the deepest
+    accepted = depth.index_select(0, last.view(1))  # [1]
+    added = y.index_select(0, last.view(1))  # [1]
+    slot = torch.where(on_path, depth, depth_max + 1)  # rows off the path go to a slot that is dropped
+    path = torch.zeros(depth_max + 2, dtype=torch.long, device=device)
+    path.scatter_(0, slot, torch.arange(width, device=device))  # [D + 2] the path's row at each depth
+    parent = torch.cat([tree.parents.new_full((1,), -1), tree.parents])  # [W]
+    rank = torch.cat([tree.ranks.new_zeros(1), tree.ranks])  # [W]
+    children = parent == last  # [W]
+    stopped = children.any()  # the walk stopped at a node with drafted children (not a leaf)
+    best_child = torch.where(children, rank, width).argmin()  # the drafter's first choice there
+    i = torch.arange(depth_max, device=device)  # [D]
+    rows = torch.where(i < accepted, path[1 : depth_max + 1], best_child)  # [D] shown rows
+    token = torch.cat([tree.tokens.new_zeros(1), tree.tokens]).index_select(0, rows)  # [D]
+    p_x = shown[parent.index_select(0, rows).clamp_min(0), token]  # [D] p of each at its parent's row
+    q_x = torch.cat([tree.q.new_ones(1), tree.q]).index_select(0, rows)  # [D]
+    # A point mass is accepted with p(x) (greedy: when it is the argmax).
+    accept_prob = (i < accepted).float() if sampling.greedy else p_x
+    added_p = shown[last.view(1), added]  # [1]
+    return torch.cat([token.float(), q_x.float(), p_x.float(), accept_prob.float(),
+                      rank.index_select(0, rows).float(), path[: depth_max + 1].float(),
+                      torch.stack([(accepted[0] + stopped).float(), accepted[0].float(), added[0].float()]),
+                      added_p.float()])

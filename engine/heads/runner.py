@@ -21,12 +21,13 @@ import torch.nn.functional as F
 
 from engine.errors import GenerationError
 from engine.heads.model import DraftHead, rope
+from engine.limits import TREE_ALTERNATIVES_MAX
 from engine.runners.graphs import kv_buckets
 from engine.runners.lean import CACHE_ALIGN, PREFILL_CHUNK
 
 log = logging.getLogger(__name__)
 
-ALTERNATIVES = 3  # next-best draft tokens kept beside each draft (a tree proposal reads up to these)
+ALTERNATIVES = TREE_ALTERNATIVES_MAX  # next-best draft tokens kept beside each draft (a tree proposal reads up to these)
 MIN_BUCKET = 512  # smallest attention span (as the target runner): one graph per (width, span)
 COMPILE_SPANS = 2  # compile_step: spans whose chain step is compiled (short and medium contexts)
 WARMUP_ITERS = 3  # eager runs on a side stream before each capture
@@ -66,6 +67,7 @@ class HeadRunner:
         self.length = 0  # committed positions in the cache
         self.graphs: dict[tuple[str, int, int], torch.cuda.CUDAGraph] = {}  # (kind, width, span) -> graph
         self._side_stream: torch.cuda.Stream | None = None  # warm-ups and captures (CUDA)
+        self.pool: object | None = None  # the graphs' memory pool (CUDA), shared by later captures (trees)
         with torch.inference_mode(False), torch.no_grad():
             dev, dt = self.device, self.dtype
             shape = (1, c.n_kv_heads, cache_len, c.head_dim)
@@ -179,18 +181,29 @@ class HeadRunner:
 
     def _layer(self, h: torch.Tensor, emb: torch.Tensor, start: torch.Tensor, span: int) -> torch.Tensor:
         """The decoder layer over W rows at positions start.. (writing their K/V): [W, H] -> [W, H]."""
-        c, head = self.config, self.head
         width = h.shape[0]
         pos = start.view(-1)[:1] + self.key_pos[:width]  # [W]
-        cos, sin = self.cos.index_select(0, pos), self.sin.index_select(0, pos)  # [W, D]
+        return self.attend(h, emb, pos, pos, self.key_pos[None, :span] <= pos[:, None], span)
+
+    def attend(self, h: torch.Tensor, emb: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+               visible: torch.Tensor, span: int) -> torch.Tensor:
+        """The decoder layer over W rows: states h [W, H] and token embeddings [W, H] at RoPE positions [W],
+        their K/V written to cache slots [W], each row attending to the slots `visible` [W, span] says.
+
+        A chain's rows sit at their own slots and see every slot up to theirs; a tree's rows (engine/heads/
+        tree.py) share positions between siblings, so their slots and what they see are given apart.
+        """
+        c, head = self.config, self.head
+        width = h.shape[0]
+        cos, sin = self.cos.index_select(0, positions), self.sin.index_select(0, positions)  # [W, D]
         q, k, v = head.project(h, emb)  # [W, Hq, D], [W, Hkv, D], [W, Hkv, D]
         q, k = rope(q, cos, sin), rope(k, cos, sin)
-        self.k_cache.index_copy_(2, pos, k.transpose(0, 1).unsqueeze(0))  # [1, Hkv, L, D]
-        self.v_cache.index_copy_(2, pos, v.transpose(0, 1).unsqueeze(0))
+        self.k_cache.index_copy_(2, slots, k.transpose(0, 1).unsqueeze(0))  # [1, Hkv, L, D]
+        self.v_cache.index_copy_(2, slots, v.transpose(0, 1).unsqueeze(0))
         group = c.n_heads // c.n_kv_heads
         # GQA without copying the cache: a KV head's G query heads become G*W query rows.
         q = q.transpose(0, 1).reshape(1, c.n_kv_heads, group * width, c.head_dim)
-        mask = (self.key_pos[None, :span] <= pos[:, None]).repeat(group, 1)  # [G*W, span]
+        mask = visible.repeat(group, 1)  # [G*W, span]
         bias = torch.zeros(mask.shape, dtype=self.dtype, device=self.device).masked_fill_(~mask, float("-inf"))
         k_span, v_span = self.k_cache[:, :, :span], self.v_cache[:, :, :span]
         if self.device.type == "cuda":
@@ -219,7 +232,7 @@ class HeadRunner:
             return
         try:
             with torch.cuda.device(self.device), torch.inference_mode(False), torch.no_grad():
-                pool = torch.cuda.graph_pool_handle()
+                pool = self.pool = torch.cuda.graph_pool_handle()
                 for i, (kind, width, span) in enumerate(todo):
                     if i % 16 == 0:
                         report(i / len(todo), f"capturing draft-head graphs ({i}/{len(todo)})")
@@ -249,9 +262,17 @@ class HeadRunner:
             else:
                 step(span)
 
+        def reset() -> None:
+            self.pos.fill_(0)
+            self.idx.fill_(0)
+
         self.start.fill_(0)
-        self.pos.fill_(0)
-        self.idx.fill_(0)
+        self.capture_graph((kind, width, span), body, reset, pool)
+
+    def capture_graph(self, key: tuple, body: Callable[[], None], reset: Callable[[], None], pool: object) -> None:
+        """Captures `body` as the graph `key` (warm-ups first); `reset` puts its device counters back
+        before each warm-up run and after the capture, so they run from the same state as a replay."""
+        reset()
         # One side stream for every warm-up and capture of this runner, as the target's runner does: the
         # caching allocator keeps blocks per stream, so a new stream per capture keeps each capture's
         # blocks apart and memory grows with the number of graphs (bench/head_memory.py measures it).
@@ -262,17 +283,15 @@ class HeadRunner:
         with torch.cuda.stream(stream):
             for _ in range(WARMUP_ITERS):
                 body()
-                self.pos.fill_(0)
-                self.idx.fill_(0)
+                reset()
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool, stream=stream):
             body()
-        self.pos.fill_(0)
-        self.idx.fill_(0)
+        reset()
         graph.replay()
         torch.cuda.synchronize(self.device)
-        self.graphs[(kind, width, span)] = graph
+        self.graphs[key] = graph
 
     def measure_ms(self, k: int = 5, iters: int = 20) -> float:
         """Milliseconds per draft token as the proposer spends them: a catch-up of width 2, k-1 steps.

@@ -129,6 +129,7 @@ class RunRecord:
     # there and kept one of the alternatives beside it (one token more from the same forward).
     position_alternative: tuple[int, ...] = ()
     tree: int = 0  # alternatives beside each head draft token (0: chains)
+    tree_nodes: int = 0  # nodes of the dynamic trees the head drafted (0: none)
     temperature: float = 0.0  # the request's sampling temperature (0 = greedy): which measured costs price the run
 
 
@@ -177,6 +178,7 @@ def record_run(generation: Generation, steps: Sequence[Step], prompt: BenchPromp
         position_alternative=tuple(alternative) if any(alternative) else (),
         temperature=generation.request.sampling.temperature,
         tree=getattr(generation, "tree_alternatives", 0),
+        tree_nodes=getattr(generation, "tree_nodes", 0),
     )
 
 
@@ -344,10 +346,14 @@ def predicted_speedup(info: ModelInfo, runs: Sequence[RunRecord], standard_runs:
         tree_ms = tree_costs_at(info, r.temperature > 0)
         lengths = r.drafted_steps
         tree = r.tree and r.tree == info.tree_alternatives
+        grown = r.tree_nodes and r.tree_nodes == info.tree_nodes  # a dynamic tree: its path is the draft
         for n, count in enumerate(lengths):
             if not count:
                 continue
-            if tree and n in tree_ms:  # verified as a tree: its own verify cost, and the alternatives' tokens
+            if grown and n in tree_ms:  # the tree's verify; what it keeps is in the per-position acceptance
+                tokens += count * expected_tokens(per_position, n)
+                seconds += count * tree_ms[n] / 1000
+            elif tree and n in tree_ms:  # verified as a tree: its own verify cost, and the alternatives' tokens
                 tokens += count * (expected_tokens(per_position, n) + alternative_tokens(per_position, rescue, n))
                 seconds += count * tree_ms[n] / 1000
             else:

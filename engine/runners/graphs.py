@@ -374,10 +374,14 @@ class StaticGraphRunner:
             torch.cuda.synchronize(stage.device)
         (self.tree_graphs if tree else self.graphs)[(width, bucket)] = graphs
 
-    def capture_trees(self, widths: Iterable[int], progress: Progress | None = None) -> None:
+    def capture_trees(self, widths: Iterable[int], progress: Progress | None = None, compile: Iterable[int] = ()
+                      ) -> None:
         """Graphs for tree forwards of these widths (CUDA; eager elsewhere). A failed capture leaves
-        those widths eager (correct, slower) and says so in the log."""
+        those widths eager (correct, slower) and says so in the log. compile: on the compiled fast
+        path these widths are compiled too (a dynamic tree's rounds all verify its widest)."""
         self.tree_widths = tuple(sorted({int(w) for w in widths if 0 < int(w) <= PREFILL_CHUNK}))
+        if self._compiled is not None:
+            self.compile_widths = self.compile_widths | set(compile)
         if not self.use_graphs or not self.graphs:
             return
         if len(self.decoder.stages) > 1:

@@ -1,4 +1,4 @@
-"""A tree of draft tokens verified in one target forward (tree attention), and its simplest shape.
+"""A tree of draft tokens verified in one target forward (tree attention), and the shapes drafts take.
 
 Row i of a tree forward writes cache slot start + i like any forward, but sits at position
 start + depth[i] and attends to the cached prefix and to its own ancestors in the tree only
@@ -11,6 +11,9 @@ target's token after it comes from the same forward, one token more than the cha
 Rows: 0 the pending token, 1..K the chain, then K groups of S alternatives (depth 1..K).
 After the step the kept alternative's cache slot is moved next to the accepted chain prefix
 (Runner.keep_path), so the cache again holds one committed sequence.
+
+A `TreeDraft` is any tree a proposer grew (the draft head's dynamic trees, engine/heads/tree.py):
+N draft tokens under the pending token, each with its parent row; verify.verify_path walks it.
 """
 from __future__ import annotations
 
@@ -45,6 +48,26 @@ class Tree:
         inside = (rel >= 0) & (rel < width)
         tree_part = self.ancestors.index_select(1, rel.clamp(0, width - 1)) & inside[None, :]  # [W, L]
         return start + self.depth, (rel < 0)[None, :] | tree_part
+
+
+@dataclass(frozen=True)
+class TreeDraft:
+    """N draft tokens as a tree under the pending token: rows 1..N of a tree forward, parents first.
+
+    Siblings hold distinct tokens, which makes each node a point-mass draft that the target's own
+    token at its parent's row either is or is not (verify.verify_path).
+    """
+
+    tokens: torch.Tensor  # [N] long: the target ids of rows 1..N
+    parents: torch.Tensor  # [N] long: each row's parent row (0: the pending token), always a lower row
+    ranks: torch.Tensor  # [N] long: each token's rank among its parent's drafted children (0: the drafter's best)
+    q: torch.Tensor  # [N] float: the drafter's probability of each token after its parent (shown to people)
+    shape: Tree  # depth [N + 1] and ancestors [N + 1, N + 1] of rows 0..N, for the target's forward
+    max_depth: int  # the deepest a node may sit (host int: the outcome's size), >= every depth
+
+    @property
+    def nodes(self) -> int:
+        return int(self.tokens.shape[0])
 
 
 def chain_tree(width: int, device: torch.device | str = "cpu") -> Tree:

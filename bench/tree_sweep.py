@@ -1,0 +1,114 @@
+"""Which draft tree pays here? The head's chains, sibling trees and dynamic trees beside standard decoding, one load.
+
+Loads the target and the draft head once (the CLI's model options), then runs every prompt in standard
+decoding and in each tree configuration in turn (configurations alternated per prompt, after one untimed
+generation of each on the first prompt), so each ratio is measured side by side in one process on the
+same prompts. A configuration is `0`..`3` (a chain with that many alternatives beside each draft token)
+or `dN` (a dynamic tree of N nodes, engine/heads/tree.py), with `@K` for a draft depth other than --k
+(e.g. `d48@8`). Prints one row per configuration: tok/s, x standard, tokens per target forward,
+acceptance by position, identical outputs (greedy), and writes every run to --json.
+
+    python3 bench/tree_sweep.py --target path/to/target --head path/to/head --trees 2,d32,d48,d64@8 --k 6 \\
+        --json bench/results/h200_tree_sweep.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from app.cli.common import CliError, environment, load_engine, request_for  # noqa: E402
+from app.cli.parser import build_parser  # noqa: E402
+
+
+def parse_config(text: str, k: int) -> tuple[str, str, int]:
+    """'d48@8' -> (label, tree, K)."""
+    tree, _, depth = text.partition("@")
+    return text, tree, int(depth) if depth else k
+
+
+def use_tree(engine, tree: str, frontier: int) -> None:
+    if tree.startswith("d"):
+        engine.set_dynamic_tree(int(tree[1:]), frontier)
+    else:
+        engine.set_dynamic_tree(0)
+        engine.set_tree(int(tree))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--trees", required=True, help="configurations, e.g. 0,2,d32,d48@8")
+    ap.add_argument("--json", dest="out", type=Path, required=True)
+    own, rest = ap.parse_known_args(argv)
+    try:
+        args = build_parser().parse_args(["bench", "--proposer", "head", "--prompts", "assets/bench_prompts.jsonl",
+                                          *rest])
+    except CliError as e:
+        print(f"tree_sweep: {e}", file=sys.stderr)
+        return 2
+    from engine.measure.bench import compare_outputs
+    from engine.measure.experiment import read_prompts, record_run, totals
+
+    prompts = read_prompts(Path(args.prompts))
+    configs = [parse_config(c.strip(), args.k) for c in own.trees.split(",") if c.strip()]
+    started = time.perf_counter()
+    engine = load_engine(args, needs_draft=False, needs_head=True)
+    print(f"loaded in {time.perf_counter() - started:.1f} s: {engine.info.fast_path}, head {engine.info.head_name}",
+          flush=True)
+    args.raw = False
+
+    def run(prompt, label: str, tree: str | None, k: int):
+        if tree is not None:
+            use_tree(engine, tree, args.tree_frontier)
+        args.k = k
+        request = request_for(args, prompt.prompt, "speculative" if tree is not None else "standard",
+                              args.max_new_tokens)
+        generation = engine.generate(request)
+        steps = list(generation)
+        return record_run(generation, steps, prompt, label)
+
+    verify_ms = {}  # each configuration's tree rounds as measured at its first use (ms by K)
+    for label, tree, k in [("standard", None, 0), *configs]:  # untimed: first calls, allocations, graphs
+        run(prompts[0], label, tree, k)
+        verify_ms[label] = dict(engine.info.tree_ms)
+    runs = []
+    for prompt in prompts:
+        runs.append(run(prompt, "standard", None, 0))
+        for label, tree, k in configs:
+            runs.append(run(prompt, label, tree, k))
+    base = totals([r for r in runs if r.mode == "standard"])
+    rows = []
+    print(f"{'config':<10}{'K':>3}{'tok/s':>9}{'x std':>8}{'tok/fwd':>9}{'identical':>11}  acceptance by position")
+    print(f"{'standard':<10}{'':>3}{base['tokens_per_s']:>9.1f}{1:>8.2f}{base['tokens_per_target_forward']:>9.2f}")
+    for label, tree, k in configs:
+        t = totals([r for r in runs if r.mode == label])
+        same = compare_outputs(runs, label, engine.tokenizer)
+        row = {"config": label, "tree": tree, "k": k, "tokens_per_s": t["tokens_per_s"],
+               "vs_standard": t["tokens_per_s"] / base["tokens_per_s"],
+               "tokens_per_target_forward": t["tokens_per_target_forward"],
+               "per_position_acceptance": list(t["per_position_acceptance"]),
+               "time_split": t["time_split"], "tree_verify_ms": verify_ms[label],
+               "identical": same["identical"], "compared": same["compared"],
+               "divergences": same["divergences"]}
+        rows.append(row)
+        print(f"{label:<10}{k:>3}{row['tokens_per_s']:>9.1f}{row['vs_standard']:>8.2f}"
+              f"{row['tokens_per_target_forward']:>9.2f}{same['identical']:>6}/{same['compared']:<4}  "
+              + " ".join(f"{a:.2f}" for a in row["per_position_acceptance"]), flush=True)
+    own.out.write_text(json.dumps({
+        "standard": {"tokens_per_s": base["tokens_per_s"], "tokens_per_target_forward": base["tokens_per_target_forward"]},
+        "configs": rows, "temperature": args.temperature, "max_new_tokens": args.max_new_tokens,
+        "prompts": str(args.prompts), "argv": rest, "fast_path": engine.info.fast_path,
+        "tree_frontier": args.tree_frontier, "target_ms": dict(engine.info.target_ms),
+        "head_ms": engine.info.head_ms, "environment": environment(engine),
+        "runs": [asdict(r) for r in runs]}, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+    print(f"wrote {own.out} ({time.perf_counter() - started:.0f} s in all)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,279 @@
+"""Dynamic draft trees (engine/heads/tree.py): lossless greedy output, the sampling law, whole trees, caches."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from engine.decoding import verify
+from engine.decoding.sampling import draw, process
+from engine.decoding.verify import verify_path
+from engine.heads.tree import canned_tree
+from engine.limits import TREE_K_MAX
+from engine.runners.tree import Tree, TreeDraft
+from engine.types import GenerationRequest, Message, Sampling
+from tests.head_fixtures import head_engine
+from tests.test_decoding import check_sampling_law
+
+WORDS = ["def", "add", "quick", "fox", "快速", "排序", "🙂", "hello", "world", "(a, b)", "return", "\n"]
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_head):
+    return head_engine(tiny_head.target, tiny_head.head, static=True)
+
+
+def _messages(seed: int) -> tuple[Message, ...]:
+    rng = random.Random(seed)
+    return (Message("user", " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 10)))),)
+
+
+def _run(engine, **kw):
+    gen = engine.generate(GenerationRequest(**kw))
+    steps = list(gen)
+    return gen, steps
+
+
+def _branches(steps) -> int:
+    """Tokens the target accepted through a branch: not the head's first choice after their parent."""
+    return sum(1 for s in steps for t in s.tokens if t.status == "accepted" and t.branch)
+
+
+@pytest.mark.parametrize(("frontier", "nodes"), [(1, 1), (2, 5), (4, 16), (8, 40)])
+def test_greedy_through_dynamic_trees_equals_standard(engine, frontier, nodes):
+    """Every depth 1..TREE_K_MAX (longer K drafts chains), cuts by max_new_tokens inside the tree; and
+    tokens are accepted through branches, so the walk leaves the head's first choices."""
+    engine.set_dynamic_tree(nodes, frontier)
+    branches = 0
+    try:
+        for k in range(1, TREE_K_MAX + 3):
+            for seed in range(2):
+                messages = _messages(seed * 31 + k + 7 * nodes)
+                max_new = 5 + (seed * 11 + k) % 29
+                std, _ = _run(engine, messages=messages, mode="standard", max_new_tokens=max_new)
+                spec, steps = _run(engine, messages=messages, mode="speculative", proposer="head", k=k,
+                                   max_new_tokens=max_new)
+                assert spec.token_ids == std.token_ids, f"K={k} F={frontier} N={nodes} messages={messages!r}"
+                assert spec.summary.text == std.summary.text
+                branches += _branches(steps)
+                for step in steps:
+                    assert step.extra is None and len(step.proposed) <= max(k, 1)
+                    assert step.accepted <= len(step.proposed)
+    finally:
+        engine.set_dynamic_tree(0)
+    if frontier > 1:
+        assert branches > 0, "no token was accepted through a branch: the test would not exercise the walk"
+
+
+def test_eos_inside_a_branch_stops_both_modes_at_the_same_token(engine):
+    """EOS set to a token accepted through a branch, mid-path: both modes stop right there."""
+    engine.set_dynamic_tree(24, 4)
+    saved = engine.eos_ids
+    hits = 0
+    try:
+        for seed in range(12):
+            messages = _messages(500 + seed)
+            engine.eos_ids = set()
+            _, steps = _run(engine, messages=messages, mode="speculative", proposer="head", k=6, max_new_tokens=30)
+            done, candidate = 0, None
+            for step in steps:
+                for i, view in enumerate(t for t in step.tokens if t.status == "accepted"):
+                    if view.branch and i + 1 < step.new_tokens:
+                        candidate = view.token_id
+                        break
+                if candidate is not None:
+                    break
+                done += step.new_tokens
+            if candidate is None:
+                continue
+            engine.eos_ids = {candidate}
+            std, _ = _run(engine, messages=messages, mode="standard", max_new_tokens=30)
+            spec, _ = _run(engine, messages=messages, mode="speculative", proposer="head", k=6, max_new_tokens=30)
+            assert spec.token_ids == std.token_ids and spec.token_ids[-1] == candidate
+            assert spec.summary.stop_reason == "eos"
+            hits += 1
+    finally:
+        engine.eos_ids = saved
+        engine.set_dynamic_tree(0)
+    assert hits > 0, "no branch token was ever accepted mid-path"
+
+
+def test_tree_rounds_leave_both_caches_at_the_committed_prefix(engine):
+    engine.set_dynamic_tree(32, 4)
+    head = engine.head_runner
+    try:
+        gen = engine.generate(GenerationRequest(messages=_messages(3), mode="speculative", proposer="head", k=7,
+                                                max_new_tokens=60))
+        steps = 0
+        for step in gen:
+            assert engine.target_runner.length == len(gen.prompt) + step.total_tokens - 1
+            assert head.length + step.new_tokens == engine.target_runner.length
+            steps += 1
+        assert steps > 10 and gen.summary.accepted > 0
+        ids = gen.prompt + gen.token_ids
+        target = engine.target_runner
+        with torch.inference_mode():
+            after_trees = target.forward(torch.tensor(ids[-1:]))[0].clone()
+            target.reset()
+            target.prefill(torch.tensor(ids[:-1]))
+            fresh = target.forward(torch.tensor(ids[-1:]))[0]
+        torch.testing.assert_close(after_trees, fresh, atol=1e-4, rtol=1e-4)
+    finally:
+        engine.set_dynamic_tree(0)
+
+
+def test_the_head_grows_whole_trees_of_distinct_siblings(engine):
+    """Each drafted tree: parents come first, every depth is its parent's plus one, siblings differ,
+    the ancestors are the parent chain, and the nodes are the best-scored of all candidates."""
+    engine.set_dynamic_tree(20, 3)
+    drafter = engine.tree_drafter
+    trees = []
+    real = drafter.draft
+
+    def keep(depth, span):
+        tree = real(depth, span)
+        trees.append((depth, TreeDraft(*(t.clone() for t in (tree.tokens, tree.parents, tree.ranks, tree.q)),
+                                       Tree(tree.shape.depth.clone(), tree.shape.ancestors.clone()),
+                                       tree.max_depth)))
+        return tree
+
+    drafter.draft = keep
+    try:
+        _run(engine, messages=_messages(3), mode="speculative", proposer="head", k=5, max_new_tokens=40)
+    finally:
+        del drafter.draft
+        engine.set_dynamic_tree(0)
+    assert trees
+    for depth, tree in trees:
+        n = tree.nodes
+        assert n == min(20, 3 + (depth - 1) * 9)
+        parents, d, anc = tree.parents.tolist(), tree.shape.depth.tolist(), tree.shape.ancestors
+        assert d[0] == 0 and max(d) <= depth
+        for row in range(1, n + 1):
+            parent = parents[row - 1]
+            assert 0 <= parent < row and d[row] == d[parent] + 1
+            chain, node = {row, 0}, parent
+            while node:
+                chain.add(node)
+                node = parents[node - 1]
+            assert {j for j in range(n + 1) if anc[row, j]} == chain
+        for parent in set(parents):
+            kids = [tree.tokens[i].item() for i in range(n) if parents[i] == parent]
+            assert len(kids) == len(set(kids)), "siblings must be distinct tokens"
+        assert all(0 < q <= 1 for q in tree.q.tolist())
+    assert len(trees) > 10
+
+
+def _tiny_tree() -> tuple[TreeDraft, torch.Tensor]:
+    """Rows: 0 pending; 1 (a) and 2 (b) under it; 3 (c) under 1; 4 (d) under 2. Vocabulary of 8."""
+    tokens = torch.tensor([1, 2, 3, 4])
+    parents = torch.tensor([0, 0, 1, 2])
+    depth = torch.tensor([0, 1, 1, 2, 2])
+    anc = torch.eye(5, dtype=torch.bool)
+    anc[:, 0] = True
+    anc[3, 1] = anc[4, 2] = True
+    tree = TreeDraft(tokens, parents, torch.tensor([0, 1, 0, 0]), torch.full((4,), 0.5), Tree(depth, anc), 3)
+    return tree, torch.full((5, 8), -5.0)
+
+
+def test_the_walk_follows_the_targets_tokens_into_a_branch():
+    tree, logits = _tiny_tree()
+    logits[0, 2] = logits[2, 4] = logits[4, 7] = 5.0  # the target picks b (a branch), then d, then 7
+    values = verify_path(logits, tree, Sampling(), None).tolist()
+    d = tree.max_depth
+    shown, accepted, added = (int(v) for v in values[6 * d + 1: 6 * d + 4])
+    assert (shown, accepted, added) == (2, 2, 7)  # a leaf: nothing rejected, 7 is a bonus
+    assert [int(v) for v in values[:2]] == [2, 4]
+    assert [int(v) for v in values[4 * d: 4 * d + 2]] == [1, 0]  # b was the head's second choice
+    assert [int(v) for v in values[5 * d: 5 * d + 3]] == [0, 2, 4]  # the path's rows
+    logits = torch.full((5, 8), -5.0)
+    logits[0, 1] = logits[1, 6] = 5.0  # a, then the target's 6 where the head drafted c
+    values = verify_path(logits, tree, Sampling(), None).tolist()
+    assert [int(v) for v in values[6 * d + 1: 6 * d + 4]] == [2, 1, 6]  # a accepted, c shown rejected
+    assert [int(v) for v in values[:2]] == [1, 3]
+
+
+def _sequential_siblings(logits, tree, sampling, generator):
+    """A wrong rule, for the test to catch: children tried in rank order, each accepted with p(x)
+    WITHOUT renormalising after a rejection, the token after a full rejection drawn from p without them."""
+    probs = process(logits, sampling)  # [W, V]
+    width = probs.shape[0]
+    parents = [-1] + tree.parents.tolist()
+    ranks = [0] + tree.ranks.tolist()
+    tokens = [-1] + tree.tokens.tolist()
+    ok = torch.zeros(width - 1, dtype=torch.bool)
+    y = torch.zeros(width, dtype=torch.long)
+    for row in range(width):
+        kids = sorted((i for i in range(1, width) if parents[i] == row), key=lambda i: ranks[i])
+        chosen = None
+        for kid in kids:
+            if torch.rand((), generator=generator) < probs[row, tokens[kid]]:
+                chosen = kid
+                break
+        if chosen is not None:
+            ok[chosen - 1] = True
+            y[row] = tokens[chosen]
+        else:
+            rest = probs[row].clone()
+            rest[[tokens[k] for k in kids]] = 0
+            rest = rest if rest.sum() > 0 else probs[row]  # the children held all the mass
+            y[row] = draw((rest / rest.sum()).unsqueeze(0), generator)[0]
+    return ok, y, probs
+
+
+@pytest.mark.parametrize("rule", ["exact", "mutated"])
+def test_sampling_through_dynamic_trees_keeps_the_targets_law(engine, monkeypatch, rule):
+    """Sampled rounds walk trees with several children per node: the output law is the target's
+    (chi-square over the first two tokens), with many tokens taken through a branch; the same test
+    fails a rule that does not renormalise the residual between siblings."""
+    engine.set_dynamic_tree(12, 4)
+    if rule == "mutated":
+        monkeypatch.setattr(verify, "tree_choices", _sequential_siblings)
+    counted = []
+    try:
+        if rule == "exact":
+            check_sampling_law(engine, "", proposer="head", messages=(Message("user", "hello world"),),
+                               trials=1200, count=lambda steps: counted.append(_branches(steps)))
+            assert sum(counted) > 100, sum(counted)
+        else:
+            with pytest.raises(AssertionError, match="pvalue"):
+                check_sampling_law(engine, "", proposer="head", messages=(Message("user", "hello world"),),
+                                   trials=1200)
+    finally:
+        engine.set_dynamic_tree(0)
+
+
+def test_dynamic_tree_rounds_are_measured_for_the_prediction(engine):
+    from engine.decoding.costs import measure_trees
+
+    saved, length = engine.info, engine.target_runner.length
+    try:
+        engine.set_dynamic_tree(16, 4)
+        measure_trees(engine, iters=1)
+        assert engine.info.tree_nodes == 16 and engine.info.tree_alternatives == 0
+        assert [k for k, _ in engine.info.tree_ms] == list(range(1, TREE_K_MAX + 1))
+        assert engine.target_runner.length == length
+        assert engine.step_costs().tree_ms  # the controller prices these rounds with them
+        engine.set_dynamic_tree(0)
+        measure_trees(engine)
+        assert engine.info.tree_ms == () and engine.info.tree_nodes == 0
+    finally:
+        engine.set_dynamic_tree(0)
+        engine.info = saved
+
+
+def test_a_canned_tree_of_any_width_stays_within_its_depth():
+    tree = canned_tree(torch.arange(1, 64), 8, TREE_K_MAX)
+    assert tree.nodes == 63 and int(tree.shape.depth.max()) == 2
+    with pytest.raises(AssertionError):
+        canned_tree(torch.arange(1, 20), 1, 4)
+
+
+def test_wrong_tree_settings_are_one_clear_error(engine):
+    from engine.errors import GenerationError
+
+    with pytest.raises(GenerationError, match="nodes"):
+        engine.set_dynamic_tree(10_000)
+    with pytest.raises(GenerationError, match="nodes"):
+        engine.set_dynamic_tree(8, 0)
