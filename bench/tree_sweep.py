@@ -105,7 +105,9 @@ def main(argv: list[str] | None = None) -> int:
         "prompts": str(args.prompts), "argv": rest, "fast_path": engine.info.fast_path,
         "tree_frontier": args.tree_frontier, "target_ms": dict(engine.info.target_ms),
         "head_ms": engine.info.head_ms, "environment": environment(engine),
-        "runs": [asdict(r) for r in runs]}, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+        # Each run's figures; its text and ids are left out (the divergences above name where outputs differ).
+        "runs": [{k: v for k, v in asdict(r).items() if k not in ("text", "token_ids")} for r in runs]},
+        indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
     print(f"wrote {own.out} ({time.perf_counter() - started:.0f} s in all)")
     return 0
 

@@ -16,6 +16,24 @@ TREE_ALTERNATIVES_MAX = 3  # the most a head proposal carries (engine/heads/runn
 # target's tree forward is one prompt chunk wide at most).
 TREE_FRONTIER = 8
 TREE_NODES_MAX = 255
+# The tree a GPU drafts by default, and how it is fitted to the costs measured at load: halved (down to
+# TREE_NODES_MIN, then chains) while its verify at the default K costs more than TREE_COST_LIMIT times a
+# chain's. On an H200 (bench/results/h200_tree_sweep_*.json) 64 nodes, F = 8, K = 5 measured fastest (1.69x
+# standard greedy, 1.57x at T = 0.7), its verify 1.13x a chain's; 96 and 128 nodes cost 1.18x and 1.20x and
+# measured slower (1.65x, 1.62x).
+TREE_NODES = 64
+TREE_NODES_MIN = 16
+TREE_COST_LIMIT = 1.15
+
+
+def tree_nodes(nodes: int, frontier: int, depth: int) -> int:
+    """Nodes a dynamic tree of `depth` levels verifies: N, or fewer when its levels hold fewer candidates."""
+    return min(nodes, frontier + (depth - 1) * frontier * frontier)
+
+
+def tree_widths(nodes: int = TREE_NODES, frontier: int = TREE_FRONTIER) -> tuple[int, ...]:
+    """The target's forward widths (nodes + the pending token) of a dynamic tree over every depth."""
+    return tuple(sorted({1 + tree_nodes(nodes, frontier, d) for d in range(1, TREE_K_MAX + 1)}))
 
 # Draft length when a person has not chosen one.
 DEFAULT_K = 5

@@ -277,3 +277,57 @@ def test_wrong_tree_settings_are_one_clear_error(engine):
         engine.set_dynamic_tree(10_000)
     with pytest.raises(GenerationError, match="nodes"):
         engine.set_dynamic_tree(8, 0)
+
+
+@pytest.mark.gpu
+def test_dynamic_trees_on_cuda_graphs_are_lossless_in_float32(tiny_head):
+    """The head's levels and pick replayed as CUDA graphs, the target's tree widths too: greedy output is
+    the target's own, token for token, and tokens are taken through branches."""
+    from engine.decoding import Engine
+    from engine.heads.shards import load_head, read_manifest
+    from engine.runners.graphs import StaticGraphRunner
+    from engine.types import ModelInfo
+    from tests.head_fixtures import load_target
+
+    model, tok = load_target(tiny_head.target)
+    model = model.to("cuda")
+    runner = StaticGraphRunner(model, max_length=512, graph_widths=range(1, 14))
+    runner.warmup()
+    info = ModelInfo(target_name="tiny-target", draft_name=None, device="cuda", dtype="float32",
+                     fast_path=runner.name, vocab_size=len(tok))
+    engine = Engine(model, tok, info, target_runner=runner)
+    files = read_manifest(tiny_head.head)
+    engine.attach_head(load_head(files, torch.device("cuda"), torch.float32).bind(model), files.name)
+    engine.set_dynamic_tree(24, 4)
+    drafter = engine.tree_drafter
+    assert any(key[: len(drafter.key)] == drafter.key for key in engine.head_runner.graphs), "no tree graphs"
+    assert all((w, runner.buckets[0]) in runner.tree_graphs for w in drafter.widths())
+    branches = 0
+    for seed in range(6):
+        messages = _messages(300 + seed)
+        std, _ = _run(engine, messages=messages, mode="standard", max_new_tokens=40)
+        for k in (2, 5, 8):
+            spec, steps = _run(engine, messages=messages, mode="speculative", proposer="head", k=k, max_new_tokens=40)
+            assert spec.token_ids == std.token_ids, (seed, k)
+            branches += _branches(steps)
+    assert branches > 0
+
+
+def test_the_default_tree_is_fitted_to_the_measured_costs(engine):
+    """A default tree whose verify costs more than TREE_COST_LIMIT times a chain's is halved, down to chains
+    (on a CPU a forward's cost grows with its width, so the tiny model's trees all cost too much); a tree
+    a person chose is kept as it is."""
+    from engine.limits import DEFAULT_K, TREE_COST_LIMIT
+
+    saved = engine.info
+    try:
+        engine.measure_costs(rounds=1)
+        engine.set_dynamic_tree(48, 4)
+        assert engine.tree_nodes == 48  # chosen: kept
+        tree, chain = dict(engine.info.tree_ms)[DEFAULT_K], dict(engine.info.target_ms)[DEFAULT_K + 1]
+        assert tree > TREE_COST_LIMIT * chain, "the tiny model's tree should cost more than a chain on a CPU"
+        engine.set_dynamic_tree(48, 4, fit=True)
+        assert engine.tree_drafter is None and engine.alternatives() == 0  # fitted down to chains
+    finally:
+        engine.set_tree(None)
+        engine.info = saved

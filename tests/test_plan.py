@@ -270,7 +270,7 @@ def test_cpu_packing_releases_each_original_linear_as_it_goes(monkeypatch):
 
 
 def test_an_attached_head_is_counted_by_hand_where_the_logits_come_out():
-    from engine.limits import TREE_ALTERNATIVES, TREE_K_MAX
+    from engine.limits import tree_widths
     from engine.models.plan import HeadSpec, forward_transient
 
     c = census_from_config(TINY, "tiny")
@@ -282,7 +282,8 @@ def test_an_attached_head_is_counted_by_hand_where_the_logits_come_out():
     items = {i.label: i.bytes for i in plan.devices[0].items if i.model == "head"}
     assert items["draft head (weights, output rows, cache)"] == (
         10_000 * 2 + 100 * 64 * 2 + 2 * 2 * 16 * 512 * 2 + 3 * (inputs.k_max + 1) * 100 * 4)
-    trees = [1 + k * (1 + TREE_ALTERNATIVES) for k in range(1, TREE_K_MAX + 1)]
+    trees = tree_widths()
+    assert trees == (9, 65)  # the default dynamic tree: 8 nodes at depth 1, 64 deeper
     layer, logits = forward_transient(spec, trees[-1], 512)
     kept = (sum(trees) + sum(range(1, inputs.k_max + 2))) * 3 * 64 * 2
     assert items["tree CUDA graphs of the target (outputs and pool)"] == sum(trees) * 320 * 4 + layer + logits + kept

@@ -19,7 +19,8 @@ from engine.errors import GenerationError
 from engine.heads.model import DraftHead
 from engine.heads.runner import ALTERNATIVES, HeadRunner
 from engine.heads.tree import TreeDrafter
-from engine.limits import K_AUTO, K_MAX, TREE_ALTERNATIVES, TREE_FRONTIER, TREE_K_MAX, TREE_NODES_MAX
+from engine.limits import (DEFAULT_K, K_AUTO, K_MAX, TREE_COST_LIMIT, TREE_FRONTIER, TREE_K_MAX,
+                           TREE_NODES, TREE_NODES_MAX, TREE_NODES_MIN)
 from engine.loadspec import LoadProgress
 from engine.models.device import output_device
 from engine.measure.costmodel import costs_at, tree_costs_at
@@ -74,9 +75,9 @@ class Engine:
         # so it would only delay each step's tokens. Tests force it on to check it changes no output.
         self.lookahead: bool | None = None
         self.tuning = TuningMemory()  # what adaptive K learned in this process; each answer starts from it
-        # Next-best head tokens verified beside each head draft as a tree (runners/tree.py); None:
-        # TREE_ALTERNATIVES where a tree pays (a GPU's verify costs nearly the same for a few more
-        # rows), 0 on a CPU (forward cost grows with width) and on runners without tree forwards.
+        # Next-best head tokens verified beside each head draft as a tree (runners/tree.py); None: the
+        # device's default (set_tree): a dynamic tree on a GPU, whose verify costs nearly the same for many
+        # more rows, chains on a CPU (forward cost grows with width) and on runners without tree forwards.
         self.tree_alternatives: int | None = None
         self._trees: dict[tuple[int, int], Tree] = {}  # (K, S) -> its sibling tree on the device
         # A dynamic tree instead (engine/heads/tree.py, set_dynamic_tree): the head grows one per round.
@@ -84,6 +85,7 @@ class Engine:
         self._drafters: dict[tuple[int, int], TreeDrafter] = {}  # (nodes, frontier) -> drafter, graphs kept
         # ModelInfo's tree fields per tree measured since the last full measurement (costs.measure_trees).
         self.tree_costs: dict[tuple[int, int, int], dict] = {}
+        self._fit_tree = False  # the tree is the default one, fitted to the measured costs (fit_tree)
         # Prompt tokens per second each part read at last (target, draft, head): the next prompt's
         # chunks are sized from it (engine/decoding/prefill.py).
         self.prefill_rates: dict[str, float] = {}
@@ -126,15 +128,21 @@ class Engine:
         """Next-best tokens a head proposal carries beside each draft (0: chains, or dynamic trees)."""
         if self.head_runner is None or not hasattr(self.target_runner, "keep_path") or self.tree_drafter is not None:
             return 0
-        if self.tree_alternatives is None:
-            return TREE_ALTERNATIVES if self.device.type == "cuda" else 0
-        return self.tree_alternatives
+        return self.tree_alternatives or 0
 
     def set_tree(self, alternatives: int | None) -> None:
-        """Chooses the tree (None: the default for this device) and captures its graphs on CUDA."""
+        """Chooses the tree: alternatives beside each head draft token (0: chains), or None: the default for
+        this device, a dynamic tree of TREE_NODES fitted to the measured costs (fit_tree) where the runner
+        verifies trees on a GPU, chains elsewhere. Captures its graphs on CUDA."""
         if alternatives is not None and not 0 <= alternatives <= ALTERNATIVES:
             raise GenerationError(f"A tree keeps 0..{ALTERNATIVES} alternatives per draft token, not {alternatives}.")
         self.tree_alternatives = alternatives
+        if alternatives is None and self.device.type == "cuda" and self.head_runner is not None \
+                and hasattr(self.target_runner, "capture_trees"):
+            self.set_dynamic_tree(TREE_NODES, fit=True)
+            return
+        if self.tree_drafter is not None:
+            self.set_dynamic_tree(0)
         s = self.alternatives()
         capture = getattr(self.target_runner, "capture_trees", None)
         if s and capture is not None:
@@ -149,9 +157,27 @@ class Engine:
         """Nodes of the dynamic tree a head round verifies (0: none)."""
         return self.tree_drafter.nodes if self.tree_drafter is not None else 0
 
-    def set_dynamic_tree(self, nodes: int, frontier: int = TREE_FRONTIER) -> None:
+    def fit_tree(self) -> None:
+        """The default dynamic tree, fitted to the costs measured here: halved while its verify at the default K
+        costs more than TREE_COST_LIMIT times a chain's (a GPU whose wide forwards cost more), chains below
+        TREE_NODES_MIN. A tree a person chose is left as it is, and so is one whose costs are not measured."""
+        if not self._fit_tree or self.tree_drafter is None:
+            return
+        tree, chain = dict(self.info.tree_ms).get(DEFAULT_K), dict(self.info.target_ms).get(DEFAULT_K + 1)
+        if self.info.tree_nodes != self.tree_nodes or not tree or not chain or tree <= TREE_COST_LIMIT * chain:
+            return
+        nodes = self.tree_nodes // 2
+        log.info("a %d-node tree verifies in %.2f ms, %.2fx a chain's: %s", self.tree_nodes, tree, tree / chain,
+                 f"trying {nodes} nodes" if nodes >= TREE_NODES_MIN else "chains instead")
+        if nodes < TREE_NODES_MIN:
+            self.set_tree(0)
+        else:
+            self.set_dynamic_tree(nodes, self.tree_drafter.frontier, fit=True)  # measured, and fitted again
+
+    def set_dynamic_tree(self, nodes: int, frontier: int = TREE_FRONTIER, fit: bool = False) -> None:
         """The head grows dynamic trees of `nodes` nodes (0: none) from the next request on, expanding
-        `frontier` nodes per level, K levels deep; their graphs are captured on CUDA."""
+        `frontier` nodes per level, K levels deep; their graphs are captured on CUDA. fit: a default, fitted
+        to the measured costs now and whenever they are measured again (fit_tree); else kept as it is."""
         if not 0 <= nodes <= TREE_NODES_MAX or frontier < 1:
             raise GenerationError(f"A dynamic tree holds 1..{TREE_NODES_MAX} nodes and expands at least one per "
                                   f"level (got {nodes} nodes, {frontier} per level).")
@@ -175,6 +201,8 @@ class Engine:
         if self.info.target_ms:  # costs measured already: this tree's rounds too
             with self._lock:
                 measure_trees(self, reuse=True)
+        self._fit_tree = fit and nodes > 0
+        self.fit_tree()
 
     def tree(self, k: int, s: int) -> Tree:
         tree = self._trees.get((k, s))
@@ -196,12 +224,14 @@ class Engine:
         app and bench say nothing about costs, and adaptive K measures on its first request.
         """
         measure_costs(self, progress, rounds)
+        self.fit_tree()
 
     def settle_costs(self, progress=None, keep_costs: bool = False) -> None:
         """The costs at load (cost_check.settle_costs): with `keep_costs`, the figures kept for this machine
         and pair when there are some (nothing measured before Ready), else measured and kept when they
         hold; disturbed figures are measured again after Ready (refresh_costs)."""
         settle_costs(self, progress, keep_costs)
+        self.fit_tree()
 
     def refresh_costs(self, interrupted=None) -> bool:
         """One pass of measuring the costs again after Ready, when there is one to do (CostsInterrupted

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.heads.runner import HeadRunner
+from engine.limits import tree_nodes, tree_widths
 from engine.runners.tree import Tree, TreeDraft
 
 log = logging.getLogger(__name__)
@@ -30,11 +31,6 @@ log = logging.getLogger(__name__)
 # Each step's log-probability is at most this: a child's score is strictly below its parent's.
 CLAMP = -1e-9
 SCORE = torch.float64  # path scores: float32 could round a parent and its child to one value
-
-
-def tree_nodes(nodes: int, frontier: int, depth: int) -> int:
-    """Nodes a tree of `depth` levels verifies: N, or fewer when its levels hold fewer candidates."""
-    return min(nodes, frontier + (depth - 1) * frontier * frontier)
 
 
 @dataclass
@@ -89,7 +85,7 @@ class TreeDrafter:
 
     def widths(self) -> tuple[int, ...]:
         """The target's tree widths (nodes + the pending token) over every depth."""
-        return tuple(sorted({1 + self.nodes_at(d) for d in range(1, self.max_depth + 1)}))
+        return tree_widths(self.nodes, self.frontier)
 
     # -- drafting --------------------------------------------------------------------------------
 

@@ -51,8 +51,9 @@ def price_chain(info: ModelInfo, name: str, params: int, target_params: int, cos
 def price_head(info: ModelInfo, head_runner, target_params: int, summary: dict, tally, sampling: Sampling,
                positions_from: str) -> CandidateCheck:
     """The draft head: chains through CostModel.speedup_from_positions; where the engine verifies its
-    drafts as trees (ModelInfo.tree_ms), also each tree's measured verify with the alternatives' extra
-    token (experiment.alternative_tokens, the bench's own count)."""
+    drafts as trees (ModelInfo.tree_ms), also each tree's measured verify: a sibling tree's with the
+    alternatives' extra token (experiment.alternative_tokens, the bench's own count), a dynamic tree's
+    with the acceptance its walked rounds showed."""
     sampled = not sampling.greedy
     k_run = max(summary["sampled"])
     greedy, at_t = summary["greedy"][k_run].per_position, summary["sampled"][k_run].per_position
@@ -61,12 +62,14 @@ def price_head(info: ModelInfo, head_runner, target_params: int, summary: dict, 
     speedups = [model.speedup_from_positions(at_t, k) for k in range(1, K_MAX + 1)] if at_t else []
     k, tree = _best(speedups), False
     best = speedups[k - 1] if speedups else None
-    trees = tree_costs_at(info, sampled) if info.tree_alternatives else {}
+    trees = tree_costs_at(info, sampled) if info.tree_alternatives or info.tree_nodes else {}
     rescue = rescue_rates(tally.rejected or (), tally.rescued or ())
     for kt, verify_ms in sorted(trees.items()):
         priced = CostModel(model.draft_ms, {1: model.target_cost(1), kt + 1: verify_ms},
                            draft_fixed_ms=model.draft_fixed_ms)
-        tokens = expected_tokens(at_t, kt) + alternative_tokens(at_t, rescue, kt)
+        # A dynamic tree's rounds are walked paths: what its branches keep is in the per-position acceptance.
+        extra = alternative_tokens(at_t, rescue, kt) if info.tree_alternatives else 0.0
+        tokens = expected_tokens(at_t, kt) + extra
         s = tokens * priced.standard_ms() / priced.step_ms(kt)
         if at_t and best is not None and s > best:
             k, best, tree = kt, s, True

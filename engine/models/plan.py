@@ -11,7 +11,7 @@ import math
 import re
 from dataclasses import dataclass, replace
 
-from engine.limits import TREE_ALTERNATIVES, TREE_K_MAX
+from engine.limits import tree_widths
 from engine.models.census import ModelCensus
 from engine.models.quant import (CAPTURABLE, FLOAT_BYTES, NF4_BLOCK, NF4_CODE_BYTES, is_fast, is_quantized,
                                  nf4_absmax_bytes_on_cpu)
@@ -186,10 +186,10 @@ def head_items(inputs: PlanInputs, t_kind: str, t_pos: int, span: int) -> list[P
 
     The head: its weights (1 byte each plus a float32 scale per row in int8-wo / fp8), the target's
     output rows of its vocabulary gathered once, its one-layer KV cache, its graphs' catch-up logits.
-    With CUDA graphs the target also captures the tree's widths (engine/decoding/engine.py set_tree:
-    K = 1..TREE_K_MAX with TREE_ALTERNATIVES siblings per depth), each with a float32 [W, V] output,
-    in a pool of their own sized by the widest tree, and keeps the head's layers in [W, n * hidden]
-    buffers per captured width.
+    With CUDA graphs the target also captures the widths of the default dynamic tree (engine/decoding/
+    engine.py set_tree: TREE_NODES nodes, limits.tree_widths), each with a float32 [W, V] output, in a
+    pool of their own sized by the widest tree, and keeps the head's layers in [W, n * hidden] buffers
+    per captured width.
     """
     h, t = inputs.head, inputs.target
     if h is None or (inputs.device_type == "cuda" and inputs.gpus > 1):
@@ -201,7 +201,7 @@ def head_items(inputs: PlanInputs, t_kind: str, t_pos: int, span: int) -> list[P
     items = [PlanItem("weights", "head", "draft head (weights, output rows, cache)",
                       weights + cache + catch_up)]
     if t_kind == "graphs":
-        trees = [1 + k * (1 + TREE_ALTERNATIVES) for k in range(1, TREE_K_MAX + 1)]
+        trees = tree_widths()
         layer_part, head_part = forward_transient(t, trees[-1], span)
         kept = (sum(trees) + sum(_graph_widths("target", inputs.k_max))) * h.n_features * t.census.hidden * b
         items.append(PlanItem("graphs", "head", "tree CUDA graphs of the target (outputs and pool)",
