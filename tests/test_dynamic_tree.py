@@ -319,15 +319,22 @@ def test_the_default_tree_is_fitted_to_the_measured_costs(engine):
     a person chose is kept as it is."""
     from engine.limits import DEFAULT_K, TREE_COST_LIMIT
 
+    from dataclasses import replace
+
     saved = engine.info
     try:
-        engine.measure_costs(rounds=1)
+        # The chain's verify as a CPU might measure it; each tree's own rounds are measured (costs.measure_trees).
+        chain = {w: 0.01 * w for w in range(1, 14)}
+        engine.info = replace(engine.info, target_ms=tuple(chain.items()))
         engine.set_dynamic_tree(48, 4)
         assert engine.tree_nodes == 48  # chosen: kept
-        tree, chain = dict(engine.info.tree_ms)[DEFAULT_K], dict(engine.info.target_ms)[DEFAULT_K + 1]
-        assert tree > TREE_COST_LIMIT * chain, "the tiny model's tree should cost more than a chain on a CPU"
+        tree = dict(engine.info.tree_ms)[DEFAULT_K]
+        assert tree > TREE_COST_LIMIT * chain[DEFAULT_K + 1], "a 49-row verify costs more than a 6-row one here"
         engine.set_dynamic_tree(48, 4, fit=True)
-        assert engine.tree_drafter is None and engine.alternatives() == 0  # fitted down to chains
+        assert engine.tree_drafter is None and engine.alternatives() == 0  # 48, 24, then chains below 16
+        engine.info = replace(engine.info, target_ms=tuple((w, 1e3) for w in range(1, 14)))
+        engine.set_dynamic_tree(48, 4, fit=True)
+        assert engine.tree_nodes == 48  # where a chain costs as much, the tree stays whole
     finally:
         engine.set_tree(None)
         engine.info = saved
