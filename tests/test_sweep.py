@@ -468,3 +468,27 @@ def test_best_needs_a_gain_beyond_the_measured_spread_and_some_accepted_drafts()
     # The rule itself: gain beyond spread, and something accepted.
     assert not is_win(1.14, 0.2, 0.5) and not is_win(1.5, 0.03, 0.0) and is_win(1.2, 0.05, 0.4)
     assert speedup_spread([1.0]) == NOISE_FLOOR and speedup_spread([1.0, 1.4]) == pytest.approx(0.4)
+
+
+def test_the_bench_verdict_names_what_drafted_not_what_was_asked():
+    """Auto routes a loaded head beside the draft model: the verdict weighs the head's cost when the head
+    drafted most tokens, and says so."""
+    from types import SimpleNamespace
+
+    from engine.measure.bench import cost_model_summary, main_drafter
+
+    target = tuple((w, 3.0 if w == 1 else 3.3) for w in range(1, 14))
+    info = ModelInfo("t", "d", "cuda:0", "bfloat16", "cuda-graphs", 100, target_ms=target, draft_ms=1.9,
+                     proposer_costs=(ProposerCost("draft", 1.9, 0.0), ProposerCost("head", 0.2, 0.0)))
+
+    def run(mode, drafted_by):
+        return replace(ex.RunRecord("a", "code", mode, 40, 1.0, 40.0, 20, 0, 30, 20, "", tuple(range(40))),
+                       drafted_by=drafted_by, position_reached=(20, 15) + (0,) * 10,
+                       position_accepted=(15, 10) + (0,) * 10)
+
+    runs = [run("standard", ()), run("auto", (("head", 8, 40), ("draft", 2, 6)))]
+    assert main_drafter(runs) == "head" and main_drafter(runs[:1]) is None
+    summary = {"auto": {"k_mean": 5.0}, "standard": {}}
+    cost = cost_model_summary(SimpleNamespace(info=info), runs, summary, proposer="draft")
+    assert cost["drafter"] == "head" and cost["draft_ms"] == pytest.approx(0.2)
+    assert "the draft head costs 7% of a target forward" in cost["verdict"]

@@ -220,6 +220,18 @@ def format_table(summary: dict[str, Any], modes: Sequence[str]) -> str:
     return "\n".join(rows)
 
 
+DRAFTER_NAMES = {"draft": "the draft model", "head": "the draft head", "ngram": "n-gram lookup"}
+
+
+def main_drafter(runs: Sequence[RunRecord]) -> str | None:
+    """The proposer that drafted the most tokens over these runs (None: nothing was drafted)."""
+    tokens: dict[str, int] = {}
+    for r in runs:
+        for source, _, n in r.drafted_by:
+            tokens[source] = tokens.get(source, 0) + n
+    return max(tokens, key=lambda s: tokens[s]) if tokens else None
+
+
 def cost_model_summary(engine: Engine, runs: Sequence[RunRecord], summary: dict[str, Any],
                        proposer: str = "draft") -> dict[str, Any]:
     """Measured forward costs and what they predict for the measured acceptance (the bench's check)."""
@@ -227,10 +239,12 @@ def cost_model_summary(engine: Engine, runs: Sequence[RunRecord], summary: dict[
     drafting = [m for m in ENGINE_MODES if m != "standard" and m in summary]
     predicted = {m: predicted_speedup(engine.info, [r for r in runs if r.mode == m], standard) for m in drafting}
     spec = [r for r in runs if r.mode in drafting]
-    # The verdict weighs the proposer benched (its own measured cost: a draft head's, n-gram's), at the
-    # bench's sampling: a sampled round's costs when it sampled.
+    # The verdict weighs what actually drafted (its own measured cost: a draft head's, n-gram's), not what
+    # was asked for (auto routes a loaded head beside the draft model), at the bench's sampling: a sampled
+    # round's costs when it sampled.
     sampled = any(r.temperature > 0 for r in runs)
-    model = CostModel.from_info(engine.info, "draft" if proposer == "draft+ngram" else proposer, sampled=sampled)
+    source = main_drafter(spec) or ("draft" if proposer == "draft+ngram" else proposer)
+    model = CostModel.from_info(engine.info, source, sampled=sampled)
     alpha = alpha_from_per_position(position_acceptance(spec)) or 0.0
     k = round(summary[drafting[0]]["k_mean"]) if drafting else 0
     return {
@@ -247,7 +261,8 @@ def cost_model_summary(engine: Engine, runs: Sequence[RunRecord], summary: dict[
         "predicted_speedup": predicted.get("speculative", next(iter(predicted.values()), None)),
         "predicted": predicted,
         "best_k": model.best_k(alpha)[0],
-        "verdict": model.verdict(alpha),
+        "drafter": source,
+        "verdict": model.verdict(alpha, drafter=DRAFTER_NAMES.get(source, "the draft")),
     }
 
 

@@ -130,8 +130,8 @@ class CostModel:
                 best = (k, speedup)
         return best
 
-    def verdict(self, alpha: float, k_max: int | None = None) -> str:
-        """One plain sentence a person can act on."""
+    def verdict(self, alpha: float, k_max: int | None = None, drafter: str = "the draft") -> str:
+        """One plain sentence a person can act on; `drafter` names what drafts ("the draft head", ...)."""
         k_max = self.k_max if k_max is None else k_max
         ratio = self.draft_ms / self.target_ms[1] if self.target_ms[1] > 0 else 0.0
         k, speedup = self.best_k(alpha, k_max)
@@ -145,11 +145,11 @@ class CostModel:
                 return (
                     f"Speculative decoding will not pay here: a {k1 + 1}-token verify costs "
                     f"{verify / self.target_ms[1]:.1f}× a 1-token forward ({verify:.0f} vs "
-                    f"{self.target_ms[1]:.0f} ms) and the draft {ratio:.0%} of one; " + best
+                    f"{self.target_ms[1]:.0f} ms) and {drafter} {ratio:.0%} of one; " + best
                 )
-            return f"Speculative decoding will not pay here: the draft costs {ratio:.0%} of a target forward; " + best
+            return f"Speculative decoding will not pay here: {drafter} costs {ratio:.0%} of a target forward; " + best
         return (
-            f"Speculative decoding pays here: the draft costs {ratio:.0%} of a target forward; "
+            f"Speculative decoding pays here: {drafter} costs {ratio:.0%} of a target forward; "
             f"at {alpha:.0%} acceptance K={k} should give {speedup:.2f}×."
         )
 
