@@ -34,6 +34,7 @@ def test_generate_json_contract(tiny_pair, capsys):
     assert set(result) == {"text", "tokens", "summary", "config"}
     assert set(result["summary"]) == {f.name for f in dataclasses.fields(Summary)}
     assert {t["status"] for t in result["tokens"]} <= STATUSES
+    assert all(set(t) == {"text", "status", "branch"} for t in result["tokens"])  # branch: None for chains
     assert "rejected" in {t["status"] for t in result["tokens"]} or result["summary"]["acceptance_rate"] == 1.0
     kept = "".join(t["text"] for t in result["tokens"] if t["status"] != "rejected")
     assert result["text"] == kept == result["summary"]["text"]

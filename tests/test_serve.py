@@ -82,6 +82,9 @@ def test_chat_stream_carries_the_same_text_and_every_token_status(server, engine
     assert steps and {t["status"] for s in steps for t in s["tokens"]} <= {"accepted", "rejected", "corrected",
                                                                          "bonus", "target"}
     assert any(t["q"] is not None for s in steps for t in s["tokens"]), "drafted tokens carry q"
+    # A draft tree's fields are there for every step and token (0 and null for this chain-drafting pair).
+    assert all(s["tree_width"] == s["tree_depth"] == 0 for s in steps)
+    assert all("branch" in t and "source" in t for s in steps for t in s["tokens"])
     final = [c for c in chunks if c.choices and c.choices[0].finish_reason]
     assert len(final) == 1 and "draft_n" in final[0].model_extra["timings"]
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens > 0

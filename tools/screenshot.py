@@ -4,6 +4,7 @@ or of the "Train a draft head" dialog showing the training log of the head in us
     .venv/bin/python tools/screenshot.py --real --tune --tune-prompts 2 --max-new-tokens 16 --out assets/screenshot-tune.png
     .venv/bin/python tools/screenshot.py --real --runtime torch --train-dialog --out assets/screenshot-train.png
     .venv/bin/python tools/screenshot.py --remote http://127.0.0.1:8000/v1 --max-new-tokens 48 --out assets/screenshot-remote.png
+    .venv/bin/python tools/screenshot.py --proposer head --mode auto --english --tokens --hover-branch --out assets/screenshot-tree.png
 """
 from __future__ import annotations
 
@@ -19,6 +20,23 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 PROMPT = "用中文解释快速排序，然后 show me a short Python version."
+# --english: the same demo without Chinese, for a machine without a CJK font (its glyphs would be boxes).
+ENGLISH_PROMPT = "Explain quicksort, then show me a short Python version."
+ENGLISH_ANSWER = (
+    "Quicksort is a divide-and-conquer algorithm: pick a pivot, then split the list into the items below it "
+    "and the rest.\nHere is a short, readable Python version:\n\n"
+    "```python\n"
+    "def quicksort(items: list[int]) -> list[int]:\n"
+    "    if len(items) <= 1:\n"
+    "        return items\n"
+    "    pivot, *rest = items\n"
+    "    left = [x for x in rest if x < pivot]\n"
+    "    right = [x for x in rest if x >= pivot]\n"
+    "    return quicksort(left) + [pivot] + quicksort(right)\n"
+    "```\n\n"
+    "On average it takes O(n log n) time, O(n^2) at worst. The drafter guesses most of the boilerplate, "
+    "and the target only corrects the interesting tokens."
+)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -53,7 +71,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--remote", default="", metavar="URL",
                    help="chat through this OpenAI-compatible server instead of loading models (e.g. a running serve)")
     p.add_argument("--remote-model", default="", help="the model to ask the --remote server for (default: its first)")
+    p.add_argument("--english", action="store_true",
+                   help="scripted engine: an answer (and a default prompt) without Chinese, for a machine "
+                        "without a CJK font")
+    p.add_argument("--tokens", action="store_true", help="show the finished answer's coloured tokens, not its markdown")
+    p.add_argument("--hover-branch", action="store_true",
+                   help="with --tokens: hover the first token a draft tree's branch brought and grab its tooltip too")
     args = p.parse_args(argv)
+    if args.english and args.prompt == PROMPT:
+        args.prompt = ENGLISH_PROMPT
     logging.basicConfig(level=logging.INFO)
 
     import os
@@ -84,7 +110,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.real:
         window = MainWindow(settings=settings)
     else:
-        window = MainWindow(engine_factory=lambda _r, _p: ScriptedEngine(delay_s=0.02, acceptance=0.88), settings=settings)
+        answer = ENGLISH_ANSWER if args.english else ScriptedEngine.text
+        window = MainWindow(engine_factory=lambda _r, _p: ScriptedEngine(text=answer, delay_s=0.02, acceptance=0.88),
+                            settings=settings)
     width, height = (int(v) for v in args.size.split("x"))
     window.resize(width, height)
     window.show()
@@ -162,9 +190,14 @@ def main(argv: list[str] | None = None) -> int:
             return sum(s.new_tokens for s in entry.steps) if entry is not None else 1 << 30
 
         wait_for(lambda: window.active_request is None or (args.mid and streamed() >= args.mid), args.timeout)
+    if args.tokens and window.chat.answer_ids():
+        window.chat.set_answer_markdown(window.chat.answer_ids()[-1], False)
     # Let the charts' timer and the layout settle (briefly for a flash: it lasts only until the next step).
     wait_for(lambda: False, 0.5 if args.rejected_display != "flash" or not args.mid else 0.03)
-    shot.grab().save(args.out)
+    grabbed = shot.grab()
+    if args.hover_branch and window.chat.answer_ids():
+        hover_branch(window, grabbed, wait_for)
+    grabbed.save(args.out)
     print(f"saved {args.out}")
     if args.beside:
         save_beside(window, args.beside, wait_for)
@@ -173,6 +206,34 @@ def main(argv: list[str] | None = None) -> int:
     shiboken6.delete(window)  # before the QApplication goes, or PySide6 can crash at exit
     gc.collect()
     return 0
+
+
+def hover_branch(window, pixmap, wait_for) -> None:
+    """Shows the tooltip of the last token a draft tree's branch brought and paints it into `pixmap` below the
+    token, inside the chat column (a tooltip is a window of its own: the main window's grab leaves it out)."""
+    from PySide6.QtCore import QPoint
+    from PySide6.QtGui import QPainter, QTextCursor
+    from PySide6.QtWidgets import QApplication, QToolTip
+
+    view = window.chat.token_view(window.chat.answer_ids()[-1])
+    spans = [s for s, _e, _status in view.token_spans() if view.token_at(s).branch]
+    if not spans:
+        logging.warning("no token came through a branch: nothing to hover")
+        return
+    cursor = QTextCursor(view.document())
+    cursor.setPosition(spans[-1] + 1)
+    caret = view.cursorRect(cursor)
+    QToolTip.showText(view.viewport().mapToGlobal(caret.center()), view.tooltip_at(spans[-1]), view.viewport())
+    wait_for(lambda: False, 0.3)
+    tip = next((w for w in QApplication.topLevelWidgets() if w.inherits("QTipLabel") and w.isVisible()), None)
+    if tip is None:
+        logging.warning("the tooltip did not show")
+        return
+    below = view.viewport().mapTo(window, caret.bottomLeft()) + QPoint(-4, 6)
+    column = window.chat.mapTo(window, QPoint(window.chat.width(), 0)).x()
+    painter = QPainter(pixmap)
+    painter.drawPixmap(QPoint(max(0, min(below.x(), column - tip.width() - 8)), below.y()), tip.grab())
+    painter.end()
 
 
 def save_beside(window, path: str, wait_for) -> None:

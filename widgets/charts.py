@@ -1,4 +1,5 @@
-"""Live pyqtgraph charts of one generation: acceptance rate, K per step, tokens/s, time split, acceptance by position."""
+"""Live pyqtgraph charts of one generation: acceptance rate, K per step, draft trees, tokens/s, time split, acceptance
+by position."""
 from __future__ import annotations
 
 import logging
@@ -14,6 +15,7 @@ from PySide6.QtWidgets import QGraphicsItem, QLabel, QMenu, QStackedLayout, QWid
 
 from engine.types import Step
 from widgets.palette import current_palette
+from widgets.tree_plot import TreePlot
 
 log = logging.getLogger(__name__)
 
@@ -25,8 +27,9 @@ ACCEPTANCE_WINDOW = 20  # steps in the rolling acceptance rate
 RATE_WINDOW_S = 1.0  # seconds of wall clock in the rolling tokens/s
 NO_DRAFTS_NOTE = "no drafts in standard decoding"  # the draft plots' titles when no step drafted
 # Ring buffer columns, one row per step.
-_STEP, _ACCEPTANCE, _K, _ACCEPTED, _TPS, _TPS_ROLLING, _DRAFT_MS, _VERIFY_MS, _OVERHEAD_MS = range(9)
-_COLUMNS = 9
+_STEP, _ACCEPTANCE, _K, _ACCEPTED, _TPS, _TPS_ROLLING, _DRAFT_MS, _VERIFY_MS, _OVERHEAD_MS, _TREE_WIDTH, _TREE_DEPTH = \
+    range(11)
+_COLUMNS = 11
 _AXIS_WIDTH = 52  # pixels for every left axis
 # Redrawing five plots costs ~5 ms of the UI thread on a slow 2-core CPU (setData, then the repaint): at
 # 15 Hz that is 8% of a core taken from a decode sharing those cores. The redraws may take at most this
@@ -132,7 +135,8 @@ class _TimedGraphics(pg.GraphicsLayoutWidget):
 
 
 class LiveCharts(QWidget):
-    """Five stacked plots fed by `push_steps`; a 15 Hz timer redraws only when new data arrived.
+    """Five stacked plots fed by `push_steps` (six while an answer has rounds verified as draft trees: their
+    width and depth, widgets.tree_plot); a 15 Hz timer redraws only when new data arrived.
 
     A redraw's measured CPU cost (its setData calls and the repaint that follows) sets how often the
     timer may fire: at most CPU_SHARE of one core, so a slow machine redraws less often, not slower.
@@ -197,6 +201,9 @@ class LiveCharts(QWidget):
             for curve in (self._acceptance_curve, self._k_curve, self._accepted_curve):
                 curve.setData([], [])
         self._set_draft_titles(no_drafts=self._rows > 0 and not self._speculative_rows)
+        self._tree.set_shown(self._tree_rows > 0)  # only answers with tree rounds give the tree plot room
+        if self._tree_rows:
+            self._tree.set_data(x, rows[:, _TREE_WIDTH], rows[:, _TREE_DEPTH])
         for column, curve in self._time_curves.items():
             curve.setData(x, rows[:, column], connect="finite")
         if self._rows:
@@ -231,6 +238,7 @@ class LiveCharts(QWidget):
         self._buffer[:] = np.nan
         self._rows = 0
         self._speculative_rows = 0
+        self._tree_rows = 0  # steps verified as a draft tree
         self._window: deque[tuple[int, int]] = deque()
         self._window_accepted = 0
         self._window_proposed = 0
@@ -255,6 +263,8 @@ class LiveCharts(QWidget):
             "draft_ms": rows[:, _DRAFT_MS].copy(),
             "verify_ms": rows[:, _VERIFY_MS].copy(),
             "overhead_ms": rows[:, _OVERHEAD_MS].copy(),
+            "tree_width": rows[:, _TREE_WIDTH].copy(),
+            "tree_depth": rows[:, _TREE_DEPTH].copy(),
             "position_acceptance": self.position_acceptance(),
         }
 
@@ -271,6 +281,7 @@ class LiveCharts(QWidget):
         return {
             "acceptance_rate": self._acceptance_plot,
             "k": self._k_plot,
+            "tree": self._tree.plot,
             "tokens_per_s": self._tps_plot,
             "time_split": self._time_plot,
             "position_acceptance": self._position_plot,
@@ -329,14 +340,15 @@ class LiveCharts(QWidget):
         self._k_curve = self._k_plot.plot(pen=pg.mkPen(_colour(neutral), width=1), name="K chosen")
         self._accepted_curve = self._k_plot.plot(pen=pg.mkPen(_colour(accepted), width=1), name="accepted")
 
-        self._tps_plot = step_plot(2, "Speed", "tok/s")
+        # Row 2 is the tree plot's, while an answer has tree rounds (made below, once the plots it aligns exist).
+        self._tps_plot = step_plot(3, "Speed", "tok/s")
         self._tps_plot.addLegend(offset=(-6, 4), labelTextSize="8pt", brush=(255, 255, 255, 200))
         self._tps_scatter = self._tps_plot.plot(
             pen=None, symbol="o", symbolSize=4, symbolPen=None, symbolBrush=_colour(bonus, 110), name="per step"
         )
         self._tps_curve = self._tps_plot.plot(pen=pg.mkPen(_colour(bonus), width=1), name=f"last {RATE_WINDOW_S:g} s")
 
-        self._time_plot = step_plot(3, "Time per step", "ms")
+        self._time_plot = step_plot(4, "Time per step", "ms")
         self._time_plot.addLegend(offset=(-6, 4), labelTextSize="8pt", brush=(255, 255, 255, 200))
         self._time_curves = {
             _DRAFT_MS: self._time_plot.plot(pen=pg.mkPen(_colour(accepted), width=1), name="drafting"),
@@ -344,16 +356,18 @@ class LiveCharts(QWidget):
             _OVERHEAD_MS: self._time_plot.plot(pen=pg.mkPen(_colour(neutral), width=1), name="overhead"),
         }
 
+        self._tree = TreePlot(self._graphics.ci, step_plot(2, "", "nodes"), 2)
+
         # The speed plot always has data (standard decoding too), so it drives the shared x range;
         # the others would autorange to 0..1 while empty and drag it along.
-        for plot in (self._acceptance_plot, self._k_plot, self._time_plot):
+        for plot in (self._acceptance_plot, self._k_plot, self._tree.plot, self._time_plot):
             plot.enableAutoRange(x=False)
             plot.setXLink(self._tps_plot)
         self._tps_plot.enableAutoRange(x=False)  # refresh() sets it in coarse steps instead
-        for plot in (self._acceptance_plot, self._k_plot, self._tps_plot, self._time_plot):
+        for plot in (self._acceptance_plot, self._k_plot, self._tree.plot, self._tps_plot, self._time_plot):
             plot.getViewBox().sigRangeChangedManually.connect(self._on_x_changed_manually)
 
-        self._position_plot = self._graphics.addPlot(row=4, col=0, title="Acceptance by draft position")
+        self._position_plot = self._graphics.addPlot(row=5, col=0, title="Acceptance by draft position")
         self._position_plot.setLabel("left", "%")
         self._position_plot.getAxis("left").setWidth(_AXIS_WIDTH)
         plain_axes(self._position_plot)
@@ -394,6 +408,7 @@ class LiveCharts(QWidget):
         for column, colour in ((_DRAFT_MS, accepted), (_VERIFY_MS, bonus), (_OVERHEAD_MS, palette.muted)):
             self._time_curves[column].setPen(pg.mkPen(_colour(colour), width=1))
         self._bars.setOpts(brush=_colour(accepted, 200))
+        self._tree.refresh_theme()
 
     def _on_x_changed_manually(self, *_: object) -> None:
         self._follow_x = False  # the reader took over the x range; stop moving it
@@ -457,5 +472,7 @@ class LiveCharts(QWidget):
         base_s, base_tokens = self._rate_points[0]
         span = step.elapsed_s - base_s
         rolling = (step.total_tokens - base_tokens) / span if span > 0 else tps
+        tree = (float(step.tree_width), float(step.tree_depth)) if step.tree_width else (np.nan, np.nan)
+        self._tree_rows += bool(step.tree_width)
         self._append_row((float(step.index), acceptance, k_value, accepted_value, tps, rolling, step.draft_ms,
-                          step.verify_ms, step.overhead_ms))
+                          step.verify_ms, step.overhead_ms, *tree))

@@ -6,6 +6,7 @@ from PySide6.QtWidgets import QLabel, QSizePolicy, QWidget
 
 from widgets.flow_layout import FlowLayout
 from widgets.palette import STATUSES, current_palette
+from widgets.tree_marks import BranchChip
 
 # Wording from DESIGN.md, "Token colours".
 DESCRIPTIONS: dict[str, str] = {
@@ -31,7 +32,10 @@ def _css(colour: QColor) -> str:
 
 
 class Legend(QWidget):
-    """accepted · rejected · corrected · bonus · target, with a tooltip explaining each.
+    """accepted · tree branch · rejected · corrected · bonus · target, with a tooltip explaining each.
+
+    "tree branch" is no status: it is the mark an accepted token gets when a draft tree's branch brought it
+    (widgets.tree_marks), drawn like it and shown with the accepted chip.
 
     The chips wrap onto a second row in a narrow window rather than being cut mid-word.
     """
@@ -49,15 +53,22 @@ class Legend(QWidget):
             chip.setObjectName("legendChip")
             layout.addWidget(chip)
             self._chips[status] = chip
+            if status == "accepted":
+                self._branch = BranchChip(self)
+                layout.addWidget(self._branch)
         self.refresh_palette()
 
     def chip(self, status: str) -> QLabel:
         return self._chips[status]
 
+    def branch_chip(self) -> BranchChip:
+        return self._branch
+
     def set_visible_statuses(self, statuses: tuple[str, ...] | list[str]) -> None:
         """Shows only these chips (e.g. just "target" while comparing against standard decoding)."""
         for status, chip in self._chips.items():
             chip.setVisible(status in statuses)
+        self._branch.setVisible("accepted" in statuses)
 
     def refresh_palette(self) -> None:
         palette = current_palette()
@@ -70,7 +81,9 @@ class Legend(QWidget):
                                    f" border-radius: 4px; padding: 1px 7px; }}")
                 continue
             colours = palette.colours(status)
-            chip.setStyleSheet(
-                f"QLabel {{ background: {_css(colours.background)}; color: {_css(colours.foreground)};"
-                f" border-radius: 4px; padding: 1px 7px; }}"
-            )
+            style = (f"QLabel {{ background: {_css(colours.background)}; color: {_css(colours.foreground)};"
+                     f" border-radius: 4px; padding: 1px 7px; }}")
+            chip.setStyleSheet(style)
+            if status == "accepted":  # the branch mark: an accepted token with a dotted underline
+                self._branch.setStyleSheet(style)
+                self._branch.set_underline_colour(colours.foreground)

@@ -14,6 +14,7 @@ from PySide6.QtCore import QPointF, QRect
 from PySide6.QtGui import QColor, QPainter, QPolygonF
 
 from engine.types import TokenView
+from widgets.tree_marks import choice_text
 
 MARK_WIDTH = 7  # px: the mark's base
 MARK_HEIGHT = 5  # px: how far it reaches up from the line's bottom
@@ -47,6 +48,8 @@ def format_rejected_tooltip(tokens: Sequence[TokenView], k: int | None = None) -
         parts = token_figures(t, k)
         if t.source is not None:
             parts.append(f"proposer {t.source}")
+        if t.branch is not None:  # a tree round: which of the drafter's choices it was
+            parts.append(choice_text(t) or "")
         lines.append(f"  “{visible(t.text)}”: " + " · ".join(parts))
     return "\n".join(lines)
 

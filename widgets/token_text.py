@@ -22,6 +22,7 @@ from PySide6.QtWidgets import QFrame, QTextEdit, QToolTip, QWidget
 from engine.types import Step, TokenView
 from widgets.palette import REJECTED_DISPLAYS, current_palette
 from widgets.rejection_marks import RejectionMarks, format_rejected_tooltip, token_figures
+from widgets.tree_marks import choice_text, is_branch, mark_format
 
 FLASH_MS = 350  # "flash": how long the newest step's rejected drafts stay in the text at most
 
@@ -30,14 +31,16 @@ def format_token_tooltip(token: TokenView, k: int | None = None) -> str:
     """One line of the numbers behind a token, for its hover tooltip; values a token lacks are left out.
 
     e.g. "draft q=0.82 · target p=0.91 · accept prob=1.00 · draft position 2/5 · step 14 · status
-    accepted · proposer draft"; a target token shows only p, step and status.
+    accepted · proposer draft"; a target token shows only p, step and status. A token of a tree round
+    adds a line saying which of the drafter's choices it was (widgets.tree_marks.choice_text).
     """
     parts = token_figures(token, k)
     parts.append(f"step {token.step}")
     parts.append(f"status {token.status}")
     if token.source is not None:
         parts.append(f"proposer {token.source}")
-    return " · ".join(parts)
+    choice = choice_text(token)
+    return " · ".join(parts) + (f"\n{choice}" if choice else "")
 
 
 class TokenTextView(QTextEdit):
@@ -46,7 +49,8 @@ class TokenTextView(QTextEdit):
     The document holds only committed text: where a step's drafts were rejected, a small mark is
     painted between the characters (widgets.rejection_marks) and the rejected text is in its tooltip;
     with the "flash" display the newest step's rejects also show faded in the text until the next step
-    (at most FLASH_MS). The TokenViews are kept as a model so the two display toggles (rejected
+    (at most FLASH_MS). A token accepted through a branch of a draft tree keeps its colour and is underlined
+    with dots (widgets.tree_marks). The TokenViews are kept as a model so the two display toggles (rejected
     drafts, colouring) can rebuild the document once. With `fit_content=True` the view has no scroll
     bars and grows to its text (for chat bubbles); otherwise it scrolls and follows the end while the
     reader is at the bottom.
@@ -68,7 +72,7 @@ class TokenTextView(QTextEdit):
         self._flash_timer.setInterval(FLASH_MS)
         self._flash_timer.timeout.connect(self._end_flash)
         self._mono_families = QFontDatabase.systemFont(QFontDatabase.SystemFont.FixedFont).families()
-        self._formats: dict[tuple[str, bool], QTextCharFormat] = {}
+        self._formats: dict[tuple[str, bool, bool], QTextCharFormat] = {}
         self._reset_model()
         if fit_content:
             self.setFrameShape(QFrame.Shape.NoFrame)
@@ -262,8 +266,8 @@ class TokenTextView(QTextEdit):
         self._backtick_run = 0
         self._in_code = False
 
-    def _format(self, status: str, mono: bool) -> QTextCharFormat:
-        key = (status, mono)
+    def _format(self, status: str, mono: bool, branch: bool = False) -> QTextCharFormat:
+        key = (status, mono, branch)
         fmt = self._formats.get(key)
         if fmt is not None:
             return fmt
@@ -274,6 +278,8 @@ class TokenTextView(QTextEdit):
             colours = palette.ghost_colours(status) if rejected else palette.colours(status)
             fmt.setBackground(QBrush(colours.background))
             fmt.setForeground(QBrush(colours.foreground))
+            if branch:  # accepted through a branch of a draft tree (widgets.tree_marks)
+                mark_format(fmt, colours.foreground)
         elif rejected:
             fmt.setForeground(QBrush(palette.muted))
         else:
@@ -337,7 +343,7 @@ class TokenTextView(QTextEdit):
         if not token.text:
             return None  # an incomplete multi-byte character; the next token carries it
         start = cursor.position()
-        cursor.insertText(token.text, self._format(token.status, mono))
+        cursor.insertText(token.text, self._format(token.status, mono, is_branch(token)))
         self._starts.append(start)
         self._ends.append(cursor.position())
         self._span_token.append(token_index)

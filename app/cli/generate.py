@@ -18,10 +18,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     engine = common.load_engine(args, needs_draft, keep_costs=True)
     generation = engine.generate(common.request_for(args, args.prompt, args.mode, args.max_new_tokens),
                                  progress=_show_prefill if sys.stderr.isatty() and not args.json else None)
-    tokens: list[dict[str, str]] = []
+    tokens: list[dict[str, str | int | None]] = []
     for step in generation:
-        if args.json:
-            tokens.extend({"text": t.text, "status": t.status} for t in step.tokens)
+        if args.json:  # branch: a tree round's rank among the drafter's choices (None for chains and target tokens)
+            tokens.extend({"text": t.text, "status": t.status, "branch": t.branch} for t in step.tokens)
         else:
             sys.stdout.write(step.text)
             sys.stdout.flush()

@@ -46,16 +46,21 @@ class StoredTokens:
 
     texts: tuple[str, ...]  # each token's text, rejected drafts included, in display order
     statuses: str  # one STATUS_CODES letter per token
+    # (token index, rank) of each token a draft tree's branch brought (TokenView.branch > 0), for its mark
+    branches: tuple[tuple[int, int], ...] = ()
 
     @classmethod
     def from_steps(cls, steps: Iterable[Step]) -> StoredTokens:
         texts: list[str] = []
         codes: list[str] = []
+        branches: list[tuple[int, int]] = []
         for step in steps:
             for token in step.tokens:
+                if token.branch:
+                    branches.append((len(texts), token.branch))
                 texts.append(token.text)
                 codes.append(STATUS_CODES[token.status])
-        return cls(tuple(texts), "".join(codes))
+        return cls(tuple(texts), "".join(codes), tuple(branches))
 
     def to_steps(self) -> list[Step]:
         """Steps that replay these tokens into a token view: a step ends at the target's own token.
@@ -83,11 +88,12 @@ class StoredTokens:
             views = []
 
         drafted = 0
-        for text, code in zip(self.texts, self.statuses):
+        branches = dict(self.branches)
+        for i, (text, code) in enumerate(zip(self.texts, self.statuses)):
             status = CODE_STATUSES.get(code, "target")
             is_draft = status in ("accepted", "rejected")
             views.append(TokenView(0, text, status, len(steps), drafted if is_draft else None,  # type: ignore[arg-type]
-                                   None, None, None, None))
+                                   None, None, None, None, branches.get(i)))
             drafted = drafted + 1 if is_draft else 0
             if status in _STEP_ENDS:
                 close()
@@ -96,7 +102,10 @@ class StoredTokens:
         return steps
 
     def to_json(self) -> dict[str, Any]:
-        return {"text": list(self.texts), "status": self.statuses}
+        raw: dict[str, Any] = {"text": list(self.texts), "status": self.statuses}
+        if self.branches:  # only answers with tree rounds have the key; older readers ignore it
+            raw["branch"] = [list(b) for b in self.branches]
+        return raw
 
     @classmethod
     def from_json(cls, raw: Any) -> StoredTokens | None:
@@ -107,7 +116,18 @@ class StoredTokens:
             return None  # colours are optional: a damaged token list loses the colours, not the answer
         if not all(isinstance(t, str) for t in texts):
             return None
-        return cls(tuple(texts), statuses)
+        return cls(tuple(texts), statuses, _branches(raw.get("branch", []), len(texts)))
+
+
+def _branches(raw: Any, count: int) -> tuple[tuple[int, int], ...]:
+    """Stored [index, rank] pairs; a damaged list loses the branch marks, not the colours."""
+    def fits(pair: Any) -> bool:
+        return (isinstance(pair, list) and len(pair) == 2 and all(type(v) is int for v in pair)
+                and 0 <= pair[0] < count and pair[1] > 0)
+
+    if not isinstance(raw, list) or not all(fits(pair) for pair in raw):
+        return ()
+    return tuple((index, rank) for index, rank in raw)
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 
 from engine.errors import GenerationError
-from engine.limits import K_AUTO, K_MAX
+from engine.limits import K_AUTO, K_MAX, TREE_FRONTIER, TREE_K_MAX, TREE_NODES, tree_nodes
 from engine.measure.stats import summarize
 from engine.types import (
     Decision,
@@ -45,8 +45,9 @@ DEMO_AUTO_K = 4  # the K the scripted controller "chooses" when K is auto
 
 DEMO_INFO = ModelInfo(
     target_name="demo-target", draft_name="demo-draft", device="cpu", dtype="float32",
-    fast_path="scripted", vocab_size=1000,
+    fast_path="scripted", vocab_size=1000, head_name="demo-head",  # the head drafts trees (scripted_steps)
 )
+BRANCH_SHARE = 0.15  # in a scripted tree round, the share of accepted levels matched by a branch (rank 1..3)
 
 # Words, a space plus a word, single CJK characters in pairs, newlines, runs of spaces, punctuation.
 _PIECES = re.compile(r" ?[A-Za-z_]+|\d|\n|[ \t]+|[\u4e00-\u9fff]{1,2}|.", re.DOTALL)
@@ -70,10 +71,13 @@ def scripted_steps(
     step_ms: float = 10.0,
     source: str = "draft",
     adaptive: bool = False,
+    tree: bool = False,
 ) -> list[Step]:
     """Steps that commit exactly `text`, with rejections drawn per draft position at `acceptance`.
 
-    `adaptive`: the steps say the K controller chose their K (as with K auto and auto mode)."""
+    `adaptive`: the steps say the K controller chose their K (as with K auto and auto mode). `tree`: rounds
+    verified as dynamic draft trees (as the engine's head drafts them, engine/heads/tree.py): K levels (about K
+    when adaptive) of the default tree's nodes, some tokens accepted through a branch (TokenView.branch > 0)."""
     rng = random.Random(seed)
     tokens = split_tokens(text)
     steps: list[Step] = []
@@ -88,6 +92,13 @@ def scripted_steps(
             token_id += 1
             proposed: tuple[int, ...] = ()
             accepted, added_status, committed = 0, "target", [piece]
+        elif tree:
+            depth = max(2, min(TREE_K_MAX, k + rng.choice((-1, 0, 0, 1)))) if adaptive else k
+            views, committed, rejected = _tree_round(rng, tokens[pos:], depth, acceptance, index, token_id, source)
+            accepted = len(committed) - 1
+            proposed = tuple(range(token_id, token_id + accepted + rejected))
+            token_id += len(views)
+            added_status = views[-1].status
         else:
             drawn = 0
             while drawn < k and rng.random() < acceptance:
@@ -110,8 +121,11 @@ def scripted_steps(
         pos += len(committed)
         total += len(committed)
         draft_ms = 0.0 if mode == "standard" else step_ms * 0.3
-        decision = (Decision(k, source, "best", acceptance, 1.0 + acceptance * 1.5, k, 1.0 + acceptance * 1.5)  # type: ignore[arg-type]
-                    if adaptive else None)
+        shape = {"tree_width": tree_nodes(TREE_NODES, TREE_FRONTIER, depth), "tree_depth": depth} \
+            if tree and mode != "standard" else {}
+        chosen = shape.get("tree_depth", k)  # a tree round's K is its levels (engine/decoding/describe.py)
+        decision = (Decision(chosen, source, "best", acceptance, 1.0 + acceptance * 1.5, chosen,  # type: ignore[arg-type]
+                             1.0 + acceptance * 1.5) if adaptive else None)
         steps.append(Step(
             index=index, mode="standard" if mode == "standard" else "speculative",
             proposed=proposed, proposed_q=(0.8,) * len(proposed), proposed_p=(0.5,) * len(proposed),
@@ -119,9 +133,35 @@ def scripted_steps(
             accepted=accepted, added=token_id - 1, added_status=added_status,  # type: ignore[arg-type]
             tokens=tuple(views), text="".join(committed), new_tokens=len(committed), total_tokens=total,
             draft_ms=draft_ms, verify_ms=step_ms - draft_ms, elapsed_s=(index + 1) * step_ms / 1000.0,
-            decision=decision,
+            decision=decision, **shape,
         ))
     return steps
+
+
+def _tree_round(rng: random.Random, rest: list[str], depth: int, acceptance: float, index: int, token_id: int,
+                source: str) -> tuple[list[TokenView], list[str], int]:
+    """One scripted tree round over the text still to come: (views, committed pieces, rejected drafts shown).
+
+    The target walks the tree down while some child at a level matches: likelier than one chain token, as
+    the siblings are tried too; a level in BRANCH_SHARE is matched by a later choice (rank 1..3). Where the walk
+    stops, the drafter's first choice there is shown rejected (none at a leaf: the added token is a bonus)."""
+    reach = acceptance + (1.0 - acceptance) * 0.5  # a level of siblings matches more often than one token
+    drawn = 0
+    while drawn < depth and rng.random() < reach:
+        drawn += 1
+    accepted = min(drawn, len(rest) - 1)
+    views: list[TokenView] = []
+    for i, piece in enumerate(rest[:accepted]):
+        rank = rng.choice((1, 1, 2, 3)) if rng.random() < BRANCH_SHARE else 0
+        q = 0.8 if rank == 0 else 0.3 / rank
+        views.append(TokenView(token_id + i, piece, "accepted", index, i, q, 0.9, 1.0, source, rank))  # type: ignore[arg-type]
+    rejected = 1 if accepted == drawn < depth else 0
+    if rejected:
+        views.append(TokenView(token_id + accepted, rng.choice(_GHOSTS), "rejected", index, accepted, 0.6, 0.1, 0.1,
+                               source, 0))  # type: ignore[arg-type]
+    status = "corrected" if rejected else "bonus"
+    views.append(TokenView(token_id + len(views), rest[accepted], status, index, None, None, 0.7, None, None))
+    return views, rest[: accepted + 1], rejected
 
 
 class ScriptedGeneration(Iterator[Step]):
@@ -184,11 +224,12 @@ class ScriptedEngine:
         if progress is not None:
             progress(PrefillProgress("target", 0, 11))
             progress(PrefillProgress("target", 11, 11))
-        source = "ngram" if request.proposer == "ngram" else "draft"
+        source = {"ngram": "ngram", "head": "head"}.get(request.proposer, "draft")
         adaptive = request.mode == "auto" or request.k == K_AUTO
         steps = scripted_steps(self.text, mode=request.mode, k=DEMO_AUTO_K if adaptive else request.k,
                                acceptance=self.acceptance, seed=request.sampling.seed + self.requests_seen,
-                               step_ms=self.delay_s * 1000 or 1.0, source=source, adaptive=adaptive)
+                               step_ms=self.delay_s * 1000 or 1.0, source=source, adaptive=adaptive,
+                               tree=source == "head")  # the head's rounds are trees, as in the engine
         return ScriptedGeneration(steps, request, cancel or threading.Event(), self.delay_s,
                                   self.fail_at, self.fail_with)
 

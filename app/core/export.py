@@ -31,9 +31,13 @@ SESSION_COLUMNS: tuple[str, ...] = (
     "kind", "request_id", "timestamp", "question", "prompt_id", "target_model", "draft_model", "device", "dtype", "fast_path", "runtime", "threads",
     "proposer", "request_mode", "request_k", "temperature", "top_k", "top_p", "seed", "max_new_tokens",
 ) + SUMMARY_FIELDS + DECISION_COLUMNS
+# branch: a round verified as a draft tree, each shown draft token's rank among the drafter's choices after its
+# parent, in draft order ("0;2;0": the 2nd came through a branch); empty for chains. tree_width / tree_depth: the
+# draft tokens the round verified as a tree and its levels (0 for chains). Added last: older readers keep working.
 TRACE_COLUMNS: tuple[str, ...] = (
     "request_id", "step", "mode", "k_chosen", "k_reason", "proposed", "accepted", "added_status", "new_tokens",
     "total_tokens", "draft_ms", "verify_ms", "overhead_ms", "elapsed_s", "stop_reason", "text",
+    "branch", "tree_width", "tree_depth",
 )
 
 
@@ -205,6 +209,9 @@ def trace_rows(records: Iterable[AnswerRecord]) -> list[dict[str, object]]:
                 "elapsed_s": s.elapsed_s,
                 "stop_reason": s.stop_reason,
                 "text": s.text,
+                "branch": tuple(t.branch for t in s.tokens if t.draft_pos is not None and t.branch is not None),
+                "tree_width": s.tree_width,
+                "tree_depth": s.tree_depth,
             }.items()})
     return rows
 

@@ -19,6 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from engine.types import Message, TokenView
 
 STATUSES = ("accepted", "rejected", "corrected", "bonus", "target")
+SOURCES = ("draft", "ngram", "head")  # engine.types.DraftSource
 
 
 class RemoteError(Exception):
@@ -50,6 +51,8 @@ class RemotePiece:
 
     text: str  # text to append to the answer
     tokens: tuple[TokenView, ...] = ()  # statuses, q and p (empty: the server does not report them)
+    tree_width: int = 0  # draft tokens the step verified as a tree (0: a chain, a standard step, another server)
+    tree_depth: int = 0  # the tree's levels (0 likewise)
 
 
 @dataclass(frozen=True)
@@ -138,7 +141,7 @@ class RemoteClient:
                         colours = colours or bool(views)
                         text = (choice.get("delta") or {}).get("content") or ""
                         if text or views:
-                            yield RemotePiece(text, views)
+                            yield RemotePiece(text, views, *(_tree(chunk.get("specdec")) if views else (0, 0)))
                         finish = choice.get("finish_reason") or finish
         except httpx.ConnectError:
             raise RemoteError(f"cannot reach {self.config.root}: is the server running?") from None
@@ -227,5 +230,18 @@ def _views(ext: object) -> tuple[TokenView, ...]:
         q, p = t.get("q"), t.get("p")
         views.append(TokenView(token_id=int(t.get("id", 0)), text=str(t.get("text", "")), status=t["status"],
                                step=step, draft_pos=t.get("draft_pos"), q=q, p=p,
-                               accept_prob=min(1.0, p / q) if q and p is not None else None))
+                               accept_prob=min(1.0, p / q) if q and p is not None else None,
+                               source=t.get("source") if t.get("source") in SOURCES else None,
+                               branch=t["branch"] if _count(t.get("branch")) else None))
     return tuple(views)
+
+
+def _count(value: object) -> bool:
+    """A whole number >= 0 (JSON's true is no count)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _tree(ext: dict) -> tuple[int, int]:
+    """The step's draft tree (width, depth) from the extension; (0, 0) for a chain or a server that does not say."""
+    width, depth = ext.get("tree_width"), ext.get("tree_depth")
+    return (width, depth) if _count(width) and _count(depth) else (0, 0)

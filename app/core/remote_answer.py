@@ -74,10 +74,12 @@ def _our_step(piece: RemotePiece, index: int) -> Step:
     accepted = sum(t.status == "accepted" for t in drafted)
     return Step(index=index, mode="speculative" if drafted else "standard",
                 proposed=tuple(t.token_id for t in drafted), proposed_q=tuple(t.q or 0.0 for t in drafted),
-                proposed_p=tuple(t.p or 0.0 for t in drafted), sources=("draft",) * len(drafted), accepted=accepted,
+                proposed_p=tuple(t.p or 0.0 for t in drafted), sources=tuple(t.source or "draft" for t in drafted),
+                accepted=accepted,
                 added=added[0].token_id if added else None, added_status=added[0].status if added else None,
                 tokens=piece.tokens, text=piece.text, new_tokens=accepted + len(added), total_tokens=0,
-                draft_ms=0.0, verify_ms=0.0, elapsed_s=0.0, extra=added[1].token_id if len(added) > 1 else None)
+                draft_ms=0.0, verify_ms=0.0, elapsed_s=0.0, extra=added[1].token_id if len(added) > 1 else None,
+                tree_width=piece.tree_width, tree_depth=piece.tree_depth)
 
 
 def stats_line(summary: Summary, end: RemoteFinish, colours: bool, metrics: RemoteMetrics | None,

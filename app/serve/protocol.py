@@ -7,7 +7,9 @@ token-id prompts, non-text content) are refused with a 400 that names them.
 Every response carries llama-server's `timings` (prompt_n/ms/per_second, predicted_n/ms/per_second,
 draft_n, draft_n_accepted) and a `specdec` block (mode, acceptance, tokens per target forward,
 acceptance by draft position). Stream chunks add `specdec.tokens`: each token of the step with its
-status (accepted/rejected/corrected/bonus/target) and q/p; OpenAI clients ignore unknown fields.
+status (accepted/rejected/corrected/bonus/target), q/p, its proposer and, in a round verified as a draft
+tree, its `branch` (its rank among the drafter's choices after its parent: 0 its first choice), and the
+step's `tree_width` / `tree_depth` (0 for chains); OpenAI clients ignore unknown fields.
 """
 from __future__ import annotations
 
@@ -182,10 +184,12 @@ def speculative(summary: Summary) -> dict[str, Any]:
 
 
 def step_tokens(step: Step) -> dict[str, Any]:
-    """A stream chunk's extension: the step's tokens with how each came to be (display order)."""
+    """A stream chunk's extension: the step's tokens with how each came to be (display order), and the draft
+    tree the step verified (tree_width, tree_depth: 0 for a chain or a standard step)."""
     return {"step": step.index, "proposed": len(step.proposed), "accepted": step.accepted,
+            "tree_width": step.tree_width, "tree_depth": step.tree_depth,
             "tokens": [{"id": t.token_id, "text": t.text, "status": t.status, "q": t.q, "p": t.p,
-                        "draft_pos": t.draft_pos} for t in step.tokens]}
+                        "draft_pos": t.draft_pos, "source": t.source, "branch": t.branch} for t in step.tokens]}
 
 
 def chunk(kind: Literal["chat", "text"], rid: str, model: str, created: int, text: str | None,

@@ -59,6 +59,7 @@ class Help:
             self._parent, "About SpecDec Studio",
             "<b>SpecDec Studio</b><p>Speculative decoding you can watch: a small draft proposes K tokens, "
             "the target verifies them in one forward, and the output is exactly the target's.</p>"
-            "<p>Green: accepted draft tokens · a red mark: where drafts were rejected (hover it for them) · "
+            "<p>Green: accepted draft tokens (a dotted underline: accepted through a branch of the draft head's "
+            "tree, not its first choice) · a red mark: where drafts were rejected (hover it for them) · "
             "amber: the target's correction · blue: the bonus token · violet: standard decoding.</p>",
         )
