@@ -188,6 +188,7 @@ class Summary:
     verify_s: float = 0.0  # time spent in target forwards and acceptance (sum of verify_ms)
     overhead_s: float = 0.0  # the rest: seconds - prefill_s - draft_s - verify_s (host work, syncs, consumer)
     decision: Decision | None = None  # the controller's last decision: what it concluded for this answer
+    drafter: DraftSource | None = None  # the proposer that drafted most of the draft tokens (None: none drafted)
 
 
 @dataclass(frozen=True)

@@ -113,6 +113,21 @@ def test_cost_verdict_before_and_after_an_answer():
     assert cost_verdict(INFO, None, "head") == ("", "")  # no head measured
     short, full = cost_verdict(replace(INFO, head_ms=1.5), None, "head")
     assert short.startswith("The draft head costs ") and "draft head 1.5 ms per token" in full
+    # N-gram lookup at its own measured cost, named as what drafted.
+    from engine.types import ProposerCost
+
+    ngram = replace(INFO, proposer_costs=(ProposerCost("ngram", 0.004, 0.01),))
+    short, full = cost_verdict(ngram, summary, "ngram")
+    assert "n-gram lookup 0.004 ms per token" in full and "the n-gram lookup costs 0%" in full
+
+
+def test_a_summary_names_the_proposer_that_drafted_most():
+    from dataclasses import replace
+
+    steps = [replace(_step(i, 3, 4), sources=("head",) * 4) for i in range(3)] + [replace(_step(3, 1, 2),
+                                                                                          sources=("ngram",) * 2)]
+    assert _summary(steps).drafter == "head"
+    assert _summary([]).drafter is None
 
 
 def test_settings_are_validated_and_clamped():

@@ -128,16 +128,25 @@ def answer_header(request: GenerationRequest, info: ModelInfo | None) -> str:
 def cost_verdict(info: ModelInfo | None, summary: Summary | None, proposer: str = "draft") -> tuple[str, str]:
     """(status-bar text, tooltip) from the forward costs measured at load and, once an answer
     exists, its acceptance: what speculative decoding should buy on this machine, said plainly.
-    With proposer "head" the draft cost is the draft head's (ModelInfo.head_ms)."""
-    head = proposer == "head"
-    draft_ms = (info.head_ms if head else info.draft_ms) if info is not None else 0.0
-    if info is None or not info.target_ms or draft_ms <= 0:
+    proposer: what drafted ("draft", "head", "ngram"), priced at its own cost (the draft head's
+    ModelInfo.head_ms, n-gram lookup's measured ProposerCost, the draft model's forward)."""
+    if info is None or not info.target_ms:
+        return "", ""
+    if proposer == "head":
+        draft_ms = info.head_ms
+    elif proposer == "ngram":
+        draft_ms = next((c.per_token_ms for c in info.proposer_costs if c.source == "ngram"), 0.0)
+    else:
+        draft_ms = info.draft_ms
+    if draft_ms <= 0:
         return "", ""
     model = replace(CostModel.from_info(info), draft_ms=draft_ms)
     k_max = model.k_max
-    name = "draft head" if head else "draft"
+    name = {"head": "draft head", "ngram": "n-gram lookup"}.get(proposer, "draft")
+    unit = "forward" if name == "draft" else "token"
     when = "Kept from an earlier start on this machine" if info.costs_state == "kept" else "Measured at load"
-    costs = (f"{when}: {name} {draft_ms:.1f} ms per {'token' if head else 'forward'}, target "
+    shown = f"{draft_ms:.1f}" if draft_ms >= 0.1 else f"{draft_ms:.3f}"  # n-gram lookup costs microseconds
+    costs = (f"{when}: {name} {shown} ms per {unit}, target "
              + ", ".join(f"{ms:.1f} ms ({w} tok)" for w, ms in info.target_ms) + ".")
     if info.costs_state == "kept":
         costs += f" ({info.costs_note}; measured again in the background while the app is idle.)"
@@ -159,7 +168,7 @@ def cost_verdict(info: ModelInfo | None, summary: Summary | None, proposer: str 
     figures = (f"Predicted {predicted:.2f}× at K={summary.k}" if predicted is not None else f"Best K={k}: {best:.2f}×")
     # The plain verdict (explain.plain_verdict), the same words as under the answer; the figures in the tooltip.
     short = plain_verdict(ratio, alpha, predicted if predicted is not None else best, drafter=f"the {name}")
-    return short, f"{figures}. " + costs + " " + model.verdict(alpha, k_max)
+    return short, f"{figures}. " + costs + " " + model.verdict(alpha, k_max, drafter=f"the {name}")
 
 
 @dataclass

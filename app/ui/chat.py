@@ -298,8 +298,9 @@ class ChatController(QObject):
         self.chat.finish_assistant_message(request_id, summary, plain, detail)
         record = self.session.finish(request_id, summary)
         self.status.show_prefill("")
-        if summary.mode == "speculative" and request.proposer in ("draft", "head") and record is not None:
-            self.status.show_costs(record.info, summary, request.proposer)
+        # The verdict weighs what drafted this answer (in auto, the head or n-gram as often as the draft model).
+        if summary.mode != "standard" and summary.drafter is not None and record is not None:
+            self.status.show_costs(record.info, summary, summary.drafter)
         self.status.show_decision(summary.decision)
         self._evidence_changed()
         self._ready_changed()

@@ -1,6 +1,7 @@
 """Turns the Steps of one generation into a Summary; shared by the engine, the app and fakes."""
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 
 from engine.types import Mode, Step, StopReason, Summary
@@ -45,6 +46,7 @@ def summarize(
     draft_s = sum(s.draft_ms for s in steps) / 1000
     verify_s = sum(s.verify_ms for s in steps) / 1000
     first = next((s for s in steps if s.new_tokens), None)  # the first step that committed a token
+    by_source = Counter(source for s in steps for source in s.sources)
     return Summary(
         mode=mode,
         k=k if drafting else 0,
@@ -70,4 +72,5 @@ def summarize(
         verify_s=verify_s,
         overhead_s=max(seconds - prefill_s - draft_s - verify_s, 0.0),
         decision=steps[-1].decision if steps else None,
+        drafter=by_source.most_common(1)[0][0] if by_source else None,
     )
