@@ -139,7 +139,7 @@ def main() -> int:
                             i = next(cursor, None)
                         if i is None:
                             return
-                        if i % 50 == n:  # now and then a bad request beside the good ones
+                        if i % 50 == 25:  # now and then a bad request beside the good ones (4 in 200)
                             bad = BAD[i % len(BAD)]
                             path = "/v1/chat/completions" if "content" in bad else "/v1/completions"
                             headers = {"content-type": "application/json"}
@@ -174,7 +174,12 @@ def main() -> int:
     answered = [r for r in results if r is not None]
     errors = [r["error"] for r in answered if r.get("error")]
     good = [r for r in answered if not r.get("error")]
-    mismatched = sum(1 for (p, _), r in zip(work, results) if r and not r.get("error") and r["text"] != alone[p]["text"])
+    differ = [{"request": i, "prompt": p, "first_difference": next(
+                   (j for j, (a, b) in enumerate(zip(r["text"], alone[p]["text"])) if a != b),
+                   min(len(r["text"]), len(alone[p]["text"])))}
+              for i, ((p, _), r) in enumerate(zip(work, results))
+              if r and not r.get("error") and r["text"] != alone[p]["text"]]
+    mismatched = len(differ)
     rss_rise = rss_after_load / max(rss_first_third[0], 1) - 1.0
     figures = {
         "requests": len(work), "clients": args.clients, "unique_prompts": len(prompts), "wall_s": wall,
@@ -186,6 +191,7 @@ def main() -> int:
         "rss_after_load_mib": rss_after_load / 1024, "rss_peak_mib": max(max(peak), peak_hwm) / 1024,
         "rss_rise": rss_rise, "rss_flat": rss_rise <= RSS_RISE,
         "greedy_equal_to_alone": len(good) - mismatched, "greedy_compared": len(good),
+        "differ": differ[:20],  # where an answer under load first differs from its answer alone (characters)
         "alone_e2e_mean_s": statistics.fmean(a["e2e"] for a in alone.values()),
         "serve_args": args.serve_args,
         "spec_decode": {line.split()[0]: float(line.split()[-1]) for line in metrics.splitlines()
