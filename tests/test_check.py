@@ -290,3 +290,20 @@ def test_sizes_come_from_the_config_whatever_holds_the_weights(tiny_pair):
     fq.quantize_model(model, "int8-wo")
     assert sum(p.numel() for p in model.parameters()) < full  # what counting parameters would say
     assert params_of(None, model) == full
+
+
+def test_without_a_head_the_continuation_and_its_rows_are_standard_decodings_own(tiny_pair):
+    """One greedy forward a token: the same tokens as the engine's standard decoding, and each row the one a
+    teacher-forced pass over the continuation would give (the check no longer makes that second pass)."""
+    from engine.measure.check import _decode_rows, _target_rows
+    from engine.types import GenerationRequest, Message
+
+    engine = tiny_engine(*tiny_pair)
+    request = GenerationRequest(messages=(Message("user", "def add(a, b):"),), mode="standard", max_new_tokens=20)
+    ids = engine.encode(request)
+    generation = engine.generate(request)
+    list(generation)
+    cont, rows = _decode_rows(engine.target_runner, engine.vocab, ids, 20, engine.eos_ids)
+    assert cont == generation.token_ids and rows.shape == (len(cont), engine.vocab)
+    forced = _target_rows(engine.target_runner, engine.vocab, ids, cont)
+    torch.testing.assert_close(rows, forced, atol=2e-2, rtol=1e-2)  # float16 on the host, either way

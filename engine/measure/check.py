@@ -1,12 +1,12 @@
 """Will this draft pay? Every proposer ranked by its predicted speedup, from one look at the target's own continuations.
 
 For a few probe prompts per category (assets/check_prompts.jsonl, never the bench prompts) the
-target's greedy continuation is decoded through the engine's own loop, losslessly (any proposer
-gives the target's own text): with the draft head when one is attached (those rounds are the head's
-check too), else in auto mode with the engine's draft and n-gram lookup (what pays on this machine).
-The target's logits row before each continuation token then comes from teacher-forced forwards over
+target's greedy continuation is decoded. With a draft head attached it goes through the engine's own
+loop with the head (lossless, so the target's own text; those rounds are the head's check too), and
+the target's logits row before each continuation token then comes from teacher-forced forwards over
 the continuation (chunks of K_MAX + 1, the verify widths, so llama.cpp's reserved logits buffer
-holds them). Each draft model is teacher-forced on the same continuation in the same chunks and
+holds them). Without one it is decoded as standard decoding does, one token a forward, keeping each
+forward's row. Each draft model is teacher-forced on the same continuation in the same chunks and
 compared row by row: top-1 agreement, KL(p || q), and 1 - TV after the asked sampling on both
 (check_math.agreement). Positions beyond the first are chained over the continuation
 (check_math.rounds: position i of a round starting at row t is judged at row t + i), which at T = 0
@@ -98,11 +98,16 @@ def run_check(engine, drafts: Sequence[DraftUnderTest], *, sampling: Sampling, h
             progress(n / len(prompts), f"Probe {n + 1} of {len(prompts)}: the target's continuation")
         ids = engine.encode(GenerationRequest(messages=(Message("user", prompt.prompt),)))
         t0 = time.perf_counter()
-        cont, head_steps = _continuation(engine, prompt, probe_tokens, with_head)
-        phases["continuation"] += time.perf_counter() - t0
-        t0 = time.perf_counter()
-        rows = _target_rows(engine.target_runner, engine.vocab, ids, cont)  # [N, V], one row per token of cont
-        phases["target"] += time.perf_counter() - t0
+        if with_head:
+            cont, head_steps = _continuation(engine, prompt, probe_tokens)
+            phases["continuation"] += time.perf_counter() - t0
+            t0 = time.perf_counter()
+            rows = _target_rows(engine.target_runner, engine.vocab, ids, cont)  # [N, V], one row per token of cont
+            phases["target"] += time.perf_counter() - t0
+        else:  # standard decoding: its rows are the target's own, no second pass over the continuation
+            cont, rows = _decode_rows(engine.target_runner, engine.vocab, ids, probe_tokens, engine.eos_ids)
+            head_steps = []
+            phases["continuation"] += time.perf_counter() - t0
         compared += len(cont)
         for d in drafts:
             t0 = time.perf_counter()
@@ -139,29 +144,45 @@ def _summary(t: _Tally) -> dict:
             "top1": t.top1_sum / t.rows if t.rows else None}
 
 
-def _continuation(engine, prompt: BenchPrompt, n: int, with_head: bool) -> tuple[list[int], list]:
+def _continuation(engine, prompt: BenchPrompt, n: int) -> tuple[list[int], list]:
     """The target's greedy continuation of the probe (at most n tokens, up to an end token), decoded by the
-    engine's loop: greedy speculative decoding is lossless, so any proposer gives the target's own text. With
-    the head, its rounds (K = HEAD_K) are kept for judging it (the steps, else an empty list); without it auto
-    mode decodes with what pays here."""
-    if with_head:
-        request = GenerationRequest(messages=(Message("user", prompt.prompt),), mode="speculative", proposer="head",
-                                    k=HEAD_K, max_new_tokens=n)
-    else:  # auto: whatever pays on this machine, standard steps included (a 0.5B draft loses on some CPUs)
-        proposer = "draft+ngram" if engine.draft_runner is not None else "ngram"
-        request = GenerationRequest(messages=(Message("user", prompt.prompt),), mode="auto", proposer=proposer,
-                                    max_new_tokens=n)
+    engine's loop with the draft head (greedy speculative decoding is lossless, so the target's own text),
+    and the head's rounds (K = HEAD_K) for judging it."""
+    request = GenerationRequest(messages=(Message("user", prompt.prompt),), mode="speculative", proposer="head",
+                                k=HEAD_K, max_new_tokens=n)
     cont: list[int] = []
     steps = []
     generation = engine.generate(request)
     try:
         for step in generation:
             cont += list(step.proposed[:step.accepted]) + [t for t in (step.added, step.extra) if t is not None]
-            if with_head:
-                steps.append(step)
+            steps.append(step)
     finally:
         generation.close()  # the engine's lock is free for the teacher-forced rows at once
     return cont[:n], steps
+
+
+@torch.inference_mode()
+def _decode_rows(runner, vocab: int, ids: list[int], n: int, eos: set[int]) -> tuple[list[int], torch.Tensor]:
+    """The target's greedy continuation (at most n tokens, up to an end token) decoded one token a forward, as
+    standard decoding does, with the logits row before each token [N, V] (float16 on the host). Without a head
+    to judge there is nothing to gain from speculative rounds here, and this way the rows come for free: on
+    a 2-core CPU a second, teacher-forced pass over the continuations took a third of the check."""
+    runner.reset()
+    if len(ids) > 1:
+        runner.prefill(ids_tensor(ids[:-1], runner.device))
+    cont: list[int] = []
+    rows = []
+    token = ids[-1]
+    while len(cont) < n:
+        logits = runner.forward(ids_tensor([token], runner.device))[0, :vocab]  # [V]
+        rows.append(logits.to(torch.float16).cpu())  # a copy: llama.cpp's buffer is reused by the next call
+        token = int(logits.argmax())
+        cont.append(token)
+        if token in eos:
+            break
+    runner.reset()
+    return cont, torch.stack(rows).float()
 
 
 @torch.inference_mode()
