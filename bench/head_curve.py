@@ -1,0 +1,94 @@
+"""Does more data still pay the draft head? Held-out acceptance by position against the answer tokens it has seen.
+
+Reads a head's training log (`distill` writes OUT/train_log.jsonl; a run continued with --init appends
+to it): every "data" line adds the fresh answer tokens the target wrote for it, every "eval" line is the
+head's held-out greedy acceptance per draft position at that point. Prints the curve, writes its points
+as JSON and a plot (PNG, rendered offscreen with the app's own plotting library).
+
+    .venv/bin/python bench/head_curve.py assets/heads/qwen2.5-coder-1.5b-instruct/train_log.jsonl \\
+        --json bench/results/head_curve.json --png bench/results/head_curve.png
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+
+def curve(lines: list[dict]) -> list[dict]:
+    """One point per held-out evaluation: the fresh answer tokens the target wrote so far, the answer tokens
+    trained on so far (a continued run's counts added to the runs before it), and acceptance by position."""
+    written, trained, before, points = 0, 0, 0, []
+    for record in lines:
+        kind = record.get("kind")
+        if kind == "data":
+            written += int(record.get("answer_tokens", 0))
+        elif kind == "continue":
+            before = trained  # a run continued from the head so far: its counts start again from 0
+        elif kind == "train":
+            trained = before + int(record.get("tokens", 0))
+        elif kind == "eval" and record.get("step", 0) > 0:
+            points.append({"answer_tokens": written, "trained_tokens": trained, "step": record["step"],
+                           "acceptance": record["acceptance"]})
+    return points
+
+
+def write_png(points: list[dict], path: Path) -> None:
+    if not os.environ.get("DISPLAY") and not os.environ.get("WAYLAND_DISPLAY"):
+        os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+    import pyqtgraph as pg
+    from PySide6.QtWidgets import QApplication
+
+    app = QApplication.instance() or QApplication(["head-curve"])
+    widget = pg.PlotWidget(background="w")
+    widget.resize(900, 480)
+    plot = widget.getPlotItem()
+    plot.setTitle("held-out acceptance by draft position against answer tokens trained on", color="k")
+    plot.setLabel("bottom", "answer tokens trained on, every pass counted (millions)")
+    plot.setLabel("left", "greedy acceptance")
+    plot.getAxis("left").enableAutoSIPrefix(False)
+    plot.getAxis("bottom").enableAutoSIPrefix(False)
+    plot.showGrid(x=True, y=True, alpha=0.3)
+    plot.addLegend(offset=(-10, -10))  # bottom right, below the curves
+    depth = max(len(p["acceptance"]) for p in points)
+    x = [p["trained_tokens"] / 1e6 for p in points]
+    for i in range(depth):
+        colour = pg.intColor(i, hues=depth, values=1, maxValue=200)
+        plot.plot(x, [p["acceptance"][i] if i < len(p["acceptance"]) else float("nan") for p in points],
+                  pen=pg.mkPen(colour, width=2), symbol="o", symbolSize=5, symbolBrush=colour,
+                  name=f"position {i + 1}")
+    app.processEvents()
+    if not widget.grab().save(str(path), "PNG"):
+        raise OSError(f"could not write {path}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("log", type=Path, help="a head's train_log.jsonl")
+    ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--png", type=Path, default=None)
+    args = ap.parse_args(argv)
+    try:
+        lines = [json.loads(line) for line in args.log.read_text(encoding="utf-8").splitlines() if line.strip()]
+    except (OSError, ValueError) as e:
+        print(f"head_curve: cannot read {args.log}: {e}", file=sys.stderr)
+        return 2
+    points = curve(lines)
+    if not points:
+        print(f"head_curve: {args.log} holds no held-out evaluation after training began", file=sys.stderr)
+        return 2
+    print(f"{'written':>12}{'trained on':>14}{'step':>7}  acceptance by position")
+    for p in points:
+        print(f"{p['answer_tokens']:>12,}{p['trained_tokens']:>14,}{p['step']:>7}  "
+              + " ".join(f"{a:.2f}" for a in p["acceptance"]))
+    if args.json is not None:
+        args.json.write_text(json.dumps({"log": str(args.log), "points": points}, indent=1) + "\n", encoding="utf-8")
+    if args.png is not None:
+        write_png(points, args.png)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
