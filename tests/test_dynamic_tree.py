@@ -236,10 +236,10 @@ def test_sampling_through_dynamic_trees_keeps_the_targets_law(engine, monkeypatc
             check_sampling_law(engine, "", proposer="head", messages=(Message("user", "hello world"),),
                                trials=1200, count=lambda steps: counted.append(_branches(steps)))
             assert sum(counted) > 100, sum(counted)
-        else:
+        else:  # its bias is plain at a third of the trials (p about 1e-8 at 400)
             with pytest.raises(AssertionError, match="pvalue"):
                 check_sampling_law(engine, "", proposer="head", messages=(Message("user", "hello world"),),
-                                   trials=1200)
+                                   trials=500)
     finally:
         engine.set_dynamic_tree(0)
 
