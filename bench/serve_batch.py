@@ -4,12 +4,16 @@ For each concurrency C the prompts run in waves of C sequences decoded together 
 standard decoding and speculative decoding (--proposer, --k, auto included) in the same run, greedy or
 sampled (--temperature, --top-k, --top-p; prompt i is seeded --seed + i). Every output is checked: greedy
 ones against single-stream standard decoding, sampled ones (fixed K) against the same mode's output at the
-first concurrency level (a sequence's random draws are its own: its neighbours change nothing). Model
-options after `--` are `generate`'s.
+first concurrency level (a sequence's random draws are its own: its neighbours change nothing). With
+--one-at-a-time each mode also runs through the single-sequence loop, one request after another (how a
+server without batching answers concurrent requests: its aggregate is this at any concurrency). Model
+options after `--` are `generate`'s; on the llama.cpp runtime the batch is llama.cpp's multi-sequence one.
 
     python bench/serve_batch.py --max-new-tokens 256 --json bench/results/serve_batch_h200.json \
         -- --target /root/hf/target --draft /root/hf/draft --dtype bfloat16 --k 3
     python bench/serve_batch.py ... -- ... --k 3 --temperature 0.7 --top-p 0.95
+    python bench/serve_batch.py --limit 8 --max-new-tokens 48 --concurrency 1,2,4 --one-at-a-time \
+        --json bench/results/serve_batch_cpu_llamacpp.json -- --runtime llamacpp --k 3
 """
 from __future__ import annotations
 
@@ -23,7 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from app.cli.common import load_engine  # noqa: E402  (a thin shell over the CLI's loader)
+from app.cli.common import environment, load_engine  # noqa: E402  (a thin shell over the CLI's loader)
 from app.cli.parser import build_parser  # noqa: E402
 from engine.decoding.batch import BatchEngine  # noqa: E402
 from engine.limits import K_AUTO  # noqa: E402
@@ -46,12 +50,26 @@ def run_waves(batch: BatchEngine, engine, requests: list[GenerationRequest], c: 
     return time.perf_counter() - t0, outputs
 
 
+def run_alone(engine, requests: list[GenerationRequest]) -> tuple[float, list[list[int]]]:
+    """Seconds for all requests through the single-sequence loop, one after another, and their tokens."""
+    outputs: list[list[int]] = []
+    t0 = time.perf_counter()
+    for request in requests:
+        generation = engine.generate(request)
+        for _ in generation:
+            pass
+        outputs.append(generation.token_ids)
+    return time.perf_counter() - t0, outputs
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--prompts", type=Path, default=ROOT / "assets" / "bench_prompts.jsonl")
     ap.add_argument("--limit", type=int, default=20)
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--concurrency", default="1,2,4,8")
+    ap.add_argument("--one-at-a-time", action="store_true",
+                    help="also each mode through the single-sequence loop, one request after another")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("model_args", nargs="*")
     args = ap.parse_args()
@@ -72,22 +90,25 @@ def main() -> int:
         checked = "standard" if greedy else (name if name == "standard" or cli.k != K_AUTO else None)
         assert batch.supports(requests[0]), f"the batched step cannot take {name} with these options"
         run_waves(batch, engine, requests[:1], 1)  # warm-up
-        for c in levels:
-            seconds, outputs = run_waves(batch, engine, requests, c)
+        runs = [(c, True) for c in levels] + ([(1, False)] if args.one_at_a_time else [])
+        for c, batched in runs:
+            seconds, outputs = run_waves(batch, engine, requests, c) if batched else run_alone(engine, requests)
             reference.setdefault(name, outputs)
             tokens = sum(len(o) for o in outputs)
             same = sum(a == b for a, b in zip(outputs, reference[checked])) if checked else None
-            rows.append({"mode": name, "streams": c, "tokens": tokens, "seconds": seconds,
+            rows.append({"mode": name, "streams": c, "batched": batched, "tokens": tokens, "seconds": seconds,
                          "aggregate_tok_s": tokens / seconds, "per_stream_tok_s": tokens / seconds / c,
                          "identical": same, "identical_to": checked, "compared": len(outputs)})
             r = rows[-1]
             check = f"identical to {checked} at the first level {same}/{len(outputs)}" if checked else "not checked"
-            print(f"{name:12s} streams={c}: {r['aggregate_tok_s']:8.1f} tok/s aggregate, "
+            how = f"streams={c}" if batched else "one at a time"
+            print(f"{name:12s} {how:14s}: {r['aggregate_tok_s']:8.1f} tok/s aggregate, "
                   f"{r['per_stream_tok_s']:7.1f} per stream, {check}", flush=True)
     if args.json is not None:
         info = engine.info
         args.json.write_text(json.dumps({"rows": rows, "target": info.target_name, "draft": info.draft_name,
-                                         "device": info.device, "dtype": info.dtype, "k": cli.k,
+                                         "device": info.device, "dtype": info.dtype, "runtime": info.runtime,
+                                         "threads": info.threads, "environment": environment(engine), "k": cli.k,
                                          "temperature": cli.temperature, "top_k": cli.top_k, "top_p": cli.top_p,
                                          "proposer": cli.proposer, "max_new_tokens": args.max_new_tokens},
                                         indent=2) + "\n", encoding="utf-8")

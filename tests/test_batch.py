@@ -38,6 +38,10 @@ def test_batched_forward_equals_the_model_per_row(engine):
     decoder.rollback(0, 5)  # stale slots past a rollback are masked, then overwritten
     (again,) = decoder.forward([Part(0, tuple(a[5:]))])
     torch.testing.assert_close(again, ref_a[5:], atol=1e-4, rtol=1e-4)
+    decoder.rollback(0, 5)
+    last, whole = decoder.forward([Part(0, tuple(a[5:]), outputs=1), Part(1, tuple(b))])  # only the rows read
+    torch.testing.assert_close(last, ref_a[-1:], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(whole, ref_b, atol=1e-4, rtol=1e-4)
 
 
 REQUESTS = [

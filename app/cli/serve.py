@@ -45,7 +45,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     s.add_argument("--api-key", type=_api_key, default=None,
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: no key)")
     s.add_argument("--max-seqs", type=_count, default=4,
-                   help="sequences (greedy or sampled) decoded together in one batch (default 4; torch runtime)")
+                   help="sequences (greedy or sampled) decoded together in one batch (default 4)")
     s.add_argument("--queue", type=_queue, default=16,
                    help="requests that may wait beyond --max-seqs; one more is answered 429 (default 16)")
     s.add_argument("--served-model-name", default=None,

@@ -1,6 +1,8 @@
 """The batched step: every active sequence drafts, then the target verifies all of their drafts in one forward.
 
-A sequence is one request with its own cache rows (target and draft: engine/runners/batched.py), its
+The models are reached through one seam, BatchedForward (engine/runners/batched.py): on torch, rows of
+the lean decoder's KV cache; on llama.cpp, sequences of a multi-sequence context (llamacpp_batch.py). All
+that follows is the same for both. A sequence is one request with its own cache rows (target and draft), its
 own K (from its controller: 0 is a standard step, so standard and speculative sequences mix in one
 batch), its own proposers (the draft model, n-gram lookup, or both), its own sampling and its own
 random generator. One `round()`:
@@ -19,7 +21,8 @@ random generator. One `round()`:
 5. Commit and roll back each row to exactly the committed prefix; cut at EOS / max_new_tokens; describe
    each sequence's Step as the single-sequence loop does (statuses, q, p, text).
 
-Exactness. Greedy in float32: a sequence's tokens equal the single-sequence loop's. Sampled: every
+Exactness. Greedy in float32: a sequence's tokens equal the single-sequence loop's (on llama.cpp: as far
+as its kernels give a row the same argmax whatever else is in its batch). Sampled: every
 random draw of a sequence comes from its own generator (seeded by its request), in an order set by its
 own decisions only, so with a fixed K it answers in a batch exactly what it answers alone in the batch,
 whoever its neighbours are. It does not reproduce the single-sequence loop's tokens for the same seed
@@ -52,7 +55,9 @@ from engine.decoding.proposers import Offer
 from engine.decoding.sampling import accept_draft, display_probs, draw, process
 from engine.limits import K_MAX, widest_draft
 from engine.measure.stats import summarize
-from engine.runners.batched import BatchedDecoder, Part, RowCosts
+from engine.runners.batched import BatchedDecoder, BatchedForward, Part, RowCosts
+from engine.runners.llamacpp import LlamaCppRunner
+from engine.runners.llamacpp_batch import LlamaCppBatch
 from engine.runners.lean import PREFILL_CHUNK, LeanDecoder, UnsupportedModelError
 from engine.types import Decision, DraftSource, GenerationRequest, Step, StopReason, Summary, TokenView
 
@@ -99,22 +104,16 @@ class Drafted:
 
 
 class BatchEngine:
-    """Decodes up to `slots` sequences together on an Engine's torch models."""
+    """Decodes up to `slots` sequences together on an Engine's models (torch, or llama.cpp's runners)."""
 
     def __init__(self, engine, slots: int) -> None:
-        """engine: a loaded engine.decoding.Engine on the torch runtime (raises UnsupportedModelError otherwise)."""
-        if engine.target is None:
-            raise UnsupportedModelError(f"Batched decoding needs torch models, not the {engine.info.runtime} runtime.")
+        """engine: a loaded engine.decoding.Engine (raises UnsupportedModelError where its models cannot batch)."""
         self.engine = engine
         max_length = engine.target_runner.max_length
-        shared = getattr(engine.target_runner, "decoder", None)
-        self.target = BatchedDecoder(engine.target, max_length, slots,
-                                     shared if isinstance(shared, LeanDecoder) else None)
-        self.draft: BatchedDecoder | None = None
-        if engine.draft is not None:
-            shared = getattr(engine.draft_runner, "decoder", None)
-            self.draft = BatchedDecoder(engine.draft, max_length, slots,
-                                        shared if isinstance(shared, LeanDecoder) else None)
+        self.target = batched_forward(engine.target, engine.target_runner, slots, max_length)
+        self.draft: BatchedForward | None = None
+        if engine.draft_runner is not None:
+            self.draft = batched_forward(engine.draft, engine.draft_runner, slots, max_length)
         self.free = list(range(slots))
         self.active: list[Sequence] = []
         self.costs = RowCosts(RATE)  # what this batch's verifies cost by their rows (as the controller averages)
@@ -160,6 +159,7 @@ class BatchEngine:
         decoders = [self.target] + ([self.draft] if "draft" in seq.sources else [])
         for decoder in decoders:
             decoder.reset(slot)
+            decoder.reserve(slot, len(prompt))
             for i in range(0, len(prompt) - 1, PREFILL_CHUNK):
                 decoder.forward([Part(slot, tuple(prompt[i: min(i + PREFILL_CHUNK, len(prompt) - 1)]))], logits=False)
         seq.draft_len = len(prompt) - 1 if "draft" in seq.sources else 0
@@ -264,7 +264,7 @@ class BatchEngine:
         feed = {id(s): tuple(s.context[s.draft_len:]) for s in seqs}  # what each draft row lacks, pending last
         active = list(seqs)
         while active:
-            logits = self.draft.forward([Part(s.slot, feed[id(s)]) for s in active])
+            logits = self.draft.forward([Part(s.slot, feed[id(s)], outputs=1) for s in active])  # [1, V] each
             picked = []
             for s, lg in zip(active, logits):
                 s.draft_len += len(feed[id(s)])
@@ -380,16 +380,33 @@ class BatchEngine:
 
     def drop(self, s: Sequence) -> None:
         """Takes a sequence out without a summary (its round failed)."""
-        self.active.remove(s)
-        self.free.append(s.slot)
+        self._release(s)
 
     def _finish(self, s: Sequence, stop: StopReason) -> None:
         s.controller.finish()
         s.summary = summarize(s.steps, mode=s.request.mode, k=s.request.k if s.request.mode == "speculative" else 0,
                               prompt_tokens=len(s.prompt), seconds=time.perf_counter() - s.t0, stop_reason=stop,
                               draft_forwards=s.draft_forwards, prefill_s=s.prefill_s)
+        self._release(s)
+
+    def _release(self, s: Sequence) -> None:
+        """Its rows are emptied now (llama.cpp's cells go back to the pool its neighbours share) and free."""
+        for decoder in (self.target, self.draft):
+            if decoder is not None:
+                decoder.reset(s.slot)
         self.active.remove(s)
         self.free.append(s.slot)
+
+
+def batched_forward(model: torch.nn.Module | None, runner, slots: int, max_length: int) -> BatchedForward:
+    """One model's batched forward: llama.cpp's multi-sequence batches beside a llama.cpp runner, the lean
+    decoder's cache rows for a torch model (its fused weights shared with the runner's lean decoder, if any)."""
+    if isinstance(runner, LlamaCppRunner):
+        return LlamaCppBatch(runner, slots, max_length)
+    if model is None:
+        raise UnsupportedModelError(f"Batched decoding cannot run on the {runner.name} runner; serving one at a time.")
+    shared = getattr(runner, "decoder", None)
+    return BatchedDecoder(model, max_length, slots, shared if isinstance(shared, LeanDecoder) else None)
 
 
 def priced(costs: RowCosts, lone: StepCosts, others: int) -> StepCosts:

@@ -1,14 +1,19 @@
-"""Several sequences in one forward: the lean decoder's weights over a KV cache with one row per sequence.
+"""Several sequences in one forward: the batched-forward seam, and its torch implementation over the lean
+decoder's weights.
 
-Each sequence owns a cache row (`slot`) and its own length. One forward takes every sequence's new
-tokens at once — a standard step's one token, a speculative step's pending token and K drafts, a
-catch-up's few — flattened into [N] rows: the linear layers (where the weights stream) run once over
-all N rows, attention runs per sequence against its own row with the causal mask over its positions.
-Rollback is moving a row's length back (stale slots are masked and overwritten later), as lean.py.
+BatchedForward is all the batched step (engine/decoding/batch.py) asks of a model; llamacpp_batch.py is its
+other implementation, on llama.cpp's own multi-sequence batches. Here, each sequence owns a row (`slot`) of
+one KV cache and its own length. One forward takes every sequence's new tokens at once — a standard step's
+one token, a speculative step's pending token and K drafts, a catch-up's few — flattened into [N] rows: the
+linear layers (where the weights stream) run once over all N rows, attention runs per sequence against its
+own row with the causal mask over its positions. Rollback is moving a row's length back (stale slots are
+masked and overwritten later), as lean.py.
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +29,27 @@ class Part:
 
     slot: int  # its cache row
     ids: tuple[int, ...]  # tokens appended at positions length .. length + len(ids) - 1
+    outputs: int | None = None  # logits for its last `outputs` positions only (a draft step reads one); None: all
+
+
+class BatchedForward(Protocol):
+    """One forward over several sequences' new tokens, each sequence in its own cache row (slot)."""
+
+    max_length: int  # most tokens one row holds
+    slots: int  # rows: sequences decoded at once
+
+    def reset(self, slot: int) -> None:
+        """Empties a row for a new sequence."""
+
+    def reserve(self, slot: int, length: int) -> None:
+        """After reset(): room in the row for a prompt of `length` tokens and an answer (as Runner.reserve)."""
+
+    def rollback(self, slot: int, length: int) -> None:
+        """Keeps the row's first `length` tokens and forgets the rest."""
+
+    def forward(self, parts: list[Part], logits: bool = True) -> list[torch.Tensor]:
+        """Appends every part's ids to its row; each part's float32 logits [outputs or W, V], in order, valid
+        until the next forward (logits=False, a prefill: none)."""
 
 
 class RowCosts:
@@ -79,6 +105,9 @@ class BatchedDecoder:
     def reset(self, slot: int) -> None:
         self.lengths[slot] = 0
 
+    def reserve(self, slot: int, length: int) -> None:
+        """The cache is allocated whole: nothing to do."""
+
     def rollback(self, slot: int, length: int) -> None:
         assert 0 <= length <= self.lengths[slot], f"cannot roll row {slot} back to {length}"
         self.lengths[slot] = length
@@ -133,6 +162,11 @@ class BatchedDecoder:
             self.lengths[part.slot] += w
         if not logits:
             return []
+        counts = [w if p.outputs is None else min(p.outputs, w) for p, w in zip(parts, widths)]
+        if counts != widths:  # only the rows someone reads go through the output head
+            ends = itertools.accumulate(widths)  # each part's last row + 1 in the flat batch
+            keep = torch.cat([torch.arange(e - k, e) for e, k in zip(ends, counts)]).to(self.device)
+            x = x.index_select(0, keep)  # [sum(counts), hidden]
         x = _rms_norm(x, lean.norm, c.eps)
-        out_logits = F.linear(x, lean.lm_head, lean.lm_bias).float()  # [N, V]
-        return list(out_logits.split(widths))
+        out_logits = F.linear(x, lean.lm_head, lean.lm_bias).float()  # [sum(counts), V]
+        return list(out_logits.split(counts))

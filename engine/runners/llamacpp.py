@@ -3,6 +3,8 @@
 One llama_context per model with one sequence (id 0). forward() feeds a llama_batch that asks for
 logits at every position and hands back llama.cpp's own logits buffer as a torch tensor without a
 copy; rollback removes the KV cells at positions >= the committed length (llama_memory_seq_rm).
+The server's batched step makes a second context of several sequences on the same model
+(llamacpp_batch.py).
 llama.cpp's calls release the GIL (ctypes), so the UI thread keeps running while a model decodes.
 """
 from __future__ import annotations
@@ -111,7 +113,7 @@ def _on_log(level: int, text: bytes, _user: ctypes.c_void_p) -> None:
         log.log(_last_level, "llama.cpp: %s", line)
 
 
-def _last_error() -> str:
+def last_error() -> str:
     """The last thing llama.cpp said, for an error message (it reports reasons only in its log)."""
     for level, line in reversed(_recent_log):
         if level >= logging.WARNING:
@@ -176,7 +178,7 @@ class LlamaCppRunner:
         mparams.use_extra_bufts = self.repack
         model = lib.llama_model_load_from_file(str(path).encode(), mparams)
         if not model:
-            raise ModelLoadError(f"llama.cpp could not load {path}: {_last_error()}.")
+            raise ModelLoadError(f"llama.cpp could not load {path}: {last_error()}.")
         self._model = model
         vocab = lib.llama_model_get_vocab(model)
         self.model_handle, self.vocab_handle = model, vocab  # for the tokenizer (llamacpp_tokenizer.py)
@@ -268,6 +270,11 @@ class LlamaCppRunner:
         self.batch_threads = self._cparams.n_threads_batch = max(1, int(batch or threads))
         self._lib.llama_set_n_threads(self._ctx, self.threads, self.batch_threads)
 
+    def context_params(self) -> ctypes.Structure:
+        """A copy of this runner's llama_context_params (threads, KV type, flash attention, batch sizes): a
+        context of several sequences on the same model starts from them (llamacpp_batch.py)."""
+        return type(self._cparams).from_buffer_copy(self._cparams)
+
     def kv_length(self) -> int:
         """Tokens llama.cpp itself holds for the sequence (its largest position + 1)."""
         return int(self._lib.llama_memory_seq_pos_max(self._memory, 0)) + 1
@@ -311,7 +318,7 @@ class LlamaCppRunner:
         if status != 0:
             # 1: no KV slot; < 0: invalid batch or a failed compute. The cache is as before the call.
             raise GenerationError(f"llama.cpp could not decode {n} tokens of {self.label} "
-                                  f"(status {status}: {_last_error()}).")
+                                  f"(status {status}: {last_error()}).")
         self.length += n
         self._tokens.extend(tokens)
 
@@ -347,11 +354,11 @@ class LlamaCppRunner:
             if ctx:
                 self.kv_type, self.kv_type_id = kv, _KV_TYPES[kv]
                 break
-            log.info("llama.cpp: no %s KV cache for %s (%s)", kv, self.label, _last_error())
+            log.info("llama.cpp: no %s KV cache for %s (%s)", kv, self.label, last_error())
         if not ctx:
             self.close()
             raise ModelLoadError(f"llama.cpp could not create a context for {self.path} "
-                                 f"({cells} tokens): {_last_error()}.")
+                                 f"({cells} tokens): {last_error()}.")
         self._ctx = ctx
         self._memory = lib.llama_get_memory(ctx)
         self.cells = int(lib.llama_n_ctx(ctx))

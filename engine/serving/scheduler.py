@@ -6,15 +6,15 @@ callback: `("step", Step)` per round, then exactly one terminal event, `("done",
 `("error", message)`. A ticket's `cancel` Event is the engine's own: setting it ends the generation
 between two steps.
 
-Requests on the torch runtime, greedy or sampled, standard, speculative (a fixed K or K auto) or auto
-mode, drafting from the draft model, n-gram lookup or both, are decoded together, up to max_seqs at
-once, by the batched step (engine/decoding/batch.py): one target forward verifies every sequence's
-drafts, each sequence with its own K, sampling and random generator. The rest (the draft head, auto
-mode with a head loaded, engine-side stop strings, the llama.cpp runtime, a model the batched forward
-cannot take) runs through the single-sequence loop, one at a time, a step of it between two batched
-rounds. A sampled answer from the batch follows the target's law but not the loop's exact tokens for
-the same seed (the random draws come in another order); with a fixed K it is the same answer whatever
-else is in the batch.
+Requests greedy or sampled, standard, speculative (a fixed K or K auto) or auto mode, drafting from the
+draft model, n-gram lookup or both, are decoded together, up to max_seqs at once, by the batched step
+(engine/decoding/batch.py), on torch models and on the llama.cpp runtime alike (its multi-sequence
+batches): one target forward verifies every sequence's drafts, each sequence with its own K, sampling and
+random generator. The rest (the draft head, auto mode with a head loaded, engine-side stop strings, a
+model the batched forward cannot take) runs through the single-sequence loop, one at a time, a step of it
+between two batched rounds. A sampled answer from the batch follows the target's law but not the loop's
+exact tokens for the same seed (the random draws come in another order); with a fixed K it is the same
+answer whatever else is in the batch.
 """
 from __future__ import annotations
 
@@ -71,7 +71,8 @@ class Scheduler:
     def __init__(self, engine: Engine, *, max_seqs: int = 4, queue_size: int = 16, batched: bool = True) -> None:
         """max_seqs: sequences decoded together; queue_size: admitted requests beyond them that wait.
         batched: decode the requests the batch takes together (engine/decoding/batch.py, BatchEngine.supports)
-        where the engine's models allow it (torch, one device); the rest, and every request otherwise, one at a time."""
+        where the engine's models allow it (torch on one device, or llama.cpp); the rest, and every request
+        otherwise, one at a time."""
         assert max_seqs >= 1 and queue_size >= 0, "max_seqs >= 1, queue_size >= 0"
         self.engine = engine
         self.batch: BatchEngine | None = None
