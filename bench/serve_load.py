@@ -140,7 +140,7 @@ def main() -> int:
                         if i is None:
                             return
                         if i % 50 == 25:  # now and then a bad request beside the good ones (4 in 200)
-                            bad = BAD[i % len(BAD)]
+                            bad = BAD[(i // 50) % len(BAD)]  # malformed JSON, then an unknown model
                             path = "/v1/chat/completions" if "content" in bad else "/v1/completions"
                             headers = {"content-type": "application/json"}
                             bad_status.append(own.post(f"{url}{path}", headers=headers, **bad).status_code)
