@@ -1,8 +1,6 @@
 """Dynamic draft trees (engine/heads/tree.py): lossless greedy output, the sampling law, whole trees, caches."""
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
@@ -15,24 +13,12 @@ from engine.runners.tree import Tree, TreeDraft
 from engine.types import GenerationRequest, Message, Sampling
 from tests.head_fixtures import head_engine
 from tests.test_decoding import check_sampling_law
-
-WORDS = ["def", "add", "quick", "fox", "快速", "排序", "🙂", "hello", "world", "(a, b)", "return", "\n"]
+from tests.test_head_decoding import _messages, _run
 
 
 @pytest.fixture(scope="module")
 def engine(tiny_head):
     return head_engine(tiny_head.target, tiny_head.head, static=True)
-
-
-def _messages(seed: int) -> tuple[Message, ...]:
-    rng = random.Random(seed)
-    return (Message("user", " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 10)))),)
-
-
-def _run(engine, **kw):
-    gen = engine.generate(GenerationRequest(**kw))
-    steps = list(gen)
-    return gen, steps
 
 
 def _branches(steps) -> int:

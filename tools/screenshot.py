@@ -4,7 +4,7 @@ or of the "Train a draft head" dialog showing the training log of the head in us
     .venv/bin/python tools/screenshot.py --real --tune --tune-prompts 2 --max-new-tokens 16 --out assets/screenshot-tune.png
     .venv/bin/python tools/screenshot.py --real --runtime torch --train-dialog --out assets/screenshot-train.png
     .venv/bin/python tools/screenshot.py --remote http://127.0.0.1:8000/v1 --max-new-tokens 48 --out assets/screenshot-remote.png
-    .venv/bin/python tools/screenshot.py --proposer head --mode auto --english --tokens --hover-branch --out assets/screenshot-tree.png
+    .venv/bin/python tools/screenshot.py --proposer head --mode auto --tokens --hover-branch --out assets/screenshot-tree.png
 """
 from __future__ import annotations
 
@@ -20,23 +20,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 PROMPT = "用中文解释快速排序，然后 show me a short Python version."
-# --english: the same demo without Chinese, for a machine without a CJK font (its glyphs would be boxes).
-ENGLISH_PROMPT = "Explain quicksort, then show me a short Python version."
-ENGLISH_ANSWER = (
-    "Quicksort is a divide-and-conquer algorithm: pick a pivot, then split the list into the items below it "
-    "and the rest.\nHere is a short, readable Python version:\n\n"
-    "```python\n"
-    "def quicksort(items: list[int]) -> list[int]:\n"
-    "    if len(items) <= 1:\n"
-    "        return items\n"
-    "    pivot, *rest = items\n"
-    "    left = [x for x in rest if x < pivot]\n"
-    "    right = [x for x in rest if x >= pivot]\n"
-    "    return quicksort(left) + [pivot] + quicksort(right)\n"
-    "```\n\n"
-    "On average it takes O(n log n) time, O(n^2) at worst. The drafter guesses most of the boilerplate, "
-    "and the target only corrects the interesting tokens."
-)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -71,15 +54,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--remote", default="", metavar="URL",
                    help="chat through this OpenAI-compatible server instead of loading models (e.g. a running serve)")
     p.add_argument("--remote-model", default="", help="the model to ask the --remote server for (default: its first)")
-    p.add_argument("--english", action="store_true",
-                   help="scripted engine: an answer (and a default prompt) without Chinese, for a machine "
-                        "without a CJK font")
     p.add_argument("--tokens", action="store_true", help="show the finished answer's coloured tokens, not its markdown")
     p.add_argument("--hover-branch", action="store_true",
                    help="with --tokens: hover the first token a draft tree's branch brought and grab its tooltip too")
     args = p.parse_args(argv)
-    if args.english and args.prompt == PROMPT:
-        args.prompt = ENGLISH_PROMPT
     logging.basicConfig(level=logging.INFO)
 
     import os
@@ -110,8 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.real:
         window = MainWindow(settings=settings)
     else:
-        answer = ENGLISH_ANSWER if args.english else ScriptedEngine.text
-        window = MainWindow(engine_factory=lambda _r, _p: ScriptedEngine(text=answer, delay_s=0.02, acceptance=0.88),
+        window = MainWindow(engine_factory=lambda _r, _p: ScriptedEngine(delay_s=0.02, acceptance=0.88),
                             settings=settings)
     width, height = (int(v) for v in args.size.split("x"))
     window.resize(width, height)
