@@ -22,7 +22,7 @@ def curve(lines: list[dict]) -> list[dict]:
     trained on so far (a continued run's counts added to the runs before it), and acceptance by position."""
     written, trained, before, points = 0, 0, 0, []
     for record in lines:
-        kind = record.get("kind")
+        kind = record.get("kind") if isinstance(record, dict) else None
         if kind == "data":
             written += int(record.get("answer_tokens", 0))
         elif kind == "continue":
@@ -30,8 +30,8 @@ def curve(lines: list[dict]) -> list[dict]:
         elif kind == "train":
             trained = before + int(record.get("tokens", 0))
         elif kind == "eval" and record.get("step", 0) > 0:
-            points.append({"answer_tokens": written, "trained_tokens": trained, "step": record["step"],
-                           "acceptance": record["acceptance"]})
+            points.append({"answer_tokens": written, "trained_tokens": trained, "step": int(record["step"]),
+                           "acceptance": [float(a) for a in record["acceptance"]]})
     return points
 
 
@@ -72,10 +72,10 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     try:
         lines = [json.loads(line) for line in args.log.read_text(encoding="utf-8").splitlines() if line.strip()]
-    except (OSError, ValueError) as e:
-        print(f"head_curve: cannot read {args.log}: {e}", file=sys.stderr)
+        points = curve(lines)
+    except (OSError, ValueError, TypeError) as e:  # unreadable, not JSON lines, or counts that are not numbers
+        print(f"head_curve: cannot read {args.log} as a training log: {e}", file=sys.stderr)
         return 2
-    points = curve(lines)
     if not points:
         print(f"head_curve: {args.log} holds no held-out evaluation after training began", file=sys.stderr)
         return 2

@@ -22,14 +22,16 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from app.cli import options as opt  # noqa: E402
 from app.cli.common import CliError, environment, load_engine, request_for  # noqa: E402
 from app.cli.parser import build_parser  # noqa: E402
+from engine.errors import EngineError  # noqa: E402
 
 
 def parse_config(text: str, k: int) -> tuple[str, str, int]:
-    """'d48@8' -> (label, tree, K)."""
+    """'d48@8' -> (label, tree, K), each part checked as the CLI checks --tree and --k (ArgumentTypeError)."""
     tree, _, depth = text.partition("@")
-    return text, tree, int(depth) if depth else k
+    return text, opt.tree(tree), opt.k(depth) if depth else k
 
 
 def use_tree(engine, tree: str, frontier: int) -> None:
@@ -54,10 +56,18 @@ def main(argv: list[str] | None = None) -> int:
     from engine.measure.bench import compare_outputs
     from engine.measure.experiment import read_prompts, record_run, totals
 
-    prompts = read_prompts(Path(args.prompts))
-    configs = [parse_config(c.strip(), args.k) for c in own.trees.split(",") if c.strip()]
-    started = time.perf_counter()
-    engine = load_engine(args, needs_draft=False, needs_head=True)
+    try:
+        configs = [parse_config(c.strip(), args.k) for c in own.trees.split(",") if c.strip()]
+        if not configs:
+            raise argparse.ArgumentTypeError("--trees names no configuration")
+        prompts = read_prompts(Path(args.prompts))
+        started = time.perf_counter()
+        engine = load_engine(args, needs_draft=False, needs_head=True)
+        for _, tree, _ in configs:  # each one set once before any run: one that cannot be says so now
+            use_tree(engine, tree, args.tree_frontier)
+    except (argparse.ArgumentTypeError, EngineError) as e:
+        print(f"tree_sweep: {e}", file=sys.stderr)
+        return 2
     print(f"loaded in {time.perf_counter() - started:.1f} s: {engine.info.fast_path}, head {engine.info.head_name}",
           flush=True)
     args.raw = False
