@@ -7,7 +7,7 @@ import pytest
 import torch
 from scipy import stats as scipy_stats
 
-from engine.decoding import batch as batch_module
+from engine.decoding import verify as verify_module  # the acceptance rule the batch verifies with
 from engine.decoding.batch import BatchEngine
 from engine.decoding.ngram import NgramProposer
 from engine.decoding.sampling import accept_draft, draw, process
@@ -92,7 +92,7 @@ def test_batched_speculative_sampling_keeps_the_targets_processed_law(engine, mo
             p = process(engine.target(torch.tensor([ids])).logits[0, -1].float(), SAMPLING)
         assert 0.2 < p[draft.match(3)[0][0]] < 0.7, "the test needs an n-gram draft the target may reject"
     if rule == "correction_from_p":
-        monkeypatch.setattr(batch_module, "accept_draft", _correction_from_p)
+        monkeypatch.setattr(verify_module, "accept_draft", _correction_from_p)
     # The wrong rule's bias shows with fewer seeds: plainly for n-gram's point masses, less for the draft's q.
     trials = TRIALS if rule == "leviathan" else {"draft": 1536, "ngram": 768}[proposer]
     pvalue = _pvalue(_exact(engine, ids), _batched_counts(engine, ids, proposer, trials))

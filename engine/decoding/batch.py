@@ -52,7 +52,8 @@ from engine.decoding.control import RATE, AdaptiveK, KController, StepCosts, Tun
 from engine.decoding.detok import Detokenizer
 from engine.decoding.ngram import NgramProposer
 from engine.decoding.proposers import Offer
-from engine.decoding.sampling import accept_draft, display_probs, draw, process
+from engine.decoding.sampling import draw, process
+from engine.decoding.verify import verify_chain
 from engine.limits import K_MAX, widest_draft
 from engine.measure.stats import summarize
 from engine.runners.batched import BatchedDecoder, BatchedForward, Part, RowCosts
@@ -288,29 +289,18 @@ class BatchEngine:
             active = [s for s in active if len(drafted[id(s)].tokens) < decisions[id(s)].k]
 
     def _verify(self, s: Sequence, d: Drafted, logits: torch.Tensor) -> torch.Tensor:
-        """One sequence's acceptance from the target's logits [n+1, V], on the device, with its own generator.
+        """One sequence's acceptance from the target's logits [n+1, V], on the device, with its own generator: the
+        loop's verify_chain (no drafts: a standard step, the target's token from its processed law).
 
-        Returns [2n + 3]: p(x) shown, accept prob (per draft), accepted, added, p(added) shown.
-        """
-        sampling, n, device = s.request.sampling, len(d.tokens), logits.device
-        p = process(logits, sampling)  # [n+1, V] (greedy: one-hot on the argmax)
-        shown = display_probs(logits, p, sampling)  # [n+1, V]
-        draft = torch.tensor(d.tokens, dtype=torch.long, device=device)  # [n]
-        if n:
-            q = torch.stack(d.q_rows).to(device) if d.q_rows else None  # [n, V]; None: point masses
-            accepted, added, accept_prob = accept_draft(draft, q, p, sampling.greedy, s.generator)
-        else:  # a standard step: the target's token from its processed distribution
-            accepted = torch.zeros((), dtype=torch.long, device=device)
-            added = p[0].argmax() if sampling.greedy else draw(p[:1], s.generator)[0]
-            accept_prob = torch.zeros(0, device=device)
-        p_x = shown[torch.arange(n, device=device), draft]  # [n]
-        added_p = shown[accepted.view(1), added.view(1)]  # [1]
-        return torch.cat([p_x, accept_prob.float(), torch.stack([accepted.float(), added.float()]), added_p])
+        Returns verify_chain's [4n + 3]: drafts, q(x), p(x), accept prob, accepted, added, p(added)."""
+        draft = torch.tensor(d.tokens, dtype=torch.long, device=logits.device)  # [n]
+        q = torch.stack(d.q_rows).to(logits.device) if d.q_rows else None  # [n, V]; None: point masses
+        return verify_chain(logits, draft, q, None, s.request.sampling, s.generator)
 
     def _commit(self, s: Sequence, d: Drafted, values: list[float], decision: Decision, draft_ms: float,
                 verify_ms: float, wall_ms: float) -> Step:
         eng, n = self.engine, len(d.tokens)
-        accepted, added = int(values[2 * n]), int(values[2 * n + 1])
+        accepted, added = int(values[4 * n]), int(values[4 * n + 1])
         committed = d.tokens[:accepted] + [added]
         stop: StopReason | None = None
         cut = len(committed)
@@ -351,7 +341,7 @@ class BatchEngine:
         source = decision.source
         n_shown = kept if len(committed) <= accepted else n
         shown = d.tokens[:n_shown]
-        p_shown, accept_prob = values[:n_shown], values[n: n + n_shown]
+        p_shown, accept_prob = values[2 * n: 2 * n + n_shown], values[3 * n: 3 * n + n_shown]
         views, rejected, pieces = [], [], []
         for i, tok in enumerate(shown):
             common = dict(token_id=tok, step=index, draft_pos=i, q=d.q_shown[i], p=p_shown[i],
@@ -370,7 +360,7 @@ class BatchEngine:
             piece = s.detok.push(added)
             pieces.append(piece)
             views.append(TokenView(token_id=added, text=piece, status=status, step=index, draft_pos=None, q=None,
-                                   p=values[2 * n + 2], accept_prob=None))
+                                   p=values[4 * n + 2], accept_prob=None))
         return Step(index=index, mode="speculative" if decision.k else "standard",
                     proposed=tuple(shown), proposed_q=tuple(d.q_shown[:n_shown]), proposed_p=tuple(p_shown),
                     sources=(source,) * n_shown if source else (), accepted=kept, added=added,  # type: ignore[arg-type]
