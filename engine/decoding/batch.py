@@ -49,9 +49,11 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from engine.decoding.control import RATE, AdaptiveK, KController, StepCosts, TuningMemory
+from engine.decoding.describe import describe_step, with_text
 from engine.decoding.detok import Detokenizer
 from engine.decoding.ngram import NgramProposer
-from engine.decoding.proposers import Offer
+from engine.decoding.outcome import Launched, RoundResult
+from engine.decoding.proposers import Offer, Proposal
 from engine.decoding.sampling import draw, process
 from engine.decoding.verify import verify_chain
 from engine.limits import K_MAX, widest_draft
@@ -60,7 +62,7 @@ from engine.runners.batched import BatchedDecoder, BatchedForward, Part, RowCost
 from engine.runners.llamacpp import LlamaCppRunner
 from engine.runners.llamacpp_batch import LlamaCppBatch
 from engine.runners.lean import PREFILL_CHUNK, LeanDecoder, UnsupportedModelError
-from engine.types import Decision, DraftSource, GenerationRequest, Step, StopReason, Summary, TokenView
+from engine.types import Decision, DraftSource, GenerationRequest, Step, StopReason, Summary
 
 MIN_MATCH = 2  # speculative draft+ngram drafts by n-gram on a match this long (CombinedProposer's min_match)
 
@@ -323,50 +325,35 @@ class BatchEngine:
         if s.ngram is not None:
             s.ngram.commit(None, kept, committed)  # type: ignore[arg-type]  # n-gram ignores the proposal
         s.controller.observe(decision, n, accepted, draft_ms, verify_ms, wall_ms)
-        step = self._describe(s, d, values, kept, committed, accepted, decision, draft_ms, verify_ms)
+        step = self._describe(s, d, values, kept, committed, decision, draft_ms, verify_ms)
         s.token_ids += committed
-        step = replace(step, total_tokens=len(s.token_ids))
         s.steps.append(step)
         if stop is None and len(s.token_ids) >= s.max_new:
             stop = s.stop_reason
         if stop is not None:
-            step = _end(step, s.detok.flush(), stop)
+            # The detokenizer's pending bytes go to the last committed token, as the loop's last step does.
+            step = replace(with_text(step, step.text + s.detok.flush()), stop_reason=stop)
             s.steps[-1] = step
             self._finish(s, stop)
         return step
 
     def _describe(self, s: Sequence, d: Drafted, values: list[float], kept: int, committed: list[int],
-                  accepted: int, decision: Decision, draft_ms: float, verify_ms: float) -> Step:
-        index, n = len(s.steps), len(d.tokens)
-        source = decision.source
-        n_shown = kept if len(committed) <= accepted else n
-        shown = d.tokens[:n_shown]
-        p_shown, accept_prob = values[2 * n: 2 * n + n_shown], values[3 * n: 3 * n + n_shown]
-        views, rejected, pieces = [], [], []
-        for i, tok in enumerate(shown):
-            common = dict(token_id=tok, step=index, draft_pos=i, q=d.q_shown[i], p=p_shown[i],
-                          accept_prob=accept_prob[i], source=source)
-            if i < kept:
-                piece = s.detok.push(tok)
-                pieces.append(piece)
-                views.append(TokenView(text=piece, status="accepted", **common))
-            else:
-                rejected.append(TokenView(text=s.detok.peek(tok), status="rejected", **common))
-        views.extend(rejected)  # shown before the correction that replaces them
-        added = status = None
-        if len(committed) > kept:
-            added = committed[kept]
-            status = "target" if not n else ("bonus" if accepted == n else "corrected")
-            piece = s.detok.push(added)
-            pieces.append(piece)
-            views.append(TokenView(token_id=added, text=piece, status=status, step=index, draft_pos=None, q=None,
-                                   p=values[4 * n + 2], accept_prob=None))
-        return Step(index=index, mode="speculative" if decision.k else "standard",
-                    proposed=tuple(shown), proposed_q=tuple(d.q_shown[:n_shown]), proposed_p=tuple(p_shown),
-                    sources=(source,) * n_shown if source else (), accepted=kept, added=added,  # type: ignore[arg-type]
-                    added_status=status, tokens=tuple(views), text="".join(pieces), new_tokens=len(committed),
-                    total_tokens=0, draft_ms=draft_ms, verify_ms=verify_ms, elapsed_s=time.perf_counter() - s.t0,
-                    decision=decision)
+                  decision: Decision, draft_ms: float, verify_ms: float) -> Step:
+        """The Step as the single-sequence loop describes one (engine/decoding/describe.py), from this round's
+        verify_chain outcome read back on the host."""
+        n = len(d.tokens)
+        result = RoundResult(proposed=d.tokens, q_shown=d.q_shown, p_shown=values[2 * n: 3 * n],
+                             accept_prob=values[3 * n: 4 * n], accepted=int(values[4 * n]),
+                             added=int(values[4 * n + 1]), added_p=values[4 * n + 2], draft_ms=draft_ms,
+                             verify_ms=verify_ms)
+        proposal = None
+        if decision.k:
+            proposal = Proposal(tokens=torch.tensor(d.tokens, dtype=torch.long), q=None,
+                                sources=(decision.source,) * n, forwards=n)  # type: ignore[arg-type]
+        launched = Launched(torch.tensor(values), n, proposal, decision, None, ())
+        step, _ = describe_step(len(s.steps), result, committed, kept, launched, s.detok, s.t0, 0.0,
+                                len(s.token_ids) + len(committed))
+        return step
 
     def drop(self, s: Sequence) -> None:
         """Takes a sequence out without a summary (its round failed)."""
@@ -402,13 +389,3 @@ def batched_forward(model: torch.nn.Module | None, runner, slots: int, max_lengt
 def priced(costs: RowCosts, lone: StepCosts, others: int) -> StepCosts:
     """`lone` for a sequence verifying w = 1..K_MAX+1 tokens beside `others` rows of its neighbours."""
     return replace(lone, target_ms=(0.0, *(costs.ms(lone.target_ms, others + w) for w in range(1, K_MAX + 2))))
-
-
-def _end(step: Step, tail: str, stop: StopReason) -> Step:
-    """The last step: the detokenizer's pending bytes go to its last committed token, and why it stopped."""
-    if tail:
-        views = list(step.tokens)
-        last = max(i for i, v in enumerate(views) if v.status != "rejected")
-        views[last] = replace(views[last], text=views[last].text + tail)
-        step = replace(step, text=step.text + tail, tokens=tuple(views))
-    return replace(step, stop_reason=stop)
