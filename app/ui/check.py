@@ -13,7 +13,7 @@ from app.core.failures import generation_error_message
 from app.core.session import PROPOSER_LABELS, load_request_for
 from engine.errors import GenerationError
 from engine.loadspec import LoadSpec
-from engine.measure.check_types import CandidateCheck, CheckReport
+from engine.measure.check_types import STOPPED, CandidateCheck, CheckReport
 from engine.settings import GenerationSettings, ModelSelection
 from engine.types import GenerationRequest, ModelInfo, Sampling, Summary
 
@@ -21,8 +21,6 @@ if TYPE_CHECKING:  # torch: imported when a check runs, not with the window
     from engine.decoding import Engine
 
 log = logging.getLogger(__name__)
-
-STOPPED = "The draft check was stopped."  # engine.measure.check says the same when the app closes
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,7 @@ from engine.limits import K_MAX, PROBE_TOKENS, TREE_K_MAX
 from engine.measure.check_load import DraftUnderTest, engine_draft, load_drafts, params_of
 from engine.measure.check_math import NO_ROUNDS, Rounds, agreement, chained, kl_divergence, point_mass, rounds
 from engine.measure.check_price import price_chain, price_head, price_ngram
-from engine.measure.check_types import CandidateCheck, CheckReport
+from engine.measure.check_types import STOPPED, CandidateCheck, CheckReport
 from engine.measure.experiment import BenchPrompt, packaged_prompts
 from engine.runners import ids_tensor
 from engine.types import GenerationRequest, Message, Sampling
@@ -93,7 +93,7 @@ def run_check(engine, drafts: Sequence[DraftUnderTest], *, sampling: Sampling, h
     phases = {"continuation": 0.0, "target": 0.0, "ngram and head": 0.0}
     for n, prompt in enumerate(prompts):
         if cancel is not None and cancel.is_set():
-            raise GenerationError("The draft check was stopped.")
+            raise GenerationError(STOPPED)
         if progress is not None:
             progress(n / len(prompts), f"Probe {n + 1} of {len(prompts)}: the target's continuation")
         ids = engine.encode(GenerationRequest(messages=(Message("user", prompt.prompt),)))

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+STOPPED = "The draft check was stopped."  # why a check ends early (Stop, or the app closing)
+
 
 @dataclass(frozen=True)
 class CandidateCheck:
