@@ -406,23 +406,32 @@ def test_greedy_with_a_tree_of_drafts_equals_standard(tree_engine, alternatives)
 def test_tree_rounds_leave_both_caches_at_the_committed_prefix(tree_engine):
     engine = tree_engine
     engine.set_tree(3)
-    head = engine.head_runner
     try:
-        gen = engine.generate(GenerationRequest(messages=_messages(5), mode="speculative", proposer="head", k=5,
-                                                max_new_tokens=60))
-        for step in gen:
-            assert engine.target_runner.length == len(gen.prompt) + step.total_tokens - 1
-            assert head.length + step.new_tokens == engine.target_runner.length
-        ids = gen.prompt + gen.token_ids
-        target = engine.target_runner
-        with torch.inference_mode():
-            after_tree = target.forward(torch.tensor(ids[-1:]))[0].clone()
-            target.reset()
-            target.prefill(torch.tensor(ids[:-1]))
-            fresh = target.forward(torch.tensor(ids[-1:]))[0]
-        torch.testing.assert_close(after_tree, fresh, atol=1e-4, rtol=1e-4)
+        check_caches_follow_the_committed_text(engine, GenerationRequest(
+            messages=_messages(5), mode="speculative", proposer="head", k=5, max_new_tokens=60))
     finally:
         engine.set_tree(None)
+
+
+def check_caches_follow_the_committed_text(engine, request: GenerationRequest):
+    """After every step both caches hold the committed prefix, and at the end the target's cache gives the
+    logits a fresh prefill of the same text gives. Returns the generation and its step count."""
+    head = engine.head_runner
+    gen = engine.generate(request)
+    steps = 0
+    for step in gen:
+        assert engine.target_runner.length == len(gen.prompt) + step.total_tokens - 1
+        assert head.length + step.new_tokens == engine.target_runner.length
+        steps += 1
+    ids = gen.prompt + gen.token_ids
+    target = engine.target_runner
+    with torch.inference_mode():
+        after = target.forward(torch.tensor(ids[-1:]))[0].clone()
+        target.reset()
+        target.prefill(torch.tensor(ids[:-1]))
+        fresh = target.forward(torch.tensor(ids[-1:]))[0]
+    torch.testing.assert_close(after, fresh, atol=1e-4, rtol=1e-4)
+    return gen, steps
 
 
 def test_sampling_through_a_tree_keeps_the_targets_law(tree_engine):
