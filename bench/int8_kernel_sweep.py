@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from engine.models import fastquant as fq
 from engine.models import fastquant_kernel as kernel
 from engine.models.fastquant_kernel import Tile
+from engine.runners import rope_kernel
 
 SHAPES = {  # name -> (N out, K in)
     "14B qkv": (7168, 5120), "14B o": (5120, 5120), "14B gate_up": (27648, 5120), "14B down": (5120, 13824),
@@ -290,10 +291,22 @@ def profile(shape: str, precisions: list[str], out: dict) -> None:
         model = qc.random_qwen2(config, "bfloat16", "cuda", seed=1)
         if precision != "bfloat16":
             fq.quantize_model(model, precision)
-        graphs = StaticGraphRunner(model, max_length=1024, graph_widths=(1, 6))
-        graphs.warmup()
-        ms = graphs.measure_costs((1, 6), iters=30)
-        del graphs
+        # the graphs with the one-launch RoPE + cache write (engine/runners/rope_kernel.py) and with torch's
+        # ops, alternated twice; each figure is the lower of its two
+        both: dict[str, list[dict]] = {"fused": [], "torch": []}
+        for way in ("torch", "fused", "torch", "fused"):
+            fused = rope_kernel.runs
+            if way == "torch":
+                rope_kernel.runs = lambda x: False
+            try:
+                graphs = StaticGraphRunner(model, max_length=1024, graph_widths=(1, 6))
+                graphs.warmup()
+                both[way].append(graphs.measure_costs((1, 6), iters=30))
+            finally:
+                rope_kernel.runs = fused
+            del graphs
+            qc.free_memory()
+        ms, torch_ms = ({w: min(m[w] for m in both[way]) for w in (1, 6)} for way in ("fused", "torch"))
         runner = StaticGraphRunner(model, max_length=1024, graph_widths=(1,), use_graphs=False)
         runner.prefill(torch.randint(0, 1000, (200,), device=dev))
         ids = torch.tensor([5], device=dev)
@@ -313,8 +326,10 @@ def profile(shape: str, precisions: list[str], out: dict) -> None:
                 kernels.append({"name": ev.key[:110], "us_per_forward": round(t / 5, 1), "calls": ev.count // 5})
         kernels.sort(key=lambda r: -r["us_per_forward"])
         total = sum(r["us_per_forward"] for r in kernels)
-        out[f"{shape} {precision}"] = {"graph_ms": ms, "eager_kernel_us_total": round(total, 1), "kernels": kernels[:40]}
-        print(f"profile {shape} {precision}: graphs {ms} ms; eager kernels {total:.0f} us per forward", flush=True)
+        out[f"{shape} {precision}"] = {"graph_ms": ms, "graph_ms_torch_rope": torch_ms,
+                                       "eager_kernel_us_total": round(total, 1), "kernels": kernels[:40]}
+        print(f"profile {shape} {precision}: graphs {ms} ms (RoPE and cache writes as torch's ops: {torch_ms} ms); "
+              f"eager kernels {total:.0f} us per forward", flush=True)
         for r in kernels[:14]:
             print(f"   {r['us_per_forward']:8.1f} us  x{r['calls']:<4d} {r['name']}", flush=True)
         del runner, model

@@ -32,6 +32,7 @@ from torch import nn
 from engine.errors import EngineError
 from engine.models import fastquant
 from engine.models.fastquant import rms_norm as _rms_norm
+from engine.runners import rope_kernel
 from engine.runners.tree import Tree
 
 log = logging.getLogger(__name__)
@@ -370,8 +371,10 @@ class LeanDecoder:
             mask = stage.key_pos[None, :kv_len] <= pos[:, None]  # [W, L]
         else:
             pos, mask = tree.positions_and_mask(start, stage.key_pos[:kv_len])
-        cos = stage.cos.index_select(0, pos)[:, None, :]  # [W, 1, D] broadcasts over heads
-        sin = stage.sin.index_select(0, pos)[:, None, :]
+        fused = rope_kernel.runs(x)  # RoPE, the cache writes and the query layout in one launch a layer
+        if not fused:
+            cos = stage.cos.index_select(0, pos)[:, None, :]  # [W, 1, D] broadcasts over heads
+            sin = stage.sin.index_select(0, pos)[:, None, :]
         mask = mask.repeat(c.group, 1)  # [G*W, L]: rows repeat per query head of a KV group (see below)
         # Additive form built once per forward, not converted from bool inside every layer.
         bias = torch.zeros(mask.shape, dtype=self.dtype, device=stage.device).masked_fill_(~mask, float("-inf"))
@@ -383,15 +386,19 @@ class LeanDecoder:
             qk = qkv[:, : q_size + kv_size].view(width, n_qk, c.head_dim)  # [W, Hq + Hkv, D]
             if layer.qk_norm is not None:
                 qk = _rms_norm(qk, layer.qk_norm, c.eps)  # per head, [Hq + Hkv, D] weights broadcast over W
-            # RoPE on the query and key heads at once: rotate_half(x) = roll(x, D/2) * (-1 | +1).
-            qk = qk * cos + torch.roll(qk, c.head_dim // 2, dims=-1) * sin  # [W, Hq + Hkv, D]
             v = qkv[:, q_size + kv_size :].view(width, c.n_kv_heads, c.head_dim)  # [W, Hkv, D]
-            k = qk[:, c.n_heads :].transpose(0, 1).unsqueeze(0)  # [1, Hkv, W, D]
-            layer.k_cache.index_copy_(2, slots, k)  # [1, Hkv, L, D]
-            layer.v_cache.index_copy_(2, slots, v.transpose(0, 1).unsqueeze(0))
             # GQA without copying the cache: the G query heads sharing one KV head (HF orders them
             # consecutively) become G*W query rows against that head.
-            q = qk[:, : c.n_heads].transpose(0, 1).reshape(1, c.n_kv_heads, c.group * width, c.head_dim)
+            if fused:  # the same values, bit for bit, as the torch ops below (engine/runners/rope_kernel.py)
+                q = rope_kernel.rope_and_write(qk, v, stage.cos, stage.sin, pos, slots, layer.k_cache,
+                                               layer.v_cache, c.n_heads)  # [1, Hkv, G*W, D]
+            else:
+                # RoPE on the query and key heads at once: rotate_half(x) = roll(x, D/2) * (-1 | +1).
+                qk = qk * cos + torch.roll(qk, c.head_dim // 2, dims=-1) * sin  # [W, Hq + Hkv, D]
+                k = qk[:, c.n_heads :].transpose(0, 1).unsqueeze(0)  # [1, Hkv, W, D]
+                layer.k_cache.index_copy_(2, slots, k)  # [1, Hkv, L, D]
+                layer.v_cache.index_copy_(2, slots, v.transpose(0, 1).unsqueeze(0))
+                q = qk[:, : c.n_heads].transpose(0, 1).reshape(1, c.n_kv_heads, c.group * width, c.head_dim)
             o = self._attend(q, layer.k_cache[:, :, :kv_len], layer.v_cache[:, :, :kv_len], bias)  # [1, Hkv, G*W, D]
             o = o.reshape(c.n_heads, width, c.head_dim).transpose(0, 1).reshape(width, q_size)  # [W, Hq*D]
             x = layer.o.residual(x, o)
