@@ -4,7 +4,8 @@ Part "random": random-weight targets of Qwen2.5-14B/32B-Instruct's shapes (built
 no download; 8-bit quantized from them), standard tok/s side by side, plan vs measured peak.
 Part "pair": the real pair, standard and speculative (draft model, and the draft head) tok/s for
 bf16 / int8-wo / fp8 targets and drafts; per-forward costs (target, draft, head); greedy outputs
-against the bf16 target's (identical count, first divergences); plan vs measured peak.
+against the bf16 target's (identical count, first divergences); plan vs measured peak. Each row
+loads in a fresh process (--same-process: one after another in this one).
 --fp8-act compares FP8 activation modes (none = weight-only; tensor / token = dynamic activation
 scales on the FP8 tensor cores) on the random targets.
 
@@ -100,12 +101,42 @@ def part_random(args, results: qc.Results, texts: list[str]) -> None:
                    + (f" (fp8 activations: {act})" if precision == "fp8" else ""), run, args.budget_s)
 
 
+def part_pair_fresh(args, results: qc.Results) -> None:
+    """Each pair row in a process of its own, so no row measures memory an earlier one left behind
+    (the plan is compared with a fresh process's peak); the bf16 row's outputs reach the others in a file."""
+    import subprocess
+    import tempfile
+
+    folder = Path(tempfile.mkdtemp(prefix="fastquant-pairs-"))
+    reference = folder / "bf16_ids.json"
+    passed = ["--target", args.target, "--draft", args.draft, "--head", args.head, "--device", args.device,
+              "--max-new-tokens", str(args.max_new_tokens), "--prompts", str(args.prompts),
+              "--context", str(args.context), "--reference", str(reference)]
+    for n, combo in enumerate(args.pairs):
+        name = f"real pair: target {combo.replace('+', ', draft ')}"
+        if qc.elapsed() > args.budget_s:
+            print(f"[{qc.elapsed():5.0f}s] {name}: skipped (past the {args.budget_s:.0f} s budget)", flush=True)
+            results.data["runs"].append({"name": name, "skipped": "budget"})
+            continue
+        out = folder / f"row{n}.json"
+        print(f"[{qc.elapsed():5.0f}s] {name}: a fresh process", flush=True)
+        done = subprocess.run([sys.executable, __file__, "--parts", "pair", "--pairs", combo, "--row-out", str(out),
+                               *passed], timeout=max(60.0, args.budget_s - qc.elapsed() + 120))
+        record = json.loads(out.read_text()) if out.exists() else {"name": name, "error": f"exit {done.returncode}"}
+        if combo == "bfloat16+bfloat16" and "decoding" in record:
+            reference.write_text(json.dumps(record["decoding"]["standard"]["token_ids"]))
+        results.data["runs"].append(record)
+        results.save()
+
+
 def part_pair(args, results: qc.Results, texts: list[str]) -> None:
     from engine.assemble import engine_for_pair
     from engine.loadspec import LoadSpec
     from engine.models.loader import load_pair
 
     reference: dict = {}
+    if args.reference and Path(args.reference).exists():
+        reference["ids"] = json.loads(Path(args.reference).read_text())
     for combo in args.pairs:
         target_p, draft_p = combo.split("+")
 
@@ -138,7 +169,9 @@ def part_pair(args, results: qc.Results, texts: list[str]) -> None:
                     "fast_path_note": engine.info.fast_path_note, "plan_vs_measured": plan_rows, "decoding": out,
                     "forward_ms": costs(engine), "vs_bf16_target": vs}
 
-        qc.guarded(results, f"real pair: target {target_p}, draft {draft_p}", run, args.budget_s)
+        record = qc.guarded(results, f"real pair: target {target_p}, draft {draft_p}", run, args.budget_s)
+        if args.row_out:
+            Path(args.row_out).write_text(json.dumps(record, default=str))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -160,6 +193,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--random-context", type=int, default=2048, help="the random targets' context (fewer graphs)")
     p.add_argument("--budget-s", type=float, default=500, help="no new row starts after this many seconds")
     p.add_argument("--tiny", action="store_true", help="tiny random pair and tiny 'big' targets (a smoke run)")
+    p.add_argument("--same-process", action="store_true",
+                   help="run the pair rows one after another in this process (default: a fresh process each)")
+    p.add_argument("--row-out", help=argparse.SUPPRESS)  # a fresh row's process: where its record goes
+    p.add_argument("--reference", help=argparse.SUPPRESS)  # ... and the bf16 target's outputs it compares with
     args = p.parse_args(argv)
     for name in ("shapes", "precisions", "fp8_act", "pairs"):
         setattr(args, name, [x.strip() for x in getattr(args, name).split(",") if x.strip()])
@@ -172,7 +209,9 @@ def main(argv: list[str] | None = None) -> int:
         args.target, args.draft = (str(x) for x in save_pair(Path(tempfile.mkdtemp()), noise=0.02, seed=0))
         args.random_context, args.context = 256, 256
         args.head = "none"
-    results = qc.Results(Path(__file__).resolve().parent / "results" / "h200_fastquant.json")
+    # a fresh row's process keeps its record beside --row-out, not in the parent's file
+    results = qc.Results(Path(args.row_out).with_suffix(".partial.json") if args.row_out else
+                         Path(__file__).resolve().parent / "results" / "h200_fastquant.json")
     env = {"torch": torch.__version__, "cuda": torch.version.cuda, "triton_kernel": fq.kernel.AVAILABLE,
            "args": vars(args)}
     if torch.cuda.is_available() and args.device != "cpu":
@@ -185,7 +224,12 @@ def main(argv: list[str] | None = None) -> int:
     if "random" in parts:
         part_random(args, results, texts)
     if "pair" in parts:
-        part_pair(args, results, texts)
+        if args.row_out or args.same_process or args.tiny:
+            part_pair(args, results, texts)
+        else:
+            part_pair_fresh(args, results)
+    if args.row_out:
+        return 0  # the parent keeps the record
     results.save()
     print(f"[{qc.elapsed():5.0f}s] done: {results.path}", flush=True)
     return 0

@@ -46,7 +46,8 @@ class Results:
         self.data: dict = {"runs": []}
 
     def save(self) -> None:
-        write_record(self.path, self.data.get("environment", {}), {"runs": len(self.data["runs"])}, self.data["runs"])
+        summary = {"runs": len(self.data["runs"]), **self.data.get("summary", {})}  # a bench's own summary kept
+        write_record(self.path, self.data.get("environment", {}), summary, self.data["runs"])
 
 
 def guarded(results: Results, name: str, fn: Callable[[], dict], deadline: float) -> dict | None:
