@@ -1,6 +1,6 @@
 """Will this draft pay? Every proposer ranked by its predicted speedup, from one look at the target's own continuations.
 
-For a few probe prompts per category (assets/check_prompts.jsonl, never the bench prompts) the
+For probe prompts in the bench prompts' mix of categories (assets/check_prompts.jsonl, never the bench prompts) the
 target's greedy continuation is decoded. With a draft head attached it goes through the engine's own
 loop with the head (lossless, so the target's own text; those rounds are the head's check too), and
 the target's logits row before each continuation token then comes from teacher-forced forwards over
