@@ -2,8 +2,7 @@
 
 On a GPU the whole lean forward is compared with the kernel and without it (logits and caches equal
 bit for bit, chains and trees, Qwen2 and Qwen3's q/k norms). Without a GPU the kernel's indexing
-runs in Triton's interpreter when Triton is installed (float32 and float16: the interpreter rounds
-bf16 by truncation, which a GPU does not).
+runs in Triton's interpreter when Triton is installed.
 """
 from __future__ import annotations
 
@@ -27,7 +26,7 @@ INTERPRETED = """
 import torch
 from engine.runners import rope_kernel as rk
 torch.manual_seed(0)
-for dtype in (torch.float32, torch.float16):
+for dtype in (torch.float32, torch.float16, torch.bfloat16):
     for W, Hq, Hkv, D in ((1, 4, 2, 16), (6, 6, 2, 32), (3, 4, 4, 24)):
         L = 40
         qkv = torch.randn(W, (Hq + 2 * Hkv) * D + 8).to(dtype)[:, :(Hq + 2 * Hkv) * D]  # strided rows

@@ -37,9 +37,18 @@ def runs(x: torch.Tensor) -> bool:
 
 if AVAILABLE:
     @triton.jit
+    def _bf16_rounded(v):
+        """float32 -> the nearest bf16 value (ties to even), still float32: by integer ops, since the
+        compiler may fold a float32 -> bf16 -> float32 round trip away (then nothing is rounded)."""
+        b = v.to(tl.int32, bitcast=True)
+        b = (b + 0x7FFF + ((b >> 16) & 1)) & -65536  # -65536: the top 16 bits, 0xFFFF0000
+        return b.to(tl.float32, bitcast=True)
+
+    @triton.jit
     def _rope_write_kernel(qk_ptr, qk_row, v_ptr, v_row, cos_ptr, sin_ptr, pos_ptr, slot_ptr,
                            q_ptr, k_cache_ptr, v_cache_ptr, cache_head, W,
-                           HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr):
+                           HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
+                           BF16: tl.constexpr):
         """Program (w, h): query head h < HQ -> q; key head -> k cache; value head -> v cache as it is."""
         w = tl.program_id(0)
         h = tl.program_id(1)
@@ -54,15 +63,18 @@ if AVAILABLE:
             r = tl.load(qk_ptr + w * qk_row + h * D + (d + D // 2) % D, mask=live, other=0.0).to(tl.float32)
             c = tl.load(cos_ptr + pos * D + d, mask=live, other=0.0).to(tl.float32)
             s = tl.load(sin_ptr + pos * D + d, mask=live, other=0.0).to(tl.float32)
-            out = ((x * c).to(dt).to(tl.float32) + (r * s).to(dt).to(tl.float32)).to(dt)
+            if BF16:  # each product rounded to bf16, then their sum, as torch's three ops round
+                out = _bf16_rounded(_bf16_rounded(x * c) + _bf16_rounded(r * s)).to(dt)
+            else:
+                out = ((x * c).to(dt).to(tl.float32) + (r * s).to(dt).to(tl.float32)).to(dt)
             if h < HQ:  # query head h = kv * G + g goes to row g * W + w of its KV group: flat (h * W + w) * D
                 tl.store(q_ptr + (h * W + w) * D + d, out, mask=live)
             else:
                 tl.store(k_cache_ptr + (h - HQ) * cache_head + slot * D + d, out, mask=live)
         else:
             hv = h - HQ - HKV
-            x = tl.load(v_ptr + w * v_row + hv * D + d, mask=live, other=0.0)
-            tl.store(v_cache_ptr + hv * cache_head + slot * D + d, x, mask=live)
+            val = tl.load(v_ptr + w * v_row + hv * D + d, mask=live, other=0.0)
+            tl.store(v_cache_ptr + hv * cache_head + slot * D + d, val, mask=live)
 
 
 def rope_and_write(qk: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor,
@@ -79,5 +91,6 @@ def rope_and_write(qk: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: to
     with torch.cuda.device(qk.device) if qk.is_cuda else contextlib.nullcontext():
         _rope_write_kernel[(width, n_heads + 2 * n_kv)](
             qk, qk.stride(0), v, v.stride(0), cos, sin, pos, slots, q, k_cache, v_cache, k_cache.stride(1), width,
-            HQ=n_heads, HKV=n_kv, D=dim, BLOCK=triton.next_power_of_2(dim), num_warps=1)
+            HQ=n_heads, HKV=n_kv, D=dim, BLOCK=triton.next_power_of_2(dim), BF16=qk.dtype == torch.bfloat16,
+            num_warps=1)
     return q
