@@ -231,6 +231,9 @@ class ModelInfo:
     tree_ms: tuple[tuple[int, float], ...] = ()
     tree_alternatives: int = 0
     tree_nodes: int = 0
+    # A dynamic tree's drafting per K (TreeDrafter.measure_ms: the head's catch-up, K levels, the pick): a
+    # level ranks F * F children, dearer than a chain step's head_ms. Empty for chains and sibling trees.
+    tree_draft_ms: tuple[tuple[int, float], ...] = ()
     runtime: str = "torch"  # what runs the forwards: "torch" or "llamacpp"
     threads: int = 0  # CPU threads a one-row forward uses (llama.cpp, torch on a CPU); 0 = the runtime's own default
     threads_batch: int = 0  # CPU threads a wider forward (prompt, verify) uses; 0 = as `threads`

@@ -1,6 +1,9 @@
 """The draft check: its maths against the real acceptance rule, and its verdicts on tiny models."""
 from __future__ import annotations
 
+from dataclasses import replace
+
+import pytest
 import torch
 
 from engine.decoding.sampling import accept_draft, draw, process
@@ -307,3 +310,33 @@ def test_without_a_head_the_continuation_and_its_rows_are_standard_decodings_own
     assert cont == generation.token_ids and rows.shape == (len(cont), engine.vocab)
     forced = _target_rows(engine.target_runner, engine.vocab, ids, cont)
     torch.testing.assert_close(rows, forced, atol=2e-2, rtol=1e-2)  # float16 on the host, either way
+
+
+def test_a_dynamic_tree_is_priced_with_its_own_drafting():
+    """On the H200 the check priced the default 64-node tree's rounds at the head's chain cost a level
+    (0.21 ms) where a level drafts in about 0.37: 2.42x predicted against 1.59x measured. Each depth's
+    measured drafting (ModelInfo.tree_draft_ms) prices it now."""
+    from types import SimpleNamespace
+
+    from engine.measure.check_math import Rounds
+    from engine.measure.check_price import price_head
+    from engine.measure.costmodel import expected_tokens
+    from engine.types import ModelInfo, ProposerCost
+
+    at = (0.86, 0.82, 0.79, 0.79, 0.66, 0.6, 0.6, 0.6)
+    rounds = Rounds(tuple([100.0] * 8), tuple(100.0 * a for a in at), 0.0, 0.0, 0.0)
+    summary = {"greedy": {8: rounds}, "sampled": {8: rounds}, "kl": None, "top1": at[0]}
+    tally = SimpleNamespace(rejected=None, rescued=None)
+    runner = SimpleNamespace(head=SimpleNamespace(num_trained=lambda: 10))
+    drafting = {k: 0.3 + 0.35 * k for k in range(1, 9)}
+    info = ModelInfo(target_name="t", draft_name=None, device="cuda:0", dtype="bfloat16", fast_path="cuda-graphs",
+                     vocab_size=100, target_ms=tuple((w, 2.2 + 0.05 * w) for w in range(1, 14)),
+                     proposer_costs=(ProposerCost("head", 0.21, 0.0),), tree_ms=tuple((k, 3.2) for k in range(1, 9)),
+                     tree_nodes=64, tree_draft_ms=tuple(drafting.items()))
+    greedy = Sampling(temperature=0.0)
+    priced = price_head(info, runner, 1000, summary, tally, greedy, "")
+    standard = info.target_ms[0][1]
+    best = max(expected_tokens(at, k) * standard / (3.2 + drafting[k]) for k in range(1, 9))
+    assert priced.tree and priced.speedup == pytest.approx(best)
+    as_chain_steps = price_head(replace(info, tree_draft_ms=()), runner, 1000, summary, tally, greedy, "")
+    assert as_chain_steps.speedup > 1.15 * priced.speedup, "chain steps' price makes a tree look far cheaper"

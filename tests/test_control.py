@@ -9,7 +9,7 @@ import pytest
 
 from engine.decoding.control import PROBE_EVERY, AdaptiveK, FixedK, StepCosts, TuningMemory
 from engine.decoding.proposers import Offer
-from engine.limits import K_AUTO, K_MAX
+from engine.limits import K_AUTO, K_MAX, TREE_K_MAX
 from engine.types import Decision, GenerationRequest, ProposerCost, Sampling
 from tests.engine_fixtures import tiny_engine
 
@@ -646,3 +646,21 @@ def test_auto_credits_the_alternatives_of_a_tree():
     best_k = max(fixed, key=fixed.get)
     assert fixed[best_k] > 1.3, "the pattern is not the head's at T = 0.7 on the H200"
     assert auto >= 0.93 * fixed[best_k], f"auto {auto:.3f}x against K={best_k} {fixed[best_k]:.3f}x"
+
+
+def test_a_dynamic_trees_drafting_is_priced_at_its_own_measured_cost():
+    """A dynamic tree's level ranks F * F children: on the H200 a 64-node tree drafted 5 levels in 1.86 ms
+    where five chain steps of the head cost 1.05. Priced as chain steps, a K looks cheaper than it is."""
+    proposers = {"head": ProposerCost("head", HEAD_MS, 0.1)}
+    chain = AdaptiveK(StepCosts(H200_VERIFY_MS, proposers, H200_TREE_MS))
+    drafting = {k: 0.3 + 0.35 * k for k in H200_TREE_MS}
+    tree = AdaptiveK(StepCosts(H200_VERIFY_MS, proposers, H200_TREE_MS, drafting))
+    offer = Offer("head", TREE_K_MAX, tree=True)  # a tree is at most TREE_K_MAX deep
+    assert tree._draft_ms("head", 5, True) == drafting[5]
+    assert chain._draft_ms("head", 5, True) == pytest.approx(0.1 + 5 * HEAD_MS), "sibling trees draft a chain"
+    assert tree._draft_ms("head", 5, False) == chain._draft_ms("head", 5, False), "chains keep the chain's price"
+    assert tree._best(offer, 1000)[1] < chain._best(offer, 1000)[1]
+    # observing a round that cost what was measured leaves the learned draft ratio at 1
+    d = tree.choose((offer,), 1000)
+    tree.observe(d, d.k, d.k, drafting[d.k], H200_TREE_MS[d.k], drafting[d.k] + H200_TREE_MS[d.k], tree=True)
+    assert tree.timing.draft_ratio["head"] == pytest.approx(1.0)

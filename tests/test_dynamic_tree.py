@@ -225,11 +225,18 @@ def test_dynamic_tree_rounds_are_measured_for_the_prediction(engine):
         measure_trees(engine, iters=1)
         assert engine.info.tree_nodes == 16 and engine.info.tree_alternatives == 0
         assert [k for k, _ in engine.info.tree_ms] == list(range(1, TREE_K_MAX + 1))
+        # the tree's drafting too, at every depth: its levels rank F * F children, dearer than chain steps
+        assert [k for k, _ in engine.info.tree_draft_ms] == list(range(1, TREE_K_MAX + 1))
+        assert all(ms > 0 for _, ms in engine.info.tree_draft_ms)
+        head_length = engine.head_runner.length
+        engine.tree_drafter.measure_ms(3, iters=2)
+        assert engine.head_runner.length == head_length, "measuring leaves the head's cache as it was"
         assert engine.target_runner.length == length
-        assert engine.step_costs().tree_ms  # the controller prices these rounds with them
+        costs = engine.step_costs()
+        assert costs.tree_ms and costs.tree_draft_ms == dict(engine.info.tree_draft_ms)  # the controller's prices
         engine.set_dynamic_tree(0)
         measure_trees(engine)
-        assert engine.info.tree_ms == () and engine.info.tree_nodes == 0
+        assert engine.info.tree_ms == () and engine.info.tree_nodes == 0 and engine.info.tree_draft_ms == ()
     finally:
         engine.set_dynamic_tree(0)
         engine.info = saved

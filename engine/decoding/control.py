@@ -99,6 +99,7 @@ class StepCosts:
     target_ms: tuple[float, ...]  # index w: ms of a w-token target forward, w = 1..K_MAX+1 (index 0 unused)
     proposers: dict[str, ProposerCost]  # source -> its measured drafting cost
     tree_ms: dict[int, float] = field(default_factory=dict)  # K -> ms of a tree round's verify (Offer.tree)
+    tree_draft_ms: dict[int, float] = field(default_factory=dict)  # K -> ms of a dynamic tree's drafting
 
     def __post_init__(self) -> None:
         assert len(self.target_ms) >= K_MAX + 2, "every verify width up to K_MAX + 1 must be measured"
@@ -254,6 +255,13 @@ class AdaptiveK:
         t = self.timing
         return self.costs.target_ms[1] * (t.standard_ratio or 1.0) + (t.standard_overhead_ms or 0.0)
 
+    def _draft_ms(self, source: str, k: int, tree: bool) -> float:
+        """Load-time cost of drafting k: a dynamic tree's own (K levels of F * F children), else the chain's."""
+        if tree and k in self.costs.tree_draft_ms:
+            return self.costs.tree_draft_ms[k]
+        cost = self.costs.proposers[source]
+        return cost.per_proposal_ms + k * cost.per_token_ms
+
     def _verify_ms(self, offer: Offer, k: int) -> float:
         """Load-time cost of verifying k of this offer's drafts: a tree's own where they verify as one."""
         if offer.tree and k <= TREE_K_MAX and k in self.costs.tree_ms:
@@ -268,10 +276,8 @@ class AdaptiveK:
         on an H200 they made 0.33 of the head's 2.48 tokens a round, which auto, counting chains
         only, missed, and decoded standard steps where the head paid."""
         t = self.timing
-        cost = self.costs.proposers[offer.source]
         ratio = t.draft_ratio.get(offer.source, 1.0)
-        fixed = cost.per_proposal_ms * ratio + (t.catch_up_ms.get(offer.source, 0.0) if offer.catch_up else 0.0)
-        per_token = cost.per_token_ms * ratio
+        catch_up = t.catch_up_ms.get(offer.source, 0.0) if offer.catch_up else 0.0
         verify_ratio, overhead = t.verify_ratio or 1.0, t.overhead_ms or 0.0
         stats = self._stats(offer.key)
         means = self._means(offer)
@@ -282,7 +288,8 @@ class AdaptiveK:
             reach *= means[k - 1]
             expected += reach
             extra = rescue * (1.0 - reach) if k <= TREE_K_MAX else 0.0
-            rate = (expected + extra) / (fixed + k * per_token + self._verify_ms(offer, k) * verify_ratio + overhead)
+            rate = (expected + extra) / (self._draft_ms(offer.source, k, offer.tree) * ratio + catch_up
+                                         + self._verify_ms(offer, k) * verify_ratio + overhead)
             if rate > best_rate:
                 best_k, best_rate = k, rate
         return best_k, best_rate, stats.pooled()
@@ -290,10 +297,9 @@ class AdaptiveK:
     def _ceiling(self, offer: Offer) -> tuple[int, float]:
         """(K, tokens/ms) of this proposer's best K if every draft were accepted: what it could pay at most."""
         t = self.timing
-        cost = self.costs.proposers[offer.source]
         ratio = t.draft_ratio.get(offer.source, 1.0)
         verify_ratio, overhead = t.verify_ratio or 1.0, t.overhead_ms or 0.0
-        rates = [((k + 1) / (cost.per_proposal_ms * ratio + k * cost.per_token_ms * ratio
+        rates = [((k + 1) / (self._draft_ms(offer.source, k, offer.tree) * ratio
                              + self._verify_ms(offer, k) * verify_ratio + overhead), k)
                  for k in range(1, self.k_max + 1)]
         rate, k = max(rates)
@@ -355,8 +361,7 @@ class AdaptiveK:
         t.overhead_ms = _ema(t.overhead_ms, overhead)
         tree_ms = self.costs.tree_ms.get(drafted) if tree else None
         t.verify_ratio = _ema(t.verify_ratio, verify_ms / (tree_ms or target[min(drafted, K_MAX) + 1]), 0.25, 4.0)
-        cost = self.costs.proposers[source]
-        predicted = cost.per_proposal_ms + decision.k * cost.per_token_ms
+        predicted = self._draft_ms(source, decision.k, tree)
         ratio = t.draft_ratio.get(source)
         offer = next((o for o in self._offers if o.source == source), None)
         if offer is not None and offer.catch_up:

@@ -263,20 +263,25 @@ def measure_trees(engine: Engine, iters: int | None = None, reuse: bool = False)
     if not reuse:
         engine.tree_costs.clear()
     tree: dict[int, float] = {}
+    drafting: dict[int, float] = {}
     if s or drafter is not None:
         iters = iters or (20 if engine.device.type == "cuda" else 3)
         try:
             rounds = measure_rounds(engine, range(2, TREE_K_MAX + 2), iters, alternatives=s, tree=drafter)
             tree = {w - 1: statistics.median(ms) for w, ms in rounds.items()}
+            if drafter is not None:  # its drafting too: the verify's canned rounds draft nothing
+                drafting = {k: drafter.measure_ms(k, iters) for k in tree}
         except Exception as exc:  # advice only, as the other costs
             log.warning("could not measure the tree rounds: %s", exc)
+            tree = {}
     nodes = drafter.nodes if drafter is not None and tree else 0
     engine.tree_costs[key] = dict(tree_ms=tuple(sorted(tree.items())), tree_alternatives=s if tree else 0,
-                                  tree_nodes=nodes)
+                                  tree_nodes=nodes, tree_draft_ms=tuple(sorted(drafting.items())) if nodes else ())
     engine.info = replace(engine.info, **engine.tree_costs[key])
     if tree:
-        log.info("tree rounds (%s): %s ms by K", f"{nodes} nodes" if nodes else f"{s} alternatives",
-                 {k: round(ms, 2) for k, ms in tree.items()})
+        log.info("tree rounds (%s): %s ms by K%s", f"{nodes} nodes" if nodes else f"{s} alternatives",
+                 {k: round(ms, 2) for k, ms in tree.items()},
+                 f", drafting {({k: round(ms, 2) for k, ms in drafting.items()})} ms" if nodes else "")
 
 
 def measure_again(engine: Engine) -> None:

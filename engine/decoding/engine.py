@@ -264,7 +264,8 @@ class Engine:
             raise GenerationError("Adaptive K needs the forward costs, which could not be measured; choose a fixed K.")
         same = (self.info.tree_alternatives, self.info.tree_nodes) == (self.alternatives(), self.tree_nodes)
         trees = tree_costs_at(self.info, sampled) if same else {}
-        return StepCosts((0.0, *(target[w] for w in range(1, K_MAX + 2))), costs, trees)
+        drafting = dict(self.info.tree_draft_ms) if same and self.tree_nodes else {}
+        return StepCosts((0.0, *(target[w] for w in range(1, K_MAX + 2))), costs, trees, drafting)
 
     # -- prompts ---------------------------------------------------------------------------
     def encode(self, request: GenerationRequest) -> list[int]:

@@ -18,6 +18,7 @@ replay (per attention span) and the selection one more: no host sync while draft
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -103,6 +104,42 @@ class TreeDrafter:
         self._run((*self.key, "pick", n), lambda: self._pick_body(n))
         p = self.picked[n]
         return TreeDraft(p.tokens, p.parents, p.ranks, p.q, Tree(p.depth, p.ancestors), self.max_depth)
+
+    def measure_ms(self, depth: int, iters: int = 20) -> float:
+        """Milliseconds of one round's drafting `depth` levels deep, as the loop spends them: the head's
+        catch-up of width 2 (a partly accepted round), the levels, the pick. A level expands F nodes at
+        once and ranks F * F children, so it costs more than a chain step (HeadRunner.measure_ms).
+
+        Writes past the committed length only (as drafting does), so the head's cache is left as it was.
+        """
+        r = self.runner
+        saved = r.length
+        feats = torch.zeros(2, r.config.features, device=r.device, dtype=r.dtype)
+        ids = torch.zeros(2, dtype=torch.long, device=r.device)
+        span = r.span(saved + 2 + self.slots)
+
+        def round_() -> None:
+            r.length = saved
+            r.catch_up(feats, ids, span)
+            self.draft(depth, span)
+
+        round_()
+        if r.device.type == "cuda":
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize(r.device)
+            begin.record()
+            for _ in range(iters):
+                round_()
+            end.record()
+            end.synchronize()
+            total = begin.elapsed_time(end)
+        else:
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                round_()
+            total = (time.perf_counter() - t0) * 1000
+        r.length = saved
+        return total / iters
 
     def _run(self, key: tuple, body) -> None:
         graph = self.runner.graphs.get(key)

@@ -51,9 +51,10 @@ def price_chain(info: ModelInfo, name: str, params: int, target_params: int, cos
 def price_head(info: ModelInfo, head_runner, target_params: int, summary: dict, tally, sampling: Sampling,
                positions_from: str) -> CandidateCheck:
     """The draft head: chains through CostModel.speedup_from_positions; where the engine verifies its
-    drafts as trees (ModelInfo.tree_ms), also each tree's measured verify: a sibling tree's with the
-    alternatives' extra token (experiment.alternative_tokens, the bench's own count), a dynamic tree's
-    with the acceptance its walked rounds showed."""
+    drafts as sibling trees (ModelInfo.tree_ms), also each tree's measured verify with the alternatives'
+    extra token (experiment.alternative_tokens, the bench's own count). Where it grows dynamic trees,
+    only the tree: the acceptance its walked rounds showed, each K's verify and its own drafting
+    (ModelInfo.tree_draft_ms; chain steps' cost where that was not measured)."""
     sampled = not sampling.greedy
     k_run = max(summary["sampled"])
     greedy, at_t = summary["greedy"][k_run].per_position, summary["sampled"][k_run].per_position
@@ -63,21 +64,34 @@ def price_head(info: ModelInfo, head_runner, target_params: int, summary: dict, 
     k, tree = _best(speedups), False
     best = speedups[k - 1] if speedups else None
     trees = tree_costs_at(info, sampled) if info.tree_alternatives or info.tree_nodes else {}
+    tree_draft = dict(info.tree_draft_ms) if info.tree_nodes else {}  # a dynamic tree's own drafting
     rescue = rescue_rates(tally.rejected or (), tally.rescued or ())
-    for kt, verify_ms in sorted(trees.items()):
+    draft_ms = model.draft_ms
+
+    def tree_speedup(kt: int, verify_ms: float) -> float:
         priced = CostModel(model.draft_ms, {1: model.target_cost(1), kt + 1: verify_ms},
                            draft_fixed_ms=model.draft_fixed_ms)
-        # A dynamic tree's rounds are walked paths: what its branches keep is in the per-position acceptance.
         extra = alternative_tokens(at_t, rescue, kt) if info.tree_alternatives else 0.0
-        tokens = expected_tokens(at_t, kt) + extra
-        s = tokens * priced.standard_ms() / priced.step_ms(kt)
-        if at_t and best is not None and s > best:
-            k, best, tree = kt, s, True
+        step = verify_ms + tree_draft[kt] if kt in tree_draft else priced.step_ms(kt)
+        return (expected_tokens(at_t, kt) + extra) * priced.standard_ms() / step
+
+    if info.tree_nodes and trees and at_t:
+        # The rounds were a dynamic tree's walked paths: their acceptance is the tree's, which a chain of
+        # the same head does not reach, so only the tree is priced, each K with its own verify and drafting.
+        speedups = [tree_speedup(kt, trees[kt]) for kt in range(1, max(trees) + 1) if kt in trees]
+        k, tree = _best(speedups), True
+        best = speedups[k - 1]
+        draft_ms = tree_draft.get(k, k * model.draft_ms) / k
+    else:
+        for kt, verify_ms in sorted(trees.items()):
+            s = tree_speedup(kt, verify_ms)
+            if at_t and best is not None and s > best:
+                k, best, tree = kt, s, True
     return CandidateCheck(
         name=f"draft head {info.head_name}", kind="head", status="ok", params=params,
         size_ratio=params / target_params if target_params else None, top1=summary["top1"],
         greedy_positions=greedy[:k] if k else greedy, sampled_positions=at_t[:k] if k else at_t,
-        cost_ratio=model.draft_ms / model.target_cost(1) if 1 in model.target_ms and model.target_cost(1) else None,
+        cost_ratio=draft_ms / model.target_cost(1) if 1 in model.target_ms and model.target_cost(1) else None,
         best_k=k, speedup=best, speedups=tuple(speedups), tree=tree, positions_from=positions_from)
 
 

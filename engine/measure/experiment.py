@@ -347,12 +347,13 @@ def predicted_speedup(info: ModelInfo, runs: Sequence[RunRecord], standard_runs:
         lengths = r.drafted_steps
         tree = r.tree and r.tree == info.tree_alternatives
         grown = r.tree_nodes and r.tree_nodes == info.tree_nodes  # a dynamic tree: its path is the draft
+        tree_draft = dict(info.tree_draft_ms) if grown else {}  # ... and its drafting costs its own
         for n, count in enumerate(lengths):
             if not count:
                 continue
             if grown and n in tree_ms:  # the tree's verify; what it keeps is in the per-position acceptance
                 tokens += count * expected_tokens(per_position, n)
-                seconds += count * tree_ms[n] / 1000
+                seconds += count * (tree_ms[n] + tree_draft.get(n, 0.0)) / 1000
             elif tree and n in tree_ms:  # verified as a tree: its own verify cost, and the alternatives' tokens
                 tokens += count * (expected_tokens(per_position, n) + alternative_tokens(per_position, rescue, n))
                 seconds += count * tree_ms[n] / 1000
@@ -360,6 +361,8 @@ def predicted_speedup(info: ModelInfo, runs: Sequence[RunRecord], standard_runs:
                 tokens += count * expected_tokens(per_position, n)
                 seconds += count * target[n + 1] / 1000
         for source, n_steps, n_tokens in r.drafted_by:
+            if source == "head" and tree_draft:  # its rounds were trees, priced above (K <= TREE_K_MAX, all measured)
+                continue
             cost = costs.get(source)
             if cost is None:
                 return None
