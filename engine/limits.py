@@ -59,6 +59,7 @@ DEFAULT_MAX_LENGTH = 8192
 # New tokens a single request may ask for (the UI's spin box and the CLI share it).
 MAX_NEW_TOKENS = 4096
 
-# Tokens of the target's greedy continuation per probe prompt of the draft check. 64 (the bench's
-# answer length) read the same acceptance as 48 on the default pair and cost a third more time.
-PROBE_TOKENS = 48
+# Tokens of the target's greedy continuation per probe prompt of the draft check (20 probes). On a
+# 2-core CPU with llama.cpp the continuations cost about 0.13 s a token: 48 a probe took 126 s there,
+# past the check's 2 minutes; a GPU decodes them in seconds (docs/check.md).
+PROBE_TOKENS = 40
