@@ -4,14 +4,16 @@ The models are reached through one seam, BatchedForward (engine/runners/batched.
 the lean decoder's KV cache; on llama.cpp, sequences of a multi-sequence context (llamacpp_batch.py). All
 that follows is the same for both. A sequence is one request with its own cache rows (target and draft), its
 own K (from its controller: 0 is a standard step, so standard and speculative sequences mix in one
-batch), its own proposers (the draft model, n-gram lookup, or both), its own sampling and its own
-random generator. One `round()`:
+batch), its own proposers (the draft model, n-gram lookup, both, or the draft head on torch), its own
+sampling and its own random generator. One `round()`:
 
 1. Decide: each sequence's controller picks its K and proposer (an adaptive one against the batch's
    costs, below).
-2. Draft: n-gram sequences look up their continuation; draft-model sequences feed what their draft
-   row lacks and draft their tokens, all of them together one token per draft forward (greedy: the
-   argmax; sampled: a draw from the draft's processed distribution q, with the sequence's generator).
+2. Draft: n-gram sequences look up their continuation; draft-head sequences each catch their own head
+   cache up on the rows the last verify kept for them and draft a chain (batch_head.py); draft-model
+   sequences feed what their draft row lacks and draft their tokens, all of them together one token per
+   draft forward (greedy: the argmax; sampled: a draw from the draft's processed distribution q, with
+   the sequence's generator).
 3. Verify: one target forward over every sequence's pending token and drafts.
 4. Accept, each sequence with its own generator and engine/decoding/sampling.py, as the loop: greedy,
    the longest prefix equal to the target's argmax; sampled, Leviathan et al. / Chen et al. (accept x
@@ -48,9 +50,11 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from engine.decoding.batch_head import BatchHeads, RowHidden
 from engine.decoding.control import RATE, AdaptiveK, KController, StepCosts, TuningMemory
 from engine.decoding.describe import describe_step, with_text
 from engine.decoding.detok import Detokenizer
+from engine.decoding.head import HeadProposer
 from engine.decoding.ngram import NgramProposer
 from engine.decoding.outcome import Launched, RoundResult
 from engine.decoding.proposers import Offer, Proposal
@@ -84,6 +88,10 @@ class Sequence:
     lone_costs: StepCosts | None = None  # an adaptive controller's costs at load, re-priced for the batch
     ngram: NgramProposer | None = None  # its n-gram index ("ngram" in sources)
     draft_len: int = 0  # tokens its draft row holds ("draft" in sources)
+    head: HeadProposer | None = None  # its draft head over its own head cache ("head" in sources)
+    head_rows: RowHidden | None = None  # ... and the kept rows of its part of each batched forward
+    head_proposal: Proposal | None = None  # the head's drafts of this round
+    head_ms: float = 0.0  # what its head's drafting took this round
     rows: int = 1  # tokens of its last verify: what its neighbours' pricing counts for it
     token_ids: list[int] = field(default_factory=list)  # committed tokens, EOS included
     steps: list[Step] = field(default_factory=list)
@@ -118,6 +126,9 @@ class BatchEngine:
         if engine.draft_runner is not None:
             self.draft = batched_forward(engine.draft, engine.draft_runner, slots, max_length)
         self.free = list(range(slots))
+        # The draft head reads the target's kept layers, which the lean decoder's rows give (not llama.cpp's).
+        self.heads = BatchHeads(engine) if engine.head_runner is not None and isinstance(self.target, BatchedDecoder) \
+            else None
         self.active: list[Sequence] = []
         self.costs = RowCosts(RATE)  # what this batch's verifies cost by their rows (as the controller averages)
         self.host_ms = 0.0  # the last round's commits and descriptions, after its verify: part of a round's wall time
@@ -135,11 +146,11 @@ class BatchEngine:
 
     def supports(self, request: GenerationRequest) -> bool:
         """Greedy or sampled; standard, speculative (a fixed K or K auto) or auto; drafts from the draft
-        model, n-gram lookup or both. Not the draft head (it reads the target's hidden rows, which the
-        batched forward does not keep), not engine-side stop strings."""
+        model, n-gram lookup, both, or the draft head (chains; on torch, whose batched forward keeps the
+        head's layers). Not engine-side stop strings."""
         sources = self._sources(request)
-        return not request.stop_strings and "head" not in sources and ("draft" not in sources or
-                                                                        self.draft is not None)
+        return (not request.stop_strings and ("draft" not in sources or self.draft is not None)
+                and ("head" not in sources or self.heads is not None))
 
     # -- admission -------------------------------------------------------------------------------
     def add(self, request: GenerationRequest, prompt: list[int], cancel: threading.Event) -> Sequence:
@@ -160,11 +171,23 @@ class BatchEngine:
                        "max_new_tokens" if max_new == request.max_new_tokens else "context_full",
                        lone_costs=controller.costs if isinstance(controller, AdaptiveK) else None)
         decoders = [self.target] + ([self.draft] if "draft" in seq.sources else [])
+        head = self.heads is not None and "head" in seq.sources
+        rows = []  # the head's layers over the prompt, as the target reads it
         for decoder in decoders:
             decoder.reset(slot)
             decoder.reserve(slot, len(prompt))
             for i in range(0, len(prompt) - 1, PREFILL_CHUNK):
-                decoder.forward([Part(slot, tuple(prompt[i: min(i + PREFILL_CHUNK, len(prompt) - 1)]))], logits=False)
+                part = Part(slot, tuple(prompt[i: min(i + PREFILL_CHUNK, len(prompt) - 1)]))
+                if head and decoder is self.target:
+                    self.target.forward([part], logits=False, keep=self.heads.layers)  # type: ignore[call-arg]
+                    rows.append(self.target.kept[0])  # type: ignore[attr-defined]
+                else:
+                    decoder.forward([part], logits=False)
+        if head:
+            assert self.heads is not None
+            seq.head, seq.head_rows = self.heads.proposer(slot, request, generator, self.target.max_length)
+            seq.head_rows.hidden = torch.cat(rows) if rows else None
+            seq.head.start(prompt)
         seq.draft_len = len(prompt) - 1 if "draft" in seq.sources else 0
         if "ngram" in seq.sources:
             seq.ngram = NgramProposer(eng.device)
@@ -201,12 +224,22 @@ class BatchEngine:
                 tokens = drafted[id(s)].tokens = s.ngram.match(decisions[id(s)].k)[0]
                 drafted[id(s)].q_shown = [1.0] * len(tokens)  # point masses
                 s.rows = len(tokens) + 1
+        for s in live:
+            if s.head is not None and decisions[id(s)].k and decisions[id(s)].source == "head":
+                self._draft_head(s, decisions[id(s)].k, drafted[id(s)])
         if by_model:
             self._draft_tokens(by_model, decisions, drafted)
         t_drafted = time.perf_counter()
         # 3. Verify: pending token + drafts, every sequence in one target forward.
         parts = [Part(s.slot, (s.context[-1], *drafted[id(s)].tokens)) for s in live]
-        logits = self.target.forward(parts)
+        heads = [s for s in live if s.head_rows is not None]
+        if heads:  # the head's layers are kept for the sequences it drafts for (it reads every round's rows)
+            logits = self.target.forward(parts, keep=self.heads.layers)  # type: ignore[call-arg,union-attr]
+            for s, rows in zip(live, self.target.kept):  # type: ignore[attr-defined]
+                if s.head_rows is not None:
+                    s.head_rows.hidden = rows
+        else:
+            logits = self.target.forward(parts)
         vocab = self.engine.vocab
         # 4. Accept: each sequence's outcome on the device, all read in one host sync.
         outcomes = [self._verify(s, drafted[id(s)], lg[:, :vocab]) for s, lg in zip(live, logits)]
@@ -218,7 +251,8 @@ class BatchEngine:
         at = 0
         for s, outcome in zip(live, outcomes):
             n = outcome.shape[0]
-            own_draft_ms = draft_ms if decisions[id(s)].source == "draft" else 0.0
+            source = decisions[id(s)].source
+            own_draft_ms = draft_ms if source == "draft" else s.head_ms if source == "head" else 0.0
             step = self._commit(s, drafted[id(s)], values[at: at + n], decisions[id(s)], own_draft_ms, verify_ms,
                                 wall_ms)
             at += n
@@ -242,14 +276,15 @@ class BatchEngine:
         if not s.sources:
             return ()
         # Its draft row lags by more than the usual 1-2 pending tokens after standard steps or n-gram drafts.
-        draft = Offer("draft", k, catch_up=s.draft_len > 0 and len(s.context) - s.draft_len > 2)
-        if s.ngram is None:
-            return (draft,)
-        tokens, n = s.ngram.match(k)
-        ngram = Offer("ngram", len(tokens), key=f"ngram:{n}")
-        if s.request.mode == "speculative" and "draft" in s.sources:  # draft+ngram: CombinedProposer's rule
-            return (ngram,) if tokens and n >= MIN_MATCH else (draft,)
-        return tuple(ngram if kind == "ngram" else draft for kind in s.sources)
+        offers = {"draft": Offer("draft", k, catch_up=s.draft_len > 0 and len(s.context) - s.draft_len > 2)}
+        if s.head is not None:
+            offers["head"] = s.head.offer(k)
+        if s.ngram is not None:
+            tokens, n = s.ngram.match(k)
+            offers["ngram"] = Offer("ngram", len(tokens), key=f"ngram:{n}")
+            if s.request.mode == "speculative" and "draft" in s.sources:  # draft+ngram: CombinedProposer's rule
+                return (offers["ngram"],) if tokens and n >= MIN_MATCH else (offers["draft"],)
+        return tuple(offers[kind] for kind in s.sources if kind in offers)
 
     def _draft_tokens(self, seqs: list[Sequence], decisions: dict[int, Decision], drafted: dict[int, Drafted]) -> None:
         """The draft-model sequences' drafts, one batched draft forward per position."""
@@ -290,6 +325,17 @@ class BatchEngine:
             # A sequence's last draft token is never fed: the verify takes it.
             active = [s for s in active if len(drafted[id(s)].tokens) < decisions[id(s)].k]
 
+    def _draft_head(self, s: Sequence, k: int, drafted: Drafted) -> None:
+        """Its head catches up on the rows it has not read and drafts a chain of k (one host sync for its ids)."""
+        assert s.head is not None
+        t0 = time.perf_counter()
+        proposal = s.head_proposal = s.head.propose(k)
+        drafted.tokens = proposal.tokens.tolist()
+        drafted.q_shown = proposal.q_display.tolist() if proposal.q_display is not None else [1.0] * len(drafted.tokens)
+        if proposal.q is not None:  # drafts drawn from the head's law (SAMPLED_DRAFTS)
+            drafted.q_rows = list(proposal.q)
+        s.head_ms = (time.perf_counter() - t0) * 1e3
+
     def _verify(self, s: Sequence, d: Drafted, logits: torch.Tensor) -> torch.Tensor:
         """One sequence's acceptance from the target's logits [n+1, V], on the device, with its own generator: the
         loop's verify_chain (no drafts: a standard step, the target's token from its processed law).
@@ -324,6 +370,9 @@ class BatchEngine:
             self.draft.rollback(s.slot, s.draft_len)
         if s.ngram is not None:
             s.ngram.commit(None, kept, committed)  # type: ignore[arg-type]  # n-gram ignores the proposal
+        if s.head is not None:  # every round: the rows of rounds it did not draft keep its cache in step
+            s.head.commit(s.head_proposal, kept, committed)  # type: ignore[arg-type]
+            s.head_proposal, s.head_ms = None, 0.0
         s.controller.observe(decision, n, accepted, draft_ms, verify_ms, wall_ms)
         step = self._describe(s, d, values, kept, committed, decision, draft_ms, verify_ms)
         s.token_ids += committed

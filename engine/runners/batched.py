@@ -101,6 +101,7 @@ class BatchedDecoder:
         self.kv = torch.zeros(c.n_layers, 2, slots, c.n_kv_heads, c.cache_len, c.head_dim, device=self.device,
                               dtype=self.lean.dtype)
         self.lengths = [0] * slots  # tokens cached per row
+        self.kept: list[torch.Tensor] = []  # the last forward's kept layers per part (forward's `keep`)
 
     def reset(self, slot: int) -> None:
         self.lengths[slot] = 0
@@ -113,9 +114,10 @@ class BatchedDecoder:
         self.lengths[slot] = length
 
     @torch.no_grad()
-    def forward(self, parts: list[Part], logits: bool = True) -> list[torch.Tensor]:
+    def forward(self, parts: list[Part], logits: bool = True, keep: tuple[int, ...] = ()) -> list[torch.Tensor]:
         """Appends every part's ids to its row; returns each part's logits [W_b, V] (float32), in order.
-        logits=False (prefill): nothing is returned and no output head runs."""
+        logits=False (prefill): nothing is returned and no output head runs. keep: layers whose outputs are
+        kept, side by side, as `kept` (each part's [W_b, len(keep) * hidden], in order: a draft head's rows)."""
         assert parts and all(p.ids for p in parts), "every part feeds at least one token"
         assert len({p.slot for p in parts}) == len(parts), "one part per cache row"
         c, lean = self.config, self.lean
@@ -140,6 +142,7 @@ class BatchedDecoder:
         n_qk = c.n_heads + c.n_kv_heads
         n = ids.shape[0]
         x = F.embedding(ids, lean.embed)  # [N, hidden]
+        kept: dict[int, torch.Tensor] = {}
         for index, layer in enumerate(lean.layers):
             qkv = layer.qkv(_rms_norm(x, layer.ln1, c.eps))  # [N, (Hq + 2 Hkv) * D]
             qk = qkv[:, : q_size + kv_size].view(n, n_qk, c.head_dim)
@@ -158,6 +161,11 @@ class BatchedDecoder:
                 out[o0: o0 + w] = o.reshape(c.n_heads, w, c.head_dim).transpose(0, 1).reshape(w, q_size)
             x = layer.o.residual(x, out)
             x = layer.down.residual(x, fastquant.silu_mul(layer.gate_up(_rms_norm(x, layer.ln2, c.eps))))
+            if index in keep:
+                kept[index] = x
+        if keep:
+            rows = torch.cat([kept[i] for i in keep], dim=1)  # [N, len(keep) * hidden], as LeanDecoder keeps them
+            self.kept = list(rows.split(widths))
         for part, w in zip(parts, widths):
             self.lengths[part.slot] += w
         if not logits:

@@ -9,10 +9,10 @@ between two steps.
 Requests greedy or sampled, standard, speculative (a fixed K or K auto) or auto mode, drafting from the
 draft model, n-gram lookup or both, are decoded together, up to max_seqs at once, by the batched step
 (engine/decoding/batch.py), on torch models and on the llama.cpp runtime alike (its multi-sequence
-batches): one target forward verifies every sequence's drafts, each sequence with its own K, sampling and
-random generator. The rest (the draft head, auto mode with a head loaded, engine-side stop strings, a
-model the batched forward cannot take) runs through the single-sequence loop, one at a time, a step of it
-between two batched rounds. A sampled answer from the batch follows the target's law but not the loop's
+batches), and so are those drafting from the draft head on torch: one target forward verifies every
+sequence's drafts, each sequence with its own K, sampling and random generator. The rest (engine-side
+stop strings, a model the batched forward cannot take) runs through the single-sequence loop, one at a
+time, a step of it between two batched rounds. A sampled answer from the batch follows the target's law but not the loop's
 exact tokens for the same seed (the random draws come in another order); with a fixed K it is the same
 answer whatever else is in the batch.
 """
