@@ -185,21 +185,24 @@ def test_row_costs_scale_the_lone_shape_to_what_the_batch_measured():
                                                                      for w in range(1, K_MAX + 2)))
 
 
-def test_a_packed_cpu_model_is_served_one_at_a_time_not_crashed(tiny_pair):
-    """Regression: the CPU fast path's packed head made the batch's construction raise AttributeError."""
+def test_a_packed_cpu_model_batches_with_its_packed_linears(tiny_pair):
+    """The CPU fast path packs every linear for oneDNN, the output head included: the batched forward calls
+    them as they are, so a torch server on a CPU batches (each answer the loop's own)."""
     from engine.runners.cpu import onednn_available, pack_linears
-    from engine.runners.lean import UnsupportedModelError
     from engine.serving.scheduler import Scheduler
 
     if not onednn_available():
         pytest.skip("needs oneDNN")
     engine = tiny_engine(*tiny_pair)
+    alone = [_alone(engine, r)[0].token_ids for r in REQUESTS]
     pack_linears(engine.target)
-    with pytest.raises(UnsupportedModelError):
-        BatchEngine(engine, 2)
+    pack_linears(engine.draft)
+    seqs, widest = _batched(engine, REQUESTS, len(REQUESTS))
+    assert widest == len(REQUESTS)
+    assert [s.token_ids for s in seqs] == alone
     scheduler = Scheduler(engine, max_seqs=2)
     try:
-        assert scheduler.batch is None
+        assert scheduler.batch is not None
     finally:
         scheduler.close()
 

@@ -84,11 +84,9 @@ class BatchedDecoder:
     """forward(parts) -> float32 logits [len(ids), V] per part; each part appends to its own cache row."""
 
     def __init__(self, model: nn.Module, max_length: int, slots: int, decoder: LeanDecoder | None = None) -> None:
-        """decoder: a lean decoder already built on `model` (its fused weights are reused, not fused again)."""
-        if decoder is None and not isinstance(getattr(model.get_output_embeddings(), "weight", None), torch.Tensor):
-            # The CPU fast path packs the head for oneDNN (runners/cpu.py): the lean forward cannot read it.
-            raise UnsupportedModelError("Batched decoding needs the model's own output head (not a packed one); "
-                                        "serving one request at a time.")
+        """decoder: a lean decoder already built on `model` (its fused weights are reused, not fused again).
+        On a CPU whose fast path packed the linears for oneDNN (runners/cpu.py) the lean forward calls them
+        as they are, the output head included."""
         self.lean = decoder or LeanDecoder(model, max_length)
         if len(self.lean.stages) != 1:
             raise UnsupportedModelError("Batched decoding needs the model on one device; serving one at a time.")
@@ -141,7 +139,7 @@ class BatchedDecoder:
         q_size, kv_size = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
         n_qk = c.n_heads + c.n_kv_heads
         n = ids.shape[0]
-        x = F.embedding(ids, lean.embed)  # [N, hidden]
+        x = F.embedding(ids, lean.embed).to(lean.dtype)  # [N, hidden]
         kept: dict[int, torch.Tensor] = {}
         for index, layer in enumerate(lean.layers):
             qkv = layer.qkv(_rms_norm(x, layer.ln1, c.eps))  # [N, (Hq + 2 Hkv) * D]
@@ -176,5 +174,5 @@ class BatchedDecoder:
             keep = torch.cat([torch.arange(e - k, e) for e, k in zip(ends, counts)]).to(self.device)
             x = x.index_select(0, keep)  # [sum(counts), hidden]
         x = _rms_norm(x, lean.norm, c.eps)
-        out_logits = F.linear(x, lean.lm_head, lean.lm_bias).float()  # [sum(counts), V]
+        out_logits = lean.logits_of(x)  # [sum(counts), V]
         return list(out_logits.split(counts))

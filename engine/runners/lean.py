@@ -33,6 +33,7 @@ from engine.errors import EngineError
 from engine.models import fastquant
 from engine.models.fastquant import rms_norm as _rms_norm
 from engine.runners import rope_kernel
+from engine.runners.cpu import PackedLinear
 from engine.runners.tree import Tree
 
 log = logging.getLogger(__name__)
@@ -102,7 +103,9 @@ def check_supported(model: nn.Module, max_length: int) -> None:
     runs = [d for i, d in enumerate(order) if i == 0 or d != order[i - 1]]
     if len(runs) != len(set(runs)):
         raise UnsupportedModelError("The model's layers go back and forth between devices; using the eager path.")
-    head, norm = model.get_output_embeddings().weight.device, model.model.norm.weight.device
+    out = model.get_output_embeddings()
+    norm = model.model.norm.weight.device
+    head = out.weight.device if hasattr(out, "weight") else norm  # a packed head (runners/cpu.py) is a CPU's
     if model.model.embed_tokens.weight.device != order[0] or head != order[-1] or norm != head:
         raise UnsupportedModelError(
             "The split model's embedding or output head is not beside its first or last layer; using the eager path."
@@ -225,7 +228,8 @@ class LeanDecoder:
         n_kv = getattr(config, "num_key_value_heads", None) or n_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // n_heads
         lm_head = model.get_output_embeddings()
-        if not _is_plain(lm_head):
+        packed_head = isinstance(lm_head, PackedLinear)  # the CPU fast path's oneDNN head: called as it is
+        if not _is_plain(lm_head) and not packed_head:
             raise UnsupportedModelError(
                 f"The fast path needs a plain output head, not {type(lm_head).__name__}; using the eager path.")
         cache_len = -(-max_length // CACHE_ALIGN) * CACHE_ALIGN
@@ -237,21 +241,23 @@ class LeanDecoder:
             hidden=config.hidden_size,
             eps=float(getattr(config, "rms_norm_eps", 1e-6)),
             scaling=float(getattr(attn0, "scaling", head_dim**-0.5)),
-            vocab_size=lm_head.weight.shape[0],
+            vocab_size=lm_head.out_features,
             max_length=max_length,
             cache_len=cache_len,
         )
         assert n_heads % n_kv == 0, f"{n_heads} query heads do not group over {n_kv} key/value heads"
         weight = base.embed_tokens.weight
         self.input_device = weight.device  # where ids go in
-        self.device = lm_head.weight.device  # where logits come out (the same unless split)
-        self.dtype = weight.dtype
+        self.device = base.norm.weight.device  # where logits come out (the same unless split)
+        # A CompactEmbedding (runners/cpu.py) keeps bfloat16 rows of a float32 model: its lookups are cast.
+        self.dtype = getattr(base.embed_tokens, "out_dtype", weight.dtype)
         self.model = model  # keeps the weights alive; nothing else is used from it after this
         self.share_weights = share_weights
         with torch.no_grad(), torch.inference_mode(False):
             self.embed = weight.detach()  # [V_in, hidden]
-            self.lm_head = lm_head.weight.detach()  # [V, hidden]; the same storage when tied
-            self.lm_bias = None if lm_head.bias is None else lm_head.bias.detach()
+            self.lm_module = lm_head if packed_head else None
+            self.lm_head = None if packed_head else lm_head.weight.detach()  # [V, hidden]; the same storage when tied
+            self.lm_bias = None if packed_head or lm_head.bias is None else lm_head.bias.detach()
             self.norm = base.norm.weight.detach()
             self.layers = [self._build_layer(layer) for layer in base.layers]
             self.stages: list[_Stage] = []
@@ -361,7 +367,7 @@ class LeanDecoder:
         stage = self.stages[s]
         kv_len = kv_len or c.cache_len
         if s == 0:
-            x = F.embedding(x, self.embed)  # [W, hidden]
+            x = F.embedding(x, self.embed).to(self.dtype)  # [W, hidden]
         width = x.shape[0]
         slots = start + stage.key_pos[:width]  # [W] cache slots written
         if tree is None:
@@ -412,7 +418,13 @@ class LeanDecoder:
         if not logits:
             return None
         x = _rms_norm(x, self.norm, c.eps)
-        return F.linear(x, self.lm_head, self.lm_bias).float()  # [W, V]
+        return self.logits_of(x)
+
+    def logits_of(self, x: torch.Tensor) -> torch.Tensor:
+        """Normed rows [W, hidden] -> float32 logits [W, V] through the output head (a packed one as it is)."""
+        if self.lm_module is not None:
+            return self.lm_module(x).float()
+        return F.linear(x, self.lm_head, self.lm_bias).float()
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
         """q [1, Hkv, G*W, D], k/v [1, Hkv, L, D], additive mask bias [G*W, L] -> [1, Hkv, G*W, D]."""
