@@ -18,13 +18,11 @@ from engine.types import GenerationRequest
 
 
 class RowHidden:
-    """What a batched sequence's HeadProposer reads as its target: the kept rows of its last forward."""
+    """What a batched sequence's HeadProposer reads as its target (chains only: no tree is sized by it)."""
 
-    def __init__(self, layers: tuple[int, ...], max_length: int) -> None:
+    def __init__(self, layers: tuple[int, ...]) -> None:
         self.hidden_layers = layers
-        self.max_length = max_length
         self.hidden: torch.Tensor | None = None  # [W, F]: this sequence's rows of the last batched forward
-        self.length = 0  # tokens its target row holds (HeadProposer sizes trees by it; chains only here)
 
 
 class BatchHeads:
@@ -42,5 +40,5 @@ class BatchHeads:
             runner = HeadRunner(self.engine.head_runner.head, max_length=max_length, k_max=K_MAX)
             runner.warmup()
             self.runners[slot] = runner
-        view = RowHidden(self.layers, max_length)
+        view = RowHidden(self.layers)
         return HeadProposer(runner, view, request.sampling, self.engine.vocab, generator), view  # type: ignore[arg-type]

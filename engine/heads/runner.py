@@ -14,6 +14,7 @@ overwritten by the next catch-up (gpt-fast style rollback, nothing to crop).
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 
 import torch
@@ -298,8 +299,6 @@ class HeadRunner:
 
         Writes past the committed length only (as drafting does), so the cache is left as it was.
         """
-        import time
-
         saved = self.length
         k = max(1, min(k, self.k_max))
         feats = torch.zeros(2, self.config.features, device=self.device, dtype=self.dtype)
@@ -312,21 +311,24 @@ class HeadRunner:
             for _ in range(k - 1):
                 self.step(span)
 
-        cuda = self.device.type == "cuda"
+        total = self.time_ms(round_, iters)
+        self.length = saved
+        return total / (iters * k)
+
+    def time_ms(self, round_: Callable[[], None], iters: int) -> float:
+        """Milliseconds `iters` calls of `round_` take after one untimed call: CUDA events on a GPU (the
+        device's time, not the launches'), the wall clock elsewhere."""
         round_()
-        if cuda:
-            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda.synchronize(self.device)
-            begin.record()
-            for _ in range(iters):
-                round_()
-            end.record()
-            end.synchronize()
-            total = begin.elapsed_time(end)
-        else:
+        if self.device.type != "cuda":
             t0 = time.perf_counter()
             for _ in range(iters):
                 round_()
-            total = (time.perf_counter() - t0) * 1000
-        self.length = saved
-        return total / (iters * k)
+            return (time.perf_counter() - t0) * 1000
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize(self.device)
+        begin.record()
+        for _ in range(iters):
+            round_()
+        end.record()
+        end.synchronize()
+        return begin.elapsed_time(end)

@@ -18,7 +18,6 @@ replay (per attention span) and the selection one more: no host sync while draft
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass
 
 import torch
@@ -123,21 +122,7 @@ class TreeDrafter:
             r.catch_up(feats, ids, span)
             self.draft(depth, span)
 
-        round_()
-        if r.device.type == "cuda":
-            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda.synchronize(r.device)
-            begin.record()
-            for _ in range(iters):
-                round_()
-            end.record()
-            end.synchronize()
-            total = begin.elapsed_time(end)
-        else:
-            t0 = time.perf_counter()
-            for _ in range(iters):
-                round_()
-            total = (time.perf_counter() - t0) * 1000
+        total = r.time_ms(round_, iters)
         r.length = saved
         return total / iters
 
