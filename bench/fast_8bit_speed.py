@@ -201,6 +201,18 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("shapes", "precisions", "fp8_act", "pairs"):
         setattr(args, name, [x.strip() for x in getattr(args, name).split(",") if x.strip()])
     assert set(args.fp8_act) <= set(fq.FP8_MODES), f"--fp8-act takes {fq.FP8_MODES}"
+    from engine.errors import ModelLoadError
+    from engine.loadspec import normalize_precision
+
+    for combo in args.pairs:
+        parts = combo.split("+")
+        try:
+            if len(parts) != 2:
+                raise ModelLoadError(f"--pairs takes TARGET+DRAFT precisions (e.g. fp8+bfloat16), not {combo!r}")
+            for precision in (*parts, *args.precisions):
+                normalize_precision(precision)
+        except ModelLoadError as e:
+            p.error(str(e))
     if args.tiny:
         import tempfile
 

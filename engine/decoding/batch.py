@@ -60,6 +60,7 @@ from engine.decoding.outcome import Launched, RoundResult
 from engine.decoding.proposers import Offer, Proposal
 from engine.decoding.sampling import draw, process
 from engine.decoding.verify import verify_chain
+from engine.errors import GenerationError
 from engine.limits import K_MAX, widest_draft
 from engine.measure.stats import summarize
 from engine.runners.batched import BatchedDecoder, BatchedForward, Part, RowCosts
@@ -156,10 +157,13 @@ class BatchEngine:
     def add(self, request: GenerationRequest, prompt: list[int], cancel: threading.Event) -> Sequence:
         """Takes a free row and prefills it with the prompt (all but its last token)."""
         assert self.free and self.supports(request), "a free row and a request the batch can take"
-        slot = self.free.pop(0)
-        eng = self.engine
         room = self.target.max_length - len(prompt) - (widest_draft(request.mode, request.k) + 1)
         max_new = min(request.max_new_tokens, room)
+        if max_new < 1:  # the scheduler refuses these first; a caller that did not is told the same
+            raise GenerationError(f"The prompt is {len(prompt)} tokens; the model's context holds "
+                                  f"{self.target.max_length} (prompt and answer together). Shorten the prompt.")
+        slot = self.free.pop(0)
+        eng = self.engine
         controller = eng.make_controller(request)
         if isinstance(controller, AdaptiveK):
             controller = AdaptiveK(controller.costs, self.tuning, temperature=request.sampling.temperature)
