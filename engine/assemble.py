@@ -302,9 +302,9 @@ def plan_load(spec: LoadSpec) -> MemoryPlan:
     choice = choose_runtime(spec, sources)
     if choice.runtime == "llamacpp":
         return plan_llamacpp(spec.target, spec.draft, with_draft=spec.with_draft, context=spec.context,
-                             memory=spec.memory)
+                             memory=spec.memory, sequences=spec.sequences)
     plan = plan_pair(spec.target, spec.draft if spec.with_draft else None, with_draft=spec.with_draft,
                      device=spec.device, dtype=spec.dtype, target_precision=spec.target_precision,
                      draft_precision=spec.draft_precision, context=spec.context, memory=spec.memory, gpus=spec.gpus,
-                     fast_path=spec.fast_path, head=spec.head)
+                     fast_path=spec.fast_path, head=spec.head, sequences=spec.sequences)
     return replace(plan, notes=plan.notes + ((f"Runs on torch: {choice.note}.",) if choice.note else ()))

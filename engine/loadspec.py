@@ -53,6 +53,7 @@ class LoadSpec:
     gpus: int | None = None  # GPUs to split the target over (None: one, or as many as the plan needs)
     memory: int | None = None  # memory budget per device in bytes (None: what the device has free)
     force: bool = False  # load even when the memory plan says it will not fit (a person said so)
+    sequences: int = 1  # decoded together (serve --max-seqs): the memory plan counts each one's cache rows
     keep_costs: bool = False  # forward costs kept for this machine and pair are used, measured ones kept (the app)
 
     def __post_init__(self) -> None:

@@ -80,17 +80,18 @@ def pair_specs(args: argparse.Namespace) -> tuple[str | None, str | None]:
 
 
 def load_engine(args: argparse.Namespace, needs_draft: bool, runtime: str | None = None,
-          needs_head: bool | None = None, keep_costs: bool = False) -> Engine:
+          needs_head: bool | None = None, keep_costs: bool = False, sequences: int = 1) -> Engine:
     """needs_head: a draft head will propose (default: --proposer head outside standard mode); the
     head reads the target's hidden states, which llama.cpp does not give, so auto then picks torch.
     keep_costs: forward costs kept for this machine and pair are used, as the app does (a command that
-    answers); the measuring commands (bench, sweep, check) measure their own."""
+    answers); the measuring commands (bench, sweep, check) measure their own.
+    sequences: decoded together (serve --max-seqs): the memory plan counts their caches."""
     from engine.assemble import build_engine
 
     if needs_head is None:
         needs_head = getattr(args, "mode", "standard") != "standard" and getattr(args, "proposer", None) == "head"
     spec = replace(load_spec(args, needs_draft), runtime=runtime or args.runtime, needs_head=needs_head,
-                   keep_costs=keep_costs)
+                   keep_costs=keep_costs, sequences=sequences)
     engine = build_engine(spec, LoadReporter(sys.stderr, args.verbose))
     tree = getattr(args, "tree", "auto")
     if tree.startswith("d") and engine.head_runner is not None:

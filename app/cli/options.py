@@ -28,6 +28,11 @@ def whole(text: str, low: int, high: int, what: str) -> int:
     return value
 
 
+def sequences(text: str) -> int:
+    """--max-seqs: sequences decoded together."""
+    return whole(text, 1, 1024, "--max-seqs")
+
+
 def short(text: str, limit: int = 40) -> str:
     """An echoed value stays short: a 10,000-digit number is not worth a screenful."""
     text = text.strip()

@@ -92,6 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--head", default="auto", type=opt.head,
                    help="the draft head a load would attach: auto (the shipped one for this target, if any), "
                         "a head folder, or none")
+    plan.add_argument("--max-seqs", type=opt.sequences, default=1,
+                      help="sequences decoded together, as serve --max-seqs: each one's cache rows are counted "
+                           "(default 1)")
     plan.add_argument("--presets", action="store_true",
                       help="list every preset with its plan at 24, 48 and 80 GiB (or --memory)")
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")

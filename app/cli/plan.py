@@ -19,7 +19,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     target, draft = common.pair_specs(args)
     plan = plan_pair(target, draft, with_draft=not args.no_draft, device=args.device, dtype=args.dtype,
                      target_precision=args.target_dtype, draft_precision=args.draft_dtype, context=args.context,
-                     memory=args.memory, gpus=args.gpus, head=args.head)
+                     memory=args.memory, gpus=args.gpus, head=args.head, sequences=args.max_seqs)
     if args.json:
         print(json.dumps(asdict(plan) | {"fits": plan.fits}, indent=2))
     else:

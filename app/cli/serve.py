@@ -20,10 +20,6 @@ def _port(text: str) -> int:
     return opt.whole(text, 0, 65535, "the port")
 
 
-def _count(text: str) -> int:
-    return opt.whole(text, 1, 1024, "this value")
-
-
 def _queue(text: str) -> int:
     return opt.whole(text, 0, 100_000, "the queue length")
 
@@ -44,7 +40,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     s.add_argument("--port", type=_port, default=8000, help="TCP port (default 8000; 0 picks a free one)")
     s.add_argument("--api-key", type=_api_key, default=None,
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: no key)")
-    s.add_argument("--max-seqs", type=_count, default=4,
+    s.add_argument("--max-seqs", type=opt.sequences, default=4,
                    help="sequences (greedy or sampled) decoded together in one batch (default 4)")
     s.add_argument("--queue", type=_queue, default=16,
                    help="requests that may wait beyond --max-seqs; one more is answered 429 (default 16)")
@@ -98,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"{PROG}: listening on {args.host}:{port}, reachable from other machines ({guard})", file=sys.stderr)
     needs_draft = args.mode != "standard" and args.proposer in ("draft", "draft+ngram")
     try:
-        engine = common.load_engine(args, needs_draft, keep_costs=True)
+        engine = common.load_engine(args, needs_draft, keep_costs=True, sequences=args.max_seqs)
         scheduler = Scheduler(engine, max_seqs=args.max_seqs, queue_size=args.queue)
         defaults = Defaults(mode=args.mode, proposer=args.proposer, k=args.k, temperature=args.temperature,
                             top_k=args.top_k, top_p=args.top_p, seed=args.seed, max_tokens=args.max_new_tokens)

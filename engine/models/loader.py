@@ -197,13 +197,16 @@ def load_pair(spec: LoadSpec, progress: ProgressFn | None = None, *, pack: Packe
                    for p, given in zip(prepared, (spec.target, spec.draft))]
         plan = plan_models(figures[0], figures[1] if with_draft else None, device=str(torch_device), dtype=dtype,
                            target_precision=asked[0], draft_precision=asked[-1] if with_draft else "auto",
-                           context=spec.context, gpus=spec.gpus, memory=spec.memory, head=spec.head)
+                           context=spec.context, gpus=spec.gpus, memory=spec.memory, head=spec.head,
+                           sequences=spec.sequences)
         busiest = max(plan.devices, key=lambda d: d.total - (d.capacity or 0))
         if not plan.fits:
             change = f" Cheapest change: {plan.suggestion.description[0].lower()}{plan.suggestion.description[1:]}." \
                 if plan.suggestion else ""
             message = (f"{plan.target_name} + {plan.draft_name or 'no draft'} needs {gib(busiest.total)} on "
                        f"{busiest.device}, which has {gib(busiest.capacity or 0)}: it will not fit.{change}")
+            if spec.sequences > 1:
+                message += f" Serving fewer than {spec.sequences} sequences at once (--max-seqs) also needs less."
             if not spec.force:
                 raise ModelWontFitError(message, plan)
             log.warning("loading although the plan says it will not fit:\n%s", format_plan(plan))

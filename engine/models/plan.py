@@ -75,6 +75,7 @@ class PlanInputs:
     fast_path: str = "auto"  # "auto", "eager", "static", "compiled"
     k_max: int = K_MAX  # largest K that gets a captured verify graph
     head: HeadSpec | None = None  # the draft head that will be attached (on torch), if any
+    sequences: int = 1  # sequences decoded together (serve --max-seqs): more than one adds the batched step's rows
 
 
 # --------------------------------------------------------------------------- sizes
@@ -209,6 +210,32 @@ def head_items(inputs: PlanInputs, t_kind: str, t_pos: int, span: int) -> list[P
     return items
 
 
+def batch_items(inputs: PlanInputs, t_kind: str, d_kind: str | None) -> list[PlanItem]:
+    """What decoding `inputs.sequences` together adds (engine/decoding/batch.py, serve --max-seqs).
+
+    Per model a BatchedDecoder: a cache row of the whole context for every sequence, allocated up front
+    (runners/batched.py), and where the model's runner has no lean decoder to share (a CPU or eager runner)
+    the lean decoder the batch builds, with its own one-row cache. With the head, a head cache per sequence
+    (decoding/batch_head.py). A model the lean forward cannot run is served one sequence at a time: nothing.
+    """
+    n = inputs.sequences
+    items = []
+    for role, spec, kind in (("target", inputs.target, t_kind), ("draft", inputs.draft, d_kind)):
+        if spec is None or spec.census.model_type not in LEAN_TYPES:
+            continue
+        positions = cache_positions(spec.census, inputs.context, "static")  # aligned, as the lean cache
+        rows = n + (kind in ("cpu", "eager"))
+        items.append(PlanItem("kv", role, f"{role} KV cache of {n} served sequences ({positions:,} each)",
+                              rows * kv_layer_bytes(spec, positions) * len(spec.census.layers)))
+    h = inputs.head
+    if h is not None and inputs.target.census.model_type in LEAN_TYPES:
+        b = FLOAT_BYTES.get(inputs.target.compute, 2)
+        positions = cache_positions(inputs.target.census, inputs.context, "static")
+        per_row = 2 * h.n_kv_heads * h.head_dim * positions * b + 3 * (inputs.k_max + 1) * h.draft_vocab * 4
+        items.append(PlanItem("kv", "head", f"draft head caches of {n} served sequences", n * per_row))
+    return items
+
+
 # --------------------------------------------------------------------------- placement
 
 def balanced_split(layer_bytes: list[int], first: int, last: int, gpus: int) -> list[int]:
@@ -299,6 +326,9 @@ def build_plan(inputs: PlanInputs, capacities: list[int | None], capacity_source
                                           sum(widths) * d.census.vocab * 4 + layer_part + head_part))
 
     items[out_device].extend(head_items(inputs, t_kind, t_pos, span))
+    batched = inputs.sequences > 1 and gpus == 1  # a split target is served one sequence at a time
+    if batched:
+        items[0].extend(batch_items(inputs, t_kind, d_kind))
 
     # Activations outside graphs: a prompt chunk through each model (one at a time), and the
     # acceptance maths over [K+1, V] float32 tensors on the output device.
@@ -312,6 +342,8 @@ def build_plan(inputs: PlanInputs, capacities: list[int | None], capacity_source
             loop = LOOP_BUFFERS * (inputs.k_max + 1) * t.census.vocab * 4
             if t_kind in ("eager", "cpu"):
                 loop += forward_transient(t, inputs.k_max + 1, span)[1]  # HF's logits, then their float copy
+            if batched:  # every sequence's widest verify in one forward, beside its neighbours' rows
+                prefill = max(prefill, sum(forward_transient(t, inputs.sequences * (inputs.k_max + 1), span)))
         items[g].append(PlanItem("activations", "", "activations (prompt chunk, acceptance maths)", prefill + loop))
 
     for g in range(gpus):

@@ -168,6 +168,7 @@ def plan_pair(
     gpus: int | None = None,
     fast_path: str = "auto",
     head: str | Path | None = None,
+    sequences: int = 1,
 ) -> MemoryPlan:
     """The memory plan for a pair of model specs on a device (see plan_models), read without weights."""
     t_census, t_id, missing = model_census(target, "target")
@@ -180,7 +181,7 @@ def plan_pair(
     plan = plan_models(
         ModelFigures(t_census, target, t_id), ModelFigures(d_census, draft, d_id) if d_census else None,
         device=device, dtype=dtype, target_precision=target_precision, draft_precision=draft_precision,
-        context=context, memory=memory, gpus=gpus, fast_path=fast_path, head=head,
+        context=context, memory=memory, gpus=gpus, fast_path=fast_path, head=head, sequences=sequences,
     )
     return replace(plan, notes=plan.notes + notes)
 
@@ -207,10 +208,12 @@ def plan_models(
     gpus: int | None = None,
     fast_path: str = "auto",
     head: str | Path | None = None,
+    sequences: int = 1,
 ) -> MemoryPlan:
     """The memory plan, with the cheapest change that fits when it does not.
 
     head: the draft head the load attaches ("auto", a folder, None): counted where the logits come out.
+    sequences: how many are decoded together (serve --max-seqs); more than one counts the batch's cache rows.
 
     gpus: how many GPUs the target may be split over; None tries one, then as many as are needed
     (up to the visible ones, or the --memory plan's count).
@@ -230,7 +233,7 @@ def plan_models(
     ctx = min(context or DEFAULT_CONTEXT, target.census.max_positions)
     head_precision = d_spec.precision if d_spec is not None else t_compute
     inputs = PlanInputs(t_spec, d_spec, device_type, ctx, gpus=1, fast_path=fast_path,
-                        head=head_spec(head, target.census, head_precision))
+                        head=head_spec(head, target.census, head_precision), sequences=max(1, sequences))
     counts = [gpus] if gpus else list(range(1, len(names) + 1))
     plan = None
     for count in counts:  # the fewest GPUs that hold it

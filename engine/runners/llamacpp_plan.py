@@ -20,6 +20,9 @@ KV_VALUE_BYTES = {"q8_0": 34 / 32, "f16": 2.0}
 # Calibrated: llama.cpp's compute buffer at DEFAULT_N_UBATCH (128) tokens measured ~25 MiB for the default pair
 # (engine/runners/llamacpp.py), shared here per model.
 COMPUTE_PER_MODEL = 13 * MiB
+# Calibrated from llama.cpp's log: a context reserving more outputs reserves a larger compute buffer (the default
+# target's: 15.7 MiB at 13 outputs, 31.5 MiB at 52), about 0.7 of each extra output's float32 logits row.
+COMPUTE_PER_OUTPUT_ROW = 0.7
 
 
 @dataclass(frozen=True)
@@ -91,18 +94,35 @@ def kv_bytes(facts: GgufFacts, cells: int, kv_type: str = KV_TYPE) -> int:
 
 
 def plan_llamacpp(target: str | None, draft: str | None, *, with_draft: bool = True, context: int | None = None,
-                  memory: int | None = None) -> MemoryPlan:
+                  memory: int | None = None, sequences: int = 1) -> MemoryPlan:
     """What the llama.cpp runtime holds at the longest context it may grow to, against the RAM available.
 
     context: the KV cells each model may grow to (None: DEFAULT_N_CTX), never beyond a model's training context.
+    sequences: decoded together (serve --max-seqs); more than one counts each model's multi-sequence pool.
     """
     models = [("target", gguf_facts(target, "target"))]
     if with_draft:
         models.append(("draft", gguf_facts(draft, "draft")))
-    return build_llamacpp_plan(models, context, memory)
+    return build_llamacpp_plan(models, context, memory, sequences)
 
 
-def build_llamacpp_plan(models: list[tuple[str, GgufFacts]], context: int | None, memory: int | None) -> MemoryPlan:
+def batch_pool_items(models: list[tuple[str, GgufFacts]], cells: dict[str, int], sequences: int) -> list[PlanItem]:
+    """A multi-sequence context per model beside its runner's own (runners/llamacpp_batch.py): one pool of cells
+    that doubles as the sequences need, up to sequences × the model's context, a logits buffer of a widest verify
+    per sequence, and a compute buffer reserved for that many outputs."""
+    outputs = sequences * RESERVED_OUTPUTS
+    rows = {role: min(cells[role], cells["target"]) for role, _ in models}  # a row holds what the target's does
+    items = [PlanItem("kv", role, f"{role} KV pool of {sequences} served sequences ({sequences * n:,} cells)",
+                      kv_bytes(facts, sequences * n)) for (role, facts), n in zip(models, rows.values())]
+    buffers = sum(outputs * f.vocab * 4 + COMPUTE_PER_MODEL
+                  + int(COMPUTE_PER_OUTPUT_ROW * (outputs - RESERVED_OUTPUTS) * f.vocab * 4) for _, f in models)
+    items.append(PlanItem("activations", "", f"batch logits and compute buffers ({sequences} sequences)",
+                          buffers))
+    return items
+
+
+def build_llamacpp_plan(models: list[tuple[str, GgufFacts]], context: int | None, memory: int | None,
+                        sequences: int = 1) -> MemoryPlan:
     _kind, names, capacities, source = device_capacity("cpu", memory, None)
     asked = context or DEFAULT_N_CTX
     items: list[PlanItem] = []
@@ -114,6 +134,8 @@ def build_llamacpp_plan(models: list[tuple[str, GgufFacts]], context: int | None
                               kv_bytes(facts, cells[role])))
     buffers = sum(RESERVED_OUTPUTS * f.vocab * 4 + COMPUTE_PER_MODEL for _, f in models)
     items.append(PlanItem("activations", "", "logits and compute buffers", buffers))
+    if sequences > 1:
+        items.extend(batch_pool_items(models, cells, sequences))
     items.append(PlanItem("runtime", "", "runtime (Python, torch, llama.cpp)", RUNTIME_CPU))
     target = models[0][1]
     draft = models[1][1] if len(models) > 1 else None
