@@ -57,6 +57,11 @@ def _measure(engine, args, kind: str, k: int, prompts, max_new: int) -> dict:
     }
 
 
+def _inside(value: float | None, bounds: tuple[float, float] | None) -> bool | None:
+    """Whether a measured figure lies in the check's range over resamples of its probes (None: no range)."""
+    return None if value is None or bounds is None else bounds[0] <= value <= bounds[1]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--bench-prompts", type=Path, default=Path("assets/bench_prompts.jsonl"))
@@ -101,14 +106,22 @@ def main(argv: list[str] | None = None) -> int:
         if c.status != "ok" or not c.best_k or c.kind in skip or (c.kind == "draft" and c.name != engine.info.draft_name):
             continue
         measured = _measure(engine, args, c.kind, c.best_k, prompts, own.max_new_tokens)
+        first = (measured["per_position_acceptance"] or [None])[0]
         row = {"candidate": c.name, "kind": c.kind, "k": c.best_k, "tree": c.tree,
-               "predicted_per_position": list(c.sampled_positions), "predicted_speedup": c.speedup, **measured}
+               "predicted_per_position": list(c.sampled_positions), "predicted_speedup": c.speedup,
+               "predicted_first_range": c.first_range, "predicted_speedup_range": c.speedup_range, **measured,
+               "first_in_range": _inside(first, c.first_range),
+               "speedup_in_range": _inside(measured["speedup_in_rounds"], c.speedup_range)}
         rows.append(row)
         pred = " ".join(f"{v:.2f}" for v in c.sampled_positions[:6])
         meas = " ".join(f"{v:.2f}" for v in measured["per_position_acceptance"][:6])
+        ranges = "" if c.speedup_range is None or c.first_range is None else (
+            f"; over resamples of the probes the check gives position 1 {c.first_range[0]:.2f}-{c.first_range[1]:.2f}"
+            f" ({'inside' if row['first_in_range'] else 'outside'}), speedup {c.speedup_range[0]:.2f}-"
+            f"{c.speedup_range[1]:.2f}x ({'inside' if row['speedup_in_range'] else 'outside'})")
         print(f"{c.name} K={c.best_k}: acceptance per position predicted {pred} | measured {meas}; speedup "
               f"predicted {c.speedup:.2f}x, measured {measured['speedup_in_rounds']:.2f}x in rounds "
-              f"({measured['speedup_end_to_end']:.2f}x end to end)", flush=True)
+              f"({measured['speedup_end_to_end']:.2f}x end to end){ranges}", flush=True)
         write()
     print(f"wrote {own.out}")
     return 0

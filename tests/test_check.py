@@ -176,7 +176,8 @@ def test_check_view_shows_the_ranking_and_applies_the_best(qtbot):
 
 def test_ngram_is_measured_on_the_continuation_directly():
     """A continuation that repeats the prompt is proposed, and accepted, in full; a fresh one never is."""
-    from engine.measure.check import _ngram, _Tally
+    from engine.measure.check import _ngram
+    from engine.measure.check_tally import Tally
 
     prompt = [5, 6, 7, 8, 9, 10, 11, 12]
     repeat = [5, 6, 7, 8, 9, 10, 11, 12, 5, 6, 7]
@@ -184,7 +185,7 @@ def test_ngram_is_measured_on_the_continuation_directly():
     for cont, expected in ((repeat, 1.0), (fresh, 0.0)):
         rows = torch.full((len(cont), 40), -10.0)
         rows[torch.arange(len(cont)), torch.tensor(cont)] = 10.0  # the target is sure of its own continuation
-        tally = _Tally.empty(4)
+        tally = Tally.empty(4)
         _ngram(prompt, rows, cont, Sampling(temperature=0.5), tally)
         per_position = tally.greedy[4].per_position
         if expected == 0.0:  # nothing in it occurred before: lookup never proposes, every round is standard

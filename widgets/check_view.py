@@ -1,6 +1,7 @@
 """The draft check's result: a progress bar while it runs, then the ranked table, a bar chart and an Apply button."""
 from __future__ import annotations
 
+import numpy as np
 import pyqtgraph as pg
 from PySide6.QtCore import Qt, Signal
 from PySide6.QtWidgets import (
@@ -33,9 +34,24 @@ def _cells(c: CandidateCheck) -> list[str]:
         return [c.name, "", "", "", f"refused: {short}", "", "", ""]
     positions = " ".join(f"{v:.2f}" for v in c.sampled_positions[:5]) or "–"
     k = f"{c.best_k}{' tree' if c.tree else ''}" if c.best_k else "–"
+    speedup = "–" if c.speedup is None else f"{c.speedup:.2f}×"
+    if c.speedup is not None and c.speedup_range is not None:
+        speedup += f" ({c.speedup_range[0]:.2f}–{c.speedup_range[1]:.2f})"
     return [c.name, _pct(c.size_ratio), "–" if c.kl is None else f"{c.kl:.2f}",
-            "–" if c.top1 is None else f"{c.top1:.2f}", positions, _pct(c.cost_ratio), k,
-            "–" if c.speedup is None else f"{c.speedup:.2f}×"]
+            "–" if c.top1 is None else f"{c.top1:.2f}", positions, _pct(c.cost_ratio), k, speedup]
+
+
+def _tips(c: CandidateCheck) -> dict[int, str]:
+    """Tooltips per column: how positions were found, and how much the figures depend on the probes' text."""
+    tips = {}
+    if c.positions_from:
+        first = "" if c.first_range is None else (
+            f"; the first position over resamples of the probe prompts: {c.first_range[0]:.2f}–{c.first_range[1]:.2f}")
+        tips[4] = f"positions beyond the first: {c.positions_from}{first}"
+    if c.speedup_range is not None:
+        tips[7] = (f"90% of resamples of the probe prompts predict {c.speedup_range[0]:.2f}–{c.speedup_range[1]:.2f}×: "
+                   "acceptance depends on the text, so your own prompts may land anywhere in it")
+    return tips
 
 
 class CheckView(QWidget):
@@ -65,6 +81,7 @@ class CheckView(QWidget):
         self.chart.showGrid(y=True, alpha=0.3)
         self.chart.setMouseEnabled(False, False)
         self._bars: pg.BarGraphItem | None = None
+        self._ranges: pg.ErrorBarItem | None = None
         self._one = self.chart.addLine(y=1.0, pen=pg.mkPen((120, 120, 120), style=Qt.PenStyle.DashLine))
         adopt_menus(self.chart)
         self.verdict = QLabel("", self)
@@ -104,13 +121,14 @@ class CheckView(QWidget):
                             f"temperature {report.temperature:g}")
         self.table.setRowCount(len(report.candidates))
         for r, c in enumerate(report.candidates):
+            tips = _tips(c)
             for col, text in enumerate(_cells(c)):
                 item = QTableWidgetItem(text)
                 if c.status != "ok":
                     item.setForeground(Qt.GlobalColor.gray)
                     item.setToolTip(c.reason)
-                if col == 4 and c.positions_from:
-                    item.setToolTip(f"positions beyond the first: {c.positions_from}")
+                elif col in tips:
+                    item.setToolTip(tips[col])
                 self.table.setItem(r, col, item)
         self.table.resizeColumnsToContents()
         header = self.table.horizontalHeader().height() + 2 * self.table.frameWidth()
@@ -137,12 +155,23 @@ class CheckView(QWidget):
 
     def _draw(self, report: CheckReport) -> None:
         checked = [c for c in report.candidates if c.status == "ok" and c.speedup is not None]
-        if self._bars is not None:
-            self.chart.removeItem(self._bars)
+        for item in (self._bars, self._ranges):
+            if item is not None:
+                self.chart.removeItem(item)
         heights = [c.speedup or 0.0 for c in checked]
         brushes = [pg.mkBrush(*(PAYS if h > 1.0 else LOSES)) for h in heights]
         self._bars = pg.BarGraphItem(x=list(range(len(checked))), height=heights, width=0.6, brushes=brushes)
         self.chart.addItem(self._bars)
+        ranged = [(i, c) for i, c in enumerate(checked) if c.speedup_range is not None]
+        self._ranges = None
+        if ranged:  # what resamples of the probes predict: a whisker over each bar
+            self._ranges = pg.ErrorBarItem(
+                x=np.array([i for i, _ in ranged], dtype=float), y=np.array([c.speedup for _, c in ranged]),
+                bottom=np.array([c.speedup - c.speedup_range[0] for _, c in ranged]),
+                top=np.array([c.speedup_range[1] - c.speedup for _, c in ranged]), beam=0.2,
+                pen=pg.mkPen((60, 60, 60), width=1.5))
+            self.chart.addItem(self._ranges)
+            heights = heights + [c.speedup_range[1] for _, c in ranged]
         axis = self.chart.getAxis("bottom")
         axis.setTicks([[(i, c.name[:18]) for i, c in enumerate(checked)]])
         self.chart.setYRange(0, max(heights + [1.2]) * 1.1)

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
 HF_CACHE = "hf"  # --scan hf: the local Hugging Face cache
 CSV_FIELDS = ("rank", "name", "kind", "status", "params", "size_ratio", "kl", "top1", "greedy_positions",
-              "sampled_positions", "cost_ratio", "best_k", "tree", "speedup", "reason")
+              "sampled_positions", "first_range", "cost_ratio", "best_k", "tree", "speedup", "speedup_range", "reason")
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -128,6 +128,10 @@ def _positions(values: tuple[float, ...], n: int = 4) -> str:
     return " ".join(f"{v:.2f}" for v in values[:n]) or "-"
 
 
+def _range(bounds: tuple[float, float] | None) -> str:
+    return "-" if bounds is None else f"{bounds[0]:.2f}-{bounds[1]:.2f}"
+
+
 def _num(value: float | None, fmt: str) -> str:
     width = int("".join(ch for ch in fmt.split(".")[0] if ch.isdigit()) or 0)
     return f"{'-':>{width}}" if value is None else format(value, fmt)
@@ -137,7 +141,7 @@ def format_report(report: CheckReport) -> str:
     """The ranked table, the verdict and the wall time."""
     t = report.temperature
     head = (f"{'#':>2} {'candidate':<34} {'size':>6} {'KL':>6} {'top-1':>6} {'acc/pos T=0':>20} "
-            f"{f'acc/pos T={t:g}':>20} {'cost':>5} {'K':>3} {'speedup':>8}")
+            f"{f'acc/pos T={t:g}':>20} {'cost':>5} {'K':>3} {'speedup':>8} {'90% range':>10}")
     lines = [(f"{report.target} on {report.device} ({report.runtime}); {report.probes} probe prompts, "
               f"{report.probe_tokens} continuation tokens; temperature {t:g}, top-p {report.top_p:g}, "
               f"top-k {report.top_k}; a target forward {report.target_ms:.1f} ms"), head]
@@ -149,11 +153,13 @@ def format_report(report: CheckReport) -> str:
         lines.append(f"{n:>2} {c.name[:34]:<34} {_num(c.size_ratio, '6.0%')} {_num(c.kl, '6.2f')} "
                      f"{_num(c.top1, '6.2f')} {_positions(c.greedy_positions):>20} "
                      f"{_positions(c.sampled_positions):>20} {_num(c.cost_ratio, '5.0%')} {k:>3} "
-                     f"{_num(c.speedup, '7.2f') + '×' if c.speedup is not None else '-':>8}")
+                     f"{_num(c.speedup, '7.2f') + '×' if c.speedup is not None else '-':>8} "
+                     f"{_range(c.speedup_range):>10}")
     lines.append(f"verdict: {report.verdict}")
     phases = ", ".join(f"{name} {s:.0f} s" for name, s in report.phases if s >= 0.5)
     lines.append(f"checked in {report.wall_s:.1f} s after the models loaded{f' ({phases})' if phases else ''}; "
-                 "size and cost are over the target's; K: the best draft length, t = a tree")
+                 "size and cost are over the target's; K: the best draft length, t = a tree; 90% range: the "
+                 "speedup predicted from resamples of the probe prompts (acceptance depends on the text)")
     return "\n".join(lines)
 
 
@@ -165,6 +171,8 @@ def write_csv(path: Path, report: CheckReport) -> None:
             row = {**asdict(c), "rank": n}
             row["greedy_positions"] = " ".join(f"{v:.4f}" for v in c.greedy_positions)
             row["sampled_positions"] = " ".join(f"{v:.4f}" for v in c.sampled_positions)
+            for key in ("first_range", "speedup_range"):
+                row[key] = "" if row[key] is None else " ".join(f"{v:.4f}" for v in row[key])
             writer.writerow({k: cell(v) for k, v in row.items()})
 
 

@@ -185,7 +185,8 @@ class CheckLink(QObject):
             if c is None or c.speedup is None:
                 return None
             who = f" for {c.name}" if request.mode == "auto" else ""
-            return (f"check predicted {c.speedup:.2f}×{who} at K={c.best_k}, "
+            spread = "" if c.speedup_range is None else f" ({c.speedup_range[0]:.2f}–{c.speedup_range[1]:.2f})"
+            return (f"check predicted {c.speedup:.2f}×{spread}{who} at K={c.best_k}, "
                     f"{(c.sampled_positions or (0.0,))[0]:.0%} accepted at position 1{asked}")
         # No single proposer drafted this answer: the check's figure for each one it could have used.
         kinds = request.proposer.kinds

@@ -24,7 +24,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 
@@ -33,8 +33,9 @@ from engine.decoding.proposers import empty_proposal
 from engine.errors import GenerationError
 from engine.limits import K_MAX, PROBE_TOKENS, TREE_K_MAX
 from engine.measure.check_load import DraftUnderTest, engine_draft, load_drafts, params_of
-from engine.measure.check_math import NO_ROUNDS, Rounds, agreement, chained, kl_divergence, point_mass, rounds
+from engine.measure.check_math import Rounds, agreement, chained, kl_divergence, point_mass
 from engine.measure.check_price import price_chain, price_head, price_ngram
+from engine.measure.check_tally import Tally, merged, spread
 from engine.measure.check_types import STOPPED, CandidateCheck, CheckReport
 from engine.measure.experiment import BenchPrompt, packaged_prompts
 from engine.runners import ids_tensor
@@ -45,6 +46,7 @@ log = logging.getLogger(__name__)
 HEAD_K = TREE_K_MAX  # draft length of the head's own rounds (positions beyond it repeat the last rate)
 POSITIONS = ("chained over the target's greedy continuation: draft position i of a round starting at row t is "
              "judged at row t + i (an exact replay at T = 0; at T > 0 the context is the greedy text)")
+NGRAM_POSITIONS = "n-gram lookup's own proposals on the continuations, chained as drafts"
 HEAD_POSITIONS = f"the head's own drafts through the decoding loop (greedy rounds of K = {HEAD_K})"
 Progress = Callable[[float, str], None]
 
@@ -52,28 +54,6 @@ Progress = Callable[[float, str], None]
 def probe_prompts() -> tuple[BenchPrompt, ...]:
     """The shipped probe prompts: two per category of the bench prompts, none of them a bench prompt."""
     return packaged_prompts("check_prompts.jsonl")
-
-
-@dataclass
-class _Tally:
-    """Sums over the probes for one candidate (mutable while the check runs)."""
-
-    greedy: dict[int, Rounds]  # K -> rounds at T = 0
-    sampled: dict[int, Rounds]  # K -> rounds at the asked temperature
-    kl_sum: float = 0.0
-    top1_sum: float = 0.0
-    rows: int = 0
-    rejected: list[float] | None = None  # head trees: rejections per position
-    rescued: list[float] | None = None  # head trees: rejections where an alternative kept the target's token
-
-    @classmethod
-    def empty(cls, k_max: int) -> _Tally:
-        return cls({k: NO_ROUNDS for k in range(1, k_max + 1)}, {k: NO_ROUNDS for k in range(1, k_max + 1)})
-
-    def add_offers(self, greedy: list[list[float]], sampled: list[list[float]]) -> None:
-        for k in self.greedy:
-            self.greedy[k] = self.greedy[k] + rounds(greedy, k)
-            self.sampled[k] = self.sampled[k] + rounds(sampled, k)
 
 
 def run_check(engine, drafts: Sequence[DraftUnderTest], *, sampling: Sampling, head: bool = True,
@@ -84,9 +64,10 @@ def run_check(engine, drafts: Sequence[DraftUnderTest], *, sampling: Sampling, h
     started = time.perf_counter()
     prompts = tuple(prompts if prompts is not None else probe_prompts())
     with_head = head and engine.head_runner is not None
-    tallies = {id(d): _Tally.empty(K_MAX) for d in drafts}
-    ngram_tally = _Tally.empty(K_MAX)
-    head_tally = _Tally.empty(HEAD_K)
+    # per candidate, a tally per probe: their sum prices it, their resamples give its ranges (check_tally.spread)
+    tallies: dict[int, list[Tally]] = {id(d): [] for d in drafts}
+    ngram_tallies: list[Tally] = []
+    head_tallies: list[Tally] = []
     compared = 0
     # seconds per part, over the probes: the loop's decoding of the continuations (with the head when it is
     # checked), the target's teacher-forced rows, each draft model's rows, judging n-gram lookup and the head
@@ -111,37 +92,38 @@ def run_check(engine, drafts: Sequence[DraftUnderTest], *, sampling: Sampling, h
         compared += len(cont)
         for d in drafts:
             t0 = time.perf_counter()
-            _compare_draft(d, ids, rows, cont, sampling, tallies[id(d)])
+            tallies[id(d)].append(Tally.empty(K_MAX))
+            _compare_draft(d, ids, rows, cont, sampling, tallies[id(d)][-1])
             phases[d.name] = phases.get(d.name, 0.0) + time.perf_counter() - t0
         t0 = time.perf_counter()
         if ngram:
-            _ngram(ids, rows, cont, sampling, ngram_tally)
+            ngram_tallies.append(Tally.empty(K_MAX))
+            _ngram(ids, rows, cont, sampling, ngram_tallies[-1])
         if with_head:
-            _head(head_steps, rows, cont, sampling, head_tally)
+            head_tallies.append(Tally.empty(HEAD_K))
+            _head(head_steps, rows, cont, sampling, head_tallies[-1])
         phases["ngram and head"] += time.perf_counter() - t0
     log.info("draft check phases (s): %s", {k: round(v, 1) for k, v in phases.items()})
     if progress is not None:
         progress(1.0, "Pricing the candidates")
     target_params = params_of(engine.target_runner, engine.target)
-    results = [replace(price_chain(engine.info, d.name, d.params, target_params, d.cost, d.sampled_cost,
-                                   _summary(tallies[id(d)]), sampling, POSITIONS), spec=d.spec) for d in drafts]
+    priced: list[tuple[Callable[[Tally], CandidateCheck], list[Tally], int]] = [
+        (lambda t, d=d: replace(price_chain(engine.info, d.name, d.params, target_params, d.cost, d.sampled_cost,
+                                            t.summary(), sampling, POSITIONS), spec=d.spec), tallies[id(d)], K_MAX)
+        for d in drafts]
     if with_head:
-        results.append(price_head(engine.info, engine.head_runner, target_params, _summary(head_tally),
-                                  head_tally, sampling, HEAD_POSITIONS))
+        priced.append((lambda t: price_head(engine.info, engine.head_runner, target_params, t.summary(), t, sampling,
+                                            HEAD_POSITIONS), head_tallies, HEAD_K))
     if ngram:
-        results.append(price_ngram(engine.info, _summary(ngram_tally), sampling,
-                                   "n-gram lookup's own proposals on the continuations, chained as drafts"))
+        priced.append((lambda t: price_ngram(engine.info, t.summary(), sampling, NGRAM_POSITIONS), ngram_tallies,
+                       K_MAX))
+    results = [spread(price(merged(per_probe, k_max)), per_probe, price) for price, per_probe, k_max in priced]
     ranked = sorted(results, key=lambda c: -(c.speedup or 0.0)) + list(refused)
     target_ms = dict(engine.info.target_ms).get(1, 0.0)
     return CheckReport(engine.info.target_name, engine.info.runtime, engine.info.device, sampling.temperature,
                        sampling.top_p, sampling.top_k, len(prompts), compared, target_ms, tuple(ranked),
                        verdict_line(ranked), time.perf_counter() - started,
                        tuple((k, round(v, 2)) for k, v in phases.items()))
-
-
-def _summary(t: _Tally) -> dict:
-    return {"greedy": t.greedy, "sampled": t.sampled, "kl": t.kl_sum / t.rows if t.rows else None,
-            "top1": t.top1_sum / t.rows if t.rows else None}
 
 
 def _continuation(engine, prompt: BenchPrompt, n: int) -> tuple[list[int], list]:
@@ -203,7 +185,7 @@ def _target_rows(runner, vocab: int, ids: list[int], cont: list[int]) -> torch.T
 
 @torch.inference_mode()
 def _compare_draft(draft: DraftUnderTest, ids: list[int], rows: torch.Tensor, cont: list[int], sampling: Sampling,
-                   tally: _Tally) -> None:
+                   tally: Tally) -> None:
     """The draft teacher-forced on the continuation: its row before each continuation token against the target's."""
     runner, vocab = draft.runner, min(draft.vocab, rows.shape[-1])
     runner.reset()
@@ -224,7 +206,7 @@ def _compare_draft(draft: DraftUnderTest, ids: list[int], rows: torch.Tensor, co
     tally.add_offers(chained(greedy_hits, K_MAX), chained(sampled or greedy_hits, K_MAX))
 
 
-def _ngram(ids: list[int], rows: torch.Tensor, cont: list[int], sampling: Sampling, tally: _Tally) -> None:
+def _ngram(ids: list[int], rows: torch.Tensor, cont: list[int], sampling: Sampling, tally: Tally) -> None:
     """N-gram lookup's proposal at every row of the continuation, judged as point masses."""
     lookup, nothing = NgramProposer(), empty_proposal(torch.device("cpu"))
     lookup.start(ids)
@@ -244,7 +226,7 @@ def _ngram(ids: list[int], rows: torch.Tensor, cont: list[int], sampling: Sampli
     tally.add_offers(greedy, sampled)
 
 
-def _head(steps: list, rows: torch.Tensor, cont: list[int], sampling: Sampling, tally: _Tally) -> None:
+def _head(steps: list, rows: torch.Tensor, cont: list[int], sampling: Sampling, tally: Tally) -> None:
     """The head's greedy rounds of HEAD_K drafts that decoded the continuation; at T > 0 each reached draft is
     judged by the processed target probability of its token at that row (point-mass drafts, as the head's)."""
     reached, accepted, sampled = [0.0] * HEAD_K, [0.0] * HEAD_K, [0.0] * HEAD_K

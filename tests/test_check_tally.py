@@ -1,0 +1,89 @@
+"""The draft check's counts per probe and the ranges it reports: how much its prediction depends on the text read."""
+from __future__ import annotations
+
+import csv
+from dataclasses import replace
+
+from engine.limits import K_MAX
+from engine.measure.check_price import price_ngram
+import numpy as np
+
+from engine.measure.check_tally import MIN_PROBES, Stacked, Tally, merged, spread
+from engine.measure.check_types import CandidateCheck, CheckReport
+from engine.types import ModelInfo, Sampling
+
+GREEDY = Sampling(temperature=0.0)
+INFO = ModelInfo(target_name="t", draft_name=None, device="cpu", dtype="bf16", fast_path="eager", vocab_size=100,
+                 target_ms=tuple((w, 10.0 + 0.5 * w) for w in range(1, K_MAX + 2)))
+
+
+def _probe(hits: list[float]) -> Tally:
+    """A probe whose drafter proposes one token at every row, accepted where hits says."""
+    t = Tally.empty(K_MAX)
+    t.add_offers([[h] for h in hits], [[h] for h in hits])
+    t.top1_sum, t.rows = sum(hits), len(hits)
+    return t
+
+
+def _price(t: Tally) -> CandidateCheck:
+    return price_ngram(INFO, t.summary(), GREEDY, "test")
+
+
+def test_merged_probes_count_what_one_tally_of_everything_counts():
+    a, b = [1.0, 0.0, 1.0, 1.0], [0.0, 0.0, 1.0]
+    together = Tally.empty(K_MAX)
+    for hits in (a, b):
+        together.add_offers([[h] for h in hits], [[h] for h in hits])
+    both = merged([_probe(a), _probe(b)], K_MAX)
+    assert both.greedy == together.greedy and both.sampled == together.sampled
+    assert both.rows == 7 and both.top1_sum == 4.0 and both.summary()["top1"] == 4 / 7
+    trees = [replace(_probe(a), rejected=[1.0, 2.0], rescued=[0.0, 1.0]), replace(_probe(b), rejected=[3.0])]
+    assert merged(trees, K_MAX).rejected == [4.0, 2.0] and merged(trees, K_MAX).rescued == [0.0, 1.0]
+    # A resample's tally comes from stacked counts: counting each probe once is merged(), twice doubles it.
+    once, twice = Stacked(trees, K_MAX).tallies(np.array([[1.0, 1.0], [2.0, 0.0]]))
+    assert once == merged(trees, K_MAX)
+    assert twice.greedy == merged([trees[0], trees[0]], K_MAX).greedy and twice.rejected == [2.0, 4.0]
+    assert Stacked([_probe(a)], K_MAX).tallies(np.ones((1, 1)))[0].rejected is None  # chains keep no rejections
+
+
+def test_probes_that_agree_give_a_point_and_probes_that_differ_a_range_around_the_prediction():
+    same = [_probe([1.0, 0.0] * 10) for _ in range(8)]
+    checked = spread(_price(merged(same, K_MAX)), same, _price)
+    first = checked.sampled_positions[0]
+    assert checked.first_range == (first, first) and checked.speedup_range == (checked.speedup, checked.speedup)
+    # n-gram lookup on text that repeats (every proposal accepted) beside text that does not (none accepted)
+    mixed = [_probe([1.0] * 20) for _ in range(4)] + [_probe([0.0] * 20) for _ in range(4)]
+    checked = spread(_price(merged(mixed, K_MAX)), mixed, _price)
+    low, high = checked.first_range
+    first = checked.sampled_positions[0]
+    assert 0.0 < first < 1.0 and low < first - 0.1 and high > first + 0.1
+    assert checked.speedup_range[0] < checked.speedup < checked.speedup_range[1]
+    assert spread(_price(merged(mixed, K_MAX)), mixed, _price) == checked  # the same counts, the same ranges
+    few = mixed[:MIN_PROBES - 1]
+    assert spread(_price(merged(few, K_MAX)), few, _price).speedup_range is None  # too few probes to say
+
+
+def _report(ranged: CandidateCheck) -> CheckReport:
+    return CheckReport("t", "llamacpp", "cpu", 0.0, 1.0, 0, 20, 800, 110.0, (ranged,), "n-gram: 1.04× here (K=1)", 100.0)
+
+
+def test_the_ranges_reach_the_table_the_csv_and_the_dialog(tmp_path, qtbot):
+    from app.cli.check import format_report, write_csv
+    from widgets.check_view import CheckView
+
+    c = CandidateCheck("n-gram lookup", "ngram", "ok", greedy_positions=(0.31,), sampled_positions=(0.31,), best_k=1,
+                       speedup=1.04, speedups=(1.04,), first_range=(0.22, 0.41), speedup_range=(0.95, 1.12),
+                       positions_from="its own proposals")
+    text = format_report(_report(c))
+    assert "90% range" in text and " 1.04×  0.95-1.12" in text
+    write_csv(tmp_path / "c.csv", _report(c))
+    (row,) = csv.DictReader(open(tmp_path / "c.csv", encoding="utf-8"))
+    assert row["speedup_range"] == "0.9500 1.1200" and row["first_range"] == "0.2200 0.4100"
+    view = CheckView()
+    qtbot.addWidget(view)
+    view.set_report(_report(c))
+    assert view.table.item(0, 7).text() == "1.04× (0.95–1.12)"
+    assert "0.95–1.12×" in view.table.item(0, 7).toolTip() and "0.22–0.41" in view.table.item(0, 4).toolTip()
+    assert view._ranges is not None  # a whisker over the bar
+    view.set_report(_report(replace(c, speedup_range=None, first_range=None)))
+    assert view.table.item(0, 7).text() == "1.04×" and view._ranges is None
