@@ -28,6 +28,7 @@ from engine.models.store import ModelSource, gguf_file, resolve_source
 from engine.models.tokenizers import check_compatible, read_gguf_tokenizer
 from engine.runners.cpu import try_pack, use_torch_threads
 from engine.runners.graphs import build_runners
+from engine.runners.lean import UnsupportedModelError
 from engine.runners.llamacpp import (
     DEFAULT_N_CTX,
     HEAD_REFUSED,
@@ -197,6 +198,10 @@ def engine_for_pair(loaded: LoadedPair | PackedPair, spec: LoadSpec, progress: P
         if packed_name and pair.draft is not None:
             try_pack(pair.draft)
         name = packed_name or name
+        if found is not None and packed_name:
+            # The head's dynamic trees need a target runner that verifies trees: the lean decoder's static
+            # cache, calling the packed linears as they are (its forwards cost what the packed model's do).
+            target_runner = _cpu_tree_runner(pair.target, context, layers, notes)
     if fast_path != "eager" and not on_cpu:
         try:
             target_runner, draft_runner, name = build_runners(
@@ -224,6 +229,17 @@ def engine_for_pair(loaded: LoadedPair | PackedPair, spec: LoadSpec, progress: P
     if progress is not None:
         progress(LoadProgress("warmup", 1.0, f"Ready ({name})"))
     return engine
+
+
+def _cpu_tree_runner(target, context: int | None, layers: tuple[int, ...], notes: list[str]):
+    """The target's lean runner on a CPU (no graphs), or None (the eager runner, chains only) where the lean
+    forward cannot take the model, said in `notes`."""
+    try:
+        runner, _, _ = build_runners(target, None, max_length=context, hidden_layers=layers)
+        return runner
+    except UnsupportedModelError as exc:
+        notes.append(f"target: chains only ({_first_line(exc)})")
+        return None
 
 
 def _quantize_head(head, precision: str, device: torch.device) -> str:

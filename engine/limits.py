@@ -24,6 +24,11 @@ TREE_NODES_MAX = 255
 TREE_NODES = 64
 TREE_NODES_MIN = 16
 TREE_COST_LIMIT = 1.15
+# The smallest tree is kept against chains on a limit of its own: it keeps about 1.3x a chain's tokens a round
+# (3.05 against 2.35 at K = 5 on a 2-core Xeon, bench/results/cpu_tree_sweep_bf16.json, where its verify cost
+# 1.12x a chain's and it measured 1.88x standard against the chain's 1.67x), so it pays until its verify costs
+# about that much more; the limit leaves a margin.
+TREE_MIN_COST_LIMIT = 1.25
 
 
 def tree_nodes(nodes: int, frontier: int, depth: int) -> int:

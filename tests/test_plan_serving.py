@@ -8,7 +8,7 @@ import pytest
 
 from app.cli import main as cli_main
 from engine.models.census import census_from_config
-from engine.models.plan import GiB, ModelSpec, PlanInputs, build_plan, cache_positions, kv_layer_bytes
+from engine.models.plan import GiB, HeadSpec, ModelSpec, PlanInputs, build_plan, cache_positions, kv_layer_bytes
 from engine.runners.batched import BatchedDecoder
 from engine.runners.llamacpp import RESERVED_OUTPUTS
 from engine.runners.llamacpp_plan import COMPUTE_PER_MODEL, GgufFacts, build_llamacpp_plan, kv_bytes
@@ -30,6 +30,10 @@ def test_the_plan_counts_the_cache_rows_the_batch_allocates():
         decoder = BatchedDecoder(model, context, 3)  # on a CPU runner the batch builds its own lean decoder
         allocated = decoder.kv.numel() * decoder.kv.element_size() + decoder.lean.cache_bytes()
         assert served["target"] == served["draft"] == allocated
+    # With a head the CPU target runs on the lean decoder already, which the batch shares: its rows alone.
+    head = HeadSpec("h", 1000, 64, 2, 16, 3, 100, "float32")
+    with_head = _served(build_plan(PlanInputs(spec, spec, "cpu", 512, head=head, sequences=3), [GiB], "given"))
+    assert with_head["target"] == 3 * kv_layer_bytes(spec, 512) * 2 and with_head["draft"] == served["draft"]
     # One sequence at a time adds nothing; a graph runner's lean decoder is shared, so only the batch's rows count.
     assert _served(build_plan(PlanInputs(spec, spec, "cpu", 512), [GiB], "given")) == {}
     on_gpu = _served(build_plan(PlanInputs(spec, None, "cuda", 512, sequences=3), [GiB], "given"))

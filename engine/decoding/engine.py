@@ -20,7 +20,7 @@ from engine.heads.model import DraftHead
 from engine.heads.runner import ALTERNATIVES, HeadRunner
 from engine.heads.tree import TreeDrafter
 from engine.limits import (DEFAULT_K, K_AUTO, K_MAX, TREE_COST_LIMIT, TREE_FRONTIER, TREE_K_MAX,
-                           TREE_NODES, TREE_NODES_MAX, TREE_NODES_MIN)
+                           TREE_MIN_COST_LIMIT, TREE_NODES, TREE_NODES_MAX, TREE_NODES_MIN)
 from engine.loadspec import LoadProgress
 from engine.models.device import output_device
 from engine.measure.costmodel import costs_at, tree_costs_at
@@ -76,8 +76,9 @@ class Engine:
         self.lookahead: bool | None = None
         self.tuning = TuningMemory()  # what adaptive K learned in this process; each answer starts from it
         # Next-best head tokens verified beside each head draft as a tree (runners/tree.py); None: the
-        # device's default (set_tree): a dynamic tree on a GPU, whose verify costs nearly the same for many
-        # more rows, chains on a CPU (forward cost grows with width) and on runners without tree forwards.
+        # device's default (set_tree): a dynamic tree fitted to the verify costs measured here (wide on a GPU,
+        # whose verify costs nearly the same for many more rows; small on a CPU, where cost grows with width),
+        # chains on runners without tree forwards.
         self.tree_alternatives: int | None = None
         self._trees: dict[tuple[int, int], Tree] = {}  # (K, S) -> its sibling tree on the device
         # A dynamic tree instead (engine/heads/tree.py, set_dynamic_tree): the head grows one per round.
@@ -132,14 +133,15 @@ class Engine:
 
     def set_tree(self, alternatives: int | None) -> None:
         """Chooses the tree: alternatives beside each head draft token (0: chains), or None: the default for
-        this device, a dynamic tree of TREE_NODES fitted to the measured costs (fit_tree) where the runner
-        verifies trees on a GPU, chains elsewhere. Captures its graphs on CUDA."""
+        this device, a dynamic tree fitted to the measured costs (fit_tree) where the runner verifies trees
+        (TREE_NODES on a GPU, TREE_NODES_MIN on a CPU), chains elsewhere. Captures its graphs on CUDA."""
         if alternatives is not None and not 0 <= alternatives <= ALTERNATIVES:
             raise GenerationError(f"A tree keeps 0..{ALTERNATIVES} alternatives per draft token, not {alternatives}.")
         self.tree_alternatives = alternatives
-        if alternatives is None and self.device.type == "cuda" and self.head_runner is not None \
-                and hasattr(self.target_runner, "capture_trees"):
-            self.set_dynamic_tree(TREE_NODES, fit=True)
+        if alternatives is None and self.head_runner is not None and hasattr(self.target_runner, "capture_trees"):
+            # A GPU verifies wide trees for little more than a chain; a CPU's wider forwards cost more, so its
+            # fit starts at the smallest tree (and falls back to chains when even that costs too much).
+            self.set_dynamic_tree(TREE_NODES if self.device.type == "cuda" else TREE_NODES_MIN, fit=True)
             return
         if self.tree_drafter is not None:
             self.set_dynamic_tree(0)
@@ -159,12 +161,14 @@ class Engine:
 
     def fit_tree(self) -> None:
         """The default dynamic tree, fitted to the costs measured here: halved while its verify at the default K
-        costs more than TREE_COST_LIMIT times a chain's (a GPU whose wide forwards cost more), chains below
-        TREE_NODES_MIN. A tree a person chose is left as it is, and so is one whose costs are not measured."""
+        costs more than TREE_COST_LIMIT times a chain's (a device whose wide forwards cost more), chains when the
+        smallest tree's costs more than TREE_MIN_COST_LIMIT times. A tree a person chose is left as it is, and
+        so is one whose costs are not measured."""
         if not self._fit_tree or self.tree_drafter is None:
             return
         tree, chain = dict(self.info.tree_ms).get(DEFAULT_K), dict(self.info.target_ms).get(DEFAULT_K + 1)
-        if self.info.tree_nodes != self.tree_nodes or not tree or not chain or tree <= TREE_COST_LIMIT * chain:
+        limit = TREE_COST_LIMIT if self.tree_nodes > TREE_NODES_MIN else TREE_MIN_COST_LIMIT
+        if self.info.tree_nodes != self.tree_nodes or not tree or not chain or tree <= limit * chain:
             return
         nodes = self.tree_nodes // 2
         log.info("a %d-node tree verifies in %.2f ms, %.2fx a chain's: %s", self.tree_nodes, tree, tree / chain,

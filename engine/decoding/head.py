@@ -88,7 +88,13 @@ class HeadProposer(Proposer):
 
     def offer(self, k: int) -> Offer:
         # Nothing to read yet (a one-token prompt): it cannot draft until a round has left rows.
-        return Offer("head", k if self.rows is not None else 0, tree=self.alternatives > 0 or self.tree is not None)
+        if self.rows is None:
+            k = 0
+        elif self.tree is not None:
+            # A grown tree is at most max_depth deep: deeper drafts would be a chain, whose acceptance is not the
+            # walked paths' that the offer's statistics learn (auto would pick long chains on the tree's figures).
+            k = min(k, self.tree.max_depth)
+        return Offer("head", k, tree=self.alternatives > 0 or self.tree is not None)
 
     def propose(self, k: int) -> Proposal:
         head = self.head

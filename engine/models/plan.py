@@ -214,9 +214,10 @@ def batch_items(inputs: PlanInputs, t_kind: str, d_kind: str | None) -> list[Pla
     """What decoding `inputs.sequences` together adds (engine/decoding/batch.py, serve --max-seqs).
 
     Per model a BatchedDecoder: a cache row of the whole context for every sequence, allocated up front
-    (runners/batched.py), and where the model's runner has no lean decoder to share (a CPU or eager runner)
-    the lean decoder the batch builds, with its own one-row cache. With the head, a head cache per sequence
-    (decoding/batch_head.py). A model the lean forward cannot run is served one sequence at a time: nothing.
+    (runners/batched.py), and where the model's runner has no lean decoder to share (an eager runner, a CPU
+    model without a head) the lean decoder the batch builds, with its own one-row cache. With the head, a
+    head cache per sequence (decoding/batch_head.py). A model the lean forward cannot run is served one
+    sequence at a time: nothing.
     """
     n = inputs.sequences
     items = []
@@ -224,7 +225,9 @@ def batch_items(inputs: PlanInputs, t_kind: str, d_kind: str | None) -> list[Pla
         if spec is None or spec.census.model_type not in LEAN_TYPES:
             continue
         positions = cache_positions(spec.census, inputs.context, "static")  # aligned, as the lean cache
-        rows = n + (kind in ("cpu", "eager"))
+        # A CPU target with a head runs on the lean decoder already (engine/assemble.py), which the batch shares.
+        shared = kind in ("graphs", "static") or (kind == "cpu" and role == "target" and inputs.head is not None)
+        rows = n + (not shared)
         items.append(PlanItem("kv", role, f"{role} KV cache of {n} served sequences ({positions:,} each)",
                               rows * kv_layer_bytes(spec, positions) * len(spec.census.layers)))
     h = inputs.head
