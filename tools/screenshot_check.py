@@ -20,8 +20,9 @@ def _report(path: Path):
 
     data = json.loads(path.read_text(encoding="utf-8"))
     raw = data.get("report") or data["check"]
-    tuples = ("greedy_positions", "sampled_positions", "speedups")
-    rows = tuple(CandidateCheck(**{k: tuple(v) if k in tuples else v for k, v in c.items()}) for c in raw["candidates"])
+    tuples = ("greedy_positions", "sampled_positions", "speedups", "first_range", "speedup_range")
+    rows = tuple(CandidateCheck(**{k: tuple(v) if k in tuples and v is not None else v for k, v in c.items()})
+                 for c in raw["candidates"])
     fields = {k: v for k, v in raw.items() if k in CheckReport.__dataclass_fields__ and k != "candidates"}
     fields["phases"] = tuple(tuple(p) for p in fields.get("phases", ()))
     return CheckReport(candidates=rows, **fields)

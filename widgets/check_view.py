@@ -45,12 +45,13 @@ def _tips(c: CandidateCheck) -> dict[int, str]:
     """Tooltips per column: how positions were found, and how much the figures depend on the probes' text."""
     tips = {}
     if c.positions_from:
-        first = "" if c.first_range is None else (
-            f"; the first position over resamples of the probe prompts: {c.first_range[0]:.2f}–{c.first_range[1]:.2f}")
+        first = "" if c.first_range is None else (f"; the first position over resamples of the probe prompts: "
+                                                  f"{c.first_range[0]:.2f}–{c.first_range[1]:.2f}")
         tips[4] = f"positions beyond the first: {c.positions_from}{first}"
     if c.speedup_range is not None:
-        tips[7] = (f"90% of resamples of the probe prompts predict {c.speedup_range[0]:.2f}–{c.speedup_range[1]:.2f}×: "
-                   "acceptance depends on the text, so your own prompts may land anywhere in it")
+        low, high = c.speedup_range
+        tips[7] = (f"90% of resamples of the probe prompts predict {low:.2f}–{high:.2f}×: acceptance depends on "
+                   "the text, so your own prompts may land anywhere in it")
     return tips
 
 
