@@ -82,7 +82,6 @@ class Stacked:
     objects probe by probe took seconds a candidate)."""
 
     def __init__(self, tallies: Sequence[Tally], k_max: int) -> None:
-        self.k_max = k_max
         # Columns: kl, top1, rows; then per table (greedy, sampled) and K: rounds, tokens, drafted, reached by
         # position, accepted by position (0 past a probe's own); then rejected, rescued (head trees).
         self.offsets: dict[tuple[str, int], int] = {}
