@@ -87,3 +87,22 @@ def test_the_ranges_reach_the_table_the_csv_and_the_dialog(tmp_path, qtbot):
     assert view._ranges is not None  # a whisker over the bar
     view.set_report(_report(replace(c, speedup_range=None, first_range=None)))
     assert view.table.item(0, 7).text() == "1.04×" and view._ranges is None
+
+
+def test_a_tree_walk_that_ends_on_a_childless_branch_counts_as_reached_not_accepted():
+    """The product of the head's per-position rates is what a round keeps, trees' short branches included."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from engine.measure.check import HEAD_K, _head
+    from engine.measure.costmodel import expected_tokens
+
+    rounds_ = [SimpleNamespace(total_tokens=2, new_tokens=2, proposed=(7,), accepted=1, tree_depth=8, extra=None),
+               SimpleNamespace(total_tokens=5, new_tokens=3, proposed=(7, 8, 9), accepted=2, tree_depth=8, extra=None),
+               SimpleNamespace(total_tokens=6, new_tokens=1, proposed=(), accepted=0, tree_depth=0, extra=None)]
+    tally = Tally.empty(HEAD_K)
+    _head(rounds_, torch.zeros(12, 16), list(range(12)), GREEDY, tally)
+    per_position = tally.greedy[HEAD_K].per_position
+    assert per_position == (1.0, 0.5, 0.0)  # the first round's walk ended at its branch's end, after one token
+    assert expected_tokens(per_position, HEAD_K) == (2 + 3) / 2  # tokens a drafting round kept, on average
