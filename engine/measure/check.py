@@ -233,8 +233,8 @@ def _head(steps: list, rows: torch.Tensor, cont: list[int], sampling: Sampling, 
     A round reaches draft position i when it accepted the i before it, up to its chain's length or its tree's
     depth. In a dynamic tree a walk can end where its branch has no child left (a small tree spends its nodes
     on the first levels): that position counts as reached and not accepted, as a rejection does, so the
-    product of the positions' rates is what a round keeps (counting only positions with a draft shown put
-    4.2 tokens a round where the check's CPU trees kept 2.8)."""
+    product of the positions' rates is what a round keeps (counting only positions with a draft shown would
+    credit every short branch as accepted to its end)."""
     reached, accepted, sampled = [0.0] * HEAD_K, [0.0] * HEAD_K, [0.0] * HEAD_K
     rejected, rescued = [0.0] * HEAD_K, [0.0] * HEAD_K
     for step in steps:
