@@ -23,18 +23,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cpu_memory_plan import status  # noqa: E402
 from record import write_record  # noqa: E402
 
 GiB = 2**30
 SERVED = ("served sequences", "batch logits")  # the plan lines that serving several sequences adds
-
-
-def rss_anon() -> int:
-    with open("/proc/self/status", encoding="utf-8") as f:
-        for line in f:
-            if line.startswith("RssAnon:"):
-                return int(line.split()[1]) * 1024
-    return 0
 
 
 def child(runtime: str, sequences: int, context: int) -> dict:
@@ -52,7 +45,7 @@ def child(runtime: str, sequences: int, context: int) -> dict:
                     needs_head=runtime == "torch")
     plan = plan_load(spec)
     engine = build_engine(spec)
-    before = rss_anon()
+    before = status()["RssAnon"]
     t0 = time.perf_counter()
     batch = BatchEngine(engine, sequences)
     if batch.heads is not None:  # a head runner per row, as each row's first head round makes it
@@ -67,7 +60,7 @@ def child(runtime: str, sequences: int, context: int) -> dict:
                 decoder.forward([Part(slot, (0,) * (K_MAX + 1)) for slot in range(sequences)])
                 for slot in range(sequences):
                     decoder.reset(slot)
-    after = rss_anon()
+    after = status()["RssAnon"]
     lines = {i.label: i.bytes for d in plan.devices for i in d.items if any(s in i.label for s in SERVED)}
     planned = sum(lines.values())
     measured = after - before
