@@ -442,7 +442,8 @@ def test_sampling_through_a_tree_keeps_the_targets_law(tree_engine):
     engine = tree_engine
     engine.set_tree(2)
     try:
-        extras = check_sampling_law(engine, "", proposer="head", messages=(Message("user", "hello world"),),
+        # A prompt whose second token the head often misses where one of its alternatives is right.
+        extras = check_sampling_law(engine, "", proposer="head", messages=(Message("user", "def add"),),
                                     trials=1200)
         assert extras > 50, extras
         _, steps = _run(engine, messages=_messages(3), mode="speculative", proposer="head", k=4, max_new_tokens=30,

@@ -238,3 +238,19 @@ def test_answers_in_segments_equal_answers_in_one_call(tiny_head):
     parts = D.sample_segmented(model, tok, prompts, max_new=20, segment=6, temperature=0.0, top_p=1.0, seed=0)
     assert parts == whole
     assert all(len(ids) == 20 or ended for ids, ended in parts)
+
+
+def test_data_rounds_hold_second_turns_written_after_the_first_answer(tiny_head):
+    """A follow-up's prompt is the whole conversation: the first question and the target's own first answer,
+    then the follow-up question the target wrote as the user."""
+    from engine.heads.fitting import load_round
+
+    _, tok = load_target(tiny_head.target)
+    records = [r for path in sorted((tiny_head.work / "data").glob("round-*.pt")) for r in load_round(path)]
+    firsts = {r["question"]: r for r in records if r["turns"] == 1}
+    seconds = [r for r in records if r["turns"] == 2]
+    assert seconds and all(r["prompt_len"] < r["ids"].numel() for r in seconds)
+    prompt = tok.decode(seconds[0]["ids"][: seconds[0]["prompt_len"]].tolist())
+    assert seconds[0]["question"] in prompt
+    first = prompt.index(seconds[0]["question"])
+    assert any(0 <= prompt.find(q) < first for q in firsts)  # an earlier question leads the conversation

@@ -135,18 +135,22 @@ class Refusals:
 
 # -------------------------------------------------------------------------------- templates
 
-def user_turn_prefix(tokenizer, system: str | None) -> str:
-    """The chat template rendered up to where a user's message begins (Magpie's pre-query template)."""
-    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": SENTINEL}]
+def user_turn_prefix(tokenizer, system: str | None, history: tuple[dict, ...] = ()) -> str:
+    """The chat template rendered up to where a user's message begins (Magpie's pre-query template),
+    after the conversation so far (`history`: role/content messages) for a follow-up question."""
+    messages = ([{"role": "system", "content": system}] if system else []) + list(history) + [
+        {"role": "user", "content": SENTINEL}]
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
     if SENTINEL not in text:
         raise ValueError("the tokenizer's chat template does not render the user's message")
     return text[: text.index(SENTINEL)]
 
 
-def answer_prompt(tokenizer, question: str, system: str | None) -> list[int]:
-    """Prompt ids exactly as the engine encodes a chat request (engine.decoding.loop.Engine.encode)."""
-    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": question}]
+def answer_prompt(tokenizer, question: str, system: str | None, history: tuple[dict, ...] = ()) -> list[int]:
+    """Prompt ids exactly as the engine encodes a chat request (engine.decoding.loop.Engine.encode), after
+    the conversation so far (`history`) for a follow-up."""
+    messages = ([{"role": "system", "content": system}] if system else []) + list(history) + [
+        {"role": "user", "content": question}]
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
@@ -164,8 +168,12 @@ def eos_ids(tokenizer, model) -> list[int]:
     return sorted(ids)
 
 
-def sample_batches(model, tokenizer, prompts: list[list[int]], **options) -> list[tuple[list[int], bool]]:
-    """sample_batch, split in halves (recursively) when the device runs out of memory."""
+def sample_batches(model, tokenizer, prompts: list[list[int]], *, sampler=None,
+                   **options) -> list[tuple[list[int], bool]]:
+    """sample_batch, split in halves (recursively) when the device runs out of memory; with a
+    ContinuousSampler (engine/heads/generate.py) its continuous batching instead (the same results)."""
+    if sampler is not None:
+        return sampler.run(prompts, **options)
     try:
         return sample_batch(model, tokenizer, prompts, **options)
     except torch.OutOfMemoryError:

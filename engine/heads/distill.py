@@ -26,12 +26,14 @@ from engine.errors import IncompatibleModelsError, ModelLoadError
 from engine.heads import data as D
 from engine.heads.config import fingerprint
 from engine.heads.fitting import DistillError, TrainingPhase, load_round
+from engine.heads.generate import ContinuousSampler
 from engine.heads.model import DraftHead
 from engine.heads.shards import HeadFiles, open_head
 from engine.heads.train import TrainConfig
 from engine.types import TrainingProgress
 from engine.loadspec import LoadSpec
 from engine.models.loader import load_pair
+from engine.runners.lean import UnsupportedModelError
 
 log = logging.getLogger(__name__)
 
@@ -42,16 +44,16 @@ class DistillPlan:
     data_share: float = 0.45  # of the budget spent writing data (more answers beat more epochs)
     reserve_s: float = 30.0  # kept at the end of each call for the last evaluation and the export
     seed: int = 0  # every random choice (seeds, sampling, batch order, initial weights)
-    question_batch: int = 1024  # questions sampled per data round (one batched generate; answers likewise)
+    question_batch: int = 4096  # questions sampled per data round (each of a run's last answers costs a step alone)
     question_tokens: int = 160  # longest question
     question_temperature: float = 1.0  # Magpie samples the user turn at T = 1
     question_top_p: float = 0.98
-    answer_tokens: int = 320  # longest answer (the benchmarks ask for 256)
+    answer_tokens: int = 1024  # longest answer (the benchmarks ask for 256; long answers teach long contexts)
     answer_temperature: float = 0.8  # for the sampled rounds
     sampled_share: float = 0.4  # share of data rounds whose answers are sampled rather than greedy
     intermediate: int = 1536  # the head's MLP width (keeps the shipped shards near 45 MB)
     draft_vocab: int = 32768  # most frequent target ids the head can propose
-    train: TrainConfig = field(default_factory=TrainConfig)  # optimisation
+    train: TrainConfig = field(default_factory=lambda: TrainConfig(max_len=1536))  # optimisation
     eval_sequences: int = 48  # greedy answers held out to measure acceptance
     eval_every_s: float = 75.0  # seconds between evaluations
     checkpoint_every_s: float = 60.0  # seconds between checkpoints
@@ -60,6 +62,8 @@ class DistillPlan:
     max_steps: int | None = None  # stop training after this many steps, the schedule following steps (tests)
     questions_must_end: bool = True  # keep only questions the target finished (tiny random models never do)
     answer_segment: int = 0  # answer in segments of this many tokens, dropping finished rows between them (0: one)
+    rows: int = 256  # sequences decoded at once by continuous batching (engine/heads/generate.py); 0: HF generate
+    followup_share: float = 0.3  # share of finished answers that get a second user turn and its answer
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -72,7 +76,7 @@ ProgressFn = Callable[[DistillProgress], None]
 
 
 # On a CPU a 1,024-question round or a 16k-token batch takes a very long time: everything smaller.
-CPU_PLAN = DistillPlan(question_batch=64, question_tokens=96, answer_tokens=192, eval_sequences=16,
+CPU_PLAN = DistillPlan(question_batch=64, question_tokens=96, answer_tokens=192, eval_sequences=16, rows=16,
                        eval_every_s=600.0, checkpoint_every_s=300.0, log_every=2,
                        train=TrainConfig(depth=4, batch_tokens=2048, max_len=320))
 
@@ -127,6 +131,7 @@ class Distiller(TrainingPhase):
         self.clock = _Clock(self.state["spent_s"], call_minutes, started)
         self.log_path = work / "train_log.jsonl"
         self.head: DraftHead | None = None
+        self.sampler: ContinuousSampler | None = None  # the data phase's continuous batching, when the target allows
 
     # -- state ------------------------------------------------------------------------------------
 
@@ -209,7 +214,32 @@ class Distiller(TrainingPhase):
     def _rounds(self) -> list[Path]:
         return sorted((self.work / "data").glob("round-*.pt"))
 
+    def _make_sampler(self) -> ContinuousSampler | None:
+        """Continuous batching over the lean decoder for the data phase (None: Hugging Face's generate)."""
+        plan = self.plan
+        if plan.rows <= 0:
+            return None
+        longest = plan.question_tokens + plan.answer_tokens + 384  # a question, its answer, template and system
+        if plan.followup_share > 0:
+            longest += plan.question_tokens + plan.answer_tokens
+        longest = min(longest, getattr(self.target.config, "max_position_embeddings", longest))
+        try:
+            return ContinuousSampler(self.target, rows=plan.rows, max_length=longest,
+                                     eos=D.eos_ids(self.tokenizer, self.target))
+        except UnsupportedModelError as e:
+            log.warning("data by Hugging Face's generate: %s", e)
+            return None
+
     def _data(self, until: float) -> None:
+        self.sampler = self._make_sampler()
+        try:
+            self._data_rounds(until)
+        finally:
+            self.sampler = None  # its cache goes before training needs the memory
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+
+    def _data_rounds(self, until: float) -> None:
         plan = self.plan
         self._data_until = until
         seen = set()
@@ -231,6 +261,10 @@ class Distiller(TrainingPhase):
             self._report("data", f"data round {r + 1}: answering {len(questions)} questions "
                                  f"({'greedy' if greedy else 'sampled'})")
             records = self._answers(questions, greedy, rng, seed=plan.seed * 1000003 + r)
+            if plan.followup_share > 0 and records:
+                more, follow = self._followups(records, greedy, rng, seen, seed=plan.seed * 1000003 + r + 500009)
+                records += more
+                stats = {**stats, "followups": follow}
             tmp = self.work / "data" / f".round-{r:05d}.pt.tmp"
             torch.save(records, tmp)
             os.replace(tmp, self.work / "data" / f"round-{r:05d}.pt")
@@ -239,7 +273,9 @@ class Distiller(TrainingPhase):
             tokens = sum(len(x["ids"]) - x["prompt_len"] for x in records)
             last = time.perf_counter() - started
             self._log({"kind": "data", "round": r + 1, **stats, "answers": len(records), "answer_tokens": tokens,
-                       "greedy": greedy, "seconds": round(time.perf_counter() - started, 1)},
+                       "greedy": greedy, "seconds": round(last, 1),
+                       "answer_tokens_per_s": round(tokens / max(last, 1e-9)),
+                       "writer": "continuous" if self.sampler is not None else "generate"},
                       "data", f"data round {r + 1}: {len(records)} answers, {tokens} tokens")
 
     def _questions(self, r: int, rng: torch.Generator, seen: set[str]) -> tuple[list[tuple[str, str]], dict]:
@@ -249,8 +285,8 @@ class Distiller(TrainingPhase):
         prompts = [tok(D.user_turn_prefix(tok, s.system), add_special_tokens=False)["input_ids"] for s in seeds]
         order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # similar lengths batch well
         outs = D.sample_batches(self.target, tok, [prompts[i] for i in order], max_new=plan.question_tokens,
-                              temperature=plan.question_temperature, top_p=plan.question_top_p,
-                              seed=plan.seed * 7919 + r, max_time=self._generate_time(0.3))
+                                temperature=plan.question_temperature, top_p=plan.question_top_p,
+                                seed=plan.seed * 7919 + r, max_time=self._generate_time(0.3), sampler=self.sampler)
         kept: list[tuple[str, str]] = []
         counts = Counter()
         if r == 0:
@@ -276,23 +312,65 @@ class Distiller(TrainingPhase):
             kept.append((seeds[i].category, text))
         return kept, {"sampled": len(seeds), "kept": len(kept), **counts}
 
-    def _answers(self, questions: list[tuple[str, str]], greedy: bool, rng: torch.Generator, seed: int) -> list[dict]:
+    def _answers(self, questions: list[tuple[str, str]], greedy: bool, rng: torch.Generator, seed: int,
+                 history: list[tuple[str | None, tuple[dict, ...]]] | None = None) -> list[dict]:
+        """The target's answers to (category, question) pairs; history: per question, the system and the
+        conversation before it (a follow-up), else a system drawn for each."""
         plan, tok = self.plan, self.tokenizer
         if not questions:
             return []
-        prompts = [D.answer_prompt(tok, q, D.pick_answer_system(rng)) for _, q in questions]
+        before = history or [(D.pick_answer_system(rng), ()) for _ in questions]
+        prompts = [D.answer_prompt(tok, q, system, turns) for (_, q), (system, turns) in zip(questions, before)]
         order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
-        outs = D.sample_segmented(self.target, tok, [prompts[i] for i in order], max_new=plan.answer_tokens,
-                                  segment=plan.answer_segment,
-                                  temperature=0.0 if greedy else plan.answer_temperature, top_p=1.0, seed=seed,
-                                  max_time=self._generate_time())
+        options = dict(max_new=plan.answer_tokens, temperature=0.0 if greedy else plan.answer_temperature, top_p=1.0,
+                       seed=seed, max_time=self._generate_time())
+        if self.sampler is not None:
+            outs = self.sampler.run([prompts[i] for i in order], **options)
+        else:
+            outs = D.sample_segmented(self.target, tok, [prompts[i] for i in order], segment=plan.answer_segment,
+                                      **options)
         records = []
-        for i, (ids, _) in zip(order, outs):
+        for i, (ids, ended) in zip(order, outs):
             if len(ids) < 2:
                 continue
             records.append({"question": questions[i][1], "category": questions[i][0], "greedy": greedy,
-                            "ids": torch.tensor(prompts[i] + ids, dtype=torch.int32), "prompt_len": len(prompts[i])})
+                            "ids": torch.tensor(prompts[i] + ids, dtype=torch.int32), "prompt_len": len(prompts[i]),
+                            "system": before[i][0], "turns": len(before[i][1]) // 2 + 1, "ended": ended})
         return records
+
+    def _followups(self, records: list[dict], greedy: bool, rng: torch.Generator, seen: set[str],
+                   seed: int) -> tuple[list[dict], dict]:
+        """Second turns: for a share of the finished first answers, the target writes what the user asks next
+        (Magpie after the conversation so far), then answers it with the whole conversation as its prompt."""
+        plan, tok = self.plan, self.tokenizer
+        room = (self.sampler.max_length if self.sampler is not None else math.inf) - plan.answer_tokens - plan.question_tokens - 64
+        firsts = [r for r in records if r["ended"] and r["turns"] == 1 and r["ids"].numel() < room]
+        picked = [firsts[i] for i in torch.randperm(len(firsts), generator=rng).tolist()[: int(len(firsts) * plan.followup_share)]]
+        if not picked:
+            return [], {"asked": 0, "kept": 0}
+        history = []
+        for r in picked:
+            answer = tok.decode(r["ids"][r["prompt_len"]:].tolist(), skip_special_tokens=True)
+            history.append((r["system"], ({"role": "user", "content": r["question"]},
+                                          {"role": "assistant", "content": answer})))
+        prefixes = [tok(D.user_turn_prefix(tok, system, turns), add_special_tokens=False)["input_ids"]
+                    for system, turns in history]
+        outs = D.sample_batches(self.target, tok, prefixes, max_new=plan.question_tokens,
+                                temperature=plan.question_temperature, top_p=plan.question_top_p, seed=seed,
+                                max_time=self._generate_time(0.3), sampler=self.sampler)
+        questions, kept_history = [], []
+        for r, h, (ids, ended) in zip(picked, history, outs):
+            text = D.clean_question(tok.decode(ids, skip_special_tokens=True))
+            if text is None or (plan.questions_must_end and not ended) or self.refusals.match(text) is not None:
+                continue
+            key = D.dedupe_key(r["question"] + " / " + text)
+            if key in seen:
+                continue
+            seen.add(key)
+            questions.append((r["category"], text))
+            kept_history.append(h)
+        more = self._answers(questions, greedy, rng, seed, history=kept_history)
+        return more, {"asked": len(picked), "kept": len(questions)}
 
 def _is_state(state: object) -> bool:
     """The state file's fields have the types this module writes (a foreign or edited file is refused)."""

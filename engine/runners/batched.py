@@ -176,3 +176,64 @@ class BatchedDecoder:
         x = _rms_norm(x, lean.norm, c.eps)
         out_logits = lean.logits_of(x)  # [sum(counts), V]
         return list(out_logits.split(counts))
+
+    @torch.no_grad()
+    def forward_rows(self, ids: torch.Tensor, starts: list[int], slots: list[int] | None = None,
+                     take: torch.Tensor | None = None, kv_len: int | None = None) -> torch.Tensor:
+        """Every row at once, all of one width: ids [B, W] appended to rows `slots` (default: the first B rows,
+        in order) at positions starts[b] .. starts[b] + W - 1; float32 logits [B, V] of each row's token
+        `take[b]` (default: its last).
+
+        What `forward` does per part, vectorised: one attention call for all B rows against their own
+        cache rows (the first `kv_len` slots, default all; the caller keeps every start + W within it),
+        each row's causal mask over its own positions. No host sync and no data-dependent shapes beyond
+        B, W and kv_len. Lengths are the caller's to set afterwards (a right-padded prefill writes past
+        its prompt; those slots are masked until overwritten). A row whose start would overflow the
+        cache is the caller's error.
+        """
+        c, lean = self.config, self.lean
+        stage = lean.stages[0]
+        b, w = ids.shape
+        kv_len = kv_len or c.cache_len
+        assert max(starts) + w <= min(kv_len, c.cache_len), "a row would overflow its cache"
+        rows = None if slots is None else torch.tensor(slots, device=self.device)
+        pos = torch.tensor(starts, device=self.device)[:, None] + stage.key_pos[:w]  # [B, W]
+        cos = stage.cos[pos][:, :, None, :]  # [B, W, 1, D]
+        sin = stage.sin[pos][:, :, None, :]
+        mask = stage.key_pos[:kv_len] <= pos[:, :, None]  # [B, W, L]
+        mask = mask[:, None].expand(b, c.group, w, kv_len).reshape(b, 1, c.group * w, kv_len)
+        bias = torch.zeros(mask.shape, dtype=lean.dtype, device=self.device).masked_fill_(~mask, float("-inf"))
+        where = (torch.arange(b, device=self.device) if rows is None else rows)[:, None].expand(b, w)  # [B, W]
+        q_size, kv_size = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+        n_qk = c.n_heads + c.n_kv_heads
+        x = F.embedding(ids.reshape(-1).to(lean.input_device), lean.embed).to(lean.dtype)  # [B*W, hidden]
+        for index, layer in enumerate(lean.layers):
+            qkv = layer.qkv(_rms_norm(x, layer.ln1, c.eps))  # [B*W, (Hq + 2 Hkv) * D]
+            qk = qkv[:, : q_size + kv_size].view(b, w, n_qk, c.head_dim)
+            if layer.qk_norm is not None:
+                qk = _rms_norm(qk, layer.qk_norm, c.eps)
+            qk = qk * cos + torch.roll(qk, c.head_dim // 2, dims=-1) * sin  # RoPE, as lean.py
+            v = qkv[:, q_size + kv_size:].view(b, w, c.n_kv_heads, c.head_dim)
+            k_all, v_all = self.kv[index, 0], self.kv[index, 1]  # [slots, Hkv, L, D]
+            k_all[where, :, pos] = qk[:, :, c.n_heads:]  # [B, W, Hkv, D] into each row's slots
+            v_all[where, :, pos] = v
+            k_rows = k_all[:b, :, :kv_len] if rows is None else k_all.index_select(0, rows)[:, :, :kv_len]
+            v_rows = v_all[:b, :, :kv_len] if rows is None else v_all.index_select(0, rows)[:, :, :kv_len]
+            # [B, W, Hq, D] -> [B, Hkv, G*W, D]: the G query heads of a KV head as G*W query rows (as lean.py)
+            q = qk[:, :, : c.n_heads].permute(0, 2, 1, 3).reshape(b, c.n_kv_heads, c.group * w, c.head_dim)
+            o = F.scaled_dot_product_attention(q, k_rows, v_rows, attn_mask=bias, scale=c.scaling)
+            o = o.reshape(b, c.n_heads, w, c.head_dim).permute(0, 2, 1, 3).reshape(b * w, q_size)
+            x = layer.o.residual(x, o)
+            x = layer.down.residual(x, fastquant.silu_mul(layer.gate_up(_rms_norm(x, layer.ln2, c.eps))))
+        pick = torch.full((b,), w - 1, device=self.device) if take is None else take.to(self.device)
+        x = x.view(b, w, -1)[torch.arange(b, device=self.device), pick]  # [B, hidden]
+        return lean.logits_of(_rms_norm(x, lean.norm, c.eps))
+
+    def move_rows(self, src: list[int], dst: list[int]) -> None:
+        """Copies rows src's caches and lengths to rows dst (packing live sequences into the first rows)."""
+        if src:
+            self.kv.index_copy_(2, torch.tensor(dst, device=self.device),
+                                self.kv.index_select(2, torch.tensor(src, device=self.device)))
+            lengths = [self.lengths[s] for s in src]
+            for d, n in zip(dst, lengths):
+                self.lengths[d] = n

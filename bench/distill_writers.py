@@ -1,0 +1,95 @@
+"""Which writer answers the distillation's questions faster: Hugging Face's batched generate or continuous batching.
+
+The same questions, answered greedily by the target with the chat template distill uses, by each writer in
+one process (each warmed first, then timed in turn):
+
+- `generate`: D.sample_segmented, Hugging Face's generate over left-padded batches of `--batch` questions,
+  in segments of `--segment` tokens (rows that ended drop out between segments), as distill wrote data
+  with `--plan rows=0`;
+- `continuous R`: engine/heads/generate.py with R rows (distill's default writer, `--plan rows=R`).
+
+Prints answer tokens per second of each, the ratio to generate, and how many answers are the same
+token for token (bf16 kernels may round a near tie differently for another batch shape):
+
+    python bench/distill_writers.py --target path/to/Qwen2.5-Coder-1.5B-Instruct --json distill_writers.json
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from distill_data_speed import questions  # noqa: E402
+from record import write_record  # noqa: E402
+
+
+def main() -> int:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from engine.heads import data as D
+    from engine.heads.generate import ContinuousSampler
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--target", required=True)
+    ap.add_argument("--json", type=Path, default=None, help="write the figures as a bench record")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--questions", type=int, default=512)
+    ap.add_argument("--answer-tokens", type=int, default=512)
+    ap.add_argument("--batch", type=int, default=512, help="rows of one generate call")
+    ap.add_argument("--segment", type=int, default=128, help="generate's segment (0: one call)")
+    ap.add_argument("--rows", default="128,256,512", help="continuous batching row counts")
+    args = ap.parse_args()
+    tok = AutoTokenizer.from_pretrained(args.target)
+    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype).to(args.device).eval()
+    sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
+    prompts = sorted((D.answer_prompt(tok, q, None) for q in questions(args.questions)), key=len)
+    eos = D.eos_ids(tok, model)
+    longest = max(map(len, prompts)) + args.answer_tokens
+    results: dict = {"writers": []}
+
+    def generate(batch):
+        outs = []
+        for i in range(0, len(batch), args.batch):
+            outs += D.sample_segmented(model, tok, batch[i: i + args.batch], max_new=args.answer_tokens,
+                                       segment=args.segment, temperature=0.0, top_p=1.0, seed=0)
+        return outs
+
+    writers = [("generate", generate)]
+    for rows in (int(r) for r in args.rows.split(",")):
+        sampler = ContinuousSampler(model, rows=rows, max_length=longest, eos=eos)
+        writers.append((f"continuous {rows}",
+                        lambda batch, s=sampler: s.run(batch, max_new=args.answer_tokens, temperature=0.0,
+                                                       top_p=1.0, seed=0)))
+    reference = None
+    for name, write in writers:
+        write(prompts[:16])  # warm-up: kernels, allocator
+        sync()
+        t0 = time.perf_counter()
+        outs = write(prompts)
+        sync()
+        dt = time.perf_counter() - t0
+        tokens = sum(len(ids) for ids, _ in outs)
+        reference = reference or outs
+        same = sum(a == b for a, b in zip(outs, reference))
+        rec = {"writer": name, "seconds": round(dt, 2), "answer_tokens": tokens,
+               "ended": sum(e for _, e in outs), "tokens_per_s": round(tokens / dt),
+               "same_as_generate": same, "answers": len(outs)}
+        rec["x_generate"] = round(rec["tokens_per_s"] / results["writers"][0]["tokens_per_s"], 2) \
+            if results["writers"] else 1.0
+        results["writers"].append(rec)
+        print(f"{name:16s} {dt:7.1f} s  {tokens:8d} answer tokens  {rec['tokens_per_s']:7d} tok/s  "
+              f"{rec['x_generate']:5.2f}x generate  same answers {same}/{len(outs)}", flush=True)
+        if args.json is not None:
+            write_record(args.json, {k: str(v) for k, v in vars(args).items()}, results)
+        if args.device.startswith("cuda"):
+            torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

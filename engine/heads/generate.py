@@ -1,0 +1,167 @@
+"""The distillation's data writer: many prompts continued at once by continuous batching on the lean decoder.
+
+Hugging Face's batched generate runs every row until the longest is done and grows its cache by copying
+it each step, so a round of answers of very different lengths spends most of its steps on rows that have
+ended. Here a fixed number of rows (`rows`) decode together on the lean decoder's static cache
+(BatchedDecoder.forward_rows: one vectorised attention over every row's own cache). Every step gives each
+row one token; every `check_every` steps one host sync reads the new tokens, rows that wrote EOS or
+reached their limit hand back their answer, and the free rows take the next prompts (one right-padded,
+batched prefill). Attention reads only the cache span the longest live row needs (a multiple of
+SPAN_STEP), so short answers read little.
+
+Greedy continuations equal the lean decoder's single-sequence greedy decoding (float32 tests). Sampled
+rows draw from softmax(logits / T), cut to the top-p nucleus, with one generator for the whole run:
+reproducible for a fixed seed, rows and prompts, not across other row counts.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.runners.batched import BatchedDecoder
+from engine.runners.lean import PREFILL_CHUNK
+
+SPAN_STEP = 256  # attention reads the cache in spans of this many slots
+CHECK_EVERY = 8  # decode steps between host syncs (a row may decode this many tokens past its EOS, discarded)
+
+
+@dataclass
+class _Row:
+    index: int  # which prompt
+    length: int  # tokens in its cache row
+    budget: int  # new tokens it may still write
+    written: list[int] = field(default_factory=list)
+
+
+class ContinuousSampler:
+    """Continues prompts `rows` at a time on one model; rows that end take the next prompt at once."""
+
+    def __init__(self, model, *, rows: int, max_length: int, eos: list[int],
+                 decoder: BatchedDecoder | None = None) -> None:
+        """max_length: prompt + answer tokens of the longest continuation. Raises UnsupportedModelError
+        (engine.runners.lean) for a model the lean decoder cannot run."""
+        self.decoder = decoder or BatchedDecoder(model, max_length, rows)
+        self.rows = self.decoder.slots
+        self.max_length = self.decoder.max_length
+        self.device = self.decoder.device
+        self.eos = torch.tensor(sorted(set(eos)) or [-1], device=self.device)
+        self.eos_set = set(eos)
+
+    @torch.inference_mode()
+    def run(self, prompts: list[list[int]], *, max_new: int, temperature: float, top_p: float, seed: int,
+            max_time: float | None = None) -> list[tuple[list[int], bool]]:
+        """(new ids, ended with EOS) per prompt, in order; new ids stop after the first EOS (kept).
+
+        A prompt that leaves no room for an answer gets ([], False). max_time (seconds) stops every row
+        where it is (answers cut short, not ended).
+        """
+        deadline = None if max_time is None else time.perf_counter() + max_time
+        gen = torch.Generator(device=self.device).manual_seed(seed)
+        results: list[tuple[list[int], bool]] = [([], False)] * len(prompts)
+        queue = deque(i for i, p in enumerate(prompts) if p and len(p) < self.max_length and max_new > 0)
+        live: dict[int, _Row] = {}  # slot -> row
+        free = list(range(self.rows))
+        nxt = torch.zeros(self.rows, dtype=torch.long, device=self.device)  # each row's next input token
+        width = self.rows  # rows decoded each step: all, or the first few once the queue is empty
+        while queue or live:
+            if queue and free and (len(free) * 8 >= self.rows or not live):
+                self._admit(prompts, queue, free, live, results, nxt, max_new, temperature, top_p, gen)
+                if not live:
+                    continue
+            if deadline is not None and time.perf_counter() > deadline:
+                break
+            if not queue and len(live) * 2 <= width and width > 8:
+                # The last rows of a run: packed into the first rows, so each step decodes only theirs.
+                width = max(8, -(-len(live) // 8) * 8)
+                nxt, live = self._pack(live, nxt)
+            slots = sorted(live)
+            steps = min(CHECK_EVERY, min(r.budget for r in live.values()))
+            history = []
+            for _ in range(steps):
+                starts = [live[s].length if s in live else 0 for s in range(width)]
+                span = min(-(-(max(starts) + 1) // SPAN_STEP) * SPAN_STEP, self.decoder.config.cache_len)
+                picked = _pick(self.decoder.forward_rows(nxt[:width, None], starts, kv_len=span),
+                               temperature, top_p, gen)
+                nxt = picked if width == self.rows else torch.cat([picked, nxt[width:]])
+                history.append(picked)
+                for s in slots:
+                    live[s].length += 1
+            drawn = torch.stack(history, dim=1)[torch.tensor(slots)].tolist()  # the one host sync of `steps` steps
+            for s, new in zip(slots, drawn):
+                if self._extend(live[s], new, results):
+                    del live[s]
+                    free.append(s)
+        for row in live.values():  # cut short by max_time
+            results[row.index] = (row.written, False)
+        return results
+
+    def _pack(self, live: dict[int, _Row], nxt: torch.Tensor) -> tuple[torch.Tensor, dict[int, _Row]]:
+        """Moves the live rows' caches and next tokens to rows 0 .. n-1 (in slot order)."""
+        src = sorted(live)
+        dst = list(range(len(src)))
+        self.decoder.move_rows(src, dst)
+        moved = nxt.clone()
+        moved[torch.tensor(dst, device=self.device)] = nxt[torch.tensor(src, device=self.device)]
+        return moved, {d: live[s] for s, d in zip(src, dst)}
+
+    def _extend(self, row: _Row, new: list[int], results: list) -> bool:
+        """Appends a row's new tokens up to its first EOS or its budget; True (and its result set) when it ended."""
+        ended = False
+        for t in new:
+            row.written.append(t)
+            row.budget -= 1
+            if t in self.eos_set:
+                ended = True
+                break
+            if row.budget <= 0:
+                break
+        if ended or row.budget <= 0:
+            results[row.index] = (row.written, ended)
+            return True
+        return False
+
+    def _admit(self, prompts, queue, free, live, results, nxt, max_new, temperature, top_p, gen) -> None:
+        """Prefills the next prompts into free rows (right-padded, in chunks) and draws each one's first token."""
+        taken = []
+        while queue and free:
+            taken.append((free.pop(), queue.popleft()))
+        width = max(len(prompts[i]) for _, i in taken)
+        ids = torch.zeros(len(taken), width, dtype=torch.long)
+        for row, (_, i) in enumerate(taken):
+            ids[row, : len(prompts[i])] = torch.tensor(prompts[i])
+        lengths = torch.tensor([len(prompts[i]) for _, i in taken])
+        slots = [s for s, _ in taken]
+        last = None
+        for begin in range(0, width, PREFILL_CHUNK):
+            end = min(begin + PREFILL_CHUNK, width)
+            take = (lengths - 1 - begin).clamp(0, end - begin - 1)
+            span = min(-(-end // SPAN_STEP) * SPAN_STEP, self.decoder.config.cache_len)
+            logits = self.decoder.forward_rows(ids[:, begin:end].to(self.device), [begin] * len(taken), slots,
+                                               take=take, kv_len=span)
+            here = ((lengths - 1 >= begin) & (lengths - 1 < end)).to(self.device)[:, None]
+            last = logits if last is None else torch.where(here, logits, last)
+        first = _pick(last, temperature, top_p, gen)
+        nxt[torch.tensor(slots, device=self.device)] = first
+        for (s, i), t in zip(taken, first.tolist()):
+            row = _Row(index=i, length=len(prompts[i]), budget=min(max_new, self.max_length - len(prompts[i])))
+            if self._extend(row, [t], results):
+                free.append(s)
+            else:
+                live[s] = row
+
+
+def _pick(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator) -> torch.Tensor:
+    """One token per row of float32 logits [B, V]: the argmax at T = 0, else a draw from the top-p nucleus
+    of softmax(logits / T) (the smallest set of most likely tokens whose mass reaches top_p)."""
+    if temperature <= 0:
+        return logits.argmax(dim=-1)
+    probs = torch.softmax(logits / temperature, dim=-1)
+    if top_p < 1.0:
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        before = sorted_p.cumsum(dim=-1) - sorted_p  # mass of the more likely tokens
+        sorted_p = sorted_p.masked_fill(before >= top_p, 0.0)
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
+    return torch.multinomial(probs, 1, generator=gen).squeeze(-1)
