@@ -317,3 +317,24 @@ def test_the_default_tree_is_fitted_to_the_measured_costs(engine):
     finally:
         engine.set_tree(None)
         engine.info = saved
+
+
+def test_the_controller_counts_a_walk_by_the_trees_depth(engine, monkeypatch):
+    """A walked tree's round tells the K controller it drafted the tree's depth, not the tokens the walk
+    showed: a walk that ends on a branch with no children reached the next depth and found nothing
+    there (a miss), and the verify cost it prices is the K-deep tree's."""
+    from engine.decoding.control import FixedK
+
+    seen = []
+    monkeypatch.setattr(FixedK, "observe", lambda self, decision, drafted, accepted, *a, **kw:
+                        seen.append((drafted, accepted, kw.get("tree"))))
+    engine.set_dynamic_tree(5, 1)  # a frontier of 1: a chain-shaped tree, so walks often end early
+    try:
+        _, steps = _run(engine, messages=_messages(4), mode="speculative", proposer="head", k=4, max_new_tokens=40)
+    finally:
+        engine.set_dynamic_tree(0)
+    tree_rounds = [(s, o) for s, o in zip(steps, seen) if s.tree_depth]
+    assert tree_rounds
+    for step, (drafted, accepted, tree) in tree_rounds:
+        assert tree and drafted == step.tree_depth >= accepted == step.accepted
+    assert any(len(s.proposed) < s.tree_depth for s, _ in tree_rounds)  # walks that showed fewer tokens

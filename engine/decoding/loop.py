@@ -232,7 +232,10 @@ class Generation(Iterator[Step]):
         if proposal is not None:
             target.rollback(len(self.prompt) + len(self.token_ids) + cut - 1)
         run.proposers.commit(proposal, kept_draft, committed)
-        run.controller.observe(launched.decision, len(result.proposed), result.accepted, result.draft_ms,
+        # A walked tree drafted its depth (the K decided) whatever the walk showed: ending on a branch without
+        # children is a miss at the next depth, and the verify priced is the K-deep tree's.
+        drafted = launched.decision.k if launched.path else len(result.proposed)
+        run.controller.observe(launched.decision, drafted, result.accepted, result.draft_ms,
                                result.verify_ms, wall_ms, tree=launched.tree or launched.path,
                                extra=result.extra >= 0)
         self.token_ids += committed
