@@ -52,9 +52,12 @@ REQUESTS = [
 ]
 
 
-def test_a_mixed_batch_gives_every_sequence_its_single_sequence_answer(engine):
+@pytest.mark.parametrize("vectorised", [False, True])  # per-part attention (CPU), parts padded into one call (GPU)
+def test_a_mixed_batch_gives_every_sequence_its_single_sequence_answer(engine, vectorised):
     alone = [_alone(engine, r) for r in REQUESTS]
     batch = BatchEngine(engine, 4)
+    for decoder in (batch.target, batch.draft):
+        decoder.vectorised = vectorised
     seqs = [batch.add(r, engine.encode(r), threading.Event()) for r in REQUESTS]
     widths = []
     while batch.active:

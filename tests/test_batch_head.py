@@ -50,8 +50,10 @@ REQUESTS = [
 ]
 
 
-def test_head_sequences_answer_in_a_batch_what_they_answer_alone(engine):
+@pytest.mark.parametrize("vectorised", [False, True])  # per-part attention (CPU), parts padded into one call (GPU)
+def test_head_sequences_answer_in_a_batch_what_they_answer_alone(engine, vectorised):
     batch = BatchEngine(engine, 4)
+    batch.target.vectorised = vectorised  # the head reads the kept rows of either route
     assert all(batch.supports(r) for r in REQUESTS)
     greedy = [r for r in REQUESTS if r.sampling.greedy]
     alone = [_alone(engine, r) for r in greedy]

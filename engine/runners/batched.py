@@ -100,6 +100,11 @@ class BatchedDecoder:
                               dtype=self.lean.dtype)
         self.lengths = [0] * slots  # tokens cached per row
         self.kept: list[torch.Tensor] = []  # the last forward's kept layers per part (forward's `keep`)
+        self.kept_rows: torch.Tensor | None = None  # forward_rows' kept layers [B, W, len(keep) * hidden]
+        # Several parts in one forward_rows call, right-padded to the widest (one attention launch a layer
+        # instead of one per part; a GPU's matmuls cost the same for a few more rows). On a CPU every padded
+        # row costs its share of the matmuls, so there each part attends alone.
+        self.vectorised = self.device.type == "cuda"
 
     def reset(self, slot: int) -> None:
         self.lengths[slot] = 0
@@ -118,6 +123,10 @@ class BatchedDecoder:
         kept, side by side, as `kept` (each part's [W_b, len(keep) * hidden], in order: a draft head's rows)."""
         assert parts and all(p.ids for p in parts), "every part feeds at least one token"
         assert len({p.slot for p in parts}) == len(parts), "one part per cache row"
+        if self.vectorised and len(parts) > 1:
+            width = max(len(p.ids) for p in parts)
+            if all(self.lengths[p.slot] + width <= self.max_length for p in parts):
+                return self._forward_padded(parts, width, logits, keep)
         c, lean = self.config, self.lean
         stage = lean.stages[0]
         widths = [len(p.ids) for p in parts]
@@ -179,7 +188,8 @@ class BatchedDecoder:
 
     @torch.no_grad()
     def forward_rows(self, ids: torch.Tensor, starts: list[int], slots: list[int] | None = None,
-                     take: torch.Tensor | None = None, kv_len: int | None = None) -> torch.Tensor:
+                     take: torch.Tensor | None = None, kv_len: int | None = None, every: bool = False,
+                     keep: tuple[int, ...] = ()) -> torch.Tensor | None:
         """Every row at once, all of one width: ids [B, W] appended to rows `slots` (default: the first B rows,
         in order) at positions starts[b] .. starts[b] + W - 1; float32 logits [B, V] of each row's token
         `take[b]` (default: its last).
@@ -189,7 +199,9 @@ class BatchedDecoder:
         each row's causal mask over its own positions. No host sync and no data-dependent shapes beyond
         B, W and kv_len. Lengths are the caller's to set afterwards (a right-padded prefill writes past
         its prompt; those slots are masked until overwritten). A row whose start would overflow the
-        cache is the caller's error.
+        cache is the caller's error. every: logits of all W tokens of each row instead, [B, W, V]; keep:
+        layers whose outputs are kept side by side as `kept_rows` [B, W, len(keep) * hidden] (forward's
+        `keep`); `logits` False in forward's sense is every=False with take=None and the result unused.
         """
         c, lean = self.config, self.lean
         stage = lean.stages[0]
@@ -206,6 +218,7 @@ class BatchedDecoder:
         where = (torch.arange(b, device=self.device) if rows is None else rows)[:, None].expand(b, w)  # [B, W]
         q_size, kv_size = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
         n_qk = c.n_heads + c.n_kv_heads
+        kept: dict[int, torch.Tensor] = {}
         x = F.embedding(ids.reshape(-1).to(lean.input_device), lean.embed).to(lean.dtype)  # [B*W, hidden]
         for index, layer in enumerate(lean.layers):
             qkv = layer.qkv(_rms_norm(x, layer.ln1, c.eps))  # [B*W, (Hq + 2 Hkv) * D]
@@ -225,9 +238,35 @@ class BatchedDecoder:
             o = o.reshape(b, c.n_heads, w, c.head_dim).permute(0, 2, 1, 3).reshape(b * w, q_size)
             x = layer.o.residual(x, o)
             x = layer.down.residual(x, fastquant.silu_mul(layer.gate_up(_rms_norm(x, layer.ln2, c.eps))))
+            if index in keep:
+                kept[index] = x.view(b, w, -1)
+        if keep:
+            self.kept_rows = torch.cat([kept[i] for i in keep], dim=-1)  # [B, W, len(keep) * hidden]
+        if every:
+            return lean.logits_of(_rms_norm(x, lean.norm, c.eps)).view(b, w, -1)
         pick = torch.full((b,), w - 1, device=self.device) if take is None else take.to(self.device)
         x = x.view(b, w, -1)[torch.arange(b, device=self.device), pick]  # [B, hidden]
         return lean.logits_of(_rms_norm(x, lean.norm, c.eps))
+
+    def _forward_padded(self, parts: list[Part], width: int, logits: bool, keep: tuple[int, ...]) -> list[torch.Tensor]:
+        """forward() through forward_rows: parts right-padded to `width` (the padding's cache slots lie past
+        each row's length, masked until overwritten)."""
+        ids = torch.zeros(len(parts), width, dtype=torch.long)
+        for row, p in enumerate(parts):
+            ids[row, : len(p.ids)] = torch.tensor(p.ids)
+        starts = [self.lengths[p.slot] for p in parts]
+        widths = [len(p.ids) for p in parts]
+        span = min(-(-(max(starts) + width) // 256) * 256, self.config.cache_len)
+        out = self.forward_rows(ids.to(self.lean.input_device), starts, [p.slot for p in parts], kv_len=span,
+                                every=logits, keep=keep)
+        if keep:
+            self.kept = [self.kept_rows[row, :w] for row, w in enumerate(widths)]
+        for p, w in zip(parts, widths):
+            self.lengths[p.slot] += w
+        if not logits:
+            return []
+        counts = [w if p.outputs is None else min(p.outputs, w) for p, w in zip(parts, widths)]
+        return [out[row, w - k: w] for row, (w, k) in enumerate(zip(widths, counts))]
 
     def move_rows(self, src: list[int], dst: list[int]) -> None:
         """Copies rows src's caches and lengths to rows dst (packing live sequences into the first rows)."""
