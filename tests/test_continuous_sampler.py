@@ -59,7 +59,8 @@ def test_rows_at_once_equal_each_row_by_itself(model):
 def test_greedy_continuations_equal_each_prompt_decoded_alone(model, rows):
     gen = torch.Generator().manual_seed(rows)
     count = 36 if rows == 40 else 11
-    prompts = [torch.randint(1, 96, (int(n),), generator=gen).tolist() for n in torch.randint(1, 30, (count,), generator=gen)]
+    lengths = torch.randint(1, 30, (count,), generator=gen)
+    prompts = [torch.randint(1, 96, (int(n),), generator=gen).tolist() for n in lengths]
     eos = [7, 19]  # frequent enough in a random model that some rows end early, some at once
     sampler = ContinuousSampler(model, rows=rows, max_length=80, eos=eos)
     got = sampler.run(prompts, max_new=3 * CHECK_EVERY + 5, temperature=0.0, top_p=1.0, seed=0)

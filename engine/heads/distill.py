@@ -44,7 +44,7 @@ class DistillPlan:
     data_share: float = 0.45  # of the budget spent writing data (more answers beat more epochs)
     reserve_s: float = 30.0  # kept at the end of each call for the last evaluation and the export
     seed: int = 0  # every random choice (seeds, sampling, batch order, initial weights)
-    question_batch: int = 4096  # questions sampled per data round (each of a run's last answers costs a step alone)
+    question_batch: int = 4096  # questions per data round (large: each batch of answers ends on its few longest)
     question_tokens: int = 160  # longest question
     question_temperature: float = 1.0  # Magpie samples the user turn at T = 1
     question_top_p: float = 0.98
@@ -75,7 +75,7 @@ DistillProgress = TrainingProgress  # the engine-wide plain type (engine.types),
 ProgressFn = Callable[[DistillProgress], None]
 
 
-# On a CPU a 1,024-question round or a 16k-token batch takes a very long time: everything smaller.
+# On a CPU a 4,096-question round or a 16k-token batch takes a very long time: everything smaller.
 CPU_PLAN = DistillPlan(question_batch=64, question_tokens=96, answer_tokens=192, eval_sequences=16, rows=16,
                        eval_every_s=600.0, checkpoint_every_s=300.0, log_every=2,
                        train=TrainConfig(depth=4, batch_tokens=2048, max_len=320))
@@ -343,9 +343,11 @@ class Distiller(TrainingPhase):
         """Second turns: for a share of the finished first answers, the target writes what the user asks next
         (Magpie after the conversation so far), then answers it with the whole conversation as its prompt."""
         plan, tok = self.plan, self.tokenizer
-        room = (self.sampler.max_length if self.sampler is not None else math.inf) - plan.answer_tokens - plan.question_tokens - 64
+        longest = self.sampler.max_length if self.sampler is not None else math.inf
+        room = longest - plan.answer_tokens - plan.question_tokens - 64  # the conversation, a follow-up and its answer
         firsts = [r for r in records if r["ended"] and r["turns"] == 1 and r["ids"].numel() < room]
-        picked = [firsts[i] for i in torch.randperm(len(firsts), generator=rng).tolist()[: int(len(firsts) * plan.followup_share)]]
+        order = torch.randperm(len(firsts), generator=rng).tolist()
+        picked = [firsts[i] for i in order[: int(len(firsts) * plan.followup_share)]]
         if not picked:
             return [], {"asked": 0, "kept": 0}
         history = []
@@ -371,6 +373,7 @@ class Distiller(TrainingPhase):
             kept_history.append(h)
         more = self._answers(questions, greedy, rng, seed, history=kept_history)
         return more, {"asked": len(picked), "kept": len(questions)}
+
 
 def _is_state(state: object) -> bool:
     """The state file's fields have the types this module writes (a foreign or edited file is refused)."""
