@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.heads import data as D
-from engine.heads.generate import CHECK_EVERY, ContinuousSampler, _pick
+from engine.heads.generate import CHECK_EVERY, ContinuousSampler, NonFiniteLogits, _pick
 from engine.runners.batched import BatchedDecoder, Part
 from tests.tiny import build_model
 
@@ -109,12 +108,39 @@ def test_the_nucleus_keeps_the_law_of_its_tokens():
     assert chi2 < 10.8  # 1 degree of freedom, p = 0.001
 
 
-def test_sample_batches_route_through_the_sampler_and_keep_their_shape(model):
-    class Tok:
-        pad_token_id = 0
-        eos_token_id = 7
+def test_logits_that_are_not_finite_stop_the_run_without_faulting_a_draw(model, monkeypatch):
+    """A NaN row is drawn from as zeros (multinomial would fault, on CUDA the whole context), and the run
+    raises NonFiniteLogits at its next sync, so the caller can write the data another way."""
+    sampler = ContinuousSampler(model, rows=4, max_length=64, eos=[])
+    real = sampler.decoder.forward_rows
+    calls = []
 
-    sampler = ContinuousSampler(model, rows=4, max_length=64, eos=[7])
-    prompts = [[5, 6, 7, 8], [9, 10]]
-    got = D.sample_batches(model, Tok(), prompts, max_new=10, temperature=0.0, top_p=1.0, seed=0, sampler=sampler)
-    assert got == [_greedy_alone(model, p, 10, {7}) for p in prompts]
+    def broken(*args, **kwargs):
+        out = real(*args, **kwargs)
+        calls.append(1)
+        if len(calls) == 3:
+            out[0, 5] = float("nan")
+        return out
+
+    monkeypatch.setattr(sampler.decoder, "forward_rows", broken)
+    with pytest.raises(NonFiniteLogits):
+        sampler.run([[5, 6, 7]] * 3, max_new=12, temperature=1.0, top_p=0.9, seed=0)
+    monkeypatch.setattr(sampler.decoder, "forward_rows", real)
+    assert len(sampler.run([[5, 6, 7]], max_new=4, temperature=1.0, top_p=0.9, seed=0)[0][0]) == 4  # usable again
+
+
+def test_many_long_prompts_prefill_in_groups(model, monkeypatch):
+    """Admitted prompts prefill in groups of at most PREFILL_TOKENS padded tokens a forward."""
+    from engine.heads import generate as G
+
+    monkeypatch.setattr(G, "PREFILL_TOKENS", 64)
+    sampler = ContinuousSampler(model, rows=6, max_length=80, eos=[])
+    widths = []
+    real = sampler.decoder.forward_rows
+    monkeypatch.setattr(sampler.decoder, "forward_rows",
+                        lambda ids, *a, **kw: widths.append(tuple(ids.shape)) or real(ids, *a, **kw))
+    prompts = [list(range(1, 1 + n)) for n in (30, 5, 20, 7, 30, 12)]
+    got = sampler.run(prompts, max_new=3, temperature=0.0, top_p=1.0, seed=0)
+    prefills = [w for w in widths if w[1] > 1]
+    assert all(b * w <= 64 for b, w in prefills) and sum(b for b, _ in prefills) == 6
+    assert got == [_greedy_alone(model, p, 3, set()) for p in prompts]

@@ -254,3 +254,19 @@ def test_data_rounds_hold_second_turns_written_after_the_first_answer(tiny_head)
     assert seconds[0]["question"] in prompt
     first = prompt.index(seconds[0]["question"])
     assert any(0 <= prompt.find(q) < first for q in firsts)  # an earlier question leads the conversation
+
+
+def test_data_falls_back_to_generate_when_the_batched_writer_gives_non_finite_logits(tiny_head, tmp_path, monkeypatch):
+    """The continuous writer's NaN is one logged line; the round is written by Hugging Face's generate."""
+    from engine.heads.generate import ContinuousSampler, NonFiniteLogits
+
+    def broken(self, *args, **kwargs):
+        raise NonFiniteLogits("The batched forward gave logits that are not finite.")
+
+    monkeypatch.setattr(ContinuousSampler, "run", broken)
+    d = distiller(tiny_head.target, tmp_path / "out", tmp_path / "work", plan=quick_plan(max_rounds=1, max_steps=2))
+    d.run()
+    log = [json.loads(line) for line in (tmp_path / "work" / "train_log.jsonl").read_text().splitlines()]
+    assert [r["writer"] for r in log if r["kind"] == "writer"] == ["generate"]
+    (data,) = [r for r in log if r["kind"] == "data"]
+    assert data["writer"] == "generate" and data["answers"] > 0

@@ -168,12 +168,8 @@ def eos_ids(tokenizer, model) -> list[int]:
     return sorted(ids)
 
 
-def sample_batches(model, tokenizer, prompts: list[list[int]], *, sampler=None,
-                   **options) -> list[tuple[list[int], bool]]:
-    """sample_batch, split in halves (recursively) when the device runs out of memory; with a
-    ContinuousSampler (engine/heads/generate.py) its continuous batching instead (the same results)."""
-    if sampler is not None:
-        return sampler.run(prompts, **options)
+def sample_batches(model, tokenizer, prompts: list[list[int]], **options) -> list[tuple[list[int], bool]]:
+    """sample_batch, split in halves (recursively) when the device runs out of memory."""
     try:
         return sample_batch(model, tokenizer, prompts, **options)
     except torch.OutOfMemoryError:

@@ -15,25 +15,22 @@ import math
 import os
 import threading
 import time
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
-import torch
 
 from engine.errors import IncompatibleModelsError, ModelLoadError
 from engine.heads import data as D
 from engine.heads.config import fingerprint
-from engine.heads.fitting import DistillError, TrainingPhase, load_round
-from engine.heads.generate import ContinuousSampler
+from engine.heads.fitting import DistillError, TrainingPhase
 from engine.heads.model import DraftHead
 from engine.heads.shards import HeadFiles, open_head
 from engine.heads.train import TrainConfig
+from engine.heads.writing import DataPhase
 from engine.types import TrainingProgress
 from engine.loadspec import LoadSpec
 from engine.models.loader import load_pair
-from engine.runners.lean import UnsupportedModelError
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +93,7 @@ class _Clock:
         return float("inf") if self.call_end is None else self.call_end - time.perf_counter()
 
 
-class Distiller(TrainingPhase):
+class Distiller(DataPhase, TrainingPhase):
     """One call of a distillation: resumes from `work`, runs until the budget or the call ends, exports to `out`."""
 
     def __init__(self, target, tokenizer, *, work: Path, out: Path, plan: DistillPlan, name: str,
@@ -131,7 +128,7 @@ class Distiller(TrainingPhase):
         self.clock = _Clock(self.state["spent_s"], call_minutes, started)
         self.log_path = work / "train_log.jsonl"
         self.head: DraftHead | None = None
-        self.sampler: ContinuousSampler | None = None  # the data phase's continuous batching, when the target allows
+        self.sampler = None  # the data phase's continuous batching (engine/heads/writing.py), when the target allows
 
     # -- state ------------------------------------------------------------------------------------
 
@@ -199,180 +196,6 @@ class Distiller(TrainingPhase):
         self._save_state()
         self._report("done", f"stopped at {self.state['phase']} after {self.clock.used() / 60:.1f} min of the budget")
         return summary
-
-    # -- data -------------------------------------------------------------------------------------
-
-    def _generate_time(self, share: float = 1.0) -> float:
-        """Seconds one generate call may take: `share` of what is left of the data phase and of this call.
-
-        A slow machine then cuts a round short (shorter answers, fewer finished questions) instead
-        of eating the training's time.
-        """
-        left = min(self._data_until - self.clock.used(), self.clock.call_left() - self.plan.reserve_s - 5.0)
-        return max(share * left, 5.0)
-
-    def _rounds(self) -> list[Path]:
-        return sorted((self.work / "data").glob("round-*.pt"))
-
-    def _make_sampler(self) -> ContinuousSampler | None:
-        """Continuous batching over the lean decoder for the data phase (None: Hugging Face's generate)."""
-        plan = self.plan
-        if plan.rows <= 0:
-            return None
-        longest = plan.question_tokens + plan.answer_tokens + 384  # a question, its answer, template and system
-        if plan.followup_share > 0:
-            longest += plan.question_tokens + plan.answer_tokens
-        longest = min(longest, getattr(self.target.config, "max_position_embeddings", longest))
-        try:
-            return ContinuousSampler(self.target, rows=plan.rows, max_length=longest,
-                                     eos=D.eos_ids(self.tokenizer, self.target))
-        except UnsupportedModelError as e:
-            log.warning("data by Hugging Face's generate: %s", e)
-            return None
-
-    def _data(self, until: float) -> None:
-        self.sampler = self._make_sampler()
-        try:
-            self._data_rounds(until)
-        finally:
-            self.sampler = None  # its cache goes before training needs the memory
-            if self.device.type == "cuda":
-                torch.cuda.empty_cache()
-
-    def _data_rounds(self, until: float) -> None:
-        plan = self.plan
-        self._data_until = until
-        seen = set()
-        for path in self._rounds():
-            seen.update(D.dedupe_key(r["question"]) for r in load_round(path))
-        last = 0.0  # seconds the last round took: a round is not started if it would overrun
-        while True:
-            r = self.state["rounds"]
-            if plan.max_rounds is not None and r >= plan.max_rounds:
-                break
-            if r > 0 and (self._stop_at(until - last) or self.clock.call_left() - last <= plan.reserve_s):
-                break
-            self._report("data", f"data round {r + 1}: sampling questions")
-            started = time.perf_counter()
-            rng = torch.Generator().manual_seed(plan.seed * 1000003 + r)
-            questions, stats = self._questions(r, rng, seen)
-            # Round 0 is greedy (held-out acceptance is measured on greedy answers), then by share.
-            greedy = int((r + 1) * plan.sampled_share) == int(r * plan.sampled_share)
-            self._report("data", f"data round {r + 1}: answering {len(questions)} questions "
-                                 f"({'greedy' if greedy else 'sampled'})")
-            records = self._answers(questions, greedy, rng, seed=plan.seed * 1000003 + r)
-            if plan.followup_share > 0 and records:
-                more, follow = self._followups(records, greedy, rng, seen, seed=plan.seed * 1000003 + r + 500009)
-                records += more
-                stats = {**stats, "followups": follow}
-            tmp = self.work / "data" / f".round-{r:05d}.pt.tmp"
-            torch.save(records, tmp)
-            os.replace(tmp, self.work / "data" / f"round-{r:05d}.pt")
-            self.state["rounds"] = r + 1
-            self._save_state()
-            tokens = sum(len(x["ids"]) - x["prompt_len"] for x in records)
-            last = time.perf_counter() - started
-            self._log({"kind": "data", "round": r + 1, **stats, "answers": len(records), "answer_tokens": tokens,
-                       "greedy": greedy, "seconds": round(last, 1),
-                       "answer_tokens_per_s": round(tokens / max(last, 1e-9)),
-                       "writer": "continuous" if self.sampler is not None else "generate"},
-                      "data", f"data round {r + 1}: {len(records)} answers, {tokens} tokens")
-
-    def _questions(self, r: int, rng: torch.Generator, seen: set[str]) -> tuple[list[tuple[str, str]], dict]:
-        """(category, question) pairs for round r: sampled user turns, filtered, deduplicated, not refused."""
-        plan, tok = self.plan, self.tokenizer
-        seeds = list(D.pick_seeds(plan.question_batch, rng))
-        prompts = [tok(D.user_turn_prefix(tok, s.system), add_special_tokens=False)["input_ids"] for s in seeds]
-        order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # similar lengths batch well
-        outs = D.sample_batches(self.target, tok, [prompts[i] for i in order], max_new=plan.question_tokens,
-                                temperature=plan.question_temperature, top_p=plan.question_top_p,
-                                seed=plan.seed * 7919 + r, max_time=self._generate_time(0.3), sampler=self.sampler)
-        kept: list[tuple[str, str]] = []
-        counts = Counter()
-        if r == 0:
-            for q in self.extra_questions:
-                seen.add(D.dedupe_key(q))
-                kept.append(("given", q))
-        for i, (ids, ended) in zip(order, outs):
-            if not ended and plan.questions_must_end:
-                counts["unfinished"] += 1
-                continue
-            text = D.clean_question(tok.decode(ids, skip_special_tokens=True))
-            if text is None:
-                counts["rejected"] += 1
-                continue
-            if self.refusals.match(text) is not None:
-                counts["refused"] += 1
-                continue
-            key = D.dedupe_key(text)
-            if key in seen:
-                counts["duplicates"] += 1
-                continue
-            seen.add(key)
-            kept.append((seeds[i].category, text))
-        return kept, {"sampled": len(seeds), "kept": len(kept), **counts}
-
-    def _answers(self, questions: list[tuple[str, str]], greedy: bool, rng: torch.Generator, seed: int,
-                 history: list[tuple[str | None, tuple[dict, ...]]] | None = None) -> list[dict]:
-        """The target's answers to (category, question) pairs; history: per question, the system and the
-        conversation before it (a follow-up), else a system drawn for each."""
-        plan, tok = self.plan, self.tokenizer
-        if not questions:
-            return []
-        before = history or [(D.pick_answer_system(rng), ()) for _ in questions]
-        prompts = [D.answer_prompt(tok, q, system, turns) for (_, q), (system, turns) in zip(questions, before)]
-        order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
-        options = dict(max_new=plan.answer_tokens, temperature=0.0 if greedy else plan.answer_temperature, top_p=1.0,
-                       seed=seed, max_time=self._generate_time())
-        if self.sampler is not None:
-            outs = self.sampler.run([prompts[i] for i in order], **options)
-        else:
-            outs = D.sample_segmented(self.target, tok, [prompts[i] for i in order], segment=plan.answer_segment,
-                                      **options)
-        records = []
-        for i, (ids, ended) in zip(order, outs):
-            if len(ids) < 2:
-                continue
-            records.append({"question": questions[i][1], "category": questions[i][0], "greedy": greedy,
-                            "ids": torch.tensor(prompts[i] + ids, dtype=torch.int32), "prompt_len": len(prompts[i]),
-                            "system": before[i][0], "turns": len(before[i][1]) // 2 + 1, "ended": ended})
-        return records
-
-    def _followups(self, records: list[dict], greedy: bool, rng: torch.Generator, seen: set[str],
-                   seed: int) -> tuple[list[dict], dict]:
-        """Second turns: for a share of the finished first answers, the target writes what the user asks next
-        (Magpie after the conversation so far), then answers it with the whole conversation as its prompt."""
-        plan, tok = self.plan, self.tokenizer
-        longest = self.sampler.max_length if self.sampler is not None else math.inf
-        room = longest - plan.answer_tokens - plan.question_tokens - 64  # the conversation, a follow-up and its answer
-        firsts = [r for r in records if r["ended"] and r["turns"] == 1 and r["ids"].numel() < room]
-        order = torch.randperm(len(firsts), generator=rng).tolist()
-        picked = [firsts[i] for i in order[: int(len(firsts) * plan.followup_share)]]
-        if not picked:
-            return [], {"asked": 0, "kept": 0}
-        history = []
-        for r in picked:
-            answer = tok.decode(r["ids"][r["prompt_len"]:].tolist(), skip_special_tokens=True)
-            history.append((r["system"], ({"role": "user", "content": r["question"]},
-                                          {"role": "assistant", "content": answer})))
-        prefixes = [tok(D.user_turn_prefix(tok, system, turns), add_special_tokens=False)["input_ids"]
-                    for system, turns in history]
-        outs = D.sample_batches(self.target, tok, prefixes, max_new=plan.question_tokens,
-                                temperature=plan.question_temperature, top_p=plan.question_top_p, seed=seed,
-                                max_time=self._generate_time(0.3), sampler=self.sampler)
-        questions, kept_history = [], []
-        for r, h, (ids, ended) in zip(picked, history, outs):
-            text = D.clean_question(tok.decode(ids, skip_special_tokens=True))
-            if text is None or (plan.questions_must_end and not ended) or self.refusals.match(text) is not None:
-                continue
-            key = D.dedupe_key(r["question"] + " / " + text)
-            if key in seen:
-                continue
-            seen.add(key)
-            questions.append((r["category"], text))
-            kept_history.append(h)
-        more = self._answers(questions, greedy, rng, seed, history=kept_history)
-        return more, {"asked": len(picked), "kept": len(questions)}
 
 
 def _is_state(state: object) -> bool:

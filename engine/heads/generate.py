@@ -4,12 +4,14 @@ Hugging Face's batched generate runs every row until the longest is done and gro
 it each step, so a round of answers of very different lengths spends most of its steps on rows that have
 ended. Here a fixed number of rows (`rows`) decode together on the lean decoder's static cache
 (BatchedDecoder.forward_rows: one vectorised attention over every row's own cache). Every step gives each
-row one token; every `check_every` steps one host sync reads the new tokens, rows that wrote EOS or
-reached their limit hand back their answer, and the free rows take the next prompts (one right-padded,
-batched prefill). Attention reads only the cache span the longest live row needs (a multiple of
-SPAN_STEP), so short answers read little.
+row one token; every CHECK_EVERY steps one host sync reads the new tokens, rows that wrote EOS or
+reached their limit hand back their answer, and the free rows take the next prompts (right-padded,
+batched prefills of at most PREFILL_TOKENS tokens). Attention reads only the cache span the longest live
+row needs (a multiple of SPAN_STEP), so short answers read little. Logits that are not finite anywhere in
+a run raise NonFiniteLogits at the next sync (the caller falls back to another writer); until then they
+are drawn from as zeros, so a sampling draw never faults the device.
 
-Greedy continuations equal the lean decoder's single-sequence greedy decoding (float32 tests). Sampled
+Greedy continuations equal the model's own greedy decoding, prompt by prompt (float32 tests). Sampled
 rows draw from softmax(logits / T), cut to the top-p nucleus, with one generator for the whole run:
 reproducible for a fixed seed, rows and prompts, not across other row counts.
 """
@@ -21,11 +23,17 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.errors import GenerationError
 from engine.runners.batched import BatchedDecoder
 from engine.runners.lean import PREFILL_CHUNK
 
 SPAN_STEP = 256  # attention reads the cache in spans of this many slots
 CHECK_EVERY = 8  # decode steps between host syncs (a row may decode this many tokens past its EOS, discarded)
+PREFILL_TOKENS = 8192  # padded prompt tokens a prefill forward takes at most (its activations stay small)
+
+
+class NonFiniteLogits(GenerationError):
+    """The model gave NaN or infinite logits in a batched run (its answers are not trustworthy)."""
 
 
 @dataclass
@@ -47,8 +55,8 @@ class ContinuousSampler:
         self.rows = self.decoder.slots
         self.max_length = self.decoder.max_length
         self.device = self.decoder.device
-        self.eos = torch.tensor(sorted(set(eos)) or [-1], device=self.device)
         self.eos_set = set(eos)
+        self.bad = torch.zeros((), dtype=torch.bool, device=self.device)  # a run's logits were not all finite
 
     @torch.inference_mode()
     def run(self, prompts: list[list[int]], *, max_new: int, temperature: float, top_p: float, seed: int,
@@ -65,6 +73,7 @@ class ContinuousSampler:
         live: dict[int, _Row] = {}  # slot -> row
         free = list(range(self.rows))
         nxt = torch.zeros(self.rows, dtype=torch.long, device=self.device)  # each row's next input token
+        self.bad.zero_()
         width = self.rows  # rows decoded each step: all, or the first few once the queue is empty
         while queue or live:
             if queue and free and (len(free) * 8 >= self.rows or not live):
@@ -83,17 +92,21 @@ class ContinuousSampler:
             for _ in range(steps):
                 starts = [live[s].length if s in live else 0 for s in range(width)]
                 span = min(-(-(max(starts) + 1) // SPAN_STEP) * SPAN_STEP, self.decoder.config.cache_len)
-                picked = _pick(self.decoder.forward_rows(nxt[:width, None], starts, kv_len=span),
-                               temperature, top_p, gen)
+                picked = self._pick(self.decoder.forward_rows(nxt[:width, None], starts, kv_len=span),
+                                    temperature, top_p, gen)
                 nxt = picked if width == self.rows else torch.cat([picked, nxt[width:]])
                 history.append(picked)
                 for s in slots:
                     live[s].length += 1
             drawn = torch.stack(history, dim=1)[torch.tensor(slots)].tolist()  # the one host sync of `steps` steps
+            if bool(self.bad):
+                raise NonFiniteLogits("The batched forward gave logits that are not finite.")
             for s, new in zip(slots, drawn):
                 if self._extend(live[s], new, results):
                     del live[s]
                     free.append(s)
+        if bool(self.bad):
+            raise NonFiniteLogits("The batched forward gave logits that are not finite.")
         for row in live.values():  # cut short by max_time
             results[row.index] = (row.written, False)
         return results
@@ -124,10 +137,22 @@ class ContinuousSampler:
         return False
 
     def _admit(self, prompts, queue, free, live, results, nxt, max_new, temperature, top_p, gen) -> None:
-        """Prefills the next prompts into free rows (right-padded, in chunks) and draws each one's first token."""
+        """Prefills the next prompts into free rows and draws each one's first token: groups of prompts of
+        similar length, right-padded, at most PREFILL_TOKENS padded tokens a group, in chunks of PREFILL_CHUNK."""
         taken = []
         while queue and free:
             taken.append((free.pop(), queue.popleft()))
+        taken.sort(key=lambda t: len(prompts[t[1]]))
+        group: list[tuple[int, int]] = []
+        for item in taken:
+            width = len(prompts[item[1]])  # the longest so far (sorted)
+            if group and (len(group) + 1) * min(width, PREFILL_CHUNK) > PREFILL_TOKENS:
+                self._prefill(prompts, group, free, live, results, nxt, max_new, temperature, top_p, gen)
+                group = []
+            group.append(item)
+        self._prefill(prompts, group, free, live, results, nxt, max_new, temperature, top_p, gen)
+
+    def _prefill(self, prompts, taken, free, live, results, nxt, max_new, temperature, top_p, gen) -> None:
         width = max(len(prompts[i]) for _, i in taken)
         ids = torch.zeros(len(taken), width, dtype=torch.long)
         for row, (_, i) in enumerate(taken):
@@ -143,7 +168,7 @@ class ContinuousSampler:
                                                take=take, kv_len=span)
             here = ((lengths - 1 >= begin) & (lengths - 1 < end)).to(self.device)[:, None]
             last = logits if last is None else torch.where(here, logits, last)
-        first = _pick(last, temperature, top_p, gen)
+        first = self._pick(last, temperature, top_p, gen)
         nxt[torch.tensor(slots, device=self.device)] = first
         for (s, i), t in zip(taken, first.tolist()):
             row = _Row(index=i, length=len(prompts[i]), budget=min(max_new, self.max_length - len(prompts[i])))
@@ -151,6 +176,12 @@ class ContinuousSampler:
                 free.append(s)
             else:
                 live[s] = row
+
+
+    def _pick(self, logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator) -> torch.Tensor:
+        """_pick, after noting (without a sync) whether any logit is not finite and drawing from those as zeros."""
+        self.bad |= ~torch.isfinite(logits).all()
+        return _pick(logits.nan_to_num(0.0, 0.0, 0.0), temperature, top_p, gen)
 
 
 def _pick(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator) -> torch.Tensor:

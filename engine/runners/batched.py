@@ -101,10 +101,11 @@ class BatchedDecoder:
         self.lengths = [0] * slots  # tokens cached per row
         self.kept: list[torch.Tensor] = []  # the last forward's kept layers per part (forward's `keep`)
         self.kept_rows: torch.Tensor | None = None  # forward_rows' kept layers [B, W, len(keep) * hidden]
-        # Several parts in one forward_rows call, right-padded to the widest (one attention launch a layer
-        # instead of one per part; a GPU's matmuls cost the same for a few more rows). On a CPU every padded
-        # row costs its share of the matmuls, so there each part attends alone.
-        self.vectorised = self.device.type == "cuda"
+        # True: several parts go through one forward_rows call, right-padded to the widest (one attention
+        # call a layer instead of one per part, where a GPU's matmuls cost the same for a few more rows);
+        # False: each part attends alone (on a CPU every padded row would cost its share of the matmuls).
+        # Both give each sequence its single-sequence greedy answer (tests run both); serving uses False.
+        self.vectorised = False
 
     def reset(self, slot: int) -> None:
         self.lengths[slot] = 0
@@ -234,7 +235,11 @@ class BatchedDecoder:
             v_rows = v_all[:b, :, :kv_len] if rows is None else v_all.index_select(0, rows)[:, :, :kv_len]
             # [B, W, Hq, D] -> [B, Hkv, G*W, D]: the G query heads of a KV head as G*W query rows (as lean.py)
             q = qk[:, :, : c.n_heads].permute(0, 2, 1, 3).reshape(b, c.n_kv_heads, c.group * w, c.head_dim)
-            o = F.scaled_dot_product_attention(q, k_rows, v_rows, attn_mask=bias, scale=c.scaling)
+            # Two batched matmuls and a float32 softmax: no fused kernel is chosen per shape (on an H200 a
+            # bf16 run of rows at once gave non-finite logits somewhere between the kernels SDPA picks).
+            scores = torch.matmul(q, k_rows.transpose(-1, -2)) * c.scaling  # [B, Hkv, G*W, L]
+            probs = torch.softmax(scores + bias, dim=-1, dtype=torch.float32).to(q.dtype)
+            o = torch.matmul(probs, v_rows)  # [B, Hkv, G*W, D]
             o = o.reshape(b, c.n_heads, w, c.head_dim).permute(0, 2, 1, 3).reshape(b * w, q_size)
             x = layer.o.residual(x, o)
             x = layer.down.residual(x, fastquant.silu_mul(layer.gate_up(_rms_norm(x, layer.ln2, c.eps))))
