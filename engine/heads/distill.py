@@ -220,12 +220,13 @@ def init_record(files: HeadFiles) -> dict:
 
 POSITIVE = ("question_batch", "question_tokens", "answer_tokens", "intermediate", "draft_vocab", "eval_sequences",
             "log_every", "depth", "batch_tokens", "max_len", "max_rounds", "max_steps")  # sizes: 0 is a typo
-SHARES = ("data_share", "sampled_share", "warmup", "final_lr", "step_decay")  # fractions of 1
+SHARES = ("data_share", "sampled_share", "followup_share", "warmup", "final_lr", "step_decay")  # fractions of 1
 # Beyond these a value is a typo that would fail (or fill the memory) only after the target loaded.
 UPPER = {"question_batch": 16384, "question_tokens": 4096, "answer_tokens": 16384, "intermediate": 65536,
          "draft_vocab": 1 << 20, "eval_sequences": 100_000, "log_every": 1_000_000, "depth": 16,
          "batch_tokens": 1 << 21, "max_len": 32768, "answer_segment": 16384, "lr": 1.0, "reg_weight": 100.0,
-         "question_temperature": 10.0, "answer_temperature": 10.0, "question_top_p": 1.0, "clip": 1e6}
+         "question_temperature": 10.0, "answer_temperature": 10.0, "question_top_p": 1.0, "clip": 1e6,
+         "rows": 8192}
 MAX_QUESTION_CHARS = 32_000  # a given question longer than this is not a question (a pasted file, a typo)
 
 
