@@ -7,7 +7,7 @@ ended. Here a fixed number of rows (`rows`) decode together on the lean decoder'
 row one token; every CHECK_EVERY steps one host sync reads the new tokens, rows that wrote EOS or
 reached their limit hand back their answer, and the free rows take the next prompts (right-padded,
 batched prefills of at most PREFILL_TOKENS tokens). Attention reads only the cache span the longest live
-row needs (a multiple of SPAN_STEP), so short answers read little. Logits that are not finite anywhere in
+row needs (a multiple of SPAN slots), so short answers read little. Logits that are not finite anywhere in
 a run raise NonFiniteLogits at the next sync (the caller falls back to another writer); until then they
 are drawn from as zeros, so a sampling draw never faults the device.
 
@@ -24,10 +24,9 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.errors import GenerationError
-from engine.runners.batched import BatchedDecoder
+from engine.runners.batched import SPAN, BatchedDecoder
 from engine.runners.lean import PREFILL_CHUNK
 
-SPAN_STEP = 256  # attention reads the cache in spans of this many slots
 CHECK_EVERY = 8  # decode steps between host syncs (a row may decode this many tokens past its EOS, discarded)
 PREFILL_TOKENS = 8192  # padded prompt tokens a prefill forward takes at most (its activations stay small)
 
@@ -91,7 +90,7 @@ class ContinuousSampler:
             history = []
             for _ in range(steps):
                 starts = [live[s].length if s in live else 0 for s in range(width)]
-                span = min(-(-(max(starts) + 1) // SPAN_STEP) * SPAN_STEP, self.decoder.config.cache_len)
+                span = min(-(-(max(starts) + 1) // SPAN) * SPAN, self.decoder.config.cache_len)
                 picked = self._pick(self.decoder.forward_rows(nxt[:width, None], starts, kv_len=span),
                                     temperature, top_p, gen)
                 nxt = picked if width == self.rows else torch.cat([picked, nxt[width:]])
@@ -163,7 +162,7 @@ class ContinuousSampler:
         for begin in range(0, width, PREFILL_CHUNK):
             end = min(begin + PREFILL_CHUNK, width)
             take = (lengths - 1 - begin).clamp(0, end - begin - 1)
-            span = min(-(-end // SPAN_STEP) * SPAN_STEP, self.decoder.config.cache_len)
+            span = min(-(-end // SPAN) * SPAN, self.decoder.config.cache_len)
             logits = self.decoder.forward_rows(ids[:, begin:end].to(self.device), [begin] * len(taken), slots,
                                                take=take, kv_len=span)
             here = ((lengths - 1 >= begin) & (lengths - 1 < end)).to(self.device)[:, None]

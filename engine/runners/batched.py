@@ -22,6 +22,8 @@ from torch import nn
 from engine.models import fastquant
 from engine.runners.lean import LeanDecoder, UnsupportedModelError, _rms_norm
 
+SPAN = 256  # forward_rows' callers read the cache in spans of this many slots (short contexts read little)
+
 
 @dataclass(frozen=True)
 class Part:
@@ -193,16 +195,15 @@ class BatchedDecoder:
                      keep: tuple[int, ...] = ()) -> torch.Tensor | None:
         """Every row at once, all of one width: ids [B, W] appended to rows `slots` (default: the first B rows,
         in order) at positions starts[b] .. starts[b] + W - 1; float32 logits [B, V] of each row's token
-        `take[b]` (default: its last).
+        `take[b]` (default: its last), or with `every` all W tokens' logits [B, W, V].
 
         What `forward` does per part, vectorised: one attention call for all B rows against their own
         cache rows (the first `kv_len` slots, default all; the caller keeps every start + W within it),
         each row's causal mask over its own positions. No host sync and no data-dependent shapes beyond
         B, W and kv_len. Lengths are the caller's to set afterwards (a right-padded prefill writes past
         its prompt; those slots are masked until overwritten). A row whose start would overflow the
-        cache is the caller's error. every: logits of all W tokens of each row instead, [B, W, V]; keep:
-        layers whose outputs are kept side by side as `kept_rows` [B, W, len(keep) * hidden] (forward's
-        `keep`); `logits` False in forward's sense is every=False with take=None and the result unused.
+        cache is the caller's error. keep: layers whose outputs are kept side by side as `kept_rows`
+        [B, W, len(keep) * hidden] (forward's `keep`).
         """
         c, lean = self.config, self.lean
         stage = lean.stages[0]
@@ -235,8 +236,8 @@ class BatchedDecoder:
             v_rows = v_all[:b, :, :kv_len] if rows is None else v_all.index_select(0, rows)[:, :, :kv_len]
             # [B, W, Hq, D] -> [B, Hkv, G*W, D]: the G query heads of a KV head as G*W query rows (as lean.py)
             q = qk[:, :, : c.n_heads].permute(0, 2, 1, 3).reshape(b, c.n_kv_heads, c.group * w, c.head_dim)
-            # Two batched matmuls and a float32 softmax: no fused kernel is chosen per shape (on an H200 a
-            # bf16 run of rows at once gave non-finite logits somewhere between the kernels SDPA picks).
+            # Two batched matmuls and a float32 softmax, the same ops on every device: SDPA picks a fused kernel
+            # by shape and mask, and a 4-D mask over many rows is a case the single-row forwards never run.
             scores = torch.matmul(q, k_rows.transpose(-1, -2)) * c.scaling  # [B, Hkv, G*W, L]
             probs = torch.softmax(scores + bias, dim=-1, dtype=torch.float32).to(q.dtype)
             o = torch.matmul(probs, v_rows)  # [B, Hkv, G*W, D]
@@ -261,7 +262,7 @@ class BatchedDecoder:
             ids[row, : len(p.ids)] = torch.tensor(p.ids)
         starts = [self.lengths[p.slot] for p in parts]
         widths = [len(p.ids) for p in parts]
-        span = min(-(-(max(starts) + width) // 256) * 256, self.config.cache_len)
+        span = min(-(-(max(starts) + width) // SPAN) * SPAN, self.config.cache_len)
         out = self.forward_rows(ids.to(self.lean.input_device), starts, [p.slot for p in parts], kv_len=span,
                                 every=logits, keep=keep)
         if keep:
