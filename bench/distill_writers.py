@@ -37,6 +37,7 @@ def main() -> int:
     ap.add_argument("--target", required=True)
     ap.add_argument("--json", type=Path, default=None, help="write the figures as a bench record")
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     ap.add_argument("--questions", type=int, default=512)
     ap.add_argument("--answer-tokens", type=int, default=512)
     ap.add_argument("--batch", type=int, default=512, help="rows of one generate call")
@@ -44,7 +45,7 @@ def main() -> int:
     ap.add_argument("--rows", default="128,256,512", help="continuous batching row counts")
     args = ap.parse_args()
     tok = AutoTokenizer.from_pretrained(args.target)
-    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+    dtype = getattr(torch, args.dtype)
     model = AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype).to(args.device).eval()
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
     prompts = sorted((D.answer_prompt(tok, q, None) for q in questions(args.questions)), key=len)
