@@ -25,6 +25,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from distill_data_speed import questions  # noqa: E402
 from record import write_record  # noqa: E402
 
+from app.cli import options as opt  # noqa: E402
+
+
+def count(what: str, high: int):
+    """An argparse type: a whole number from 1 to `high` (the CLI's own check)."""
+    return lambda text: opt.whole(text, 1, high, what)
+
 
 def main() -> int:
     import torch
@@ -34,19 +41,30 @@ def main() -> int:
     from engine.heads.generate import ContinuousSampler
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--target", required=True)
+    ap.add_argument("--target", required=True, type=opt.path, help="a Hugging Face model folder")
     ap.add_argument("--json", type=Path, default=None, help="write the figures as a bench record")
-    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--device", default="cuda", type=opt.device)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    ap.add_argument("--questions", type=int, default=512)
-    ap.add_argument("--answer-tokens", type=int, default=512)
-    ap.add_argument("--batch", type=int, default=512, help="rows of one generate call")
-    ap.add_argument("--segment", type=int, default=128, help="generate's segment (0: one call)")
-    ap.add_argument("--rows", default="128,256,512", help="continuous batching row counts")
+    ap.add_argument("--questions", type=count("--questions", 100_000), default=512)
+    ap.add_argument("--answer-tokens", type=count("--answer-tokens", 16384), default=512)
+    ap.add_argument("--batch", type=count("--batch", 16384), default=512, help="rows of one generate call")
+    ap.add_argument("--segment", type=lambda t: opt.whole(t, 0, 16384, "--segment"), default=128,
+                    help="generate's segment (0: one call)")
+    ap.add_argument("--rows", default="128,256,512", type=lambda t: opt.listed(t, count("--rows", 8192), "--rows"),
+                    help="continuous batching row counts")
     args = ap.parse_args()
-    tok = AutoTokenizer.from_pretrained(args.target)
-    dtype = getattr(torch, args.dtype)
-    model = AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype).to(args.device).eval()
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        ap.exit(2, f"distill_writers: {args.device} asked, and this torch sees no CUDA device\n")
+    if not (args.target / "config.json").is_file():
+        ap.exit(2, f"distill_writers: {args.target} is not a Hugging Face model folder (no config.json)\n")
+    try:
+        tok = AutoTokenizer.from_pretrained(args.target)
+        model = AutoModelForCausalLM.from_pretrained(args.target, dtype=getattr(torch, args.dtype))
+        model = model.to(args.device).eval()
+    except (OSError, ValueError, RuntimeError) as e:
+        ap.exit(2, f"distill_writers: cannot load {args.target} on {args.device}: {str(e).splitlines()[0]}\n")
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
     prompts = sorted((D.answer_prompt(tok, q, None) for q in questions(args.questions)), key=len)
     eos = D.eos_ids(tok, model)

@@ -7,7 +7,7 @@ ended. Here a fixed number of rows (`rows`) decode together on the lean decoder'
 row one token; every CHECK_EVERY steps one host sync reads the new tokens, rows that wrote EOS or
 reached their limit hand back their answer, and the free rows take the next prompts (right-padded,
 batched prefills of at most PREFILL_TOKENS tokens). Attention reads only the cache span the longest live
-row needs (a multiple of SPAN slots), so short answers read little. Logits that are not finite anywhere in
+row needs (BatchedDecoder.span), so short answers read little. Logits that are not finite anywhere in
 a run raise NonFiniteLogits at the next sync (the caller falls back to another writer); until then they
 are drawn from as zeros, so a sampling draw never faults the device.
 
@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.errors import GenerationError
-from engine.runners.batched import SPAN, BatchedDecoder
+from engine.runners.batched import BatchedDecoder
 from engine.runners.lean import PREFILL_CHUNK
 
 CHECK_EVERY = 8  # decode steps between host syncs (a row may decode this many tokens past its EOS, discarded)
@@ -90,22 +90,19 @@ class ContinuousSampler:
             history = []
             for _ in range(steps):
                 starts = [live[s].length if s in live else 0 for s in range(width)]
-                span = min(-(-(max(starts) + 1) // SPAN) * SPAN, self.decoder.config.cache_len)
-                picked = self._pick(self.decoder.forward_rows(nxt[:width, None], starts, kv_len=span),
-                                    temperature, top_p, gen)
+                logits = self.decoder.forward_rows(nxt[:width, None], starts, kv_len=self.decoder.span(max(starts) + 1))
+                picked = self._draw(logits, temperature, top_p, gen)
                 nxt = picked if width == self.rows else torch.cat([picked, nxt[width:]])
                 history.append(picked)
                 for s in slots:
                     live[s].length += 1
             drawn = torch.stack(history, dim=1)[torch.tensor(slots)].tolist()  # the one host sync of `steps` steps
-            if bool(self.bad):
-                raise NonFiniteLogits("The batched forward gave logits that are not finite.")
+            self._check_finite()
             for s, new in zip(slots, drawn):
                 if self._extend(live[s], new, results):
                     del live[s]
                     free.append(s)
-        if bool(self.bad):
-            raise NonFiniteLogits("The batched forward gave logits that are not finite.")
+        self._check_finite()
         for row in live.values():  # cut short by max_time
             results[row.index] = (row.written, False)
         return results
@@ -162,12 +159,11 @@ class ContinuousSampler:
         for begin in range(0, width, PREFILL_CHUNK):
             end = min(begin + PREFILL_CHUNK, width)
             take = (lengths - 1 - begin).clamp(0, end - begin - 1)
-            span = min(-(-end // SPAN) * SPAN, self.decoder.config.cache_len)
             logits = self.decoder.forward_rows(ids[:, begin:end].to(self.device), [begin] * len(taken), slots,
-                                               take=take, kv_len=span)
+                                               take=take, kv_len=self.decoder.span(end))
             here = ((lengths - 1 >= begin) & (lengths - 1 < end)).to(self.device)[:, None]
             last = logits if last is None else torch.where(here, logits, last)
-        first = self._pick(last, temperature, top_p, gen)
+        first = self._draw(last, temperature, top_p, gen)
         nxt[torch.tensor(slots, device=self.device)] = first
         for (s, i), t in zip(taken, first.tolist()):
             row = _Row(index=i, length=len(prompts[i]), budget=min(max_new, self.max_length - len(prompts[i])))
@@ -177,7 +173,11 @@ class ContinuousSampler:
                 live[s] = row
 
 
-    def _pick(self, logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator) -> torch.Tensor:
+    def _check_finite(self) -> None:
+        if bool(self.bad):
+            raise NonFiniteLogits("The batched forward gave logits that are not finite.")
+
+    def _draw(self, logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator) -> torch.Tensor:
         """_pick, after noting (without a sync) whether any logit is not finite and drawing from those as zeros."""
         self.bad |= ~torch.isfinite(logits).all()
         return _pick(logits.nan_to_num(0.0, 0.0, 0.0), temperature, top_p, gen)

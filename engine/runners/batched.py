@@ -22,7 +22,7 @@ from torch import nn
 from engine.models import fastquant
 from engine.runners.lean import LeanDecoder, UnsupportedModelError, _rms_norm
 
-SPAN = 256  # forward_rows' callers read the cache in spans of this many slots (short contexts read little)
+SPAN = 256  # forward_rows reads the cache in spans of this many slots (short contexts read little)
 
 
 @dataclass(frozen=True)
@@ -262,8 +262,8 @@ class BatchedDecoder:
             ids[row, : len(p.ids)] = torch.tensor(p.ids)
         starts = [self.lengths[p.slot] for p in parts]
         widths = [len(p.ids) for p in parts]
-        span = min(-(-(max(starts) + width) // SPAN) * SPAN, self.config.cache_len)
-        out = self.forward_rows(ids.to(self.lean.input_device), starts, [p.slot for p in parts], kv_len=span,
+        out = self.forward_rows(ids.to(self.lean.input_device), starts, [p.slot for p in parts],
+                                kv_len=self.span(max(starts) + width),
                                 every=logits, keep=keep)
         if keep:
             self.kept = [self.kept_rows[row, :w] for row, w in enumerate(widths)]
@@ -273,6 +273,10 @@ class BatchedDecoder:
             return []
         counts = [w if p.outputs is None else min(p.outputs, w) for p, w in zip(parts, widths)]
         return [out[row, w - k: w] for row, (w, k) in enumerate(zip(widths, counts))]
+
+    def span(self, positions: int) -> int:
+        """Cache slots attention reads for rows of up to `positions` tokens: a multiple of SPAN, at most all."""
+        return min(-(-positions // SPAN) * SPAN, self.config.cache_len)
 
     def move_rows(self, src: list[int], dst: list[int]) -> None:
         """Copies rows src's caches and lengths to rows dst (packing live sequences into the first rows)."""
