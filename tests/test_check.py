@@ -284,6 +284,26 @@ def test_a_generation_closed_midway_frees_the_engine_at_once(tiny_head):
     assert again and sum(s.new_tokens for s in again) == 24
 
 
+def test_the_target_rows_start_from_the_prompt_the_heads_decoding_left_in_the_cache(tiny_head):
+    """After the head's continuation the cache still holds the prompt: the teacher-forced rows taken from it
+    (rolled back, one forward) are the rows a fresh prefill gives, and both runners end empty."""
+    from engine.measure.check import _continuation, _target_rows
+    from engine.types import GenerationRequest, Message
+    from tests.head_fixtures import head_engine
+
+    engine = head_engine(tiny_head.target, tiny_head.head)
+    prompt = BenchPrompt("c", "code", "def add(a, b):")
+    ids = engine.encode(GenerationRequest(messages=(Message("user", prompt.prompt),)))
+    cont, steps, cached = _continuation(engine, ids, prompt, 24)
+    assert cached and steps and len(cont) > 8
+    runner = engine.target_runner
+    kept = _target_rows(runner, engine.vocab, ids, cont, cached=True)
+    assert runner.length == 0
+    fresh = _target_rows(runner, engine.vocab, ids, cont)
+    torch.testing.assert_close(kept, fresh)
+    assert kept.argmax(-1).tolist() == cont  # greedy: each row predicts the token that follows
+
+
 def test_sizes_come_from_the_config_whatever_holds_the_weights(tiny_pair):
     """Packed or 8-bit weights are buffers, not parameters: the size must not shrink to the embedding."""
     from engine.measure.check_load import params_of

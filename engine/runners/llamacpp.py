@@ -155,6 +155,7 @@ class LlamaCppRunner:
     name = NAME
     device = torch.device("cpu")
     hidden: torch.Tensor | None = None  # llama.cpp hands out logits and embeddings, not a layer's outputs
+    max_rows = RESERVED_OUTPUTS  # rows of logits one forward may ask for (torch runners have no such bound)
 
     def __init__(self, path: Path, *, n_ctx: int = DEFAULT_N_CTX, threads: int | None = None,
                  batch_threads: int | None = None, n_batch: int = DEFAULT_N_BATCH,
