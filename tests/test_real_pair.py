@@ -1,6 +1,11 @@
-"""End to end on the real default pair (Qwen2.5-Coder 1.5B target / 0.5B draft), kept short."""
+"""End to end on the real default pair (Qwen2.5-Coder 1.5B target / 0.5B draft), kept short.
+
+Every test that loads the real pair lives in this file, so one process runs them one after another
+(--dist loadfile) and each frees its pair before the next loads: in float32 (a CPU without native bf16)
+two pairs loaded at once by the two processes need most of a 24 GiB machine."""
 from __future__ import annotations
 
+import gc
 import json
 import os
 
@@ -9,6 +14,13 @@ import pytest
 from app.cli import main
 
 pytestmark = pytest.mark.real_models
+
+
+@pytest.fixture(autouse=True)
+def _one_pair_at_a_time():
+    """The test's pair (and its engine's cycles) freed before the next test loads another."""
+    yield
+    gc.collect()
 
 
 @pytest.fixture
@@ -102,3 +114,23 @@ def test_llamacpp_tokenizer_matches_the_real_hugging_face_tokenizer(real_cache):
     chat = [{"role": "user", "content": "用Python写一个快速排序"}]
     assert (ours.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
             == reference.apply_chat_template(chat, tokenize=False, add_generation_prompt=True))
+
+
+def test_real_default_pair_loads_from_cache(real_cache):
+    from engine.errors import ModelLoadError
+    from engine.loadspec import LoadSpec
+    from engine.models.loader import load_pair
+    from engine.models.tokenizers import check_compatible, tokenizer_info
+
+    try:
+        t = tokenizer_info(None, "target")
+        d = tokenizer_info(None, "draft")
+    except ModelLoadError as e:
+        pytest.skip(f"default pair not installed: {e}")
+    assert check_compatible(t, d) == 151936
+    pair = load_pair(LoadSpec(None, None, device="cpu"))
+    assert pair.info.target_name == "Qwen2.5-Coder-1.5B-Instruct"
+    ids = pair.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Say hi"}], add_generation_prompt=True, return_dict=False
+    )
+    assert len(ids) > 5

@@ -295,26 +295,3 @@ def test_pick_device():
     if not torch.cuda.is_available():
         with pytest.raises(ModelLoadError, match="no CUDA"):
             pick_device("cuda")
-
-
-# --------------------------------------------------------------------------- real default pair
-
-@pytest.mark.real_models
-def test_real_default_pair_loads_from_cache(monkeypatch):
-    # The user's warm cache (converted once), or SPECDEC_REAL_CACHE where a machine keeps it elsewhere.
-    if os.environ.get("SPECDEC_REAL_CACHE"):
-        monkeypatch.setenv("SPECDEC_CACHE_DIR", os.environ["SPECDEC_REAL_CACHE"])
-    else:
-        monkeypatch.delenv("SPECDEC_CACHE_DIR")
-    try:
-        t = tokenizer_info(None, "target")
-        d = tokenizer_info(None, "draft")
-    except ModelLoadError as e:
-        pytest.skip(f"default pair not installed: {e}")
-    assert check_compatible(t, d) == 151936
-    pair = load_pair(LoadSpec(None, None, device="cpu"))
-    assert pair.info.target_name == "Qwen2.5-Coder-1.5B-Instruct"
-    ids = pair.tokenizer.apply_chat_template(
-        [{"role": "user", "content": "Say hi"}], add_generation_prompt=True, return_dict=False
-    )
-    assert len(ids) > 5
