@@ -19,8 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.models import fastquant
-from engine.runners.lean import LeanDecoder, UnsupportedModelError, _rms_norm
+from engine.runners.lean import LeanDecoder, UnsupportedModelError, _rms_norm, rope
 
 SPAN = 256  # forward_rows reads the cache in spans of this many slots (short contexts read little)
 
@@ -148,18 +147,13 @@ class BatchedDecoder:
             bias = torch.zeros(mask.shape, dtype=lean.dtype, device=self.device).masked_fill_(~mask, float("-inf"))
             spans.append((offset, w, s, bias.repeat(c.group, 1)))  # [G*W, S + W]
             offset += w
-        q_size, kv_size = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
-        n_qk = c.n_heads + c.n_kv_heads
+        q_size = c.n_heads * c.head_dim
         n = ids.shape[0]
         x = F.embedding(ids, lean.embed).to(lean.dtype)  # [N, hidden]
         kept: dict[int, torch.Tensor] = {}
         for index, layer in enumerate(lean.layers):
-            qkv = layer.qkv(_rms_norm(x, layer.ln1, c.eps))  # [N, (Hq + 2 Hkv) * D]
-            qk = qkv[:, : q_size + kv_size].view(n, n_qk, c.head_dim)
-            if layer.qk_norm is not None:
-                qk = _rms_norm(qk, layer.qk_norm, c.eps)
-            qk = qk * cos + torch.roll(qk, c.head_dim // 2, dims=-1) * sin  # RoPE, as lean.py
-            v = qkv[:, q_size + kv_size:].view(n, c.n_kv_heads, c.head_dim)  # [N, Hkv, D]
+            qk, v = layer.heads(x, c, (n,))  # [N, Hq + Hkv, D], [N, Hkv, D]
+            qk = rope(qk, cos, sin, c)
             out = torch.empty(n, q_size, device=self.device, dtype=x.dtype)
             for part, (o0, w, s, bias) in zip(parts, spans):
                 k_row = self.kv[index, 0, part.slot]  # [Hkv, L, D]
@@ -169,8 +163,7 @@ class BatchedDecoder:
                 q = qk[o0: o0 + w, : c.n_heads].transpose(0, 1).reshape(1, c.n_kv_heads, c.group * w, c.head_dim)
                 o = lean._attend(q, k_row[None, :, : s + w], v_row[None, :, : s + w], bias)  # [1, Hkv, G*W, D]
                 out[o0: o0 + w] = o.reshape(c.n_heads, w, c.head_dim).transpose(0, 1).reshape(w, q_size)
-            x = layer.o.residual(x, out)
-            x = layer.down.residual(x, fastquant.silu_mul(layer.gate_up(_rms_norm(x, layer.ln2, c.eps))))
+            x = layer.finish(x, out, c)
             if index in keep:
                 kept[index] = x
         if keep:
@@ -218,17 +211,12 @@ class BatchedDecoder:
         mask = mask[:, None].expand(b, c.group, w, kv_len).reshape(b, 1, c.group * w, kv_len)
         bias = torch.zeros(mask.shape, dtype=lean.dtype, device=self.device).masked_fill_(~mask, float("-inf"))
         where = (torch.arange(b, device=self.device) if rows is None else rows)[:, None].expand(b, w)  # [B, W]
-        q_size, kv_size = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
-        n_qk = c.n_heads + c.n_kv_heads
+        q_size = c.n_heads * c.head_dim
         kept: dict[int, torch.Tensor] = {}
         x = F.embedding(ids.reshape(-1).to(lean.input_device), lean.embed).to(lean.dtype)  # [B*W, hidden]
         for index, layer in enumerate(lean.layers):
-            qkv = layer.qkv(_rms_norm(x, layer.ln1, c.eps))  # [B*W, (Hq + 2 Hkv) * D]
-            qk = qkv[:, : q_size + kv_size].view(b, w, n_qk, c.head_dim)
-            if layer.qk_norm is not None:
-                qk = _rms_norm(qk, layer.qk_norm, c.eps)
-            qk = qk * cos + torch.roll(qk, c.head_dim // 2, dims=-1) * sin  # RoPE, as lean.py
-            v = qkv[:, q_size + kv_size:].view(b, w, c.n_kv_heads, c.head_dim)
+            qk, v = layer.heads(x, c, (b, w))  # [B, W, Hq + Hkv, D], [B, W, Hkv, D]
+            qk = rope(qk, cos, sin, c)
             k_all, v_all = self.kv[index, 0], self.kv[index, 1]  # [slots, Hkv, L, D]
             k_all[where, :, pos] = qk[:, :, c.n_heads:]  # [B, W, Hkv, D] into each row's slots
             v_all[where, :, pos] = v
@@ -242,8 +230,7 @@ class BatchedDecoder:
             probs = torch.softmax(scores + bias, dim=-1, dtype=torch.float32).to(q.dtype)
             o = torch.matmul(probs, v_rows)  # [B, Hkv, G*W, D]
             o = o.reshape(b, c.n_heads, w, c.head_dim).permute(0, 2, 1, 3).reshape(b * w, q_size)
-            x = layer.o.residual(x, o)
-            x = layer.down.residual(x, fastquant.silu_mul(layer.gate_up(_rms_norm(x, layer.ln2, c.eps))))
+            x = layer.finish(x, o, c)
             if index in keep:
                 kept[index] = x.view(b, w, -1)
         if keep:

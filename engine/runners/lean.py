@@ -186,6 +186,28 @@ class _Layer:
     k_cache: torch.Tensor  # [1, Hkv, cache_len, D], a view of its stage's `kv`
     v_cache: torch.Tensor  # [1, Hkv, cache_len, D]
 
+    def heads(self, x: torch.Tensor, c: LeanConfig, shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The attention's input: residual rows x [N, hidden] (N = prod(shape)) -> qk [*shape, Hq + Hkv, D],
+        query heads then key heads, before RoPE (Qwen3's per-head norm applied), and v [*shape, Hkv, D].
+        Every forward (lean, batched parts, batched rows) starts a layer here."""
+        q_size, kv_size = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+        qkv = self.qkv(_rms_norm(x, self.ln1, c.eps))  # [N, (Hq + 2 Hkv) * D]
+        qk = qkv[:, : q_size + kv_size].view(*shape, c.n_heads + c.n_kv_heads, c.head_dim)
+        if self.qk_norm is not None:
+            qk = _rms_norm(qk, self.qk_norm, c.eps)  # per head, [Hq + Hkv, D] weights broadcast over the rows
+        return qk, qkv[:, q_size + kv_size :].view(*shape, c.n_kv_heads, c.head_dim)
+
+    def finish(self, x: torch.Tensor, o: torch.Tensor, c: LeanConfig) -> torch.Tensor:
+        """The layer after attention: x [N, hidden] + o's projection, then the MLP with its residual."""
+        x = self.o.residual(x, o)
+        gate_up = self.gate_up(_rms_norm(x, self.ln2, c.eps))  # [N, 2 * inter]: gate, then up
+        return self.down.residual(x, fastquant.silu_mul(gate_up))
+
+
+def rope(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, c: LeanConfig) -> torch.Tensor:
+    """RoPE on query and key heads at once: rotate_half(x) = roll(x, D/2) * (-1 | +1), the sign folded into sin."""
+    return qk * cos + torch.roll(qk, c.head_dim // 2, dims=-1) * sin
+
 
 @dataclass
 class _Stage:
@@ -384,32 +406,24 @@ class LeanDecoder:
         mask = mask.repeat(c.group, 1)  # [G*W, L]: rows repeat per query head of a KV group (see below)
         # Additive form built once per forward, not converted from bool inside every layer.
         bias = torch.zeros(mask.shape, dtype=self.dtype, device=stage.device).masked_fill_(~mask, float("-inf"))
-        q_size, kv_size = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
-        n_qk = c.n_heads + c.n_kv_heads
+        q_size = c.n_heads * c.head_dim
         keep = {} if hidden is None else {layer: slot for slot, layer in enumerate(hidden[1])}
         for index, layer in enumerate(stage.layers, stage.first):
-            qkv = layer.qkv(_rms_norm(x, layer.ln1, c.eps))  # [W, (Hq + 2 Hkv) * D]
-            qk = qkv[:, : q_size + kv_size].view(width, n_qk, c.head_dim)  # [W, Hq + Hkv, D]
-            if layer.qk_norm is not None:
-                qk = _rms_norm(qk, layer.qk_norm, c.eps)  # per head, [Hq + Hkv, D] weights broadcast over W
-            v = qkv[:, q_size + kv_size :].view(width, c.n_kv_heads, c.head_dim)  # [W, Hkv, D]
+            qk, v = layer.heads(x, c, (width,))  # [W, Hq + Hkv, D], [W, Hkv, D]
             # GQA without copying the cache: the G query heads sharing one KV head (HF orders them
             # consecutively) become G*W query rows against that head.
             if fused:  # the same values, bit for bit, as the torch ops below (engine/runners/rope_kernel.py)
                 q = rope_kernel.rope_and_write(qk, v, stage.cos, stage.sin, pos, slots, layer.k_cache,
                                                layer.v_cache, c.n_heads)  # [1, Hkv, G*W, D]
             else:
-                # RoPE on the query and key heads at once: rotate_half(x) = roll(x, D/2) * (-1 | +1).
-                qk = qk * cos + torch.roll(qk, c.head_dim // 2, dims=-1) * sin  # [W, Hq + Hkv, D]
+                qk = rope(qk, cos, sin, c)  # [W, Hq + Hkv, D]
                 k = qk[:, c.n_heads :].transpose(0, 1).unsqueeze(0)  # [1, Hkv, W, D]
                 layer.k_cache.index_copy_(2, slots, k)  # [1, Hkv, L, D]
                 layer.v_cache.index_copy_(2, slots, v.transpose(0, 1).unsqueeze(0))
                 q = qk[:, : c.n_heads].transpose(0, 1).reshape(1, c.n_kv_heads, c.group * width, c.head_dim)
             o = self._attend(q, layer.k_cache[:, :, :kv_len], layer.v_cache[:, :, :kv_len], bias)  # [1, Hkv, G*W, D]
             o = o.reshape(c.n_heads, width, c.head_dim).transpose(0, 1).reshape(width, q_size)  # [W, Hq*D]
-            x = layer.o.residual(x, o)
-            gate_up = layer.gate_up(_rms_norm(x, layer.ln2, c.eps))  # [W, 2 * inter]: gate, then up
-            x = layer.down.residual(x, fastquant.silu_mul(gate_up))
+            x = layer.finish(x, o, c)
             if index in keep:
                 slot = keep[index]
                 hidden[0][:, slot * c.hidden : (slot + 1) * c.hidden].copy_(x)
