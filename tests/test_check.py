@@ -284,9 +284,11 @@ def test_a_generation_closed_midway_frees_the_engine_at_once(tiny_head):
     assert again and sum(s.new_tokens for s in again) == 24
 
 
-def test_the_target_rows_start_from_the_prompt_the_heads_decoding_left_in_the_cache(tiny_head):
+def test_the_target_rows_start_from_the_prompt_the_heads_decoding_left_in_the_cache(tiny_head, monkeypatch):
     """After the head's continuation the cache still holds the prompt: the teacher-forced rows taken from it
-    (rolled back, one forward) are the rows a fresh prefill gives, and both runners end empty."""
+    (rolled back, in forwards of 8 rows) are the rows a fresh prefill and one forward give, and the runner
+    ends empty."""
+    from engine.measure import check
     from engine.measure.check import _continuation, _target_rows
     from engine.types import GenerationRequest, Message
     from tests.head_fixtures import head_engine
@@ -297,10 +299,12 @@ def test_the_target_rows_start_from_the_prompt_the_heads_decoding_left_in_the_ca
     cont, steps, cached = _continuation(engine, ids, prompt, 24)
     assert cached and steps and len(cont) > 8
     runner = engine.target_runner
-    kept = _target_rows(runner, engine.vocab, ids, cont, cached=True)
+    with monkeypatch.context() as m:
+        m.setattr(check, "FORCED_ROWS", 8)
+        kept = _target_rows(runner, engine.vocab, ids, cont, cached=True)
     assert runner.length == 0
     fresh = _target_rows(runner, engine.vocab, ids, cont)
-    torch.testing.assert_close(kept, fresh)
+    torch.testing.assert_close(kept, fresh, atol=2e-2, rtol=1e-2)  # float16 on the host, either way
     assert kept.argmax(-1).tolist() == cont  # greedy: each row predicts the token that follows
 
 

@@ -43,6 +43,7 @@ from engine.types import GenerationRequest, Message, Sampling
 
 log = logging.getLogger(__name__)
 
+FORCED_ROWS = 64  # rows per teacher-forced forward: a 152k vocabulary's float32 logits, 39 MB
 HEAD_K = TREE_K_MAX  # draft length of the head's own rounds (positions beyond it repeat the last rate)
 POSITIONS = ("chained over the target's greedy continuation: draft position i of a round starting at row t is "
              "judged at row t + i (an exact replay at T = 0; at T > 0 the context is the greedy text)")
@@ -173,9 +174,9 @@ def _decode_rows(runner, vocab: int, ids: list[int], n: int, eos: set[int]) -> t
 def _forced(runner, vocab: int, ids: list[int], cont: list[int], cached: bool = False):
     """Teacher-forces `cont` after the prompt `ids`: yields (offset into cont, logits rows [W, :vocab]), the
     row before each token of cont. The prompt is prefilled unless `cached` (the cache already holds all but
-    its last token). One forward over the whole continuation where the runner allows it (on two CPU cores a
-    40-row forward cost 0.27 s against 0.69 s in chunks of 13), else in chunks of what it can return
-    (llama.cpp's logits buffer: `max_rows`). The runner is reset afterwards."""
+    its last token). Forwards of FORCED_ROWS rows, a default continuation in one (on two CPU cores a 40-row
+    forward cost 0.27 s against 0.69 s in chunks of 13), or of what the runner can return (llama.cpp's
+    logits buffer: `max_rows`). The runner is reset afterwards."""
     if cached:
         runner.rollback(len(ids) - 1)
     else:
@@ -183,7 +184,7 @@ def _forced(runner, vocab: int, ids: list[int], cont: list[int], cached: bool = 
         if len(ids) > 1:
             runner.prefill(ids_tensor(ids[:-1], runner.device))
     inputs = [ids[-1]] + cont[:-1]
-    width = getattr(runner, "max_rows", None) or len(inputs)
+    width = min(getattr(runner, "max_rows", None) or FORCED_ROWS, FORCED_ROWS)
     try:
         for start in range(0, len(inputs), width):
             yield start, runner.forward(ids_tensor(inputs[start:start + width], runner.device))[:, :vocab]
