@@ -106,3 +106,35 @@ def test_a_tree_walk_that_ends_on_a_childless_branch_counts_as_reached_not_accep
     per_position = tally.greedy[HEAD_K].per_position
     assert per_position == (1.0, 0.5, 0.0)  # the first round's walk ended at its branch's end, after one token
     assert expected_tokens(per_position, HEAD_K) == (2 + 3) / 2  # tokens a drafting round kept, on average
+
+
+def test_the_benchs_summary_counts_a_branchs_end_as_the_check_does():
+    """Measured and predicted acceptance by position are the same quantity for dynamic trees: the summary of
+    the rounds above gives the check's rates, not 1.0 at the position where a walk found no child."""
+    from dataclasses import replace
+
+    from types import SimpleNamespace
+
+    from engine.measure.experiment import BenchPrompt, position_acceptance, record_run
+    from engine.measure.stats import summarize
+    from engine.types import Step, TokenView
+
+    token = TokenView(token_id=1, text="x", status="accepted", step=0, draft_pos=0, q=1.0, p=1.0, accept_prob=1.0)
+
+    def round_(index: int, proposed: int, accepted: int, depth: int) -> Step:
+        return Step(index=index, mode="speculative", proposed=(7,) * proposed, proposed_q=(1.0,) * proposed,
+                    proposed_p=(1.0,) * proposed, sources=("head",) * proposed, accepted=accepted, added=2,
+                    added_status="corrected", tokens=(token,), text="x", new_tokens=accepted + 1, total_tokens=0,
+                    draft_ms=1.0, verify_ms=1.0, elapsed_s=0.1, tree_width=16 if depth else 0, tree_depth=depth)
+
+    steps = [round_(0, 1, 1, 8), round_(1, 3, 2, 8)]
+    summary = summarize(steps, mode="speculative", k=3, prompt_tokens=3, seconds=1.0, stop_reason="eos")
+    assert summary.per_position_acceptance[:3] == (1.0, 0.5, 0.0)
+    # and the benchmark's record of the same rounds (what bench/check_honesty.py compares with the check)
+    generation = SimpleNamespace(summary=summary, request=SimpleNamespace(sampling=SimpleNamespace(temperature=0.0)),
+                                 tree_nodes=16)
+    record = record_run(generation, steps, BenchPrompt("p", "code", "x"), "speculative")
+    assert position_acceptance([record]) == (1.0, 0.5, 0.0)
+    chains = [replace(s, tree_width=0, tree_depth=0) for s in steps]  # a chain shows every draft it made
+    summary = summarize(chains, mode="speculative", k=3, prompt_tokens=3, seconds=1.0, stop_reason="eos")
+    assert summary.per_position_acceptance[:3] == (1.0, 1.0, 0.0)

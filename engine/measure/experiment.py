@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from engine.errors import InputError
 from engine.limits import K_MAX
 from engine.measure.costmodel import costs_at, expected_tokens, tree_costs_at
+from engine.measure.stats import drafted_depth
 
 if TYPE_CHECKING:  # torch and transformers wait until something really runs
     from engine.decoding import Generation
@@ -160,7 +161,8 @@ def record_run(generation: Generation, steps: Sequence[Step], prompt: BenchPromp
             pending = 2 if step.accepted == n else 1
         else:
             pending += step.new_tokens
-        for i in range(min(n, step.accepted + 1, K_MAX)):  # position i reached when all before it were accepted
+        # position i reached when all before it were accepted (a tree's branch that ended there included)
+        for i in range(min(drafted_depth(step) if n else 0, step.accepted + 1, K_MAX)):
             reached[i] += 1
             hits[i] += i < step.accepted
         if step.extra is not None and step.accepted < K_MAX:

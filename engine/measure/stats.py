@@ -7,6 +7,13 @@ from collections.abc import Sequence
 from engine.types import Mode, Step, StopReason, Summary
 
 
+def drafted_depth(step: Step) -> int:
+    """Draft positions the round offered: its drafts, or a dynamic tree's levels (tree_depth). The walk
+    through a tree shows drafts only down to where the branch it took ended; a branch that ends early is a
+    miss at the next level, as a rejection is (the K controller and the draft check count it so too)."""
+    return max(len(step.proposed), step.tree_depth)
+
+
 def summarize(
     steps: Sequence[Step],
     *,
@@ -28,16 +35,17 @@ def summarize(
     drafted = sum(len(s.proposed) for s in steps)
     accepted = sum(s.accepted for s in steps)
     drafting = mode != "standard"
-    k_max = max([k] + [len(s.proposed) for s in steps]) if drafting else 0
+    depths = [drafted_depth(s) for s in steps]
+    k_max = max([k] + depths) if drafting else 0
     reached = [0] * k_max
     hits = [0] * k_max
     histogram = [0] * (k_max + 1)
-    for s in steps:
+    for s, depth in zip(steps, depths):
         if not s.proposed:
             continue
         histogram[s.accepted] += 1
         # Position i was "reached" if every earlier draft token was accepted.
-        for i in range(min(len(s.proposed), s.accepted + 1)):
+        for i in range(min(depth, s.accepted + 1)):
             reached[i] += 1
             hits[i] += i < s.accepted
     per_position = tuple(h / r if r else 0.0 for h, r in zip(hits, reached))
