@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.runners.lean import LeanDecoder, UnsupportedModelError, _rms_norm, rope
+from engine.runners.lean import LeanDecoder, UnsupportedModelError, _rms_norm, math_attention, rope
 
 SPAN = 256  # forward_rows reads the cache in spans of this many slots (short contexts read little)
 
@@ -226,9 +226,7 @@ class BatchedDecoder:
             q = qk[:, :, : c.n_heads].permute(0, 2, 1, 3).reshape(b, c.n_kv_heads, c.group * w, c.head_dim)
             # Two batched matmuls and a float32 softmax, the same ops on every device: SDPA picks a fused kernel
             # by shape and mask, and a 4-D mask over many rows is a case the single-row forwards never run.
-            scores = torch.matmul(q, k_rows.transpose(-1, -2)) * c.scaling  # [B, Hkv, G*W, L]
-            probs = torch.softmax(scores + bias, dim=-1, dtype=torch.float32).to(q.dtype)
-            o = torch.matmul(probs, v_rows)  # [B, Hkv, G*W, D]
+            o = math_attention(q, k_rows, v_rows, bias, c.scaling)  # [B, Hkv, G*W, D]
             o = o.reshape(b, c.n_heads, w, c.head_dim).permute(0, 2, 1, 3).reshape(b * w, q_size)
             x = layer.finish(x, o, c)
             if index in keep:

@@ -447,6 +447,13 @@ class LeanDecoder:
         # "math": two batched matmuls. With a handful of query rows, fused attention kernels
         # parallelise over query blocks and heads only (a few thread blocks for a long cache),
         # while cuBLAS splits the long key dimension; which wins is measured by bench/fast_path_vs_hf.py.
-        scores = torch.matmul(q, k.transpose(-1, -2)) * self.config.scaling  # [1, Hkv, G*W, L]
-        probs = torch.softmax(scores + bias, dim=-1, dtype=torch.float32).to(q.dtype)
-        return torch.matmul(probs, v)
+        return math_attention(q, k, v, bias, self.config.scaling)
+
+
+def math_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor,
+                   scaling: float) -> torch.Tensor:
+    """Attention as two batched matmuls and a float32 softmax: q [B, Hkv, R, D], k/v [B, Hkv, L, D], additive
+    bias broadcasting to [B, Hkv, R, L] -> [B, Hkv, R, D]."""
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scaling  # [B, Hkv, R, L]
+    probs = torch.softmax(scores + bias, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, v)
