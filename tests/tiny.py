@@ -45,7 +45,7 @@ def build_tokenizer(vocab_size: int = 320, seed_corpus: list[str] | None = None)
 
 
 def build_model(vocab_size: int, *, seed: int, layers: int = 2, hidden: int = 64,
-                context: int = 512) -> Qwen2ForCausalLM:
+                context: int = 512, tied: bool = True) -> Qwen2ForCausalLM:
     torch.manual_seed(seed)
     config = Qwen2Config(
         vocab_size=vocab_size,
@@ -55,7 +55,7 @@ def build_model(vocab_size: int, *, seed: int, layers: int = 2, hidden: int = 64
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=context,
-        tie_word_embeddings=True,
+        tie_word_embeddings=tied,
         initializer_range=0.3,  # peaky distributions, so greedy and top-k behave like a real model
         eos_token_id=None,
         bos_token_id=None,

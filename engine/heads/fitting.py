@@ -107,7 +107,7 @@ class TrainingPhase:
         path = self.work / "vocab.pt"
         if path.exists():
             return load_tensor_file(path, "the draft vocabulary", lambda v: isinstance(v, torch.Tensor) and v.dim() == 1)
-        vocab = int(self.target.get_output_embeddings().weight.shape[0])
+        vocab = int(self.target.get_output_embeddings().out_features)
         size = min(self.plan.draft_vocab, vocab)
         counts = torch.zeros(vocab, dtype=torch.float64)
         for s in seqs:
@@ -271,7 +271,8 @@ class TrainingPhase:
         head.eval()
         hits = [0] * cfg.depth
         counts = [0] * cfg.depth
-        lm_head = self.target.get_output_embeddings().weight
+        out = self.target.get_output_embeddings()
+        lm_head = out.weight if type(out) is torch.nn.Linear else out  # an 8-bit head is called as it is
         autocast = torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda" else contextlib.nullcontext()
         for group in batches(seqs, max(cfg.batch_tokens // 2, cfg.max_len), cfg.max_len, torch.Generator().manual_seed(0)):
             ids, lengths, prompt_lens = collate([seqs[i] for i in group], cfg.max_len, self.device)

@@ -75,15 +75,12 @@ class DraftHead(nn.Module):
         dtype: the rows' dtype when the output head is still in its file's (load_pair leaves linear
         weights mapped, uncast, for the packer).
         """
-        head = target.get_output_embeddings()
-        weight = getattr(head, "weight", None)
-        if weight is None:
-            raise ValueError("the target's output head has no plain weight (packed already?): bind the head first")
         with torch.no_grad(), torch.inference_mode(False):
-            rows = self.d2t.to(weight.device)
-            self.lm_rows = weight.detach().index_select(0, rows).to(dtype or weight.dtype).contiguous()
-            bias = getattr(head, "bias", None)
-            self.lm_bias = None if bias is None else bias.detach().index_select(0, rows).to(dtype or bias.dtype).contiguous()
+            # an 8-bit target head (fastquant) gives its rows dequantized: the draft sees the logits the target will
+            out = target.get_output_embeddings()
+            if dtype is None and isinstance(out, fastquant.QuantLinear):
+                dtype = target.get_input_embeddings().weight.dtype
+            self.lm_rows, self.lm_bias = fastquant.head_rows(out, self.d2t, dtype)
         return self.bind_inputs(target)
 
     def bind_inputs(self, target: nn.Module) -> DraftHead:

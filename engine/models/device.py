@@ -100,5 +100,6 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def output_device(model: torch.nn.Module) -> torch.device:
     """Where a model's logits come out: its output head's device (the last GPU of a split model)."""
-    weight = getattr(model.get_output_embeddings(), "weight", None)  # a packed CPU head has none
+    head = model.get_output_embeddings()
+    weight = getattr(head, "weight", getattr(head, "qweight", None))  # a packed CPU head has none
     return weight.device if isinstance(weight, torch.Tensor) else next(model.parameters()).device

@@ -165,10 +165,21 @@ class QuantLinear(nn.Module):
         self.register_buffer("bias", bias)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, kind: str) -> QuantLinear:
+    def from_linear(cls, linear: nn.Linear, kind: str, device: torch.device | None = None,
+                    block: int = 8192) -> QuantLinear:
+        """Quantizes `linear` where its weight is, or on `device` `block` rows at a time (per-row scales make
+        the blocks exact), so neither the float weight nor its float32 copies sit whole there."""
+        weight = linear.weight.detach()
         with torch.no_grad():
-            q, scale = quantize(linear.weight, kind)
-            bias = None if linear.bias is None else linear.bias.detach().clone()
+            if device is None:
+                q, scale = quantize(weight, kind)
+            else:
+                n = weight.shape[0]
+                q = torch.empty(weight.shape, dtype=storage_dtype(kind), device=device)
+                scale = torch.empty(n, dtype=torch.float32, device=device)
+                for i in range(0, n, block):
+                    q[i:i + block], scale[i:i + block] = quantize(weight[i:i + block].to(device), kind)
+            bias = None if linear.bias is None else linear.bias.detach().clone().to(q.device)
         return cls(q, scale, bias, kind)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
@@ -227,16 +238,19 @@ def _bias_dtype(modules: list[QuantLinear]) -> torch.dtype:
 
 # --------------------------------------------------------------------------- models
 
-def quantize_model(model: nn.Module, kind: str, device: torch.device | None = None) -> int:
+def quantize_model(model: nn.Module, kind: str, device: torch.device | None = None, head: bool | None = None) -> int:
     """Replaces every nn.Linear inside the decoder layers by a QuantLinear, layer by layer; returns how many.
 
-    The embedding and the output head stay in the float dtype (as the memory plan counts them):
-    the head is the most sensitive matrix and, tied, it is also the embedding.
+    The embedding stays in the float dtype. An untied output head is quantized too where it will sit on
+    a GPU (`head` None) or when `head` says so: at batch 1 it is the largest matrix a forward reads
+    (1.56 GB of a 14B target's bf16 weights), and the kernel streams it at half the bytes; llama.cpp and
+    gpt-fast quantize it as well. A tied head stays float: it is also the embedding.
     Each float weight is released as soon as its replacement exists. With `device` (a model loaded
     in host memory), each decoder layer moves there in float, is quantized there, and only then
-    does the next one move; the rest of the model follows at the end — so the device never holds
-    more than the 8-bit model and one float layer (loading the float model there first would need
-    the float model's memory: 28 GB for a 14B target the plan gives 15).
+    does the next one move; the output head is quantized there a block of rows at a time; the rest of
+    the model follows at the end — so the device never holds more than the 8-bit model and one float
+    layer (loading the float model there first would need the float model's memory: 28 GB for a 14B
+    target the plan gives 15).
     """
     count = 0
     for layer in model.model.layers:
@@ -250,10 +264,43 @@ def quantize_model(model: nn.Module, kind: str, device: torch.device | None = No
             setattr(parent, child, QuantLinear.from_linear(module, kind))
             del module
             count += 1
+    out = model.get_output_embeddings()
+    if head is None:
+        head = (device if device is not None else getattr(out, "weight", torch.empty(0)).device).type == "cuda"
+    if head and untied_head(model):
+        model.set_output_embeddings(QuantLinear.from_linear(out, kind, device=device))
+        del out
+        count += 1
     if device is not None:
-        model.to(device)  # the embedding, norms, output head and RoPE buffers
+        model.to(device)  # the embedding, norms, a tied output head and RoPE buffers
     log.info("quantized %d linear layers to %s", count, kind)
     return count
+
+
+def untied_head(model: nn.Module) -> bool:
+    """Whether the output head is a plain float nn.Linear of its own (not the embedding's weight)."""
+    out, embed = model.get_output_embeddings(), model.get_input_embeddings()
+    return (type(out) is nn.Linear and out.weight.is_floating_point()
+            and out.weight is not getattr(embed, "weight", None)
+            and not getattr(model.config, "tie_word_embeddings", False))
+
+
+def head_rows(module: nn.Module, rows: torch.Tensor, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(weight rows [len(rows), K], bias rows or None) of an output head, float or 8-bit, in `dtype`
+    (default: the float weight's own, or bfloat16's for an 8-bit one): what a draft head gathers."""
+    bias = getattr(module, "bias", None)
+    if isinstance(module, QuantLinear):
+        rows = rows.to(module.qweight.device)
+        weight = dequantize(module.qweight.index_select(0, rows), module.scale.index_select(0, rows),
+                            dtype or torch.bfloat16)
+    else:
+        weight = getattr(module, "weight", None)
+        if weight is None:
+            raise ValueError("the target's output head has no plain weight (packed already?): bind the head first")
+        rows = rows.to(weight.device)
+        weight = weight.detach().index_select(0, rows).to(dtype or weight.dtype)
+    bias = None if bias is None else bias.detach().index_select(0, rows).to(dtype or bias.dtype)
+    return weight.contiguous(), None if bias is None else bias.contiguous()
 
 
 def model_kind(model: nn.Module) -> str | None:

@@ -126,10 +126,16 @@ def layer_weight_bytes(spec: ModelSpec, device_type: str = "cuda") -> list[int]:
     return out
 
 
-def outside_weight_bytes(spec: ModelSpec) -> tuple[int, int]:
-    """(embedding + what precedes the layers, output head + final norm): never quantized."""
+def outside_weight_bytes(spec: ModelSpec, device_type: str = "cuda") -> tuple[int, int]:
+    """(embedding + what precedes the layers, output head + final norm) bytes.
+
+    The embedding stays float. An untied head is 8-bit on a GPU in int8-wo / fp8 (one byte per weight and
+    a float32 scale per row: fastquant.quantize_model), float otherwise.
+    """
     b = _float_bytes(spec)
     c = spec.census
+    if c.head_params and is_fast(spec.precision) and not c.prequantized and device_type == "cuda":
+        return c.embed_params * b, c.head_params + 4 * c.vocab + c.other_params * b
     return c.embed_params * b, (c.head_params + c.other_params) * b
 
 
@@ -279,7 +285,7 @@ def build_plan(inputs: PlanInputs, capacities: list[int | None], capacity_source
     t_pos = cache_positions(t.census, inputs.context, t_kind)
     t_layers = layer_weight_bytes(t, inputs.device_type)
     t_kv = kv_layer_bytes(t, t_pos)
-    t_embed, t_head = outside_weight_bytes(t)
+    t_embed, t_head = outside_weight_bytes(t, inputs.device_type)
     tied = t.census.head_params == 0
 
     # The draft (weights, cache, graphs) goes where the target's logits come out.
@@ -288,7 +294,7 @@ def build_plan(inputs: PlanInputs, capacities: list[int | None], capacity_source
     if d is not None:
         d_kind = runner_kind(d, inputs.device_type, inputs.fast_path)
         d_pos = cache_positions(d.census, inputs.context, d_kind)
-        d_embed, d_head = outside_weight_bytes(d)
+        d_embed, d_head = outside_weight_bytes(d, inputs.device_type)
         d_weights = sum(layer_weight_bytes(d, inputs.device_type)) + d_embed + d_head
         draft_items.append(PlanItem("weights", "draft", f"draft weights ({_label(d)})", d_weights))
         draft_items.append(PlanItem("kv", "draft", f"draft KV cache ({d_pos:,} positions)",

@@ -32,6 +32,7 @@ from torch import nn
 from engine.errors import EngineError
 from engine.models import fastquant
 from engine.models.fastquant import rms_norm as _rms_norm
+from engine.models.fastquant_kernel import MAX_ROWS as MAX_8BIT_ROWS
 from engine.runners import rope_kernel
 from engine.runners.cpu import PackedLinear
 from engine.runners.tree import Tree
@@ -250,7 +251,8 @@ class LeanDecoder:
         n_kv = getattr(config, "num_key_value_heads", None) or n_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // n_heads
         lm_head = model.get_output_embeddings()
-        packed_head = isinstance(lm_head, PackedLinear)  # the CPU fast path's oneDNN head: called as it is
+        # called as it is: the CPU fast path's oneDNN head, or an 8-bit head (fastquant.quantize_model)
+        packed_head = isinstance(lm_head, (PackedLinear, fastquant.QuantLinear))
         if not _is_plain(lm_head) and not packed_head:
             raise UnsupportedModelError(
                 f"The fast path needs a plain output head, not {type(lm_head).__name__}; using the eager path.")
@@ -278,6 +280,9 @@ class LeanDecoder:
         with torch.no_grad(), torch.inference_mode(False):
             self.embed = weight.detach()  # [V_in, hidden]
             self.lm_module = lm_head if packed_head else None
+            # an 8-bit head takes at most the kernel's rows a call: wider verifies run in passes, never
+            # dequantizing the whole head (1.5 GB for a 14B target) for cuBLAS
+            self.lm_rows_per_call = MAX_8BIT_ROWS if isinstance(lm_head, fastquant.QuantLinear) else 0
             self.lm_head = None if packed_head else lm_head.weight.detach()  # [V, hidden]; the same storage when tied
             self.lm_bias = None if packed_head or lm_head.bias is None else lm_head.bias.detach()
             self.norm = base.norm.weight.detach()
@@ -437,7 +442,13 @@ class LeanDecoder:
     def logits_of(self, x: torch.Tensor) -> torch.Tensor:
         """Normed rows [W, hidden] -> float32 logits [W, V] through the output head (a packed one as it is)."""
         if self.lm_module is not None:
-            return self.lm_module(x).float()
+            step = self.lm_rows_per_call
+            if not step or x.shape[0] <= step:
+                return self.lm_module(x).float()
+            out = x.new_empty(x.shape[0], self.config.vocab_size, dtype=torch.float32)
+            for i in range(0, x.shape[0], step):
+                out[i:i + step] = self.lm_module(x[i:i + step])
+            return out
         return F.linear(x, self.lm_head, self.lm_bias).float()
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
