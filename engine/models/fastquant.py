@@ -268,7 +268,8 @@ def quantize_model(model: nn.Module, kind: str, device: torch.device | None = No
     if head is None:
         head = (device if device is not None else getattr(out, "weight", torch.empty(0)).device).type == "cuda"
     if head and untied_head(model):
-        model.set_output_embeddings(QuantLinear.from_linear(out, kind, device=device))
+        # in blocks of rows even where it already is: its float32 copies whole would be 6 GB for a 14B target
+        model.set_output_embeddings(QuantLinear.from_linear(out, kind, device=device or out.weight.device))
         del out
         count += 1
     if device is not None:

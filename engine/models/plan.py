@@ -383,8 +383,8 @@ def _label(spec: ModelSpec) -> str:
 # --------------------------------------------------------------------------- suggestions
 
 # What each change costs a person, roughly: quality first (the target's precision), then speed.
-_COST_TARGET = {"int8": 2.0, "nf4": 3.0}
-_COST_DRAFT = {"int8": 1.0, "nf4": 1.5}
+_COST_TARGET = {"int8": 2.0, "int8-wo": 2.0, "nf4": 3.0}
+_COST_DRAFT = {"int8": 1.0, "int8-wo": 1.0, "nf4": 1.5}
 _COST_HALVING = 1.0  # per halving of the context
 _COST_OTHER_DRAFT = 2.0
 _COST_NO_DRAFT = 6.0
@@ -399,11 +399,15 @@ class DraftOption:
     name: str  # display name
 
 
-def _stronger(precision: str) -> list[str]:
-    order = ["float32", "float16", "bfloat16", "int8", "nf4"]
+def _stronger(precision: str, device_type: str) -> list[str]:
+    """The precisions below `precision` a suggestion may try. On a GPU the 8-bit step is int8-wo: the same
+    bytes as bitsandbytes' LLM.int8, but it decodes faster than bf16 where LLM.int8 decodes 30x slower
+    (docs/quantization.md); elsewhere it is bitsandbytes' int8."""
+    eight = "int8-wo" if device_type == "cuda" else "int8"
+    order = ["float32", "float16", "bfloat16", eight, "nf4"]
     if precision not in order:
         return []
-    return [p for p in ("int8", "nf4") if order.index(p) > order.index(precision)]
+    return [p for p in (eight, "nf4") if order.index(p) > order.index(precision)]
 
 
 def suggest(inputs: PlanInputs, capacities: list[int | None], capacity_source: str,
@@ -415,7 +419,7 @@ def suggest(inputs: PlanInputs, capacities: list[int | None], capacity_source: s
     contexts = [inputs.context]
     while contexts[-1] // 2 >= MIN_CONTEXT:
         contexts.append(contexts[-1] // 2)
-    t_options = [t.precision] + ([] if t.census.prequantized else _stronger(t.precision))
+    t_options = [t.precision] + ([] if t.census.prequantized else _stronger(t.precision, inputs.device_type))
     drafts: list[tuple[DraftOption | None, float]] = [(None, 0.0)]  # None: keep the current draft
     drafts += [(o, _COST_NO_DRAFT if o.spec is None else _COST_OTHER_DRAFT) for o in draft_options]
     best: tuple[float, int, PlanChange] | None = None
@@ -424,7 +428,7 @@ def suggest(inputs: PlanInputs, capacities: list[int | None], capacity_source: s
     ):
         new_draft = d if draft_choice is None else draft_choice.spec
         d_options = [None] if new_draft is None else [new_draft.precision] + (
-            [] if new_draft.census.prequantized else _stronger(new_draft.precision))
+            [] if new_draft.census.prequantized else _stronger(new_draft.precision, inputs.device_type))
         for d_prec in d_options:
             cost = _COST_TARGET.get(t_prec, 0.0) * (t_prec != t.precision) + draft_cost + _COST_HALVING * halvings
             if d_prec is not None and new_draft is not None and d_prec != new_draft.precision:

@@ -294,7 +294,8 @@ def preset_table(device: str = "cuda", memory: int | None = None, context: int |
             else:
                 cells.append(f"{_short_change(plan, plan.suggestion)} ({plan.suggestion.needed / GiB:.1f})")
         rows.append(f"{p.name:<16}{p.title[:55]:<56}" + "".join(f"{c:>30}" for c in cells))
-    rows.append("Changes: 'target nf4' = quantize the target to nf4 (bitsandbytes); 'ctx N' = a shorter context.")
+    rows.append("Changes: 'target int8-wo' = quantize the target to 8 bits (this project's kernel, faster than bf16); "
+                "'target nf4' = to nf4 (bitsandbytes); 'ctx N' = a shorter context.")
     return "\n".join(rows)
 
 
