@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -206,6 +207,9 @@ def test_the_cheapest_change_quantizes_the_14b_target_to_fast_int8_on_a_24_gib_c
     assert change.description == "Quantize the target to int8-wo" and change.needed <= 24 * GiB
     cpu = suggest(PlanInputs(t, d, "cpu", 8192), [20 * GiB], "given", (DraftOption(None, "no draft"),))
     assert cpu is not None and cpu.target_precision in ("int8", "nf4")
+    for eight_bit in ("int8", "int8-wo", "fp8"):  # from any 8-bit precision the next step is nf4
+        tight = PlanInputs(replace(t, precision=eight_bit), d, "cuda", 8192)
+        assert suggest(tight, [16 * GiB], "given", ()).target_precision == "nf4", eight_bit
 
 
 def test_suggestions_reach_for_nf4_shorter_contexts_and_other_drafts():
@@ -224,7 +228,6 @@ def test_format_plan_says_it_does_not_fit_and_what_to_do():
     t, d = _pair("qwen2.5-32b")
     inputs = PlanInputs(t, d, "cuda", 8192)
     plan = build_plan(inputs, [24 * GiB], "given")
-    from dataclasses import replace
 
     plan = replace(plan, suggestion=suggest(inputs, [24 * GiB], "given"))
     text = format_plan(plan)
@@ -292,7 +295,6 @@ def test_an_attached_head_is_counted_by_hand_where_the_logits_come_out():
     assert items["tree CUDA graphs of the target (outputs and pool)"] == sum(trees) * 320 * 4 + layer + logits + kept
     without = build_plan(PlanInputs(spec, spec, "cuda", 512), [GiB], "given")
     assert plan.devices[0].total > without.devices[0].total
-    from dataclasses import replace
 
     eight_bit = build_plan(PlanInputs(spec, spec, "cuda", 512, head=replace(head, precision="int8-wo")), [GiB], "given")
     assert next(i.bytes for i in eight_bit.devices[0].items if i.model == "head") == items[

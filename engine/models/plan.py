@@ -404,10 +404,10 @@ def _stronger(precision: str, device_type: str) -> list[str]:
     bytes as bitsandbytes' LLM.int8, but it decodes faster than bf16 where LLM.int8 decodes 30x slower
     (docs/quantization.md); elsewhere it is bitsandbytes' int8."""
     eight = "int8-wo" if device_type == "cuda" else "int8"
-    order = ["float32", "float16", "bfloat16", eight, "nf4"]
-    if precision not in order:
+    bits = {"float32": 32, "float16": 16, "bfloat16": 16, "int8-wo": 8, "fp8": 8, "int8": 8, "nf4": 4}
+    if precision not in bits:
         return []
-    return [p for p in (eight, "nf4") if order.index(p) > order.index(precision)]
+    return [p for p in (eight, "nf4") if bits[p] < bits[precision]]
 
 
 def suggest(inputs: PlanInputs, capacities: list[int | None], capacity_source: str,
