@@ -12,7 +12,9 @@ scales on the FP8 tensor cores) on the random targets.
     .venv/bin/python bench/fast_8bit_speed.py --target path/to/target --draft path/to/draft    # ~8 min, one H200
     .venv/bin/python bench/fast_8bit_speed.py --device cpu --tiny                               # smoke run, tiny shapes
 
-Writes bench/results/h200_fastquant.json after every row.
+Writes --json (default bench/results/h200_fastquant.json) after every row. --float-head keeps the random
+targets' output head in bf16 (fastquant.quantize_model quantizes an untied one on a GPU): what the 8-bit
+head buys.
 """
 from __future__ import annotations
 
@@ -74,7 +76,7 @@ def part_random(args, results: qc.Results, texts: list[str]) -> None:
                                device=args.device, target_precision=precision, context=args.random_context)
             target = qc.random_qwen2(config, "bfloat16", args.device, seed=1)
             if precision != "bfloat16":
-                fq.quantize_model(target, precision)
+                fq.quantize_model(target, precision, head=False if args.float_head else None)
             qc.free_memory()
             draft = AutoModelForCausalLM.from_pretrained(args.draft, dtype=torch.bfloat16,
                                                          device_map={"": args.device}).eval()
@@ -192,6 +194,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--context", type=int, default=4096, help="the pair's context")
     p.add_argument("--random-context", type=int, default=2048, help="the random targets' context (fewer graphs)")
     p.add_argument("--budget-s", type=float, default=500, help="no new row starts after this many seconds")
+    p.add_argument("--json", default="", help="where the record goes (default: bench/results/h200_fastquant.json)")
+    p.add_argument("--float-head", action="store_true",
+                   help="keep the random targets' output head in bf16 (what quantizing it buys)")
     p.add_argument("--tiny", action="store_true", help="tiny random pair and tiny 'big' targets (a smoke run)")
     p.add_argument("--same-process", action="store_true",
                    help="run the pair rows one after another in this process (default: a fresh process each)")
@@ -223,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
         args.head = "none"
     # a fresh row's process keeps its record beside --row-out, not in the parent's file
     results = qc.Results(Path(args.row_out).with_suffix(".partial.json") if args.row_out else
-                         Path(__file__).resolve().parent / "results" / "h200_fastquant.json")
+                         Path(args.json) if args.json else Path(__file__).resolve().parent / "results" / "h200_fastquant.json")
     env = {"torch": torch.__version__, "cuda": torch.version.cuda, "triton_kernel": fq.kernel.AVAILABLE,
            "args": vars(args)}
     if torch.cuda.is_available() and args.device != "cpu":

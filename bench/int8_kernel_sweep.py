@@ -277,7 +277,7 @@ def write_tuned(record: dict) -> None:
     print(f"{len(best)} tiles for {record['gpu']} -> {kernel.TUNED_FILE}", flush=True)
 
 
-def profile(shape: str, precisions: list[str], out: dict) -> None:
+def profile(shape: str, precisions: list[str], out: dict, float_head: bool = False) -> None:
     """Where one width-1 forward of a random `shape`-shaped target spends its GPU time, by kernel (eager)."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import gpu_probes as qc
@@ -290,7 +290,7 @@ def profile(shape: str, precisions: list[str], out: dict) -> None:
     for precision in precisions:
         model = qc.random_qwen2(config, "bfloat16", "cuda", seed=1)
         if precision != "bfloat16":
-            fq.quantize_model(model, precision)
+            fq.quantize_model(model, precision, head=False if float_head else None)
         # the graphs with the one-launch RoPE + cache write (engine/runners/rope_kernel.py) and with torch's
         # ops, alternated twice; each figure is the lower of its two
         both: dict[str, list[dict]] = {"fused": [], "torch": []}
@@ -346,6 +346,7 @@ def main() -> int:
     p.add_argument("--precisions", type=lambda s: s.split(","), default=["int8-wo", "fp8"])
     p.add_argument("--budget-s", type=float, default=360.0)
     p.add_argument("--profile", default="", help="also profile one forward of a random 14B/32B-shaped target")
+    p.add_argument("--float-head", action="store_true", help="--profile: keep the output head in bf16")
     p.add_argument("--widens", action="store_true",
                    help="only compare the ways to widen fp8 tiles (with --tuned: write the fastest)")
     p.add_argument("--prologues", action="store_true",
@@ -383,7 +384,7 @@ def main() -> int:
     if args.profile:
         record["profile"] = {}
         try:
-            profile(args.profile, ["bfloat16", "int8-wo"], record["profile"])
+            profile(args.profile, ["bfloat16", "int8-wo"], record["profile"], args.float_head)
         except Exception as e:  # noqa: BLE001 - the sweep's figures still come back
             record["profile"]["error"] = f"{type(e).__name__}: {e}"
             print("profile failed:", e, flush=True)
