@@ -203,6 +203,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--row-out", help=argparse.SUPPRESS)  # a fresh row's process: where its record goes
     p.add_argument("--reference", help=argparse.SUPPRESS)  # ... and the bf16 target's outputs it compares with
     args = p.parse_args(argv)
+    if args.json and Path(args.json).is_dir():
+        p.error(f"--json {args.json} is a folder: name the file the record goes to")  # before minutes of runs
     for name in ("shapes", "precisions", "fp8_act", "pairs"):
         setattr(args, name, [x.strip() for x in getattr(args, name).split(",") if x.strip()])
     assert set(args.fp8_act) <= set(fq.FP8_MODES), f"--fp8-act takes {fq.FP8_MODES}"
