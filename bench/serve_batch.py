@@ -110,7 +110,10 @@ def main() -> int:
                                          "device": info.device, "dtype": info.dtype, "runtime": info.runtime,
                                          "threads": info.threads, "environment": environment(engine), "k": cli.k,
                                          "temperature": cli.temperature, "top_k": cli.top_k, "top_p": cli.top_p,
-                                         "proposer": cli.proposer, "max_new_tokens": args.max_new_tokens},
+                                         "proposer": cli.proposer, "max_new_tokens": args.max_new_tokens,
+                                         "batched_graphs": {role: len(d.all_rows.graphs) for role, d in
+                                                            (("target", batch.target), ("draft", batch.draft))
+                                                            if getattr(d, "all_rows", None) is not None}},
                                         indent=2) + "\n", encoding="utf-8")
     return 0
 

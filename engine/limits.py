@@ -40,6 +40,11 @@ def tree_widths(nodes: int = TREE_NODES, frontier: int = TREE_FRONTIER) -> tuple
     """The target's forward widths (nodes + the pending token) of a dynamic tree over every depth."""
     return tuple(sorted({1 + tree_nodes(nodes, frontier, d) for d in range(1, TREE_K_MAX + 1)}))
 
+# Widths the batched forward's CUDA graphs are captured at (engine/runners/batched_graphs.py): every row of a
+# batch is right-padded to the nearest, up to a verify of K_MAX drafts; the GPU's matmuls cost about the same
+# for a few more rows, and each width is one graph per attention span.
+BATCH_WIDTHS = (1, 2, 3, 4, 6, 8, 10, K_MAX + 1)
+
 # Draft length when a person has not chosen one.
 DEFAULT_K = 5
 

@@ -52,18 +52,49 @@ REQUESTS = [
 ]
 
 
-@pytest.mark.parametrize("vectorised", [False, True])  # per-part attention (CPU), parts padded into one call (GPU)
-def test_a_mixed_batch_gives_every_sequence_its_single_sequence_answer(engine, vectorised):
+def route(decoder: BatchedDecoder, how: str, keep: tuple[int, ...] = ()) -> None:
+    """Sets a batched decoder's route: each part alone (the CPU's), the parts padded into one call, or every row
+    in one static forward (the GPU's, whose CUDA graphs replay that forward)."""
+    decoder.vectorised = how == "padded"
+    if how == "all_rows":
+        decoder.use_all_rows(keep)
+
+
+def test_every_row_in_one_static_forward_equals_the_model_per_row(engine):
+    a, b, c = [5, 9, 33, 41, 7, 100, 3], [11, 12, 13], [40, 41, 42, 43]
+    with torch.inference_mode():
+        ref_a, ref_b, ref_c = (engine.target(torch.tensor([x])).logits[0] for x in (a, b, c))
+    decoder = BatchedDecoder(engine.target, 512, 4)
+    decoder.forward([Part(0, tuple(a[:4])), Part(2, tuple(b[:1])), Part(3, tuple(c[:2]))], logits=False)
+    decoder.use_all_rows()
+    got_a, got_b = decoder.forward([Part(0, tuple(a[4:])), Part(2, tuple(b[1:]))])  # row 3 sits this one out
+    assert decoder.all_rows.forwards == 1
+    torch.testing.assert_close(got_a, ref_a[4:], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got_b, ref_b[1:], atol=1e-4, rtol=1e-4)
+    assert decoder.lengths == [7, 0, 3, 2], "a row that took no part keeps its length; its padding lies past it"
+    (got_c,) = decoder.forward([Part(3, tuple(c[2:]), outputs=1)])
+    torch.testing.assert_close(got_c, ref_c[-1:], atol=1e-4, rtol=1e-4)
+    decoder.rollback(0, 5)  # stale slots past a rollback (and padding) are masked, then overwritten
+    (again,) = decoder.forward([Part(0, tuple(a[5:]))])
+    torch.testing.assert_close(again, ref_a[5:], atol=1e-4, rtol=1e-4)
+    assert torch.isfinite(decoder.kv).all(), "no row is ever masked whole (that would leave NaN keys behind)"
+    assert decoder.forward([Part(1, tuple(range(1, 20)))]) and decoder.all_rows.forwards == 4 - 1, \
+        "wider than the widest captured width: the per-part forward"
+
+
+@pytest.mark.parametrize("how", ["parts", "padded", "all_rows"])  # parts: the CPU's route; all_rows: the GPU's
+def test_a_mixed_batch_gives_every_sequence_its_single_sequence_answer(engine, how):
     alone = [_alone(engine, r) for r in REQUESTS]
     batch = BatchEngine(engine, 4)
     for decoder in (batch.target, batch.draft):
-        decoder.vectorised = vectorised
+        route(decoder, how)
     seqs = [batch.add(r, engine.encode(r), threading.Event()) for r in REQUESTS]
     widths = []
     while batch.active:
         widths.append(len(batch.active))
         batch.round()
     assert max(widths) == 4, "all four decoded together"
+    assert how != "all_rows" or batch.target.all_rows.forwards and batch.draft.all_rows.forwards
     for seq, (gen, steps) in zip(seqs, alone):
         assert seq.token_ids == gen.token_ids
         assert seq.summary.text == gen.summary.text
@@ -231,3 +262,11 @@ def test_a_mixed_sampled_batch_on_cuda_graph_runners(tiny_pair):
     for seq, request in zip(seqs[len(SAMPLED): -1], REQUESTS):
         assert seq.token_ids == _alone(fast, request)[0].token_ids
     assert seqs[-1].summary.text and isinstance(seqs[-1].controller, AdaptiveK)
+    # Every row went through the batched forward's own CUDA graphs (runners/batched_graphs.py).
+    batch = BatchEngine(fast, 4)
+    assert batch.target.all_rows.graphs and batch.draft.all_rows.graphs, "captured per (width, span)"
+    seqs = [batch.add(r, fast.encode(r), threading.Event()) for r in REQUESTS]
+    while batch.active:
+        batch.round()
+    assert batch.target.all_rows.forwards and batch.draft.all_rows.forwards
+    assert [s.token_ids for s in seqs] == [_alone(fast, r)[0].token_ids for r in REQUESTS]

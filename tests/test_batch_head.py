@@ -12,6 +12,7 @@ from engine.limits import K_AUTO
 from engine.runners.batched import BatchedDecoder, Part
 from engine.types import GenerationRequest, Sampling
 from tests.head_fixtures import head_engine
+from tests.test_batch import route
 from tests.test_head_decoding import _messages
 
 
@@ -50,10 +51,10 @@ REQUESTS = [
 ]
 
 
-@pytest.mark.parametrize("vectorised", [False, True])  # per-part attention (CPU), parts padded into one call (GPU)
-def test_head_sequences_answer_in_a_batch_what_they_answer_alone(engine, vectorised):
+@pytest.mark.parametrize("how", ["parts", "padded", "all_rows"])  # parts: the CPU's route; all_rows: the GPU's
+def test_head_sequences_answer_in_a_batch_what_they_answer_alone(engine, how):
     batch = BatchEngine(engine, 4)
-    batch.target.vectorised = vectorised  # the head reads the kept rows of either route
+    route(batch.target, how, batch.heads.layers)  # the head reads the kept rows of every route
     assert all(batch.supports(r) for r in REQUESTS)
     greedy = [r for r in REQUESTS if r.sampling.greedy]
     alone = [_alone(engine, r) for r in greedy]

@@ -40,6 +40,20 @@ def test_the_plan_counts_the_cache_rows_the_batch_allocates():
     assert on_gpu == {"target": 3 * kv_layer_bytes(spec, cache_positions(spec.census, 512, "static")) * 2}
 
 
+def test_the_plan_counts_the_batched_graphs_static_buffers():
+    """On a GPU every row goes through one captured forward per width (runners/batched_graphs.py): the plan counts
+    its static ids, logits and kept rows, and the widest forward's own activations in the graphs' pool."""
+    model = build_model(320, seed=0, context=512)
+    spec = ModelSpec(census_from_config(model.config.to_dict(), "tiny"), "float32", "float32")
+    head = HeadSpec("h", 1000, 64, 2, 16, 3, 100, "float32")
+    plan = build_plan(PlanInputs(spec, None, "cuda", 512, head=head, sequences=3), [GiB], "given")
+    graphs = [i for i in plan.devices[0].items if i.label.startswith("target CUDA graphs of 3 rows")]
+    decoder = BatchedDecoder(model, 512, 3)
+    decoder.use_all_rows(keep=(1, 2, 3))  # on a CPU the buffers, no graphs
+    static = decoder.all_rows.buffer_bytes()
+    assert len(graphs) == 1 and static < graphs[0].bytes < 4 * static
+
+
 def test_a_split_target_or_a_model_the_batch_cannot_run_adds_nothing():
     model = build_model(320, seed=0, context=512)
     census = census_from_config(model.config.to_dict(), "tiny")

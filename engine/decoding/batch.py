@@ -130,6 +130,12 @@ class BatchEngine:
         # The draft head reads the target's kept layers, which the lean decoder's rows give (not llama.cpp's).
         self.heads = BatchHeads(engine) if engine.head_runner is not None and isinstance(self.target, BatchedDecoder) \
             else None
+        # On a GPU every row goes through one static forward, captured as CUDA graphs where the engine's own
+        # runner captured its graphs (runners/batched_graphs.py); on a CPU each part attends alone.
+        for decoder, runner, keep in ((self.target, engine.target_runner, self.heads.layers if self.heads else ()),
+                                      (self.draft, engine.draft_runner, ())):
+            if isinstance(decoder, BatchedDecoder) and decoder.device.type == "cuda":
+                decoder.use_all_rows(keep, graphs=bool(getattr(runner, "graphs", None)))
         self.active: list[Sequence] = []
         self.costs = RowCosts(RATE)  # what this batch's verifies cost by their rows (as the controller averages)
         self.host_ms = 0.0  # the last round's commits and descriptions, after its verify: part of a round's wall time

@@ -11,7 +11,7 @@ import math
 import re
 from dataclasses import dataclass, replace
 
-from engine.limits import tree_widths
+from engine.limits import BATCH_WIDTHS, tree_widths
 from engine.models.census import ModelCensus
 from engine.models.quant import (CAPTURABLE, FLOAT_BYTES, NF4_BLOCK, NF4_CODE_BYTES, is_fast, is_quantized,
                                  nf4_absmax_bytes_on_cpu)
@@ -225,7 +225,7 @@ def batch_items(inputs: PlanInputs, t_kind: str, d_kind: str | None) -> list[Pla
     head cache per sequence (decoding/batch_head.py). A model the lean forward cannot run is served one
     sequence at a time: nothing.
     """
-    n = inputs.sequences
+    n, h = inputs.sequences, inputs.head
     items = []
     for role, spec, kind in (("target", inputs.target, t_kind), ("draft", inputs.draft, d_kind)):
         if spec is None or spec.census.model_type not in LEAN_TYPES:
@@ -236,7 +236,11 @@ def batch_items(inputs: PlanInputs, t_kind: str, d_kind: str | None) -> list[Pla
         rows = n + (not shared)
         items.append(PlanItem("kv", role, f"{role} KV cache of {n} served sequences ({positions:,} each)",
                               rows * kv_layer_bytes(spec, positions) * len(spec.census.layers)))
-    h = inputs.head
+        if kind == "graphs":  # every row in one forward per width (runners/batched_graphs.py): static logits
+            kept = h.n_features * spec.census.hidden * _float_bytes(spec) if role == "target" and h else 0
+            pool = sum(forward_transient(spec, n * BATCH_WIDTHS[-1], positions))  # the widest forward's own
+            items.append(PlanItem("graphs", role, f"{role} CUDA graphs of {n} rows at once",
+                                  n * sum(BATCH_WIDTHS) * (spec.census.vocab * 4 + kept) + pool))
     if h is not None and inputs.target.census.model_type in LEAN_TYPES:
         b = FLOAT_BYTES.get(inputs.target.compute, 2)
         positions = cache_positions(inputs.target.census, inputs.context, "static")

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.runners.batched_graphs import AllRows
 from engine.runners.lean import LeanDecoder, UnsupportedModelError, _rms_norm, math_attention, rope
 
 SPAN = 256  # forward_rows reads the cache in spans of this many slots (short contexts read little)
@@ -107,6 +108,8 @@ class BatchedDecoder:
         # False: each part attends alone (on a CPU every padded row would cost its share of the matmuls).
         # Both give each sequence its single-sequence greedy answer (tests run both); serving uses False.
         self.vectorised = False
+        # Every row in one static forward, CUDA graphs on a GPU (batched_graphs.py; use_all_rows sets it up).
+        self.all_rows: AllRows | None = None
 
     def reset(self, slot: int) -> None:
         self.lengths[slot] = 0
@@ -125,6 +128,10 @@ class BatchedDecoder:
         kept, side by side, as `kept` (each part's [W_b, len(keep) * hidden], in order: a draft head's rows)."""
         assert parts and all(p.ids for p in parts), "every part feeds at least one token"
         assert len({p.slot for p in parts}) == len(parts), "one part per cache row"
+        if self.all_rows is not None:
+            out = self.all_rows.forward(parts, logits, keep)
+            if out is not None:
+                return out
         if self.vectorised and len(parts) > 1:
             width = max(len(p.ids) for p in parts)
             if all(self.lengths[p.slot] + width <= self.max_length for p in parts):
@@ -183,11 +190,12 @@ class BatchedDecoder:
         return list(out_logits.split(counts))
 
     @torch.no_grad()
-    def forward_rows(self, ids: torch.Tensor, starts: list[int], slots: list[int] | None = None,
+    def forward_rows(self, ids: torch.Tensor, starts: list[int] | torch.Tensor, slots: list[int] | None = None,
                      take: torch.Tensor | None = None, kv_len: int | None = None, every: bool = False,
                      keep: tuple[int, ...] = ()) -> torch.Tensor | None:
         """Every row at once, all of one width: ids [B, W] appended to rows `slots` (default: the first B rows,
-        in order) at positions starts[b] .. starts[b] + W - 1; float32 logits [B, V] of each row's token
+        in order) at positions starts[b] .. starts[b] + W - 1 (a list, or a [B] long tensor on the device, which
+        a CUDA graph reads); float32 logits [B, V] of each row's token
         `take[b]` (default: its last), or with `every` all W tokens' logits [B, W, V].
 
         What `forward` does per part, vectorised: one attention call for all B rows against their own
@@ -202,9 +210,11 @@ class BatchedDecoder:
         stage = lean.stages[0]
         b, w = ids.shape
         kv_len = kv_len or c.cache_len
-        assert max(starts) + w <= min(kv_len, c.cache_len), "a row would overflow its cache"
+        if not isinstance(starts, torch.Tensor):
+            assert max(starts) + w <= min(kv_len, c.cache_len), "a row would overflow its cache"
+            starts = torch.tensor(starts, device=self.device)
         rows = None if slots is None else torch.tensor(slots, device=self.device)
-        pos = torch.tensor(starts, device=self.device)[:, None] + stage.key_pos[:w]  # [B, W]
+        pos = starts[:, None] + stage.key_pos[:w]  # [B, W]
         cos = stage.cos[pos][:, :, None, :]  # [B, W, 1, D]
         sin = stage.sin[pos][:, :, None, :]
         mask = stage.key_pos[:kv_len] <= pos[:, :, None]  # [B, W, L]
@@ -258,6 +268,12 @@ class BatchedDecoder:
             return []
         counts = [w if p.outputs is None else min(p.outputs, w) for p, w in zip(parts, widths)]
         return [out[row, w - k: w] for row, (w, k) in enumerate(zip(widths, counts))]
+
+    def use_all_rows(self, keep: tuple[int, ...] = (), graphs: bool = False) -> int:
+        """Forwards of every row at once from static buffers, keeping `keep`'s layers; with `graphs` (CUDA)
+        captured per (width, span) now. Returns the graphs captured."""
+        self.all_rows = AllRows(self, keep, graphs)
+        return self.all_rows.capture()
 
     def span(self, positions: int) -> int:
         """Cache slots attention reads for rows of up to `positions` tokens: a multiple of SPAN, at most all."""

@@ -1,0 +1,138 @@
+"""Every cache row in one forward of a fixed shape: the batched forward's CUDA graphs.
+
+BatchedDecoder.forward (batched.py) attends part by part: on a GPU that is hundreds of kernel launches a
+forward, each part's attention a few more per layer, where the lone runner replays one graph. Here a forward
+takes all `slots` rows at once, each right-padded to the nearest of BATCH_WIDTHS, through forward_rows (one
+attention call a layer over every row's own cache), its inputs and outputs in static buffers: one CUDA graph
+per (padded width, attention span), captured at load, replays it.
+
+Rows that take no part in a forward (free rows, a sequence that drafts with n-gram while others feed the draft
+model) still run: they write their padding at their own length, past what they hold, where attention masks it
+by position until a later forward overwrites it (rollback's rule), and their outputs are not read. The
+attention span covers every row's positions. A forward
+this cannot take (no logits: a prefill; wider than the widest width; a row too near the end of its cache; other
+layers kept) goes to the per-part forward, the same maths.
+
+On a CPU the same static forward runs eagerly (tests compare it with the per-part one); on a GPU it pays because
+the matmuls cost about the same for a few more rows (the rows are where the weights stream once).
+"""
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.limits import BATCH_WIDTHS
+from engine.runners.graphs import MIN_BUCKET, WARMUP_ITERS, kv_buckets
+
+if TYPE_CHECKING:
+    from engine.runners.batched import BatchedDecoder, Part
+
+log = logging.getLogger(__name__)
+
+
+class AllRows:
+    """BatchedDecoder.forward over every row at once, from static buffers; CUDA graphs where `graphs` is on."""
+
+    def __init__(self, decoder: BatchedDecoder, keep: tuple[int, ...] = (), graphs: bool = False,
+                 widths: tuple[int, ...] = BATCH_WIDTHS) -> None:
+        """keep: the layers every forward keeps (a draft head's); graphs: capture (CUDA only)."""
+        self.d = decoder
+        c = decoder.config
+        self.keep = tuple(keep)
+        self.widths = tuple(w for w in widths if w <= decoder.max_length)
+        self.spans = kv_buckets(c.cache_len, MIN_BUCKET)
+        self.graphs_on = graphs and decoder.device.type == "cuda"
+        slots, dev = decoder.slots, decoder.device
+        self.ids = {w: torch.zeros(slots, w, dtype=torch.long, device=decoder.lean.input_device) for w in self.widths}
+        self.starts = torch.zeros(slots, dtype=torch.long, device=dev)
+        self.out = {w: torch.zeros(slots, w, c.vocab_size, dtype=torch.float32, device=dev) for w in self.widths}
+        self.kept = {w: torch.zeros(slots, w, len(self.keep) * c.hidden, dtype=decoder.lean.dtype, device=dev)
+                     for w in self.widths} if self.keep else {}
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.forwards = 0  # forwards taken here (the rest went part by part): what a bench reports
+
+    def buffer_bytes(self) -> int:
+        """The static inputs and outputs (the graphs' own pool is apart)."""
+        tensors = [*self.ids.values(), self.starts, *self.out.values(), *self.kept.values()]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    # -- one forward -------------------------------------------------------------------------------
+    def _step(self, width: int, span: int) -> None:
+        """The forward a graph holds: static ids and starts in, static logits (and kept rows) out."""
+        logits = self.d.forward_rows(self.ids[width], self.starts, kv_len=span, every=True, keep=self.keep)
+        self.out[width].copy_(logits)
+        if self.keep:
+            self.kept[width].copy_(self.d.kept_rows)
+
+    def forward(self, parts: list[Part], logits: bool, keep: tuple[int, ...]) -> list[torch.Tensor] | None:
+        """What BatchedDecoder.forward returns, or None where this shape cannot take the forward."""
+        if not logits or (keep and keep != self.keep):
+            return None
+        d = self.d
+        widths = [len(p.ids) for p in parts]
+        width = next((w for w in self.widths if w >= max(widths)), None)
+        if width is None:
+            return None
+        lengths = d.lengths
+        if any(n + width > d.config.cache_len for n in lengths):
+            return None  # padding would run past a row's cache: the per-part forward writes what it feeds only
+        # Every row's queries see their own keys (a row masked whole would softmax to NaN and leave NaN keys
+        # behind in its cache, which a -inf bias does not mask).
+        span = next(s for s in self.spans if s >= max(lengths) + width)
+        ids = torch.zeros(d.slots, width, dtype=torch.long)
+        for p in parts:
+            ids[p.slot, : len(p.ids)] = torch.tensor(p.ids)
+        self.ids[width].copy_(ids, non_blocking=True)
+        self.starts.copy_(torch.tensor(lengths), non_blocking=True)
+        graph = self.graphs.get((width, span))
+        if graph is not None:
+            graph.replay()
+        else:
+            self._step(width, span)
+        self.forwards += 1
+        for p, w in zip(parts, widths):
+            lengths[p.slot] += w
+        out = self.out[width]
+        if self.keep:
+            d.kept = [self.kept[width][p.slot, :w] for p, w in zip(parts, widths)]
+        counts = [w if p.outputs is None else min(p.outputs, w) for p, w in zip(parts, widths)]
+        return [out[p.slot, w - k: w] for p, w, k in zip(parts, widths, counts)]
+
+    # -- capture -----------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def capture(self) -> int:
+        """One graph per (width, span); returns how many. A failure leaves the eager static forward (correct,
+        slower) and says so in the log. The rows' lengths are untouched (captures write past them)."""
+        if not self.graphs_on:
+            return 0
+        d = self.d
+        saved = list(d.lengths)
+        self.starts.zero_()
+        stream = torch.cuda.Stream(d.device)
+        pool = torch.cuda.graph_pool_handle()
+        try:
+            for width in self.widths:
+                self.ids[width].zero_()
+                for span in self.spans:
+                    if width > span:
+                        continue
+                    stream.wait_stream(torch.cuda.current_stream(d.device))
+                    with torch.cuda.stream(stream):
+                        for _ in range(WARMUP_ITERS):
+                            self._step(width, span)
+                    torch.cuda.current_stream(d.device).wait_stream(stream)
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool, stream=stream):
+                        self._step(width, span)
+                    graph.replay()
+                    self.graphs[(width, span)] = graph
+            torch.cuda.synchronize(d.device)
+        except Exception as exc:  # graphs are an optimisation: never let them break serving
+            log.warning("batched CUDA graph capture failed, the batch runs its static forward eagerly: %s", exc,
+                        exc_info=True)
+            self.graphs.clear()
+            torch.cuda.synchronize(d.device)
+        d.lengths[:] = saved
+        return len(self.graphs)
