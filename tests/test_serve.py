@@ -321,3 +321,38 @@ def test_a_client_that_gives_up_on_a_whole_answer_cancels_it_too(engine):
                        json={"model": MODEL, "prompt": QUESTION, "max_tokens": 400})
         wait_until(lambda: tickets and tickets[0].summary is not None)
         assert tickets[0].summary.stop_reason == "cancelled" and tickets[0].summary.new_tokens < 400
+
+
+def test_a_lone_request_runs_through_the_loop_and_the_next_ones_join_the_batch(engine):
+    """alone_in_loop (the default beside CUDA graph runners): a request to an idle server takes the single-sequence
+    loop, faster there than a batch of one; requests arriving while it runs are batched beside it."""
+    from engine.serving.scheduler import Scheduler
+
+    prompts = [QUESTION, "class Stack:", "x = [1, 2"]
+    expected = {p: _alone(engine, prompt=p, max_new_tokens=16) for p in prompts}
+    scheduler = Scheduler(engine, max_seqs=4, alone_in_loop=True)
+    batch, added, got = scheduler.batch, [], {}
+    add = batch.add
+    batch.add = lambda request, *a: added.append(request.prompt) or add(request, *a)
+
+    def submit(p: str):
+        request = GenerationRequest(prompt=p, mode="speculative", k=3, max_new_tokens=16, sampling=Sampling())
+        return scheduler.submit(request, lambda kind, payload: got.__setitem__(p, payload) if kind != "step" else None)
+
+    try:
+        submit(prompts[0])
+        wait_until(lambda: prompts[0] in got)
+        assert added == [] and got.pop(prompts[0]).text == expected[prompts[0]]
+        gate = threading.Event()
+        with _Slow(engine, 0.0, gate):
+            submit(prompts[0])
+            wait_until(lambda: scheduler.running == 1)  # the lone one, held at its first forward
+            for p in prompts[1:]:
+                submit(p)
+            gate.set()
+            wait_until(lambda: len(got) == len(prompts))
+    finally:
+        del batch.add
+        scheduler.close()
+    assert added == prompts[1:], "the requests that came while it ran were batched"
+    assert {p: s.text for p, s in got.items()} == expected

@@ -12,9 +12,11 @@ draft model, n-gram lookup or both, are decoded together, up to max_seqs at once
 batches), and so are those drafting from the draft head on torch: one target forward verifies every
 sequence's drafts, each sequence with its own K, sampling and random generator. The rest (engine-side
 stop strings, a model the batched forward cannot take) runs through the single-sequence loop, one at a
-time, a step of it between two batched rounds. A sampled answer from the batch follows the target's law but not the loop's
-exact tokens for the same seed (the random draws come in another order); with a fixed K it is the same
-answer whatever else is in the batch.
+time, a step of it between two batched rounds; so does a request that arrives to an idle server beside
+CUDA graph runners, whose loop decodes one sequence faster than a batch of one (`alone_in_loop`). A
+sampled answer from the batch follows the target's law but not the loop's exact tokens for the same seed
+(the random draws come in another order); with a fixed K it is the same answer whatever else is in the
+batch.
 """
 from __future__ import annotations
 
@@ -68,11 +70,17 @@ class Ticket:
 class Scheduler:
     """Owns the engine; `submit` admits a request or refuses it; `close` stops the worker."""
 
-    def __init__(self, engine: Engine, *, max_seqs: int = 4, queue_size: int = 16, batched: bool = True) -> None:
+    def __init__(self, engine: Engine, *, max_seqs: int = 4, queue_size: int = 16, batched: bool = True,
+                 alone_in_loop: bool | None = None) -> None:
         """max_seqs: sequences decoded together; queue_size: admitted requests beyond them that wait.
         batched: decode the requests the batch takes together (engine/decoding/batch.py, BatchEngine.supports)
         where the engine's models allow it (torch on one device, or llama.cpp); the rest, and every request
-        otherwise, one at a time."""
+        otherwise, one at a time.
+        alone_in_loop: a request that arrives to an idle server runs through the single-sequence loop (the
+        others that come while it runs are batched beside it). None: where the target's runner captured CUDA
+        graphs, whose loop decodes a lone sequence faster than the batch (its one-row forwards, the head's
+        trees: on an H200 0.72x standard and 0.45x the head's speed through the batch alone, docs/serve.md);
+        on a CPU a batch of one is as fast."""
         assert max_seqs >= 1 and queue_size >= 0, "max_seqs >= 1, queue_size >= 0"
         self.engine = engine
         self.batch: BatchEngine | None = None
@@ -81,6 +89,9 @@ class Scheduler:
                 self.batch = BatchEngine(engine, max_seqs)
             except UnsupportedModelError as e:
                 log.warning("requests are decoded one at a time: %s", e)
+        if alone_in_loop is None:
+            alone_in_loop = bool(getattr(engine.target_runner, "graphs", None))
+        self.alone_in_loop = alone_in_loop and self.batch is not None
         self.max_seqs = max_seqs
         self.queue_size = queue_size
         self._queue: queue.Queue[Ticket | None] = queue.Queue()
@@ -159,8 +170,11 @@ class Scheduler:
                     item = self._queue.get_nowait()
             except queue.Empty:
                 pass
+            # A lone request to an idle server: the loop (alone_in_loop); several at once go to the batch.
+            alone = (self.alone_in_loop and solo is None and len(backlog) == 1 and self.batch is not None
+                     and not self.batch.active)
             for ticket in list(backlog):
-                if self.batch is not None and self.batch.supports(ticket.request):
+                if self.batch is not None and self.batch.supports(ticket.request) and not alone:
                     if not self.batch.free:
                         continue
                     backlog.remove(ticket)
