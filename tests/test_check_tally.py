@@ -98,11 +98,15 @@ def test_a_tree_walk_that_ends_on_a_childless_branch_counts_as_reached_not_accep
     from engine.measure.check import HEAD_K, _head
     from engine.measure.costmodel import expected_tokens
 
-    rounds_ = [SimpleNamespace(total_tokens=2, new_tokens=2, proposed=(7,), accepted=1, tree_depth=8, extra=None),
-               SimpleNamespace(total_tokens=5, new_tokens=3, proposed=(7, 8, 9), accepted=2, tree_depth=8, extra=None),
-               SimpleNamespace(total_tokens=6, new_tokens=1, proposed=(), accepted=0, tree_depth=0, extra=None)]
+    ms = dict(draft_ms=1.0, verify_ms=3.0, overhead_ms=0.5)
+    rounds_ = [SimpleNamespace(total_tokens=2, new_tokens=2, proposed=(7,), accepted=1, tree_depth=8, extra=None, **ms),
+               SimpleNamespace(total_tokens=5, new_tokens=3, proposed=(7, 8, 9), accepted=2, tree_depth=8, extra=None,
+                               **ms),
+               SimpleNamespace(total_tokens=6, new_tokens=1, proposed=(), accepted=0, tree_depth=0, extra=None,
+                               draft_ms=0.0, verify_ms=2.0, overhead_ms=0.1)]
     tally = Tally.empty(HEAD_K)
     _head(rounds_, torch.zeros(12, 16), list(range(12)), GREEDY, tally)
+    assert tally.summary()["round_ms"] == 4.5, "the drafting rounds' wall time, host work included"
     per_position = tally.greedy[HEAD_K].per_position
     assert per_position == (1.0, 0.5, 0.0)  # the first round's walk ended at its branch's end, after one token
     assert expected_tokens(per_position, HEAD_K) == (2 + 3) / 2  # tokens a drafting round kept, on average

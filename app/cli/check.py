@@ -156,6 +156,9 @@ def format_report(report: CheckReport) -> str:
                      f"{_num(c.speedup, '7.2f') + '×' if c.speedup is not None else '-':>8} "
                      f"{_range(c.speedup_range):>10}")
     lines.append(f"verdict: {report.verdict}")
+    host = next((c.round_overhead_ms for c in report.candidates if c.round_overhead_ms is not None), None)
+    if host is not None:
+        lines.append(f"the head's rounds took {host:.2f} ms each beyond their forwards (host work), priced in")
     phases = ", ".join(f"{name} {s:.0f} s" for name, s in report.phases if s >= 0.5)
     lines.append(f"checked in {report.wall_s:.1f} s after the models loaded{f' ({phases})' if phases else ''}; "
                  "size and cost are over the target's; K: the best draft length, t = a tree; 90% range: the "

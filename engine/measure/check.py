@@ -264,6 +264,9 @@ def _head(steps: list, rows: torch.Tensor, cont: list[int], sampling: Sampling, 
         if step.accepted < len(step.proposed) and step.accepted < HEAD_K and start + step.accepted < len(cont):
             rejected[step.accepted] += 1
             rescued[step.accepted] += step.extra is not None
+        if step.proposed:  # what the round took, host work included (the price at load counts its forwards only)
+            tally.round_ms += step.draft_ms + step.verify_ms + step.overhead_ms
+            tally.rounds_timed += 1
     tally.greedy[HEAD_K] = tally.greedy[HEAD_K] + Rounds(tuple(reached), tuple(accepted), 0.0, 0.0, 0.0)
     tally.sampled[HEAD_K] = tally.sampled[HEAD_K] + Rounds(tuple(reached), tuple(sampled), 0.0, 0.0, 0.0)
     tally.top1_sum += accepted[0]

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 from engine.limits import K_MAX
 from engine.measure.check_math import Rounds, rescue_rates
@@ -54,26 +55,41 @@ def price_head(info: ModelInfo, head_runner, target_params: int, summary: dict, 
     drafts as sibling trees (ModelInfo.tree_ms), also each tree's measured verify with the alternatives'
     extra token (experiment.alternative_tokens, the bench's own count). Where it grows dynamic trees,
     only the tree: the acceptance its walked rounds showed, each K's verify and its own drafting
-    (ModelInfo.tree_draft_ms; chain steps' cost where that was not measured)."""
+    (ModelInfo.tree_draft_ms; chain steps' cost where that was not measured).
+
+    A round costs its forwards, as measured at load, and the host's work around them (reading the outcome
+    back, the commit, a tree's bookkeeping): what the head's own rounds through the loop took beyond the
+    price of their K (summary["round_ms"]) is added to every K's round. On a GPU that work is a share of a
+    forward of a few ms; on a CPU it is lost in forwards of hundreds."""
     sampled = not sampling.greedy
     k_run = max(summary["sampled"])
     greedy, at_t = summary["greedy"][k_run].per_position, summary["sampled"][k_run].per_position
     params = head_runner.head.num_trained()
-    model = CostModel.from_info(info, "head", sampled=sampled)
-    speedups = [model.speedup_from_positions(at_t, k) for k in range(1, K_MAX + 1)] if at_t else []
-    k, tree = _best(speedups), False
-    best = speedups[k - 1] if speedups else None
     trees = tree_costs_at(info, sampled) if info.tree_alternatives or info.tree_nodes else {}
     tree_draft = dict(info.tree_draft_ms) if info.tree_nodes else {}  # a dynamic tree's own drafting
     rescue = rescue_rates(tally.rejected or (), tally.rescued or ())
+
+    def round_ms(model: CostModel, kt: int, verify_ms: float | None) -> float:
+        """A round of kt drafts: a chain's (verify_ms None) or a tree's with its measured verify."""
+        if verify_ms is None:
+            return model.step_ms(kt)
+        if kt in tree_draft:
+            return verify_ms + tree_draft[kt] + model.overhead_ms
+        return replace(model, target_ms={1: model.target_cost(1), kt + 1: verify_ms}).step_ms(kt)
+
+    model = CostModel.from_info(info, "head", sampled=sampled)
+    ran_as_tree = bool(trees)  # the loop drafts trees wherever their costs were measured
+    if summary.get("round_ms") is not None and (k_run in trees or not ran_as_tree):
+        host = summary["round_ms"] - round_ms(model, k_run, trees.get(k_run))
+        model = replace(model, overhead_ms=max(host, 0.0))
+    speedups = [model.speedup_from_positions(at_t, k) for k in range(1, K_MAX + 1)] if at_t else []
+    k, tree = _best(speedups), False
+    best = speedups[k - 1] if speedups else None
     draft_ms = model.draft_ms
 
     def tree_speedup(kt: int, verify_ms: float) -> float:
-        priced = CostModel(model.draft_ms, {1: model.target_cost(1), kt + 1: verify_ms},
-                           draft_fixed_ms=model.draft_fixed_ms)
         extra = alternative_tokens(at_t, rescue, kt) if info.tree_alternatives else 0.0
-        step = verify_ms + tree_draft[kt] if kt in tree_draft else priced.step_ms(kt)
-        return (expected_tokens(at_t, kt) + extra) * priced.standard_ms() / step
+        return (expected_tokens(at_t, kt) + extra) * model.standard_ms() / round_ms(model, kt, verify_ms)
 
     if info.tree_nodes and trees and at_t:
         # The rounds were a dynamic tree's walked paths: their acceptance is the tree's, which a chain of
@@ -92,7 +108,8 @@ def price_head(info: ModelInfo, head_runner, target_params: int, summary: dict, 
         size_ratio=params / target_params if target_params else None, top1=summary["top1"],
         greedy_positions=greedy[:k] if k else greedy, sampled_positions=at_t[:k] if k else at_t,
         cost_ratio=draft_ms / model.target_cost(1) if 1 in model.target_ms and model.target_cost(1) else None,
-        best_k=k, speedup=best, speedups=tuple(speedups), tree=tree, positions_from=positions_from)
+        best_k=k, speedup=best, speedups=tuple(speedups), tree=tree, positions_from=positions_from,
+        round_overhead_ms=model.overhead_ms if summary.get("round_ms") is not None else None)
 
 
 def price_ngram(info: ModelInfo, summary: dict, sampling: Sampling, positions_from: str) -> CandidateCheck:

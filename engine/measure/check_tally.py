@@ -32,6 +32,8 @@ class Tally:
     rows: int = 0
     rejected: list[float] | None = None  # head trees: rejections per position
     rescued: list[float] | None = None  # head trees: rejections where an alternative kept the target's token
+    round_ms: float = 0.0  # the head's rounds through the loop: their wall time (draft, verify, host work) summed
+    rounds_timed: int = 0  # ... over this many rounds
 
     @classmethod
     def empty(cls, k_max: int) -> Tally:
@@ -45,7 +47,8 @@ class Tally:
     def summary(self) -> dict:
         """What the pricing reads (engine/measure/check_price.py)."""
         return {"greedy": self.greedy, "sampled": self.sampled, "kl": self.kl_sum / self.rows if self.rows else None,
-                "top1": self.top1_sum / self.rows if self.rows else None}
+                "top1": self.top1_sum / self.rows if self.rows else None,
+                "round_ms": self.round_ms / self.rounds_timed if self.rounds_timed else None}
 
 
 def _sum(a: list[float] | None, b: list[float] | None) -> list[float] | None:
@@ -66,6 +69,8 @@ def merged(tallies: Sequence[Tally], k_max: int) -> Tally:
         out.top1_sum += t.top1_sum
         out.rows += t.rows
         out.rejected, out.rescued = _sum(out.rejected, t.rejected), _sum(out.rescued, t.rescued)
+        out.round_ms += t.round_ms
+        out.rounds_timed += t.rounds_timed
     return out
 
 

@@ -25,6 +25,7 @@ class CandidateCheck:
     speedup: float | None = None  # predicted tokens/s over standard decoding at best_k (below 1: it will not pay)
     speedups: tuple[float, ...] = ()  # predicted speedup for K = 1, 2, ... at the asked temperature
     tree: bool = False  # best_k is verified as a tree of the head's alternatives (measured tree costs)
+    round_overhead_ms: float | None = None  # per round beyond its priced forwards, measured on the head's own rounds
     # 90% ranges over resamples of the probe prompts (check_tally.spread): how much the prediction depends on the
     # text read; None where there were too few probes
     first_range: tuple[float, float] | None = None  # acceptance at draft position 1, at the asked temperature
