@@ -53,11 +53,18 @@ def main() -> None:
     args = ap.parse_args()
     if args.json is not None and args.json.is_dir():
         sys.exit(f"--json {args.json} is a folder; give a file path.")
+    if not (args.model / "config.json").is_file():
+        sys.exit(f"--model {args.model}: no config.json there; give a Hugging Face model folder.")
+    try:
+        rows, widths = [int(x) for x in args.rows.split(",")], [int(x) for x in args.widths.split(",")]
+    except ValueError:
+        sys.exit(f"--rows {args.rows!r} / --widths {args.widths!r}: comma-separated whole numbers, e.g. 1,2,4,8.")
+    if min(rows + widths) < 1 or args.context < 1 or args.iters < 1:
+        sys.exit("--rows, --widths, --context and --iters take numbers of at least 1.")
     from transformers import AutoModelForCausalLM
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype)).to(device).eval()
-    rows, widths = [int(x) for x in args.rows.split(",")], [int(x) for x in args.widths.split(",")]
     top = min(model.config.vocab_size, 1000)  # prompt ids: any the model has
     max_length = args.context + 64
     lone = StaticGraphRunner(model, max_length=max_length, graph_widths=widths)

@@ -7,7 +7,8 @@ one KV cache and its own length. One forward takes every sequence's new tokens a
 one token, a speculative step's pending token and K drafts, a catch-up's few — flattened into [N] rows: the
 linear layers (where the weights stream) run once over all N rows, attention runs per sequence against its
 own row with the causal mask over its positions. Rollback is moving a row's length back (stale slots are
-masked and overwritten later), as lean.py.
+masked and overwritten later), as lean.py. On a GPU every row goes through one static forward instead,
+replayed from CUDA graphs (batched_graphs.py).
 """
 from __future__ import annotations
 
@@ -106,7 +107,7 @@ class BatchedDecoder:
         # True: several parts go through one forward_rows call, right-padded to the widest (one attention
         # call a layer instead of one per part, where a GPU's matmuls cost the same for a few more rows);
         # False: each part attends alone (on a CPU every padded row would cost its share of the matmuls).
-        # Both give each sequence its single-sequence greedy answer (tests run both); serving uses False.
+        # Both give each sequence its single-sequence greedy answer (tests run both); a CPU serves with False.
         self.vectorised = False
         # Every row in one static forward, CUDA graphs on a GPU (batched_graphs.py; use_all_rows sets it up).
         self.all_rows: AllRows | None = None
