@@ -64,6 +64,7 @@ from engine.errors import GenerationError
 from engine.limits import K_MAX, widest_draft
 from engine.measure.stats import summarize
 from engine.runners.batched import BatchedDecoder, BatchedForward, Part, RowCosts
+from engine.runners.graphs import captured_graphs
 from engine.runners.llamacpp import LlamaCppRunner
 from engine.runners.llamacpp_batch import LlamaCppBatch
 from engine.runners.lean import PREFILL_CHUNK, LeanDecoder, UnsupportedModelError
@@ -135,7 +136,7 @@ class BatchEngine:
         for decoder, runner, keep in ((self.target, engine.target_runner, self.heads.layers if self.heads else ()),
                                       (self.draft, engine.draft_runner, ())):
             if isinstance(decoder, BatchedDecoder) and decoder.device.type == "cuda":
-                decoder.use_all_rows(keep, graphs=bool(getattr(runner, "graphs", None)))
+                decoder.use_all_rows(keep, graphs=captured_graphs(runner))
         self.active: list[Sequence] = []
         self.costs = RowCosts(RATE)  # what this batch's verifies cost by their rows (as the controller averages)
         self.host_ms = 0.0  # the last round's commits and descriptions, after its verify: part of a round's wall time

@@ -104,11 +104,10 @@ class AllRows:
     @torch.inference_mode()
     def capture(self) -> int:
         """One graph per (width, span); returns how many. A failure leaves the eager static forward (correct,
-        slower) and says so in the log. The rows' lengths are untouched (captures write past them)."""
+        slower) and says so in the log. The rows' lengths are untouched (forward_rows never sets them)."""
         if not self.graphs_on:
             return 0
         d = self.d
-        saved = list(d.lengths)
         self.starts.zero_()
         stream = torch.cuda.Stream(d.device)
         pool = torch.cuda.graph_pool_handle()
@@ -134,5 +133,4 @@ class AllRows:
                         exc_info=True)
             self.graphs.clear()
             torch.cuda.synchronize(d.device)
-        d.lengths[:] = saved
         return len(self.graphs)

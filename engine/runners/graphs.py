@@ -47,6 +47,12 @@ def capture_problem(model: nn.Module) -> str | None:
     return None
 
 
+def captured_graphs(runner: object) -> bool:
+    """Whether a runner replays CUDA graphs (a StaticGraphRunner whose capture succeeded): what the batch and
+    the scheduler follow, so serving takes the fast path exactly where the engine's own loop does."""
+    return bool(getattr(runner, "graphs", None))
+
+
 def kv_buckets(cache_len: int, smallest: int) -> tuple[int, ...]:
     """Attention spans (multiples of CACHE_ALIGN) doubling from `smallest` up to the whole cache.
 

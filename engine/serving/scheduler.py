@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Literal
 
 from engine.decoding.batch import BatchEngine
 from engine.errors import EngineError, GenerationError
+from engine.runners.graphs import captured_graphs
 from engine.runners.lean import UnsupportedModelError
 from engine.limits import widest_draft
 from engine.types import GenerationRequest, Step, Summary
@@ -90,7 +91,7 @@ class Scheduler:
             except UnsupportedModelError as e:
                 log.warning("requests are decoded one at a time: %s", e)
         if alone_in_loop is None:
-            alone_in_loop = bool(getattr(engine.target_runner, "graphs", None))
+            alone_in_loop = captured_graphs(engine.target_runner)
         self.alone_in_loop = alone_in_loop and self.batch is not None
         self.max_seqs = max_seqs
         self.queue_size = queue_size
