@@ -1,6 +1,7 @@
 """What does batching buy? Aggregate and per-stream tok/s of the batched step at 1, 2, 4, 8 concurrent streams.
 
-For each concurrency C the prompts run in waves of C sequences decoded together (engine/decoding/batch.py),
+For each concurrency C the prompts run C at a time, decoded together (engine/decoding/batch.py), a new one admitted
+as soon as one ends (as `serve` admits them),
 standard decoding and speculative decoding (--proposer, --k, auto included) in the same run, greedy or
 sampled (--temperature, --top-k, --top-p; prompt i is seeded --seed + i). Every output is checked: greedy
 ones against single-stream standard decoding, sampled ones (fixed K) against the same mode's output at the
@@ -34,20 +35,31 @@ from engine.limits import K_AUTO  # noqa: E402
 from engine.types import GenerationRequest, Message, Sampling  # noqa: E402
 
 
-def run_waves(batch: BatchEngine, engine, requests: list[GenerationRequest], c: int) -> tuple[float, list[list[int]]]:
-    """Seconds for all requests in waves of c, and every sequence's tokens."""
-    outputs: list[list[int]] = []
+def run_streams(batch: BatchEngine, engine, requests: list[GenerationRequest],
+                c: int) -> tuple[float, list[list[int]], list[float]]:
+    """Seconds for all requests with c in flight (a new one is admitted as soon as one ends, as a server does),
+    every sequence's tokens, and each one's own tok/s (its tokens over its time from admission to its end)."""
+    outputs: list[list[int] | None] = [None] * len(requests)
+    speeds: list[float] = [0.0] * len(requests)
+    waiting = list(enumerate(requests))
+    running: dict[int, tuple[int, float]] = {}  # id(seq) -> (request index, admitted at)
+    seqs = {}
     t0 = time.perf_counter()
-    for i in range(0, len(requests), c):
-        seqs = [batch.add(r, engine.encode(r), threading.Event()) for r in requests[i: i + c]]
-        while batch.active:
-            batch.round()
-        outputs += [s.token_ids for s in seqs]
+    while waiting or batch.active:
+        while waiting and len(batch.active) < c:
+            i, r = waiting.pop(0)
+            seq = batch.add(r, engine.encode(r), threading.Event())
+            running[id(seq)], seqs[id(seq)] = (i, time.perf_counter()), seq
+        for seq, _ in batch.round():
+            if seq.summary is not None:
+                i, admitted = running.pop(id(seq))
+                outputs[i] = seq.token_ids
+                speeds[i] = len(seq.token_ids) / (time.perf_counter() - admitted)
     if engine.device.type == "cuda":
         import torch
 
         torch.cuda.synchronize(engine.device)
-    return time.perf_counter() - t0, outputs
+    return time.perf_counter() - t0, [o or [] for o in outputs], speeds
 
 
 def run_alone(engine, requests: list[GenerationRequest]) -> tuple[float, list[list[int]]]:
@@ -89,21 +101,32 @@ def main() -> int:
         # Sampled with K auto, the K chosen depends on timings, and with it the order of the random draws.
         checked = "standard" if greedy else (name if name == "standard" or cli.k != K_AUTO else None)
         assert batch.supports(requests[0]), f"the batched step cannot take {name} with these options"
-        run_waves(batch, engine, requests[:1], 1)  # warm-up
+        run_streams(batch, engine, requests[: max(levels)], max(levels))  # warm-up: every row once
         runs = [(c, True) for c in levels] + ([(1, False)] if args.one_at_a_time else [])
         for c, batched in runs:
-            seconds, outputs = run_waves(batch, engine, requests, c) if batched else run_alone(engine, requests)
+            rounds, spent = batch.rounds, dict(batch.spent_ms)
+            if batched:
+                seconds, outputs, speeds = run_streams(batch, engine, requests, c)
+            else:
+                (seconds, outputs), speeds = run_alone(engine, requests), []
             reference.setdefault(name, outputs)
             tokens = sum(len(o) for o in outputs)
             same = sum(a == b for a, b in zip(outputs, reference[checked])) if checked else None
             rows.append({"mode": name, "streams": c, "batched": batched, "tokens": tokens, "seconds": seconds,
                          "aggregate_tok_s": tokens / seconds, "per_stream_tok_s": tokens / seconds / c,
                          "identical": same, "identical_to": checked, "compared": len(outputs)})
+            if batched:  # each request's own speed, and where the batch's rounds spent their time
+                n = batch.rounds - rounds
+                rows[-1].update(mean_request_tok_s=sum(speeds) / len(speeds), rounds=n,
+                                tokens_per_round=tokens / n,
+                                ms_per_round={k: (v - spent[k]) / n for k, v in batch.spent_ms.items()})
             r = rows[-1]
             check = f"identical to {checked} at the first level {same}/{len(outputs)}" if checked else "not checked"
             how = f"streams={c}" if batched else "one at a time"
+            phases = " ".join(f"{k} {v:.2f}" for k, v in r.get("ms_per_round", {}).items())
+            per_round = f", {r['tokens_per_round']:.2f} tokens a round (ms: {phases})" if batched else ""
             print(f"{name:12s} {how:14s}: {r['aggregate_tok_s']:8.1f} tok/s aggregate, "
-                  f"{r['per_stream_tok_s']:7.1f} per stream, {check}", flush=True)
+                  f"{r['per_stream_tok_s']:7.1f} per stream{per_round}, {check}", flush=True)
     if args.json is not None:
         info = engine.info
         args.json.write_text(json.dumps({"rows": rows, "target": info.target_name, "draft": info.draft_name,

@@ -8,6 +8,8 @@ import pytest
 import torch
 
 from engine.decoding.batch import BatchEngine
+from engine.heads.batched import BatchedHeadRunner
+from engine.heads.runner import HeadRunner
 from engine.limits import K_AUTO
 from engine.runners.batched import BatchedDecoder, Part
 from engine.types import GenerationRequest, Sampling
@@ -39,6 +41,71 @@ def test_the_batched_forward_keeps_the_heads_layers_as_the_lone_runner_does(engi
     assert first.shape == (4, len(layers) * engine.target.config.hidden_size)
     torch.testing.assert_close(first, ref[:4], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(decoder.kept[1], ref[4:], atol=1e-4, rtol=1e-4)
+
+
+def test_the_batched_head_drafts_for_each_row_what_a_lone_head_drafts(engine):
+    _drafts_match_lone_heads(engine.head_runner.head)
+
+
+def _drafts_match_lone_heads(head) -> BatchedHeadRunner:
+    """Rows of different widths, a row that sits out a round and a free row, in one catch-up and chain steps each
+    round: every row drafts exactly the tokens a HeadRunner of its own drafts from the same rows (float32)."""
+    f = head.config.features
+    dev = head.lm_rows.device
+    gen = torch.Generator().manual_seed(0)
+    batched = BatchedHeadRunner(head, slots=4, max_length=256, k_max=5)
+    batched.warmup()  # CUDA graphs on a GPU (nothing elsewhere)
+    lone = {slot: HeadRunner(head, max_length=256, k_max=5) for slot in (0, 1, 3)}  # slot 2 stays free
+    for runner in lone.values():
+        runner.warmup()
+    prompts = {0: 30, 1: 3, 3: 11}  # rows each row reads at admission (a prompt's)
+    for slot, n in prompts.items():
+        feats, ids = torch.randn(n, f, generator=gen).to(dev), torch.randint(0, 200, (n,), generator=gen).to(dev)
+        batched.prefill(slot, feats, ids)
+        lone[slot].catch_up(feats, ids, lone[slot].span(n))
+    for widths, k in (({0: 1, 1: 6, 3: 3}, 5), ({0: 4, 3: 2}, 3), ({0: 2, 1: 1, 3: 6}, 1), ({1: 5}, 6)):
+        rows = {slot: (torch.randn(w, f, generator=gen).to(dev), torch.randint(0, 200, (w,), generator=gen).tolist())
+                for slot, w in widths.items()}
+        batched.catch_up(rows, k - 1)
+        for slot, (feats, ids) in rows.items():
+            runner = lone[slot]
+            span = runner.span(runner.length + len(ids) + k)
+            runner.catch_up(feats, torch.tensor(ids, device=dev), span)
+            for _ in range(k - 1):
+                runner.step(span)
+            assert batched.drafts[slot, :k].tolist() == runner.drafts[:k].tolist(), (widths, slot)
+            torch.testing.assert_close(batched.shown[slot, :k], runner.shown[:k], atol=1e-5, rtol=1e-4)
+            assert batched.lengths[slot] == runner.length
+    assert batched.lengths[2] == 0
+    return batched
+
+
+@pytest.mark.gpu
+def test_the_batched_heads_cuda_graphs_draft_what_lone_heads_draft_and_serve_head_requests(tiny_head):
+    from engine.decoding import Engine
+    from engine.heads.shards import load_head, read_manifest
+    from engine.runners.graphs import StaticGraphRunner
+    from engine.types import ModelInfo
+    from tests.head_fixtures import load_target
+
+    model, tok = load_target(tiny_head.target)
+    model = model.to("cuda")
+    runner = StaticGraphRunner(model, max_length=512, graph_widths=range(1, 14))
+    runner.warmup()
+    info = ModelInfo(target_name="tiny-target", draft_name=None, device="cuda", dtype="float32",
+                     fast_path=runner.name, vocab_size=len(tok))
+    fast = Engine(model, tok, info, target_runner=runner)
+    files = read_manifest(tiny_head.head)
+    fast.attach_head(load_head(files, torch.device("cuda"), torch.float32).bind(model), files.name)
+    assert _drafts_match_lone_heads(fast.head_runner.head).graphs, "captured per (width, span)"
+    batch = BatchEngine(fast, 4)
+    assert batch.heads.runner.graphs and batch.target.all_rows.graphs
+    greedy = [r for r in REQUESTS if r.sampling.greedy]
+    seqs = [batch.add(r, fast.encode(r), threading.Event()) for r in greedy]
+    while batch.active:
+        batch.round()
+    assert [s.token_ids for s in seqs] == [_alone(fast, r)[0].token_ids for r in greedy]
+    assert any(st.proposed for st in seqs[0].steps)
 
 
 REQUESTS = [
@@ -88,6 +155,17 @@ def test_a_sampled_head_sequence_answers_in_a_batch_what_it_answers_beside_other
             batch.round()
     assert seqs[0].token_ids == seqs[1].token_ids
     assert any(s.proposed for s in seqs[0].steps)
+
+
+def test_a_one_token_prompt_drafts_with_the_head_from_its_second_round(engine):
+    request = GenerationRequest(messages=_messages(1), mode="speculative", k=3, proposer="head", max_new_tokens=12)
+    batch = BatchEngine(engine, 2)
+    other = batch.add(REQUESTS[0], engine.encode(REQUESTS[0]), threading.Event())
+    seq = batch.add(request, [7], threading.Event())
+    while batch.active:
+        batch.round()
+    assert not seq.steps[0].proposed and any(s.proposed for s in seq.steps[1:])
+    assert other.summary is not None and len(seq.token_ids) == 12
 
 
 def test_without_a_head_the_batch_refuses_head_requests(engine):

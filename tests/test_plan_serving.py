@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+import torch
 
 from app.cli import main as cli_main
 from engine.models.census import census_from_config
@@ -52,6 +53,24 @@ def test_the_plan_counts_the_batched_graphs_static_buffers():
     decoder.use_all_rows(keep=(1, 2, 3))  # on a CPU the buffers, no graphs
     static = decoder.all_rows.buffer_bytes()
     assert len(graphs) == 1 and static < graphs[0].bytes < 4 * static
+
+
+def test_the_plan_counts_the_batched_heads_cache_rows_and_static_inputs(tiny_head):
+    from engine.heads.batched import BatchedHeadRunner
+    from engine.heads.shards import load_head, read_manifest
+    from engine.limits import K_MAX
+    from engine.models.planner import head_spec
+    from tests.head_fixtures import load_target
+
+    model, _ = load_target(tiny_head.target)
+    files = read_manifest(tiny_head.head)
+    head = load_head(files, torch.device("cpu"), torch.float32).bind(model)
+    spec = ModelSpec(census_from_config(model.config.to_dict(), "tiny"), "float32", "float32")
+    h = head_spec(tiny_head.head, spec.census, "float32")
+    plan = build_plan(PlanInputs(spec, None, "cpu", 512, head=h, sequences=3), [GiB], "given")
+    item = next(i for i in plan.devices[0].items if i.label == "draft head caches of 3 served sequences")
+    runner = BatchedHeadRunner(head, 3, 512, K_MAX)
+    assert runner.buffer_bytes() <= item.bytes < 1.2 * runner.buffer_bytes()
 
 
 def test_a_split_target_or_a_model_the_batch_cannot_run_adds_nothing():

@@ -9,8 +9,9 @@ sampling and its own random generator. One `round()`:
 
 1. Decide: each sequence's controller picks its K and proposer (an adaptive one against the batch's
    costs, below).
-2. Draft: n-gram sequences look up their continuation; draft-head sequences each catch their own head
-   cache up on the rows the last verify kept for them and draft a chain (batch_head.py); draft-model
+2. Draft: n-gram sequences look up their continuation; every draft-head sequence's head cache row
+   reads the rows the last verify kept for it, all in one batched head forward, and those drafting with
+   the head draft their chains together, one head forward per position (batch_head.py); draft-model
    sequences feed what their draft row lacks and draft their tokens, all of them together one token per
    draft forward (greedy: the argmax; sampled: a draw from the draft's processed distribution q, with
    the sequence's generator).
@@ -50,11 +51,10 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from engine.decoding.batch_head import BatchHeads, RowHidden
+from engine.decoding.batch_head import BatchHeads
 from engine.decoding.control import RATE, AdaptiveK, KController, StepCosts, TuningMemory
 from engine.decoding.describe import describe_step, with_text
 from engine.decoding.detok import Detokenizer
-from engine.decoding.head import HeadProposer
 from engine.decoding.ngram import NgramProposer
 from engine.decoding.outcome import Launched, RoundResult
 from engine.decoding.proposers import Offer, Proposal
@@ -90,10 +90,8 @@ class Sequence:
     lone_costs: StepCosts | None = None  # an adaptive controller's costs at load, re-priced for the batch
     ngram: NgramProposer | None = None  # its n-gram index ("ngram" in sources)
     draft_len: int = 0  # tokens its draft row holds ("draft" in sources)
-    head: HeadProposer | None = None  # its draft head over its own head cache ("head" in sources)
-    head_rows: RowHidden | None = None  # ... and the kept rows of its part of each batched forward
-    head_proposal: Proposal | None = None  # the head's drafts of this round
-    head_ms: float = 0.0  # what its head's drafting took this round
+    head: bool = False  # the draft head keeps a cache row for it ("head" in sources; batch_head.py)
+    head_rows: torch.Tensor | None = None  # the head's layers of its part of this round's verify [W, F]
     rows: int = 1  # tokens of its last verify: what its neighbours' pricing counts for it
     token_ids: list[int] = field(default_factory=list)  # committed tokens, EOS included
     steps: list[Step] = field(default_factory=list)
@@ -129,17 +127,23 @@ class BatchEngine:
             self.draft = batched_forward(engine.draft, engine.draft_runner, slots, max_length)
         self.free = list(range(slots))
         # The draft head reads the target's kept layers, which the lean decoder's rows give (not llama.cpp's).
-        self.heads = BatchHeads(engine) if engine.head_runner is not None and isinstance(self.target, BatchedDecoder) \
-            else None
+        self.heads = BatchHeads(engine, slots, max_length) \
+            if engine.head_runner is not None and isinstance(self.target, BatchedDecoder) else None
         # On a GPU every row goes through one static forward, captured as CUDA graphs where the engine's own
         # runner captured its graphs (runners/batched_graphs.py); on a CPU each part attends alone.
         for decoder, runner, keep in ((self.target, engine.target_runner, self.heads.layers if self.heads else ()),
                                       (self.draft, engine.draft_runner, ())):
             if isinstance(decoder, BatchedDecoder) and decoder.device.type == "cuda":
                 decoder.use_all_rows(keep, graphs=captured_graphs(runner))
+        if self.heads is not None and captured_graphs(engine.target_runner):
+            self.heads.warmup()
         self.active: list[Sequence] = []
         self.costs = RowCosts(RATE)  # what this batch's verifies cost by their rows (as the controller averages)
         self.host_ms = 0.0  # the last round's commits and descriptions, after its verify: part of a round's wall time
+        # Where rounds spent their time, summed: deciding and drafting, the verify (its forward and acceptance up to
+        # the host sync), committing and describing; and how many rounds (a benchmark reads them).
+        self.spent_ms = {"draft": 0.0, "verify": 0.0, "commit": 0.0}
+        self.rounds = 0
         # Adaptive controllers learn the batch's timing here; acceptance is the engine's (the same dict).
         self.tuning = TuningMemory(acceptance=engine.tuning.acceptance)
 
@@ -196,9 +200,8 @@ class BatchEngine:
                     decoder.forward([part], logits=False)
         if head:
             assert self.heads is not None
-            seq.head, seq.head_rows = self.heads.proposer(slot, request, generator, self.target.max_length)
-            seq.head_rows.hidden = torch.cat(rows) if rows else None
-            seq.head.start(prompt)
+            seq.head = True
+            self.heads.start(slot, torch.cat(rows) if rows else None, prompt)
         seq.draft_len = len(prompt) - 1 if "draft" in seq.sources else 0
         if "ngram" in seq.sources:
             seq.ngram = NgramProposer(eng.device)
@@ -235,20 +238,17 @@ class BatchEngine:
                 tokens = drafted[id(s)].tokens = s.ngram.match(decisions[id(s)].k)[0]
                 drafted[id(s)].q_shown = [1.0] * len(tokens)  # point masses
                 s.rows = len(tokens) + 1
-        for s in live:
-            if s.head is not None and decisions[id(s)].k and decisions[id(s)].source == "head":
-                self._draft_head(s, decisions[id(s)].k, drafted[id(s)])
+        if self.heads is not None:
+            self._draft_head([s for s in live if s.head], decisions, drafted)
         if by_model:
             self._draft_tokens(by_model, decisions, drafted)
         t_drafted = time.perf_counter()
         # 3. Verify: pending token + drafts, every sequence in one target forward.
         parts = [Part(s.slot, (s.context[-1], *drafted[id(s)].tokens)) for s in live]
-        heads = [s for s in live if s.head_rows is not None]
-        if heads:  # the head's layers are kept for the sequences it drafts for (it reads every round's rows)
+        if any(s.head for s in live):  # the head's layers are kept for its sequences (it reads every round's rows)
             logits = self.target.forward(parts, keep=self.heads.layers)  # type: ignore[call-arg,union-attr]
             for s, rows in zip(live, self.target.kept):  # type: ignore[attr-defined]
-                if s.head_rows is not None:
-                    s.head_rows.hidden = rows
+                s.head_rows = rows if s.head else None
         else:
             logits = self.target.forward(parts)
         vocab = self.engine.vocab
@@ -263,12 +263,16 @@ class BatchEngine:
         for s, outcome in zip(live, outcomes):
             n = outcome.shape[0]
             source = decisions[id(s)].source
-            own_draft_ms = draft_ms if source == "draft" else s.head_ms if source == "head" else 0.0
+            head_ms = self.heads.ms if self.heads is not None else 0.0
+            own_draft_ms = draft_ms if source == "draft" else head_ms if source == "head" else 0.0
             step = self._commit(s, drafted[id(s)], values[at: at + n], decisions[id(s)], own_draft_ms, verify_ms,
                                 wall_ms)
             at += n
             out.append((s, step))
         self.host_ms = (time.perf_counter() - t_verified) * 1e3
+        self.rounds += 1
+        for phase, ms in (("draft", draft_ms), ("verify", verify_ms), ("commit", self.host_ms)):
+            self.spent_ms[phase] += ms
         return out
 
     def _decide(self, s: Sequence, others: int) -> Decision:
@@ -288,8 +292,9 @@ class BatchEngine:
             return ()
         # Its draft row lags by more than the usual 1-2 pending tokens after standard steps or n-gram drafts.
         offers = {"draft": Offer("draft", k, catch_up=s.draft_len > 0 and len(s.context) - s.draft_len > 2)}
-        if s.head is not None:
-            offers["head"] = s.head.offer(k)
+        if s.head:  # it drafts once its row has rows to read (a one-token prompt: from its second round)
+            assert self.heads is not None
+            offers["head"] = Offer("head", k if self.heads.can_draft(s.slot) else 0)
         if s.ngram is not None:
             tokens, n = s.ngram.match(k)
             offers["ngram"] = Offer("ngram", len(tokens), key=f"ngram:{n}")
@@ -336,16 +341,17 @@ class BatchEngine:
             # A sequence's last draft token is never fed: the verify takes it.
             active = [s for s in active if len(drafted[id(s)].tokens) < decisions[id(s)].k]
 
-    def _draft_head(self, s: Sequence, k: int, drafted: Drafted) -> None:
-        """Its head catches up on the rows it has not read and drafts a chain of k (one host sync for its ids)."""
-        assert s.head is not None
-        t0 = time.perf_counter()
-        proposal = s.head_proposal = s.head.propose(k)
-        drafted.tokens = proposal.tokens.tolist()
-        drafted.q_shown = proposal.q_display.tolist() if proposal.q_display is not None else [1.0] * len(drafted.tokens)
-        if proposal.q is not None:  # drafts drawn from the head's law (SAMPLED_DRAFTS)
-            drafted.q_rows = list(proposal.q)
-        s.head_ms = (time.perf_counter() - t0) * 1e3
+    def _draft_head(self, seqs: list[Sequence], decisions: dict[int, Decision], drafted: dict[int, Drafted]) -> None:
+        """The head's rows read what the last verify kept for them; those drafting with it take their chains
+        (batch_head.py: one batched catch-up, K-1 chain steps, one host sync)."""
+        assert self.heads is not None
+        # A fixed K is not bound by the offer: a row with nothing to read yet (a one-token prompt) drafts nothing.
+        ks = {s.slot: decisions[id(s)].k for s in seqs
+              if decisions[id(s)].k and decisions[id(s)].source == "head" and self.heads.can_draft(s.slot)}
+        out = self.heads.draft(ks)
+        for s in seqs:
+            if s.slot in out:
+                drafted[id(s)].tokens, drafted[id(s)].q_shown = out[s.slot]
 
     def _verify(self, s: Sequence, d: Drafted, logits: torch.Tensor) -> torch.Tensor:
         """One sequence's acceptance from the target's logits [n+1, V], on the device, with its own generator: the
@@ -381,9 +387,9 @@ class BatchEngine:
             self.draft.rollback(s.slot, s.draft_len)
         if s.ngram is not None:
             s.ngram.commit(None, kept, committed)  # type: ignore[arg-type]  # n-gram ignores the proposal
-        if s.head is not None:  # every round: the rows of rounds it did not draft keep its cache in step
-            s.head.commit(s.head_proposal, kept, committed)  # type: ignore[arg-type]
-            s.head_proposal, s.head_ms = None, 0.0
+        if s.head and s.head_rows is not None:  # every round: rounds it did not draft keep its row in step
+            self.heads.commit(s.slot, s.head_rows, committed)  # type: ignore[union-attr]
+            s.head_rows = None
         s.controller.observe(decision, n, accepted, draft_ms, verify_ms, wall_ms)
         step = self._describe(s, d, values, kept, committed, decision, draft_ms, verify_ms)
         s.token_ids += committed
@@ -431,6 +437,8 @@ class BatchEngine:
         for decoder in (self.target, self.draft):
             if decoder is not None:
                 decoder.reset(s.slot)
+        if s.head:
+            self.heads.release(s.slot)  # type: ignore[union-attr]
         self.active.remove(s)
         self.free.append(s.slot)
 

@@ -221,9 +221,8 @@ def batch_items(inputs: PlanInputs, t_kind: str, d_kind: str | None) -> list[Pla
 
     Per model a BatchedDecoder: a cache row of the whole context for every sequence, allocated up front
     (runners/batched.py), and where the model's runner has no lean decoder to share (an eager runner, a CPU
-    model without a head) the lean decoder the batch builds, with its own one-row cache. With the head, a
-    head cache per sequence (decoding/batch_head.py). A model the lean forward cannot run is served one
-    sequence at a time: nothing.
+    model without a head) the lean decoder the batch builds, with its own one-row cache. With the head, its
+    cache rows and catch-up inputs (heads/batched.py). A model the lean forward cannot run adds nothing.
     """
     n, h = inputs.sequences, inputs.head
     items = []
@@ -242,9 +241,10 @@ def batch_items(inputs: PlanInputs, t_kind: str, d_kind: str | None) -> list[Pla
             items.append(PlanItem("graphs", role, f"{role} CUDA graphs of {n} rows at once",
                                   n * sum(BATCH_WIDTHS) * (spec.census.vocab * 4 + kept) + pool))
     if h is not None and inputs.target.census.model_type in LEAN_TYPES:
-        b = FLOAT_BYTES.get(inputs.target.compute, 2)
-        positions = cache_positions(inputs.target.census, inputs.context, "static")
-        per_row = 2 * h.n_kv_heads * h.head_dim * positions * b + 3 * (inputs.k_max + 1) * h.draft_vocab * 4
+        b, w = FLOAT_BYTES.get(inputs.target.compute, 2), inputs.k_max + 1  # catch-ups of widths 1..w
+        rows = -(-(min(inputs.context, inputs.target.census.max_positions) + 2 * w) // CACHE_ALIGN) * CACHE_ALIGN
+        per_row = (2 * h.n_kv_heads * h.head_dim * rows + w * (w + 1) // 2 * h.n_features * h.hidden) * b \
+            + 3 * h.draft_vocab * 4
         items.append(PlanItem("kv", "head", f"draft head caches of {n} served sequences", n * per_row))
     return items
 
