@@ -82,6 +82,32 @@ def test_every_row_in_one_static_forward_equals_the_model_per_row(engine):
         "wider than the widest captured width: the per-part forward"
 
 
+def test_a_static_forward_runs_the_rows_up_to_the_highest_part_only(engine):
+    """Row buckets (1, 2, 4 of 4): parts in rows 0 and 1 run those two rows; rows 2 and 3 are not touched."""
+    from engine.runners.batched_graphs import row_buckets
+
+    assert row_buckets(4) == (1, 2, 4) and row_buckets(3) == (1, 2, 3) and row_buckets(1) == (1,)
+    a, b = [5, 9, 33, 41, 7], [11, 12, 13]
+    with torch.inference_mode():
+        ref_a, ref_b = (engine.target(torch.tensor([x])).logits[0] for x in (a, b))
+    decoder = BatchedDecoder(engine.target, 512, 4)
+    decoder.forward([Part(3, (1, 2, 3))], logits=False)
+    decoder.use_all_rows()
+    untouched = decoder.kv[:, :, 2:].clone()
+    ran = []
+    forward_rows = decoder.forward_rows
+    decoder.forward_rows = lambda ids, *args, **kw: ran.append(ids.shape[0]) or forward_rows(ids, *args, **kw)
+    got_a, got_b = decoder.forward([Part(0, tuple(a)), Part(1, tuple(b))])
+    (got_a1,) = decoder.forward([Part(0, (4,))])
+    assert ran == [2, 1]
+    torch.testing.assert_close(got_a, ref_a, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got_b, ref_b, atol=1e-4, rtol=1e-4)
+    with torch.inference_mode():
+        ref = engine.target(torch.tensor([a + [4]])).logits[0, -1:]
+    torch.testing.assert_close(got_a1, ref, atol=1e-4, rtol=1e-4)
+    assert torch.equal(decoder.kv[:, :, 2:], untouched) and decoder.lengths == [6, 3, 0, 3]
+
+
 @pytest.mark.parametrize("how", ["parts", "padded", "all_rows"])  # parts: the CPU's route; all_rows: the GPU's
 def test_a_mixed_batch_gives_every_sequence_its_single_sequence_answer(engine, how):
     alone = [_alone(engine, r) for r in REQUESTS]

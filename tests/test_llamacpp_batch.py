@@ -124,7 +124,7 @@ def test_each_sequence_answers_what_it_answers_alone(engine):
         widths.append(len(batch.active))
         batch.round()
     late = [batch.add(r, engine.encode(r), threading.Event()) for r in (MIXED[3], LATE[0])]
-    assert late[1].slot == seqs[1].slot, "the ended sequence's row is taken again"
+    assert late[0].slot == seqs[1].slot == 1, "the ended sequence's row, the lowest free one, is taken first"
     while not batch.free:
         widths.append(len(batch.active))
         batch.round()

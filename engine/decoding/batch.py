@@ -441,6 +441,7 @@ class BatchEngine:
             self.heads.release(s.slot)  # type: ignore[union-attr]
         self.active.remove(s)
         self.free.append(s.slot)
+        self.free.sort()  # a new sequence takes the lowest free row: a GPU's static forward runs the rows up to it
 
 
 def batched_forward(model: torch.nn.Module | None, runner, slots: int, max_length: int) -> BatchedForward:

@@ -2,14 +2,16 @@
 
 BatchedDecoder.forward (batched.py) attends part by part: on a GPU that is hundreds of kernel launches a
 forward, each part's attention a few more per layer, where the lone runner replays one graph. Here a forward
-takes all `slots` rows at once, each right-padded to the nearest of BATCH_WIDTHS, through forward_rows (one
-attention call a layer over every row's own cache), its inputs and outputs in static buffers: one CUDA graph
-per (padded width, attention span), captured at load, replays it.
+takes the first R rows at once (R: the smallest of the row buckets, 1, 2, 4, ... up to `slots`, that holds
+every part's row; the batch gives a new sequence the lowest free row, so R follows the requests in flight),
+each right-padded to the nearest of BATCH_WIDTHS, through forward_rows (one attention call a layer over every
+row's own cache), its inputs and outputs in static buffers: one CUDA graph per (rows, padded width, attention
+span), captured at load, replays it.
 
-Rows that take no part in a forward (free rows, a sequence that drafts with n-gram while others feed the draft
-model) still run: they write their padding at their own length, past what they hold, where attention masks it
-by position until a later forward overwrites it (rollback's rule), and their outputs are not read. The
-attention span covers every row's positions. A forward
+Rows below R that take no part in a forward (free rows, a sequence that drafts with n-gram while others feed
+the draft model) still run: they write their padding at their own length, past what they hold, where attention
+masks it by position until a later forward overwrites it (rollback's rule), and their outputs are not read.
+Rows from R on do not run. The attention span covers every running row's positions. A forward
 this cannot take (no logits: a prefill; wider than the widest width; a row too near the end of its cache; other
 layers kept) goes to the per-part forward, the same maths.
 
@@ -18,6 +20,7 @@ the matmuls cost about the same for a few more rows (the rows are where the weig
 """
 from __future__ import annotations
 
+import itertools
 import logging
 from typing import TYPE_CHECKING
 
@@ -43,6 +46,7 @@ class AllRows:
         self.keep = tuple(keep)
         self.widths = tuple(w for w in widths if w <= decoder.max_length)
         self.spans = kv_buckets(c.cache_len, MIN_BUCKET)
+        self.row_buckets = row_buckets(decoder.slots)
         self.graphs_on = graphs and decoder.device.type == "cuda"
         slots, dev = decoder.slots, decoder.device
         self.ids = {w: torch.zeros(slots, w, dtype=torch.long, device=decoder.lean.input_device) for w in self.widths}
@@ -50,7 +54,7 @@ class AllRows:
         self.out = {w: torch.zeros(slots, w, c.vocab_size, dtype=torch.float32, device=dev) for w in self.widths}
         self.kept = {w: torch.zeros(slots, w, len(self.keep) * c.hidden, dtype=decoder.lean.dtype, device=dev)
                      for w in self.widths} if self.keep else {}
-        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[tuple[int, int, int], torch.cuda.CUDAGraph] = {}  # (rows, width, span) -> graph
         self.forwards = 0  # forwards taken here (the rest went part by part): what a bench reports
 
     def buffer_bytes(self) -> int:
@@ -59,12 +63,14 @@ class AllRows:
         return sum(t.numel() * t.element_size() for t in tensors)
 
     # -- one forward -------------------------------------------------------------------------------
-    def _step(self, width: int, span: int) -> None:
-        """The forward a graph holds: static ids and starts in, static logits (and kept rows) out."""
-        logits = self.d.forward_rows(self.ids[width], self.starts, kv_len=span, every=True, keep=self.keep)
-        self.out[width].copy_(logits)
+    def _step(self, rows: int, width: int, span: int) -> None:
+        """The forward a graph holds: the first `rows` rows' static ids and starts in, their static logits (and
+        kept rows) out."""
+        logits = self.d.forward_rows(self.ids[width][:rows], self.starts[:rows], kv_len=span, every=True,
+                                     keep=self.keep)
+        self.out[width][:rows].copy_(logits)
         if self.keep:
-            self.kept[width].copy_(self.d.kept_rows)
+            self.kept[width][:rows].copy_(self.d.kept_rows)
 
     def forward(self, parts: list[Part], logits: bool, keep: tuple[int, ...]) -> list[torch.Tensor] | None:
         """What BatchedDecoder.forward returns, or None where this shape cannot take the forward."""
@@ -75,22 +81,23 @@ class AllRows:
         width = next((w for w in self.widths if w >= max(widths)), None)
         if width is None:
             return None
+        rows = next(r for r in self.row_buckets if r > max(p.slot for p in parts))
         lengths = d.lengths
-        if any(n + width > d.config.cache_len for n in lengths):
+        if any(n + width > d.config.cache_len for n in lengths[:rows]):
             return None  # padding would run past a row's cache: the per-part forward writes what it feeds only
-        # Every row's queries see their own keys (a row masked whole would softmax to NaN and leave NaN keys
-        # behind in its cache, which a -inf bias does not mask).
-        span = next(s for s in self.spans if s >= max(lengths) + width)
-        ids = torch.zeros(d.slots, width, dtype=torch.long)
+        # Every running row's queries see their own keys (a row masked whole would softmax to NaN and leave NaN
+        # keys behind in its cache, which a -inf bias does not mask).
+        span = next(s for s in self.spans if s >= max(lengths[:rows]) + width)
+        ids = torch.zeros(rows, width, dtype=torch.long)
         for p in parts:
             ids[p.slot, : len(p.ids)] = torch.tensor(p.ids)
-        self.ids[width].copy_(ids, non_blocking=True)
-        self.starts.copy_(torch.tensor(lengths), non_blocking=True)
-        graph = self.graphs.get((width, span))
+        self.ids[width][:rows].copy_(ids, non_blocking=True)
+        self.starts[:rows].copy_(torch.tensor(lengths[:rows]), non_blocking=True)
+        graph = self.graphs.get((rows, width, span))
         if graph is not None:
             graph.replay()
         else:
-            self._step(width, span)
+            self._step(rows, width, span)
         self.forwards += 1
         for p, w in zip(parts, widths):
             lengths[p.slot] += w
@@ -103,7 +110,7 @@ class AllRows:
     # -- capture -----------------------------------------------------------------------------------
     @torch.inference_mode()
     def capture(self) -> int:
-        """One graph per (width, span); returns how many. A failure leaves the eager static forward (correct,
+        """One graph per (rows, width, span); returns how many. A failure leaves the eager static forward (correct,
         slower) and says so in the log. The rows' lengths are untouched (forward_rows never sets them)."""
         if not self.graphs_on:
             return 0
@@ -112,21 +119,20 @@ class AllRows:
         stream = torch.cuda.Stream(d.device)
         pool = torch.cuda.graph_pool_handle()
         try:
-            for width in self.widths:
+            for rows, width, span in itertools.product(self.row_buckets, self.widths, self.spans):
+                if width > span:
+                    continue
                 self.ids[width].zero_()
-                for span in self.spans:
-                    if width > span:
-                        continue
-                    stream.wait_stream(torch.cuda.current_stream(d.device))
-                    with torch.cuda.stream(stream):
-                        for _ in range(WARMUP_ITERS):
-                            self._step(width, span)
-                    torch.cuda.current_stream(d.device).wait_stream(stream)
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=pool, stream=stream):
-                        self._step(width, span)
-                    graph.replay()
-                    self.graphs[(width, span)] = graph
+                stream.wait_stream(torch.cuda.current_stream(d.device))
+                with torch.cuda.stream(stream):
+                    for _ in range(WARMUP_ITERS):
+                        self._step(rows, width, span)
+                torch.cuda.current_stream(d.device).wait_stream(stream)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, stream=stream):
+                    self._step(rows, width, span)
+                graph.replay()
+                self.graphs[(rows, width, span)] = graph
             torch.cuda.synchronize(d.device)
         except Exception as exc:  # graphs are an optimisation: never let them break serving
             log.warning("batched CUDA graph capture failed, the batch runs its static forward eagerly: %s", exc,
@@ -134,3 +140,8 @@ class AllRows:
             self.graphs.clear()
             torch.cuda.synchronize(d.device)
         return len(self.graphs)
+
+
+def row_buckets(slots: int) -> tuple[int, ...]:
+    """Rows a static forward runs: powers of two below `slots`, then `slots` (1, 2, 4, 8 for 8; 1, 2, 3 for 3)."""
+    return (*(1 << i for i in range(slots.bit_length()) if 1 << i < slots), slots)
