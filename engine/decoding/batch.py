@@ -11,7 +11,8 @@ sampling and its own random generator. One `round()`:
    costs, below).
 2. Draft: n-gram sequences look up their continuation; every draft-head sequence's head cache row
    reads the rows the last verify kept for it, all in one batched head forward, and those drafting with
-   the head draft their chains together, one head forward per position (batch_head.py); draft-model
+   the head draft their chains together, one head forward per position (batch_head.py; beside a GPU's
+   static forward their drafts reach the verify on the device, read with its outcome); draft-model
    sequences feed what their draft row lacks and draft their tokens, all of them together one token per
    draft forward (greedy: the argmax; sampled: a draw from the draft's processed distribution q, with
    the sequence's generator).
@@ -112,6 +113,10 @@ class Drafted:
     tokens: list[int] = field(default_factory=list)  # draft ids, in order
     q_shown: list[float] = field(default_factory=list)  # q(x) people see (softmax at T = 1 under greedy)
     q_rows: list[torch.Tensor] = field(default_factory=list)  # [V] each: processed q of sampled drafts
+    # The head's drafts and their shown q still on the device (beside a static batched forward): the verify
+    # reads them there, and `tokens` / `q_shown` are filled from its outcome.
+    device: torch.Tensor | None = None  # [n] long
+    shown_device: torch.Tensor | None = None  # [n]
 
 
 class BatchEngine:
@@ -244,7 +249,7 @@ class BatchEngine:
             self._draft_tokens(by_model, decisions, drafted)
         t_drafted = time.perf_counter()
         # 3. Verify: pending token + drafts, every sequence in one target forward.
-        parts = [Part(s.slot, (s.context[-1], *drafted[id(s)].tokens)) for s in live]
+        parts = [Part(s.slot, (s.context[-1], *drafted[id(s)].tokens), tail=drafted[id(s)].device) for s in live]
         if any(s.head for s in live):  # the head's layers are kept for its sequences (it reads every round's rows)
             logits = self.target.forward(parts, keep=self.heads.layers)  # type: ignore[call-arg,union-attr]
             for s, rows in zip(live, self.target.kept):  # type: ignore[attr-defined]
@@ -257,11 +262,15 @@ class BatchEngine:
         values = torch.cat(outcomes).tolist()
         t_verified = time.perf_counter()
         draft_ms, verify_ms = (t_drafted - t_begin) * 1e3, (t_verified - t_drafted) * 1e3
-        self.costs.observe(sum(len(p.ids) for p in parts), verify_ms)
+        self.costs.observe(sum(p.width for p in parts), verify_ms)
         wall_ms = (t_verified - t_begin) * 1e3 + self.host_ms
         at = 0
         for s, outcome in zip(live, outcomes):
             n = outcome.shape[0]
+            d = drafted[id(s)]
+            if d.device is not None:  # the outcome opens with the drafts and their shown q (verify_chain's layout)
+                k = (n - 3) // 4
+                d.tokens, d.q_shown = [int(x) for x in values[at: at + k]], values[at + k: at + 2 * k]
             source = decisions[id(s)].source
             head_ms = self.heads.ms if self.heads is not None else 0.0
             own_draft_ms = draft_ms if source == "draft" else head_ms if source == "head" else 0.0
@@ -348,9 +357,13 @@ class BatchEngine:
         # A fixed K is not bound by the offer: a row with nothing to read yet (a one-token prompt) drafts nothing.
         ks = {s.slot: decisions[id(s)].k for s in seqs
               if decisions[id(s)].k and decisions[id(s)].source == "head" and self.heads.can_draft(s.slot)}
-        out = self.heads.draft(ks)
+        # Beside a static forward (a GPU's) the drafts go to the verify on the device, with no host sync.
+        on_device = getattr(self.target, "all_rows", None) is not None
+        out = self.heads.draft(ks, on_device)
         for s in seqs:
-            if s.slot in out:
+            if s.slot in out and on_device:
+                drafted[id(s)].device, drafted[id(s)].shown_device = out[s.slot]
+            elif s.slot in out:
                 drafted[id(s)].tokens, drafted[id(s)].q_shown = out[s.slot]
 
     def _verify(self, s: Sequence, d: Drafted, logits: torch.Tensor) -> torch.Tensor:
@@ -358,9 +371,9 @@ class BatchEngine:
         loop's verify_chain (no drafts: a standard step, the target's token from its processed law).
 
         Returns verify_chain's [4n + 3]: drafts, q(x), p(x), accept prob, accepted, added, p(added)."""
-        draft = torch.tensor(d.tokens, dtype=torch.long, device=logits.device)  # [n]
+        draft = d.device if d.device is not None else torch.tensor(d.tokens, dtype=torch.long, device=logits.device)
         q = torch.stack(d.q_rows).to(logits.device) if d.q_rows else None  # [n, V]; None: point masses
-        return verify_chain(logits, draft, q, None, s.request.sampling, s.generator)
+        return verify_chain(logits, draft, q, d.shown_device, s.request.sampling, s.generator)
 
     def _commit(self, s: Sequence, d: Drafted, values: list[float], decision: Decision, draft_ms: float,
                 verify_ms: float, wall_ms: float) -> Step:

@@ -6,7 +6,8 @@ sequence's part: its prompt at admission, its pending token and drafts each roun
 sequence's committed rows (with the token after each) wait here; the next round's one catch-up reads every
 sequence's together (engine/heads/batched.py), whether it drafts with the head this round or not, so a row is
 never more than one round behind, and those that draft take their chains from the same K-1 chain steps.
-One host sync reads every sequence's drafts. In a batch the head drafts chains: its dynamic trees need a tree
+Beside a static batched forward (a GPU's) the drafts stay on the device and go into the verify's inputs there,
+and the host reads them with the verify's outcome; elsewhere one host sync reads every sequence's drafts. In a batch the head drafts chains: its dynamic trees need a tree
 verify of their own, which the batched forward does not do.
 """
 from __future__ import annotations
@@ -55,18 +56,21 @@ class BatchHeads:
         followed by the committed token at its index. The next round's catch-up reads them."""
         self.pending[slot] = (rows[: len(committed)], list(committed))
 
-    def draft(self, ks: dict[int, int]) -> dict[int, tuple[list[int], list[float]]]:
+    def draft(self, ks: dict[int, int], on_device: bool = False) -> dict[int, tuple]:
         """Every row with rows to read catches up; each slot of `ks` (all of them rows with rows to read) drafts
-        its k tokens: slot -> (draft ids, their shown probabilities), read in one host sync."""
+        its k tokens: slot -> (draft ids, their shown probabilities), read in one host sync as lists, or with
+        `on_device` left on the device as [k] views (valid until the next draft(); no sync)."""
         t0 = time.perf_counter()
-        out: dict[int, tuple[list[int], list[float]]] = {}
+        out: dict[int, tuple] = {}
         if self.pending:
             assert set(ks) <= set(self.pending), "a row drafts from rows it has just read"
             most = max(ks.values(), default=1)
-            self.runner.catch_up(self.pending, most - 1)
+            r = self.runner
+            r.catch_up(self.pending, most - 1)
             self.pending = {}
-            if ks:
-                r = self.runner
+            if ks and on_device:
+                out = {slot: (r.drafts[slot, :k], r.shown[slot, :k]) for slot, k in ks.items()}
+            elif ks:
                 values = torch.cat([r.drafts[:, :most].float(), r.shown[:, :most]], dim=1).tolist()  # [S, 2 * most]
                 out = {slot: ([int(x) for x in values[slot][:k]], values[slot][most: most + k])
                        for slot, k in ks.items()}

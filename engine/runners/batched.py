@@ -33,6 +33,19 @@ class Part:
     slot: int  # its cache row
     ids: tuple[int, ...]  # tokens appended at positions length .. length + len(ids) - 1
     outputs: int | None = None  # logits for its last `outputs` positions only (a draft step reads one); None: all
+    # Tokens after `ids` still on the device ([n] long: drafts the host has not read). The static forward
+    # (batched_graphs.py) copies them in place; any other route reads them to the host first.
+    tail: torch.Tensor | None = None
+
+    @property
+    def width(self) -> int:
+        return len(self.ids) + (0 if self.tail is None else self.tail.shape[0])
+
+    def on_host(self) -> Part:
+        """The same part with its tail read into `ids` (a host sync)."""
+        if self.tail is None:
+            return self
+        return Part(self.slot, (*self.ids, *self.tail.tolist()), self.outputs)
 
 
 class BatchedForward(Protocol):
@@ -133,6 +146,7 @@ class BatchedDecoder:
             out = self.all_rows.forward(parts, logits, keep)
             if out is not None:
                 return out
+        parts = [p.on_host() for p in parts]
         if self.vectorised and len(parts) > 1:
             width = max(len(p.ids) for p in parts)
             if all(self.lengths[p.slot] + width <= self.max_length for p in parts):

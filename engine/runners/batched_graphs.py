@@ -77,7 +77,7 @@ class AllRows:
         if not logits or (keep and keep != self.keep):
             return None
         d = self.d
-        widths = [len(p.ids) for p in parts]
+        widths = [p.width for p in parts]
         width = next((w for w in self.widths if w >= max(widths)), None)
         if width is None:
             return None
@@ -92,6 +92,9 @@ class AllRows:
         for p in parts:
             ids[p.slot, : len(p.ids)] = torch.tensor(p.ids)
         self.ids[width][:rows].copy_(ids, non_blocking=True)
+        for p in parts:  # drafts still on the device go in after the host's tokens, on the device
+            if p.tail is not None:
+                self.ids[width][p.slot, len(p.ids): p.width].copy_(p.tail)
         self.starts[:rows].copy_(torch.tensor(lengths[:rows]), non_blocking=True)
         graph = self.graphs.get((rows, width, span))
         if graph is not None:

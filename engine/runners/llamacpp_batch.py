@@ -82,6 +82,7 @@ class LlamaCppBatch:
     def forward(self, parts: list[Part], logits: bool = True) -> list[torch.Tensor]:
         """Appends every part's ids to its row in one llama_decode (a prefill, logits=False: in chunks of
         n_batch); returns each part's logits [outputs or W, V], in order."""
+        parts = [p.on_host() for p in parts]
         assert parts and all(p.ids for p in parts), "every part feeds at least one token"
         assert len({p.slot for p in parts}) == len(parts), "one part per sequence"
         for p in parts:
