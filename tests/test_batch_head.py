@@ -77,6 +77,10 @@ def _drafts_match_lone_heads(head) -> BatchedHeadRunner:
             torch.testing.assert_close(batched.shown[slot, :k], runner.shown[:k], atol=1e-5, rtol=1e-4)
             assert batched.lengths[slot] == runner.length
     assert batched.lengths[2] == 0
+    # Rows up to the highest slot with new rows run (row buckets 1, 2, 4): a round of slot 1 alone leaves 3 as it was.
+    untouched = batched.k_cache[2:].clone()
+    batched.catch_up({1: (torch.randn(2, f, generator=gen).to(dev), [3, 4])}, 2)
+    assert torch.equal(batched.k_cache[2:], untouched)
     return batched
 
 

@@ -7,12 +7,14 @@ as long as the batched verify). Here one catch-up takes every slot's new rows to
 widest, and each chain step drafts the next token of every slot: the head's weights stream once per draft
 position whatever the number of sequences, and K replays draft for the whole batch.
 
-Every slot takes part in every forward, as the batched target's static forward (runners/batched_graphs.py):
-a slot with fewer new rows than the widest (or none: a sequence that drafts otherwise, a free row) writes its
-padding at its own length and past, where attention masks it by position until a later catch-up overwrites it,
-and its drafts are not read. The cache holds 2 * (K_max + 1) slots beyond the context so that padding and
+A forward runs the first R slots (R: the smallest row bucket, 1, 2, 4, ... up to `slots`, that holds every slot
+with new rows), as the batched target's static forward (runners/batched_graphs.py): a slot below R with fewer
+new rows than the widest (or none: a sequence that drafts otherwise, a free row) writes its padding at its own
+length and past, where attention masks it by position until a later catch-up overwrites it, and its drafts
+are not read. The cache holds 2 * (K_max + 1) slots beyond the context so that padding and
 chain steps past any row's length stay inside it. Its inputs and outputs are static buffers: CUDA graphs per
-(catch-up width, span) and per span for the chain step, captured at load, replay it; elsewhere it runs eagerly.
+(rows, catch-up width, span) and per (rows, span) for the chain step, captured at load, replay it; elsewhere it
+runs eagerly.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ import logging
 import torch
 
 from engine.heads.model import DraftHead, rope
+from engine.runners.batched_graphs import row_buckets
 from engine.runners.graphs import WARMUP_ITERS, kv_buckets
 from engine.runners.lean import CACHE_ALIGN, PREFILL_CHUNK, math_attention
 
@@ -44,7 +47,8 @@ class BatchedHeadRunner:
         cache_len = -(-(max_length + 2 * self.widest) // CACHE_ALIGN) * CACHE_ALIGN
         self.spans = kv_buckets(cache_len, MIN_BUCKET)
         self.use_graphs = self.device.type == "cuda" if graphs is None else graphs and self.device.type == "cuda"
-        self.graphs: dict[tuple[str, int, int], torch.cuda.CUDAGraph] = {}  # (kind, width, span) -> graph
+        self.row_buckets = row_buckets(slots)
+        self.graphs: dict[tuple[str, int, int, int], torch.cuda.CUDAGraph] = {}  # (kind, rows, width, span) -> graph
         self.lengths = [0] * slots  # positions each row's cache holds (its sequence's committed rows read)
         dev, dt = self.device, self.dtype
         with torch.inference_mode(False), torch.no_grad():
@@ -93,25 +97,26 @@ class BatchedHeadRunner:
         Slots not in `rows` run on their padding and draft nothing anyone reads."""
         width = max(len(ids) for _, ids in rows.values())
         assert 1 <= width <= self.widest and 0 <= steps < self.widest, "a round's rows and drafts"
-        ids = torch.zeros(self.slots, width, dtype=torch.long)
-        last = torch.zeros(self.slots, dtype=torch.long)
+        r = next(b for b in self.row_buckets if b > max(rows))  # the slots that run
+        ids = torch.zeros(r, width, dtype=torch.long)
+        last = torch.zeros(r, dtype=torch.long)
         feats = self.feat_in[width]
         for slot, (features, tokens) in rows.items():
             feats[slot, : len(tokens)].copy_(features, non_blocking=True)
             ids[slot, : len(tokens)] = torch.tensor(tokens)
             last[slot] = len(tokens) - 1
-        self.ids_in[width].copy_(ids, non_blocking=True)
-        self.last.copy_(last, non_blocking=True)
-        self.starts.copy_(torch.tensor(self.lengths), non_blocking=True)
+        self.ids_in[width][:r].copy_(ids, non_blocking=True)
+        self.last[:r].copy_(last, non_blocking=True)
+        self.starts[:r].copy_(torch.tensor(self.lengths[:r]), non_blocking=True)
         # One span for the round: every row's catch-up and chain steps, padding included, attend within it.
-        span = self.span(max(self.lengths) + width + steps)
-        self._run(("catch", width, span), lambda: self._catch_up_body(width, span))
+        span = self.span(max(self.lengths[:r]) + width + steps)
+        self._run(("catch", r, width, span), lambda: self._catch_up_body(r, width, span))
         for _ in range(steps):
-            self._run(("step", 1, span), lambda: self._step_body(span))
+            self._run(("step", r, 1, span), lambda: self._step_body(r, span))
         for slot, (_, tokens) in rows.items():
             self.lengths[slot] += len(tokens)
 
-    def _run(self, key: tuple[str, int, int], body) -> None:
+    def _run(self, key: tuple[str, int, int, int], body) -> None:
         graph = self.graphs.get(key)
         if graph is not None:
             graph.replay()
@@ -119,36 +124,41 @@ class BatchedHeadRunner:
             body()
 
     # -- the bodies (captured as graphs on CUDA) --------------------------------------------------
-    def _catch_up_body(self, width: int, span: int) -> None:
-        head, s = self.head, self.slots
-        positions = self.starts[:, None] + self.key_pos[:width]  # [S, W]
-        out = self._layer(head.fuse(self.feat_in[width]), head.embed_ids(self.ids_in[width]), positions, None, span)
-        self._tail(out[torch.arange(s, device=self.device), self.last])  # [S, H]: each row's last new row
-        self.pos.copy_(self.starts + self.last + 1)
-        self.drafts[:, 0].copy_(self.token)
-        self.shown[:, 0].copy_(self._shown)
+    def _catch_up_body(self, r: int, width: int, span: int) -> None:
+        """The first r slots read their new rows; each one's last drafts its first token."""
+        head = self.head
+        starts, last = self.starts[:r], self.last[:r]
+        positions = starts[:, None] + self.key_pos[:width]  # [R, W]
+        out = self._layer(head.fuse(self.feat_in[width][:r]), head.embed_ids(self.ids_in[width][:r]), positions,
+                          None, span)
+        self._tail(r, out[torch.arange(r, device=self.device), last])  # [R, H]: each row's last new row
+        self.pos[:r].copy_(starts + last + 1)
+        self.drafts[:r, 0].copy_(self.token[:r])
+        self.shown[:r, 0].copy_(self._shown)
         self.idx.fill_(1)
 
-    def _step_body(self, span: int) -> None:
-        out = self._layer(self.state[:, None], self.head.embed_ids(self.token)[:, None], self.pos[:, None], None, span)
-        self._tail(out[:, 0])
+    def _step_body(self, r: int, span: int) -> None:
+        """The first r slots draft their next token."""
+        state, token, pos = self.state[:r], self.token[:r], self.pos[:r]
+        out = self._layer(state[:, None], self.head.embed_ids(token)[:, None], pos[:, None], None, span)
+        self._tail(r, out[:, 0])
         column = self.idx.view(1)
-        self.drafts.index_copy_(1, column, self.token[:, None])
-        self.shown.index_copy_(1, column, self._shown[:, None])
-        self.pos.add_(1)
+        self.drafts[:r].index_copy_(1, column, self.token[:r, None])
+        self.shown[:r].index_copy_(1, column, self._shown[:, None])
+        pos.add_(1)
         self.idx.add_(1)
 
-    def _tail(self, last: torch.Tensor) -> None:
-        """Each row's greedy draft from its last state [S, H]: token, shown probability, the next step's state."""
-        logits = self.head.logits(last).float()  # [S, Vd]
-        best = logits.argmax(-1, keepdim=True)  # [S, 1]
-        self._shown = torch.softmax(logits, -1).gather(1, best)[:, 0]  # [S]
-        self.state.copy_(last)
-        self.token.copy_(self.head.d2t[best[:, 0]])
+    def _tail(self, r: int, last: torch.Tensor) -> None:
+        """Each row's greedy draft from its last state [R, H]: token, shown probability, the next step's state."""
+        logits = self.head.logits(last).float()  # [R, Vd]
+        best = logits.argmax(-1, keepdim=True)  # [R, 1]
+        self._shown = torch.softmax(logits, -1).gather(1, best)[:, 0]  # [R]
+        self.state[:r].copy_(last)
+        self.token[:r].copy_(self.head.d2t[best[:, 0]])
 
     def _layer(self, h: torch.Tensor, emb: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor | None,
                span: int) -> torch.Tensor:
-        """The decoder layer over rows [B, W] (all slots in order, or `rows`' slots) at `positions` [B, W]: states and
+        """The decoder layer over rows [B, W] (the first B slots, or `rows`' slots) at `positions` [B, W]: states and
         embeddings [B, W, H] -> [B, W, H], their K/V written to those positions, each row causal over its own."""
         c, head = self.config, self.head
         b, w = positions.shape
@@ -161,7 +171,7 @@ class BatchedHeadRunner:
         self.k_cache[where, :, positions] = k.view(b, w, c.n_kv_heads, c.head_dim)
         self.v_cache[where, :, positions] = v.view(b, w, c.n_kv_heads, c.head_dim)
         if rows is None:
-            k_rows, v_rows = self.k_cache[:, :, :span], self.v_cache[:, :, :span]
+            k_rows, v_rows = self.k_cache[:b, :, :span], self.v_cache[:b, :, :span]
         else:
             k_rows = self.k_cache.index_select(0, rows)[:, :, :span]
             v_rows = self.v_cache.index_select(0, rows)[:, :, :span]
@@ -178,23 +188,23 @@ class BatchedHeadRunner:
     # -- CUDA graphs -------------------------------------------------------------------------------
     @torch.inference_mode()
     def warmup(self) -> int:
-        """Captures the catch-up widths 1..widest and the chain step per span (CUDA); returns how many.
+        """Captures the catch-up widths 1..widest and the chain step per rows and span (CUDA); returns how many.
         A failure leaves the eager forward (correct, slower) and says so in the log."""
         if not self.use_graphs:
             return 0
         stream = torch.cuda.Stream(self.device)
         pool = torch.cuda.graph_pool_handle()
-        todo = [("catch", w, s) for s in self.spans for w in range(1, self.widest + 1)] + \
-               [("step", 1, s) for s in self.spans]
+        todo = [("catch", r, w, s) for r in self.row_buckets for s in self.spans for w in range(1, self.widest + 1)]
+        todo += [("step", r, 1, s) for r in self.row_buckets for s in self.spans]
         saved = self.lengths
         self.lengths = [0] * self.slots
         try:
-            for kind, width, span in todo:
-                def body(kind=kind, width=width, span=span) -> None:
+            for kind, r, width, span in todo:
+                def body(kind=kind, r=r, width=width, span=span) -> None:
                     if kind == "catch":
-                        self._catch_up_body(width, span)
+                        self._catch_up_body(r, width, span)
                     else:
-                        self._step_body(span)
+                        self._step_body(r, span)
                 self.starts.zero_()
                 self.last.zero_()
                 self.idx.zero_()
@@ -207,7 +217,7 @@ class BatchedHeadRunner:
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool, stream=stream):
                     body()
-                self.graphs[(kind, width, span)] = graph
+                self.graphs[(kind, r, width, span)] = graph
             torch.cuda.synchronize(self.device)
         except Exception as exc:  # graphs are an optimisation: eager stays correct
             log.warning("batched draft-head graph capture failed, it runs eagerly: %s", exc, exc_info=True)
