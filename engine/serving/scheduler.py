@@ -80,7 +80,7 @@ class Scheduler:
         alone_in_loop: a request that arrives to an idle server runs through the single-sequence loop (the
         others that come while it runs are batched beside it). None: where the target's runner captured CUDA
         graphs, whose loop decodes a lone sequence faster than the batch (its one-row forwards, the head's
-        trees: on an H200 0.72x standard and 0.45x the head's speed through the batch alone, docs/serve.md);
+        trees: on an H100 the batch alone runs at 0.84x the loop's standard and 0.78x its head speed, docs/serve.md);
         on a CPU a batch of one is as fast."""
         assert max_seqs >= 1 and queue_size >= 0, "max_seqs >= 1, queue_size >= 0"
         self.engine = engine
