@@ -43,13 +43,12 @@ def run_streams(batch: BatchEngine, engine, requests: list[GenerationRequest],
     speeds: list[float] = [0.0] * len(requests)
     waiting = list(enumerate(requests))
     running: dict[int, tuple[int, float]] = {}  # id(seq) -> (request index, admitted at)
-    seqs = {}
     t0 = time.perf_counter()
     while waiting or batch.active:
         while waiting and len(batch.active) < c:
             i, r = waiting.pop(0)
             seq = batch.add(r, engine.encode(r), threading.Event())
-            running[id(seq)], seqs[id(seq)] = (i, time.perf_counter()), seq
+            running[id(seq)] = (i, time.perf_counter())
         for seq, _ in batch.round():
             if seq.summary is not None:
                 i, admitted = running.pop(id(seq))

@@ -72,5 +72,21 @@ def head_engine(target: Path, head: Path, dtype: torch.dtype = torch.float32, *,
     return engine
 
 
+def cuda_head_engine(target: Path, head: Path) -> Engine:
+    """The tiny target on CUDA graph runners (float32, widths 1..13) with the head attached (GPU tests)."""
+    from engine.runners.graphs import StaticGraphRunner
+
+    model, tok = load_target(target)
+    model = model.to("cuda")
+    runner = StaticGraphRunner(model, max_length=512, graph_widths=range(1, 14))
+    runner.warmup()
+    info = ModelInfo(target_name="tiny-target", draft_name=None, device="cuda", dtype="float32",
+                     fast_path=runner.name, vocab_size=len(tok))
+    engine = Engine(model, tok, info, target_runner=runner)
+    files = read_manifest(head)
+    engine.attach_head(load_head(files, torch.device("cuda"), torch.float32).bind(model), files.name)
+    return engine
+
+
 def quick_plan(**changes) -> DistillPlan:
     return replace(TINY_PLAN, **changes)

@@ -86,21 +86,9 @@ def _drafts_match_lone_heads(head) -> BatchedHeadRunner:
 
 @pytest.mark.gpu
 def test_the_batched_heads_cuda_graphs_draft_what_lone_heads_draft_and_serve_head_requests(tiny_head):
-    from engine.decoding import Engine
-    from engine.heads.shards import load_head, read_manifest
-    from engine.runners.graphs import StaticGraphRunner
-    from engine.types import ModelInfo
-    from tests.head_fixtures import load_target
+    from tests.head_fixtures import cuda_head_engine
 
-    model, tok = load_target(tiny_head.target)
-    model = model.to("cuda")
-    runner = StaticGraphRunner(model, max_length=512, graph_widths=range(1, 14))
-    runner.warmup()
-    info = ModelInfo(target_name="tiny-target", draft_name=None, device="cuda", dtype="float32",
-                     fast_path=runner.name, vocab_size=len(tok))
-    fast = Engine(model, tok, info, target_runner=runner)
-    files = read_manifest(tiny_head.head)
-    fast.attach_head(load_head(files, torch.device("cuda"), torch.float32).bind(model), files.name)
+    fast = cuda_head_engine(tiny_head.target, tiny_head.head)
     assert _drafts_match_lone_heads(fast.head_runner.head).graphs, "captured per (width, span)"
     batch = BatchEngine(fast, 4)
     assert batch.heads.runner.graphs and batch.target.all_rows.graphs

@@ -262,21 +262,10 @@ def test_wrong_tree_settings_are_one_clear_error(engine):
 def test_dynamic_trees_on_cuda_graphs_are_lossless_in_float32(tiny_head):
     """The head's levels and pick replayed as CUDA graphs, the target's tree widths too: greedy output is
     the target's own, token for token, and tokens are taken through branches."""
-    from engine.decoding import Engine
-    from engine.heads.shards import load_head, read_manifest
-    from engine.runners.graphs import StaticGraphRunner
-    from engine.types import ModelInfo
-    from tests.head_fixtures import load_target
+    from tests.head_fixtures import cuda_head_engine
 
-    model, tok = load_target(tiny_head.target)
-    model = model.to("cuda")
-    runner = StaticGraphRunner(model, max_length=512, graph_widths=range(1, 14))
-    runner.warmup()
-    info = ModelInfo(target_name="tiny-target", draft_name=None, device="cuda", dtype="float32",
-                     fast_path=runner.name, vocab_size=len(tok))
-    engine = Engine(model, tok, info, target_runner=runner)
-    files = read_manifest(tiny_head.head)
-    engine.attach_head(load_head(files, torch.device("cuda"), torch.float32).bind(model), files.name)
+    engine = cuda_head_engine(tiny_head.target, tiny_head.head)
+    runner = engine.target_runner
     engine.set_dynamic_tree(24, 4)
     drafter = engine.tree_drafter
     assert any(key[: len(drafter.key)] == drafter.key for key in engine.head_runner.graphs), "no tree graphs"

@@ -497,21 +497,10 @@ def test_tree_rounds_are_measured_for_the_prediction(tree_engine):
 
 @pytest.mark.gpu
 def test_a_tree_of_drafts_on_cuda_graphs_is_lossless_in_float32(tiny_head):
-    from engine.decoding import Engine
-    from engine.heads.shards import load_head, read_manifest
-    from engine.runners.graphs import StaticGraphRunner
-    from engine.types import ModelInfo
-    from tests.head_fixtures import load_target
+    from tests.head_fixtures import cuda_head_engine
 
-    model, tok = load_target(tiny_head.target)
-    model = model.to("cuda")
-    runner = StaticGraphRunner(model, max_length=512, graph_widths=range(1, 14))
-    runner.warmup()
-    info = ModelInfo(target_name="tiny-target", draft_name=None, device="cuda", dtype="float32",
-                     fast_path=runner.name, vocab_size=len(tok))
-    engine = Engine(model, tok, info, target_runner=runner)
-    files = read_manifest(tiny_head.head)
-    engine.attach_head(load_head(files, torch.device("cuda"), torch.float32).bind(model), files.name)
+    engine = cuda_head_engine(tiny_head.target, tiny_head.head)
+    runner = engine.target_runner
     engine.set_tree(2)
     assert engine.alternatives() == 2 and runner.tree_graphs
     extras = 0
