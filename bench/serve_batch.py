@@ -84,11 +84,16 @@ def main() -> int:
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("model_args", nargs="*")
     args = ap.parse_args()
+    try:
+        levels = [int(c) for c in args.concurrency.split(",")]
+    except ValueError:
+        levels = []
+    if not levels or min(levels) < 1:
+        ap.error(f"--concurrency takes whole numbers of at least 1, comma-separated (got {args.concurrency!r})")
     cli = build_parser().parse_args(["generate", "--prompt", "-", *args.model_args])
     engine = load_engine(cli, needs_draft=cli.proposer in ("draft", "draft+ngram"))
     prompts = [json.loads(line)["prompt"] for line in args.prompts.read_text(encoding="utf-8").splitlines()
                if line.strip()][: args.limit]
-    levels = [int(c) for c in args.concurrency.split(",")]
     batch = BatchEngine(engine, max(levels))
     modes = {"standard": dict(mode="standard"), "speculative": dict(mode="speculative", k=cli.k, proposer=cli.proposer)}
     rows, reference = [], {}
