@@ -265,6 +265,7 @@ class BatchEngine:
         self.costs.observe(sum(p.width for p in parts), verify_ms)
         wall_ms = (t_verified - t_begin) * 1e3 + self.host_ms
         at = 0
+        head_ms = self.heads.ms if self.heads is not None else 0.0  # what a sequence drafting with the head waited
         for s, outcome in zip(live, outcomes):
             n = outcome.shape[0]
             d = drafted[id(s)]
@@ -272,7 +273,6 @@ class BatchEngine:
                 k = (n - 3) // 4
                 d.tokens, d.q_shown = [int(x) for x in values[at: at + k]], values[at + k: at + 2 * k]
             source = decisions[id(s)].source
-            head_ms = self.heads.ms if self.heads is not None else 0.0
             own_draft_ms = draft_ms if source == "draft" else head_ms if source == "head" else 0.0
             step = self._commit(s, drafted[id(s)], values[at: at + n], decisions[id(s)], own_draft_ms, verify_ms,
                                 wall_ms)

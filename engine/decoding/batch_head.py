@@ -7,8 +7,9 @@ sequence's committed rows (with the token after each) wait here; the next round'
 sequence's together (engine/heads/batched.py), whether it drafts with the head this round or not, so a row is
 never more than one round behind, and those that draft take their chains from the same K-1 chain steps.
 Beside a static batched forward (a GPU's) the drafts stay on the device and go into the verify's inputs there,
-and the host reads them with the verify's outcome; elsewhere one host sync reads every sequence's drafts. In a batch the head drafts chains: its dynamic trees need a tree
-verify of their own, which the batched forward does not do.
+and the host reads them with the verify's outcome; elsewhere one host sync reads every sequence's drafts. In a
+batch the head drafts chains: its dynamic trees need a tree verify of their own, which the batched forward does
+not do.
 """
 from __future__ import annotations
 
