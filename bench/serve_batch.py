@@ -32,6 +32,7 @@ from app.cli.common import environment, load_engine  # noqa: E402  (a thin shell
 from app.cli.parser import build_parser  # noqa: E402
 from engine.decoding.batch import BatchEngine  # noqa: E402
 from engine.limits import K_AUTO  # noqa: E402
+from engine.runners.batched import ROW_ATTENTION  # noqa: E402
 from engine.types import GenerationRequest, Message, Sampling  # noqa: E402
 
 
@@ -81,6 +82,8 @@ def main() -> int:
     ap.add_argument("--concurrency", default="1,2,4,8")
     ap.add_argument("--one-at-a-time", action="store_true",
                     help="also each mode through the single-sequence loop, one request after another")
+    ap.add_argument("--row-attention", choices=ROW_ATTENTION, default=None,
+                    help="how the batched forward attends (default: its own choice)")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("model_args", nargs="*")
     args = ap.parse_args()
@@ -94,7 +97,7 @@ def main() -> int:
     engine = load_engine(cli, needs_draft=cli.proposer in ("draft", "draft+ngram"))
     prompts = [json.loads(line)["prompt"] for line in args.prompts.read_text(encoding="utf-8").splitlines()
                if line.strip()][: args.limit]
-    batch = BatchEngine(engine, max(levels))
+    batch = BatchEngine(engine, max(levels), args.row_attention)
     modes = {"standard": dict(mode="standard"), "speculative": dict(mode="speculative", k=cli.k, proposer=cli.proposer)}
     rows, reference = [], {}
     greedy = cli.temperature <= 0
@@ -138,6 +141,7 @@ def main() -> int:
                                          "threads": info.threads, "environment": environment(engine), "k": cli.k,
                                          "temperature": cli.temperature, "top_k": cli.top_k, "top_p": cli.top_p,
                                          "proposer": cli.proposer, "max_new_tokens": args.max_new_tokens,
+                                         "row_attention": getattr(batch.target, "attention", None),
                                          "batched_graphs": {role: len(d.all_rows.graphs) for role, d in
                                                             (("target", batch.target), ("draft", batch.draft))
                                                             if getattr(d, "all_rows", None) is not None}},

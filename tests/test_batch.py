@@ -10,7 +10,7 @@ import torch
 from engine.decoding.batch import BatchEngine, priced
 from engine.decoding.control import AdaptiveK, StepCosts
 from engine.limits import K_AUTO, K_MAX
-from engine.runners.batched import BatchedDecoder, Part, RowCosts
+from engine.runners.batched import ROW_ATTENTION, BatchedDecoder, Part, RowCosts
 from engine.types import GenerationRequest, Message, Sampling
 from tests.engine_fixtures import tiny_engine
 
@@ -54,17 +54,22 @@ REQUESTS = [
 
 def route(decoder: BatchedDecoder, how: str, keep: tuple[int, ...] = ()) -> None:
     """Sets a batched decoder's route: each part alone (the CPU's), the parts padded into one call, or every row
-    in one static forward (the GPU's, whose CUDA graphs replay that forward)."""
+    in one static forward (the GPU's, whose CUDA graphs replay that forward); "all_rows-bmm" and "all_rows-sdpa"
+    with that attention (ROW_ATTENTION)."""
+    how, _, attention = how.partition("-")
     decoder.vectorised = how == "padded"
+    decoder.attention = attention or "math"
     if how == "all_rows":
         decoder.use_all_rows(keep)
 
 
-def test_every_row_in_one_static_forward_equals_the_model_per_row(engine):
+@pytest.mark.parametrize("attention", ROW_ATTENTION)
+def test_every_row_in_one_static_forward_equals_the_model_per_row(engine, attention):
     a, b, c = [5, 9, 33, 41, 7, 100, 3], [11, 12, 13], [40, 41, 42, 43]
     with torch.inference_mode():
         ref_a, ref_b, ref_c = (engine.target(torch.tensor([x])).logits[0] for x in (a, b, c))
     decoder = BatchedDecoder(engine.target, 512, 4)
+    decoder.attention = attention
     decoder.forward([Part(0, tuple(a[:4])), Part(2, tuple(b[:1])), Part(3, tuple(c[:2]))], logits=False)
     decoder.use_all_rows()
     got_a, got_b = decoder.forward([Part(0, tuple(a[4:])), Part(2, tuple(b[1:]))])  # row 3 sits this one out
@@ -108,19 +113,24 @@ def test_a_static_forward_runs_the_rows_up_to_the_highest_part_only(engine):
     assert torch.equal(decoder.kv[:, :, 2:], untouched) and decoder.lengths == [6, 3, 0, 3]
 
 
-@pytest.mark.parametrize("how", ["parts", "padded", "all_rows"])  # parts: the CPU's route; all_rows: the GPU's
+@pytest.mark.parametrize("how", ["parts", "padded", "all_rows", "all_rows-bmm", "all_rows-sdpa"])  # parts: the CPU's
 def test_a_mixed_batch_gives_every_sequence_its_single_sequence_answer(engine, how):
     alone = [_alone(engine, r) for r in REQUESTS]
     batch = BatchEngine(engine, 4)
     for decoder in (batch.target, batch.draft):
         route(decoder, how)
     seqs = [batch.add(r, engine.encode(r), threading.Event()) for r in REQUESTS]
+    alone_verifies = []
+    verify = batch._verify
+    batch._verify = lambda *a: alone_verifies.append(1) or verify(*a)
     widths = []
     while batch.active:
         widths.append(len(batch.active))
         batch.round()
     assert max(widths) == 4, "all four decoded together"
-    assert how != "all_rows" or batch.target.all_rows.forwards and batch.draft.all_rows.forwards
+    assert not how.startswith("all_rows") or batch.target.all_rows.forwards and batch.draft.all_rows.forwards
+    # Greedy rows of a static forward verify all at once (verify_rows_greedy), the per-part route row by row.
+    assert bool(alone_verifies) != how.startswith("all_rows")
     for seq, (gen, steps) in zip(seqs, alone):
         assert seq.token_ids == gen.token_ids
         assert seq.summary.text == gen.summary.text
@@ -296,3 +306,25 @@ def test_a_mixed_sampled_batch_on_cuda_graph_runners(tiny_pair):
         batch.round()
     assert batch.target.all_rows.forwards and batch.draft.all_rows.forwards
     assert [s.token_ids for s in seqs] == [_alone(fast, r)[0].token_ids for r in REQUESTS]
+
+
+def test_greedy_rows_verify_as_verify_chain_verifies_each_row():
+    """verify_rows_greedy (every row of a static forward at once) gives each row verify_chain's values."""
+    from engine.decoding.verify import chain_values, verify_chain, verify_rows_greedy
+
+    torch.manual_seed(0)
+    rows, width, vocab = 5, 6, 50
+    logits = torch.randn(rows, width, vocab)
+    best = logits.argmax(-1)
+    ids = torch.randint(0, vocab, (rows, width))
+    ids[1, 1:] = best[1, :-1]  # a chain accepted whole
+    ids[2, 1:3] = best[2, :2]  # two accepted, then a rejection
+    ids[3, 1:] = best[3, :-1]  # accepted, but only 2 of its rows are drafts (the rest is padding)
+    n = torch.tensor([5, 5, 4, 2, 0])  # row 4: a standard step
+    q = torch.rand(rows, width - 1)
+    table = verify_rows_greedy(logits, ids, n, q).tolist()
+    for r in range(rows):
+        k = int(n[r])
+        want = verify_chain(logits[r, : k + 1], ids[r, 1: k + 1], None, q[r, :k], Sampling(), None).tolist()
+        assert chain_values(table[r], width, k) == want, r
+    assert [int(table[r][4 * (width - 1)]) for r in range(rows)] == [0, 5, 2, 2, 0]

@@ -40,6 +40,23 @@ for dtype in (torch.float32, torch.float16, torch.bfloat16):
         ref[1, 1][None].index_copy_(2, slots, v.transpose(0, 1)[None])
         assert torch.equal(q, r[:, :Hq].transpose(0, 1).reshape(1, Hkv, (Hq // Hkv) * W, D)), (dtype, W)
         assert torch.equal(kv, ref), (dtype, W)
+    # The batched form: B rows of W tokens, each into its own cache row (the first B, or the rows named).
+    for B, W, Hq, Hkv, D, rows in ((3, 2, 4, 2, 16, None), (2, 5, 6, 2, 32, [3, 1]), (1, 1, 4, 4, 24, [2])):
+        L, R = 40, 4
+        qkv = torch.randn(B, W, (Hq + 2 * Hkv) * D + 8).to(dtype)[..., :(Hq + 2 * Hkv) * D]
+        qk = qkv[..., :(Hq + Hkv) * D].unflatten(-1, (Hq + Hkv, D))
+        v = qkv[..., (Hq + Hkv) * D:].unflatten(-1, (Hkv, D))
+        cos, sin = torch.randn(L, D).to(dtype), torch.randn(L, D).to(dtype)
+        pos = torch.tensor([[7 * b + 3 + w for w in range(W)] for b in range(B)])
+        kv, ref = torch.zeros(2, 2, R, Hkv, L, D, dtype=dtype), torch.zeros(2, 2, R, Hkv, L, D, dtype=dtype)
+        which = torch.tensor(rows) if rows is not None else None
+        q = rk.rope_and_write_rows(qk, v, cos, sin, pos, kv[1, 0], kv[1, 1], which, Hq)
+        r = qk * cos[pos][:, :, None] + torch.roll(qk, D // 2, dims=-1) * sin[pos][:, :, None]
+        where = (torch.arange(B) if rows is None else which)[:, None].expand(B, W)
+        ref[1, 0][where, :, pos] = r[:, :, Hq:]
+        ref[1, 1][where, :, pos] = v
+        assert torch.equal(q, r[:, :, :Hq].permute(0, 2, 1, 3).reshape(B, Hkv, (Hq // Hkv) * W, D)), (dtype, B, W)
+        assert torch.equal(kv, ref), (dtype, B, W)
 print("ok")
 """
 
@@ -94,4 +111,23 @@ def test_cuda_forward_is_bit_identical_with_and_without_the_kernel(family, monke
     with_kernel, without = _both_ways(model, monkeypatch, feed)
     assert rope_kernel.AVAILABLE, "a CUDA machine of this project has Triton (torch's CUDA wheels bring it)"
     for a, b in zip(with_kernel, without):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+def test_cuda_batched_rows_are_bit_identical_with_and_without_the_kernel(monkeypatch):
+    from engine.runners.batched import BatchedDecoder
+
+    model = build_model(320, seed=3).to("cuda", torch.bfloat16)
+    ids = torch.randint(0, 300, (4, 6), device="cuda")
+    out = []
+    for fused in (True, False):
+        with monkeypatch.context() as m:
+            if not fused:
+                m.setattr(rope_kernel, "runs", lambda x: False)
+            decoder = BatchedDecoder(model, 128, 4)
+            got = [decoder.forward_rows(ids, [0, 3, 7, 1], kv_len=64, every=True).clone(),  # the first rows
+                   decoder.forward_rows(ids[:2, :3], [6, 9], slots=[3, 1], kv_len=64, every=True).clone()]
+            out.append(got + [decoder.kv.clone()])
+    for a, b in zip(*out):
         assert torch.equal(a, b)

@@ -46,6 +46,7 @@ to their rounds is not charged to it.
 """
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from dataclasses import dataclass, field, replace
@@ -60,7 +61,7 @@ from engine.decoding.ngram import NgramProposer
 from engine.decoding.outcome import Launched, RoundResult
 from engine.decoding.proposers import Offer, Proposal
 from engine.decoding.sampling import draw, process
-from engine.decoding.verify import verify_chain
+from engine.decoding.verify import chain_values, verify_chain, verify_rows_greedy
 from engine.errors import GenerationError
 from engine.limits import K_MAX, widest_draft
 from engine.measure.stats import summarize
@@ -122,8 +123,9 @@ class Drafted:
 class BatchEngine:
     """Decodes up to `slots` sequences together on an Engine's models (torch, or llama.cpp's runners)."""
 
-    def __init__(self, engine, slots: int) -> None:
-        """engine: a loaded engine.decoding.Engine (raises UnsupportedModelError where its models cannot batch)."""
+    def __init__(self, engine, slots: int, attention: str | None = None) -> None:
+        """engine: a loaded engine.decoding.Engine (raises UnsupportedModelError where its models cannot batch);
+        attention: how the torch batched forward attends (runners/batched.py ROW_ATTENTION; None: its default)."""
         self.engine = engine
         max_length = engine.target_runner.max_length
         self.target = batched_forward(engine.target, engine.target_runner, slots, max_length)
@@ -138,6 +140,8 @@ class BatchEngine:
         # runner captured its graphs (runners/batched_graphs.py); on a CPU each part attends alone.
         for decoder, runner, keep in ((self.target, engine.target_runner, self.heads.layers if self.heads else ()),
                                       (self.draft, engine.draft_runner, ())):
+            if isinstance(decoder, BatchedDecoder) and attention is not None:
+                decoder.attention = attention
             if isinstance(decoder, BatchedDecoder) and decoder.device.type == "cuda":
                 decoder.use_all_rows(keep, graphs=captured_graphs(runner))
         if self.heads is not None and captured_graphs(engine.target_runner):
@@ -258,25 +262,25 @@ class BatchEngine:
             logits = self.target.forward(parts)
         vocab = self.engine.vocab
         # 4. Accept: each sequence's outcome on the device, all read in one host sync.
-        outcomes = [self._verify(s, drafted[id(s)], lg[:, :vocab]) for s, lg in zip(live, logits)]
-        values = torch.cat(outcomes).tolist()
+        outcomes = self._verify_rows(live, drafted, parts)
+        if outcomes is None:
+            flat = [self._verify(s, drafted[id(s)], lg[:, :vocab]) for s, lg in zip(live, logits)]
+            values = torch.cat(flat).tolist()
+            ends = list(itertools.accumulate(t.shape[0] for t in flat))
+            outcomes = [values[e - t.shape[0]: e] for e, t in zip(ends, flat)]
         t_verified = time.perf_counter()
         draft_ms, verify_ms = (t_drafted - t_begin) * 1e3, (t_verified - t_drafted) * 1e3
         self.costs.observe(sum(p.width for p in parts), verify_ms)
         wall_ms = (t_verified - t_begin) * 1e3 + self.host_ms
-        at = 0
         head_ms = self.heads.ms if self.heads is not None else 0.0  # what a sequence drafting with the head waited
-        for s, outcome in zip(live, outcomes):
-            n = outcome.shape[0]
+        for s, values in zip(live, outcomes):
             d = drafted[id(s)]
             if d.device is not None:  # the outcome opens with the drafts and their shown q (verify_chain's layout)
-                k = (n - 3) // 4
-                d.tokens, d.q_shown = [int(x) for x in values[at: at + k]], values[at + k: at + 2 * k]
+                k = (len(values) - 3) // 4
+                d.tokens, d.q_shown = [int(x) for x in values[:k]], values[k: 2 * k]
             source = decisions[id(s)].source
             own_draft_ms = draft_ms if source == "draft" else head_ms if source == "head" else 0.0
-            step = self._commit(s, drafted[id(s)], values[at: at + n], decisions[id(s)], own_draft_ms, verify_ms,
-                                wall_ms)
-            at += n
+            step = self._commit(s, d, values, decisions[id(s)], own_draft_ms, verify_ms, wall_ms)
             out.append((s, step))
         self.host_ms = (time.perf_counter() - t_verified) * 1e3
         self.rounds += 1
@@ -365,6 +369,27 @@ class BatchEngine:
                 drafted[id(s)].device, drafted[id(s)].shown_device = out[s.slot]
             elif s.slot in out:
                 drafted[id(s)].tokens, drafted[id(s)].q_shown = out[s.slot]
+
+    def _verify_rows(self, live: list[Sequence], drafted: dict[int, Drafted],
+                     parts: list[Part]) -> list[list[float]] | None:
+        """Every sequence's verify_chain values in one host sync, where the verify took the static forward (a GPU's)
+        and all are greedy: a dozen kernels for the batch, not twenty a sequence. None: each verifies alone."""
+        static = getattr(self.target, "all_rows", None)
+        if static is None or static.last is None or any(s.generator is not None for s in live):
+            return None
+        rows, width = static.last
+        device = static.out[width].device
+        n = [0] * rows  # drafts per row; rows no sequence holds verify nothing
+        q = torch.ones(rows, width - 1)  # q(x) people see, host-known ones filled here
+        for s, p in zip(live, parts):
+            n[s.slot], q[s.slot, : len(drafted[id(s)].q_shown)] = p.width - 1, torch.tensor(drafted[id(s)].q_shown)
+        q = q.to(device, non_blocking=True)
+        for s, p in zip(live, parts):  # the head's shown q, still on the device
+            if drafted[id(s)].shown_device is not None:
+                q[s.slot, : p.width - 1].copy_(drafted[id(s)].shown_device)
+        table = verify_rows_greedy(static.out[width][:rows, :, : self.engine.vocab], static.ids[width][:rows],
+                                   torch.tensor(n).to(device, non_blocking=True), q).tolist()
+        return [chain_values(table[s.slot], width, p.width - 1) for s, p in zip(live, parts)]
 
     def _verify(self, s: Sequence, d: Drafted, logits: torch.Tensor) -> torch.Tensor:
         """One sequence's acceptance from the target's logits [n+1, V], on the device, with its own generator: the

@@ -51,6 +51,35 @@ def verify_chain(logits: torch.Tensor, draft: torch.Tensor, q: torch.Tensor | No
                       torch.stack([accepted.float(), added.float()]), added_p.float()])
 
 
+def verify_rows_greedy(logits: torch.Tensor, ids: torch.Tensor, n: torch.Tensor,
+                       q_display: torch.Tensor) -> torch.Tensor:
+    """verify_chain under greedy for every row of a batched forward at once (engine/decoding/batch.py).
+
+    logits [R, W, V]: the target's after each row's tokens ids [R, W] (its pending token, then its drafts, then
+    padding); n [R] long: each row's drafts (0: a standard step); q_display [R, W - 1]: q(x) to show.
+    Returns [R, 4 (W - 1) + 3]: per row its drafts, q(x), p(x), accept prob (each W - 1 wide, valid for the
+    first n), then accepted, added, p(added) — verify_chain's values, laid out by the widest row.
+    """
+    r, w = ids.shape
+    draft = ids[:, 1:]  # [R, W-1]
+    best = logits.argmax(-1)  # [R, W] the target's token after each row
+    live = torch.arange(w - 1, device=ids.device) < n[:, None]  # [R, W-1]
+    ok = (draft == best[:, :-1]) & live
+    accepted = torch.cumprod(ok.long(), 1).sum(1)  # [R]
+    added = best.gather(1, accepted[:, None])  # [R, 1]
+    shown = logits.softmax(-1)  # [R, W, V] a one-hot says nothing: the softmax at T = 1
+    p_x = shown[:, :-1].gather(2, draft[:, :, None])[..., 0]  # [R, W-1]
+    added_p = shown.gather(1, accepted[:, None, None].expand(r, 1, shown.shape[-1]))[:, 0].gather(1, added)
+    return torch.cat([draft.float(), q_display.float(), p_x, ok.float(), accepted[:, None].float(), added.float(),
+                      added_p], 1)
+
+
+def chain_values(row: list[float], width: int, n: int) -> list[float]:
+    """One row of verify_rows_greedy (laid out for `width` tokens a row) as verify_chain's [4n + 3] values."""
+    d = width - 1
+    return [*row[:n], *row[d: d + n], *row[2 * d: 2 * d + n], *row[3 * d: 3 * d + n], *row[4 * d: 4 * d + 3]]
+
+
 def verify_tree(logits: torch.Tensor, draft: torch.Tensor, alts: torch.Tensor, q_display: torch.Tensor | None,
                 sampling: Sampling, generator: torch.Generator | None) -> torch.Tensor:
     """A chain [n] with S alternatives per draft [n, S], verified as one tree forward (logits [W, V]).

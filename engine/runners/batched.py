@@ -20,10 +20,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.runners import rope_kernel
 from engine.runners.batched_graphs import AllRows
 from engine.runners.lean import LeanDecoder, UnsupportedModelError, _rms_norm, math_attention, rope
 
 SPAN = 256  # forward_rows reads the cache in spans of this many slots (short contexts read little)
+# How forward_rows attends, every row against its own cache: "math", two batched matmuls and a float32 softmax
+# (the same ops on every device: SDPA picks a fused kernel by shape and mask, and a 4-D mask over many rows is a
+# case the single-row forwards never run); "bmm", the same in three kernels (the scaling and the mask ride in the
+# first matmul's epilogue, a softmax in the activation dtype); "sdpa", torch's fused attention with the mask.
+ROW_ATTENTION = ("math", "bmm", "sdpa")
 
 
 @dataclass(frozen=True)
@@ -124,6 +130,7 @@ class BatchedDecoder:
         self.vectorised = False
         # Every row in one static forward, CUDA graphs on a GPU (batched_graphs.py; use_all_rows sets it up).
         self.all_rows: AllRows | None = None
+        self.attention = "math"  # forward_rows' attention (ROW_ATTENTION)
 
     def reset(self, slot: int) -> None:
         self.lengths[slot] = 0
@@ -230,28 +237,33 @@ class BatchedDecoder:
             starts = torch.tensor(starts, device=self.device)
         rows = None if slots is None else torch.tensor(slots, device=self.device)
         pos = starts[:, None] + stage.key_pos[:w]  # [B, W]
-        cos = stage.cos[pos][:, :, None, :]  # [B, W, 1, D]
-        sin = stage.sin[pos][:, :, None, :]
+        x = F.embedding(ids.reshape(-1).to(lean.input_device), lean.embed).to(lean.dtype)  # [B*W, hidden]
+        fused = rope_kernel.runs(x)  # RoPE, the cache writes and the query layout in one launch a layer (CUDA)
+        if not fused:
+            cos = stage.cos[pos][:, :, None, :]  # [B, W, 1, D]
+            sin = stage.sin[pos][:, :, None, :]
+            where = (torch.arange(b, device=self.device) if rows is None else rows)[:, None].expand(b, w)  # [B, W]
         mask = stage.key_pos[:kv_len] <= pos[:, :, None]  # [B, W, L]
         mask = mask[:, None].expand(b, c.group, w, kv_len).reshape(b, 1, c.group * w, kv_len)
         bias = torch.zeros(mask.shape, dtype=lean.dtype, device=self.device).masked_fill_(~mask, float("-inf"))
-        where = (torch.arange(b, device=self.device) if rows is None else rows)[:, None].expand(b, w)  # [B, W]
+        if self.attention == "bmm":  # the bias as the 3-D batch baddbmm adds to, built once a forward
+            bias = bias.expand(b, c.n_kv_heads, c.group * w, kv_len).reshape(b * c.n_kv_heads, c.group * w, kv_len)
         q_size = c.n_heads * c.head_dim
         kept: dict[int, torch.Tensor] = {}
-        x = F.embedding(ids.reshape(-1).to(lean.input_device), lean.embed).to(lean.dtype)  # [B*W, hidden]
         for index, layer in enumerate(lean.layers):
             qk, v = layer.heads(x, c, (b, w))  # [B, W, Hq + Hkv, D], [B, W, Hkv, D]
-            qk = rope(qk, cos, sin, c)
             k_all, v_all = self.kv[index, 0], self.kv[index, 1]  # [slots, Hkv, L, D]
-            k_all[where, :, pos] = qk[:, :, c.n_heads:]  # [B, W, Hkv, D] into each row's slots
-            v_all[where, :, pos] = v
+            if fused:  # the same values, bit for bit, as the torch ops below
+                q = rope_kernel.rope_and_write_rows(qk, v, stage.cos, stage.sin, pos, k_all, v_all, rows, c.n_heads)
+            else:
+                qk = rope(qk, cos, sin, c)
+                k_all[where, :, pos] = qk[:, :, c.n_heads:]  # [B, W, Hkv, D] into each row's slots
+                v_all[where, :, pos] = v
+                # [B, W, Hq, D] -> [B, Hkv, G*W, D]: the G query heads of a KV head as G*W query rows (as lean.py)
+                q = qk[:, :, : c.n_heads].permute(0, 2, 1, 3).reshape(b, c.n_kv_heads, c.group * w, c.head_dim)
             k_rows = k_all[:b, :, :kv_len] if rows is None else k_all.index_select(0, rows)[:, :, :kv_len]
             v_rows = v_all[:b, :, :kv_len] if rows is None else v_all.index_select(0, rows)[:, :, :kv_len]
-            # [B, W, Hq, D] -> [B, Hkv, G*W, D]: the G query heads of a KV head as G*W query rows (as lean.py)
-            q = qk[:, :, : c.n_heads].permute(0, 2, 1, 3).reshape(b, c.n_kv_heads, c.group * w, c.head_dim)
-            # Two batched matmuls and a float32 softmax, the same ops on every device: SDPA picks a fused kernel
-            # by shape and mask, and a 4-D mask over many rows is a case the single-row forwards never run.
-            o = math_attention(q, k_rows, v_rows, bias, c.scaling)  # [B, Hkv, G*W, D]
+            o = self._attend(q, k_rows, v_rows, bias)  # [B, Hkv, G*W, D]
             o = o.reshape(b, c.n_heads, w, c.head_dim).permute(0, 2, 1, 3).reshape(b * w, q_size)
             x = layer.finish(x, o, c)
             if index in keep:
@@ -263,6 +275,18 @@ class BatchedDecoder:
         pick = torch.full((b,), w - 1, device=self.device) if take is None else take.to(self.device)
         x = x.view(b, w, -1)[torch.arange(b, device=self.device), pick]  # [B, hidden]
         return lean.logits_of(_rms_norm(x, lean.norm, c.eps))
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        """q [B, Hkv, G*W, D] against each row's cache k/v [B, Hkv, L, D], the additive mask bias [B, 1, G*W, L]
+        ("bmm": [B*Hkv, G*W, L]) -> [B, Hkv, G*W, D], by `attention` (ROW_ATTENTION)."""
+        c = self.config
+        if self.attention == "sdpa":
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=c.scaling)
+        if self.attention == "bmm":  # three kernels: scaled scores with the mask added in one, softmax, values
+            b, h, r, d = q.shape
+            scores = torch.baddbmm(bias, q.reshape(b * h, r, d), k.flatten(0, 1).transpose(1, 2), alpha=c.scaling)
+            return torch.bmm(torch.softmax(scores, dim=-1), v.flatten(0, 1)).view(b, h, r, d)
+        return math_attention(q, k, v, bias, c.scaling)
 
     def _forward_padded(self, parts: list[Part], width: int, logits: bool, keep: tuple[int, ...]) -> list[torch.Tensor]:
         """forward() through forward_rows: parts right-padded to `width` (the padding's cache slots lie past

@@ -56,6 +56,9 @@ class AllRows:
                      for w in self.widths} if self.keep else {}
         self.graphs: dict[tuple[int, int, int], torch.cuda.CUDAGraph] = {}  # (rows, width, span) -> graph
         self.forwards = 0  # forwards taken here (the rest went part by part): what a bench reports
+        # The last forward's (rows, width) when it was taken here (None: it went part by part): its logits are
+        # out[width][:rows] and its tokens ids[width][:rows], every row at once (the batch's greedy verify reads them).
+        self.last: tuple[int, int] | None = None
 
     def buffer_bytes(self) -> int:
         """The static inputs and outputs (the graphs' own pool is apart)."""
@@ -74,6 +77,7 @@ class AllRows:
 
     def forward(self, parts: list[Part], logits: bool, keep: tuple[int, ...]) -> list[torch.Tensor] | None:
         """What BatchedDecoder.forward returns, or None where this shape cannot take the forward."""
+        self.last = None
         if not logits or (keep and keep != self.keep):
             return None
         d = self.d
@@ -102,6 +106,7 @@ class AllRows:
         else:
             self._step(rows, width, span)
         self.forwards += 1
+        self.last = (rows, width)
         for p, w in zip(parts, widths):
             lengths[p.slot] += w
         out = self.out[width]
