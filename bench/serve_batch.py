@@ -46,7 +46,7 @@ def run_streams(batch: BatchEngine, engine, requests: list[GenerationRequest],
     running: dict[int, tuple[int, float]] = {}  # id(seq) -> (request index, admitted at)
     t0 = time.perf_counter()
     while waiting or batch.active:
-        while waiting and len(batch.active) < c:
+        while waiting and batch.decoding < c:
             i, r = waiting.pop(0)
             seq = batch.add(r, engine.encode(r), threading.Event())
             running[id(seq)] = (i, time.perf_counter())

@@ -44,6 +44,9 @@ def tree_widths(nodes: int = TREE_NODES, frontier: int = TREE_FRONTIER) -> tuple
 # batch is right-padded to the nearest, up to a verify of K_MAX drafts; the GPU's matmuls cost about the same
 # for a few more rows, and each width is one graph per attention span.
 BATCH_WIDTHS = (1, 2, 3, 4, 6, 8, 10, K_MAX + 1)
+# A prompt chunk (at most PREFILL_CHUNK, engine/runners/lean.py) in a batched row, right-padded to one of these:
+# the batched forward's prefill graphs (engine/runners/batched_graphs.py).
+PREFILL_WIDTHS = (32, 64, 128, 256)
 
 # Draft length when a person has not chosen one.
 DEFAULT_K = 5

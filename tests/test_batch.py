@@ -129,6 +129,7 @@ def test_a_mixed_batch_gives_every_sequence_its_single_sequence_answer(engine, h
         batch.round()
     assert max(widths) == 4, "all four decoded together"
     assert not how.startswith("all_rows") or batch.target.all_rows.forwards and batch.draft.all_rows.forwards
+    assert not how.startswith("all_rows") or batch.target.all_rows.prefills == len(REQUESTS), "prompts in its rows"
     # Greedy rows of a static forward verify all at once (verify_rows_greedy), the per-part route row by row.
     assert bool(alone_verifies) != how.startswith("all_rows")
     for seq, (gen, steps) in zip(seqs, alone):
@@ -144,9 +145,12 @@ def test_rows_are_reused_and_a_cancelled_sequence_ends(engine):
     batch = BatchEngine(engine, 1)
     cancel = threading.Event()
     seq = batch.add(REQUESTS[0], engine.encode(REQUESTS[0]), cancel)
+    assert batch.round() == [], "a round's Steps come out of the next round"
     batch.round()
     cancel.set()
-    assert batch.round() == [(seq, None)] and seq.summary.stop_reason == "cancelled"
+    (ended, step), = batch.round()  # the round before's Step, and the summary with it
+    assert ended is seq and step is not None and seq.summary.stop_reason == "cancelled"
+    assert seq.steps[-1] is step and not batch.active
     assert batch.free == [0]
     gen, _ = _alone(engine, REQUESTS[1])
     again = batch.add(REQUESTS[1], engine.encode(REQUESTS[1]), threading.Event())

@@ -22,8 +22,11 @@ sampling and its own random generator. One `round()`:
    with probability min(1, p(x)/q(x)), the correction from normalize(max(0, p - q)), the bonus from p;
    n-gram drafts are point masses); a standard step draws from the processed p. One host sync reads
    every sequence's outcome.
-5. Commit and roll back each row to exactly the committed prefix; cut at EOS / max_new_tokens; describe
-   each sequence's Step as the single-sequence loop does (statuses, q, p, text).
+5. Commit and roll back each row to exactly the committed prefix; cut at EOS / max_new_tokens (a sequence
+   that stops frees its rows now). Each sequence's Step, described as the single-sequence loop does
+   (statuses, q, p, text), comes out of the next round(): the host describes a round while the device runs
+   the next one's forwards, which no longer wait for it (on a GPU the description costs about as much host
+   time as the round's launches).
 
 Exactness. Greedy in float32: a sequence's tokens equal the single-sequence loop's (on llama.cpp: as far
 as its kernels give a row the same argmax whatever else is in its batch). Sampled: every
@@ -49,18 +52,18 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import torch
 
 from engine.decoding.batch_head import BatchHeads
-from engine.decoding.control import RATE, AdaptiveK, KController, StepCosts, TuningMemory
+from engine.decoding.batch_seq import Drafted, Outcome, Sequence, draft_with_model
+from engine.decoding.control import RATE, AdaptiveK, StepCosts, TuningMemory
 from engine.decoding.describe import describe_step, with_text
 from engine.decoding.detok import Detokenizer
 from engine.decoding.ngram import NgramProposer
 from engine.decoding.outcome import Launched, RoundResult
 from engine.decoding.proposers import Offer, Proposal
-from engine.decoding.sampling import draw, process
 from engine.decoding.verify import chain_values, verify_chain, verify_rows_greedy
 from engine.errors import GenerationError
 from engine.limits import K_MAX, widest_draft
@@ -70,54 +73,9 @@ from engine.runners.graphs import captured_graphs
 from engine.runners.llamacpp import LlamaCppRunner
 from engine.runners.llamacpp_batch import LlamaCppBatch
 from engine.runners.lean import PREFILL_CHUNK, LeanDecoder, UnsupportedModelError
-from engine.types import Decision, DraftSource, GenerationRequest, Step, StopReason, Summary
+from engine.types import Decision, DraftSource, GenerationRequest, Step, StopReason
 
 MIN_MATCH = 2  # speculative draft+ngram drafts by n-gram on a match this long (CombinedProposer's min_match)
-
-
-@dataclass
-class Sequence:
-    """One request decoding in the batch: its rows, what it committed, and its steps so far."""
-
-    slot: int  # its cache row in the target (and draft) decoder
-    request: GenerationRequest  # what was asked
-    prompt: list[int]  # rendered prompt ids
-    cancel: threading.Event  # set: the sequence ends before its next round
-    controller: KController  # chooses its K each round (0: a standard step)
-    generator: torch.Generator | None  # every random draw of this sequence (None: greedy)
-    sources: tuple[DraftSource, ...]  # proposers it may draft from, in the order they are offered
-    detok: Detokenizer  # its text, complete characters only
-    max_new: int  # tokens it may commit (the request's cap, or what the context leaves)
-    stop_reason: StopReason  # why it ends if nothing else stops it first
-    lone_costs: StepCosts | None = None  # an adaptive controller's costs at load, re-priced for the batch
-    ngram: NgramProposer | None = None  # its n-gram index ("ngram" in sources)
-    draft_len: int = 0  # tokens its draft row holds ("draft" in sources)
-    head: bool = False  # the draft head keeps a cache row for it ("head" in sources; batch_head.py)
-    head_rows: torch.Tensor | None = None  # the head's layers of its part of this round's verify [W, F]
-    rows: int = 1  # tokens of its last verify: what its neighbours' pricing counts for it
-    token_ids: list[int] = field(default_factory=list)  # committed tokens, EOS included
-    steps: list[Step] = field(default_factory=list)
-    draft_forwards: int = 0  # draft forwards spent on it after prefill
-    t0: float = field(default_factory=time.perf_counter)
-    prefill_s: float = 0.0
-    summary: Summary | None = None  # set when it has ended
-
-    @property
-    def context(self) -> list[int]:
-        return self.prompt + self.token_ids
-
-
-@dataclass
-class Drafted:
-    """One sequence's drafts of a round (host ids, what they show, and q when the draft model sampled them)."""
-
-    tokens: list[int] = field(default_factory=list)  # draft ids, in order
-    q_shown: list[float] = field(default_factory=list)  # q(x) people see (softmax at T = 1 under greedy)
-    q_rows: list[torch.Tensor] = field(default_factory=list)  # [V] each: processed q of sampled drafts
-    # The head's drafts and their shown q still on the device (beside a static batched forward): the verify
-    # reads them there, and `tokens` / `q_shown` are filled from its outcome.
-    device: torch.Tensor | None = None  # [n] long
-    shown_device: torch.Tensor | None = None  # [n]
 
 
 class BatchEngine:
@@ -146,12 +104,14 @@ class BatchEngine:
                 decoder.use_all_rows(keep, graphs=captured_graphs(runner))
         if self.heads is not None and captured_graphs(engine.target_runner):
             self.heads.warmup()
-        self.active: list[Sequence] = []
+        self.active: list[Sequence] = []  # admitted, not yet summarised (a stopped one's last Step may wait)
+        self.pending: list[Outcome] = []  # the last round's outcomes, described in the next round
         self.costs = RowCosts(RATE)  # what this batch's verifies cost by their rows (as the controller averages)
-        self.host_ms = 0.0  # the last round's commits and descriptions, after its verify: part of a round's wall time
+        self.host_ms = 0.0  # the last round's commits, after its verify: part of a round's wall time
         # Where rounds spent their time, summed: deciding and drafting, the verify (its forward and acceptance up to
-        # the host sync), committing and describing; and how many rounds (a benchmark reads them).
-        self.spent_ms = {"draft": 0.0, "verify": 0.0, "commit": 0.0}
+        # the host sync), committing; describing the round before, which the verify's time holds (the host describes
+        # while the device computes); and how many rounds (a benchmark reads them).
+        self.spent_ms = {"draft": 0.0, "verify": 0.0, "commit": 0.0, "describe": 0.0}
         self.rounds = 0
         # Adaptive controllers learn the batch's timing here; acceptance is the engine's (the same dict).
         self.tuning = TuningMemory(acceptance=engine.tuning.acceptance)
@@ -222,16 +182,33 @@ class BatchEngine:
     # -- one round -------------------------------------------------------------------------------
     @torch.inference_mode()
     def round(self) -> list[tuple[Sequence, Step | None]]:
-        """One batched step for every active sequence: (sequence, its Step) each; a sequence that has
-        ended has its summary set (Step None when it ended without one: cancelled before this round)."""
+        """One batched step for every sequence still decoding, and the Steps of the round before: (sequence, its
+        Step) each, in order, a sequence at most once; one that has ended has its summary set with its last Step
+        (Step None: cancelled with none left to describe). The last round's outcomes are described (Steps, text) while this round's forwards run on the
+        device, so a Step comes out one round after its verify; a round with nothing left to decode describes."""
         out: list[tuple[Sequence, Step | None]] = []
-        for seq in [s for s in self.active if s.cancel.is_set()]:
-            self._finish(seq, "cancelled")
-            out.append((seq, None))
-        live = list(self.active)
-        if not live:
-            return out
+        cancelled = [s for s in self.active if s.cancel.is_set() and not s.stopped]
+        for seq in cancelled:
+            seq.stopped = True
+            self._release(seq)
+        live = [s for s in self.active if not s.stopped]
+        pending, self.pending = self.pending, []
         t_begin = time.perf_counter()
+        read = self._launch(live) if live else None  # asynchronous on a GPU
+        t_launched = time.perf_counter()
+        out += [(o.seq, self._describe(o)) for o in pending]
+        t_described = time.perf_counter()
+        described = {id(seq) for seq, _ in out}
+        for seq in cancelled:  # each sequence once: a cancelled one's summary comes with its last Step, if any
+            self._finish(seq, "cancelled")
+            if id(seq) not in described:
+                out.append((seq, None))
+        if read is not None:
+            self._accept(live, *read, t_begin, t_launched, t_described)
+        return out
+
+    def _launch(self, live: list[Sequence]):
+        """Decide, draft, verify: every sequence's verify launched (read by _accept)."""
         # 1. Decide, each sequence priced beside the rows its neighbours verify.
         rows = sum(s.rows for s in live)
         decisions: dict[int, Decision] = {}
@@ -250,7 +227,8 @@ class BatchEngine:
         if self.heads is not None:
             self._draft_head([s for s in live if s.head], decisions, drafted)
         if by_model:
-            self._draft_tokens(by_model, decisions, drafted)
+            assert self.draft is not None
+            draft_with_model(self.draft, self.engine.vocab, by_model, decisions, drafted)
         t_drafted = time.perf_counter()
         # 3. Verify: pending token + drafts, every sequence in one target forward.
         parts = [Part(s.slot, (s.context[-1], *drafted[id(s)].tokens), tail=drafted[id(s)].device) for s in live]
@@ -260,33 +238,40 @@ class BatchEngine:
                 s.head_rows = rows if s.head else None
         else:
             logits = self.target.forward(parts)
-        vocab = self.engine.vocab
-        # 4. Accept: each sequence's outcome on the device, all read in one host sync.
-        outcomes = self._verify_rows(live, drafted, parts)
-        if outcomes is None:
-            flat = [self._verify(s, drafted[id(s)], lg[:, :vocab]) for s, lg in zip(live, logits)]
-            values = torch.cat(flat).tolist()
+        # 4. Accept: each sequence's outcome on the device, read in one host sync by _accept.
+        table = self._verify_rows(live, drafted, parts)
+        if table is None:
+            flat = [self._verify(s, drafted[id(s)], lg[:, : self.engine.vocab]) for s, lg in zip(live, logits)]
             ends = list(itertools.accumulate(t.shape[0] for t in flat))
-            outcomes = [values[e - t.shape[0]: e] for e, t in zip(ends, flat)]
+            table = (torch.cat(flat), lambda values: [values[e - t.shape[0]: e] for e, t in zip(ends, flat)])
+        return decisions, drafted, parts, table, t_drafted
+
+    def _accept(self, live: list[Sequence], decisions: dict[int, Decision], drafted: dict[int, Drafted],
+                parts: list[Part], table: tuple, t_drafted: float, t_begin: float, t_launched: float,
+                t_described: float) -> None:
+        """Reads every sequence's outcome (the host sync) and commits it; the Steps wait for the next round."""
+        values, split = table
+        outcomes = split(values.tolist())
         t_verified = time.perf_counter()
+        # The verify's wall time holds the last round's Steps, described while its forwards ran (on a GPU; elsewhere
+        # after them): what a round costs either way.
         draft_ms, verify_ms = (t_drafted - t_begin) * 1e3, (t_verified - t_drafted) * 1e3
         self.costs.observe(sum(p.width for p in parts), verify_ms)
         wall_ms = (t_verified - t_begin) * 1e3 + self.host_ms
         head_ms = self.heads.ms if self.heads is not None else 0.0  # what a sequence drafting with the head waited
-        for s, values in zip(live, outcomes):
+        for s, row in zip(live, outcomes):
             d = drafted[id(s)]
             if d.device is not None:  # the outcome opens with the drafts and their shown q (verify_chain's layout)
-                k = (len(values) - 3) // 4
-                d.tokens, d.q_shown = [int(x) for x in values[:k]], values[k: 2 * k]
+                k = (len(row) - 3) // 4
+                d.tokens, d.q_shown = [int(x) for x in row[:k]], row[k: 2 * k]
             source = decisions[id(s)].source
             own_draft_ms = draft_ms if source == "draft" else head_ms if source == "head" else 0.0
-            step = self._commit(s, d, values, decisions[id(s)], own_draft_ms, verify_ms, wall_ms)
-            out.append((s, step))
+            self.pending.append(self._commit(s, d, row, decisions[id(s)], own_draft_ms, verify_ms, wall_ms))
         self.host_ms = (time.perf_counter() - t_verified) * 1e3
         self.rounds += 1
-        for phase, ms in (("draft", draft_ms), ("verify", verify_ms), ("commit", self.host_ms)):
+        for phase, ms in (("draft", draft_ms), ("verify", verify_ms), ("commit", self.host_ms),
+                          ("describe", (t_described - t_launched) * 1e3)):
             self.spent_ms[phase] += ms
-        return out
 
     def _decide(self, s: Sequence, others: int) -> Decision:
         """Its controller's choice; an adaptive one priced for a verify beside `others` rows."""
@@ -315,45 +300,6 @@ class BatchEngine:
                 return (offers["ngram"],) if tokens and n >= MIN_MATCH else (offers["draft"],)
         return tuple(offers[kind] for kind in s.sources if kind in offers)
 
-    def _draft_tokens(self, seqs: list[Sequence], decisions: dict[int, Decision], drafted: dict[int, Drafted]) -> None:
-        """The draft-model sequences' drafts, one batched draft forward per position."""
-        assert self.draft is not None
-        # A row far behind (after standard steps or n-gram drafts) first reads what it missed, no logits.
-        lag = {id(s): s.context[s.draft_len: -1] for s in seqs if len(s.context) - s.draft_len > 2}
-        while lag:
-            self.draft.forward([Part(s.slot, tuple(lag[id(s)][:PREFILL_CHUNK])) for s in seqs if id(s) in lag],
-                               logits=False)
-            for s in [s for s in seqs if id(s) in lag]:
-                s.draft_len += len(lag[id(s)][:PREFILL_CHUNK])
-                lag[id(s)] = lag[id(s)][PREFILL_CHUNK:]
-                if not lag[id(s)]:
-                    del lag[id(s)]
-        feed = {id(s): tuple(s.context[s.draft_len:]) for s in seqs}  # what each draft row lacks, pending last
-        active = list(seqs)
-        while active:
-            logits = self.draft.forward([Part(s.slot, feed[id(s)], outputs=1) for s in active])  # [1, V] each
-            picked = []
-            for s, lg in zip(active, logits):
-                s.draft_len += len(feed[id(s)])
-                s.draft_forwards += 1
-                lg = lg[-1, : self.engine.vocab]  # [V]
-                if s.generator is None:  # greedy: a point mass on the argmax; people see q at T = 1
-                    x = lg.argmax(-1, keepdim=True)  # [1]
-                    shown = lg.softmax(-1).gather(0, x)  # [1]
-                else:
-                    q = process(lg, s.request.sampling)  # [V]
-                    x = draw(q.unsqueeze(0), s.generator)  # [1]
-                    shown = q.gather(0, x)
-                    drafted[id(s)].q_rows.append(q)
-                picked.append(torch.cat([x.float(), shown]))  # [2]
-            # One host sync per position: the next draft forward feeds these tokens.
-            for s, (token, q_x) in zip(active, torch.stack(picked).tolist()):
-                drafted[id(s)].tokens.append(int(token))
-                drafted[id(s)].q_shown.append(q_x)
-                feed[id(s)] = (int(token),)
-            # A sequence's last draft token is never fed: the verify takes it.
-            active = [s for s in active if len(drafted[id(s)].tokens) < decisions[id(s)].k]
-
     def _draft_head(self, seqs: list[Sequence], decisions: dict[int, Decision], drafted: dict[int, Drafted]) -> None:
         """The head's rows read what the last verify kept for them; those drafting with it take their chains
         (batch_head.py: one batched catch-up, K-1 chain steps, one host sync)."""
@@ -370,10 +316,10 @@ class BatchEngine:
             elif s.slot in out:
                 drafted[id(s)].tokens, drafted[id(s)].q_shown = out[s.slot]
 
-    def _verify_rows(self, live: list[Sequence], drafted: dict[int, Drafted],
-                     parts: list[Part]) -> list[list[float]] | None:
-        """Every sequence's verify_chain values in one host sync, where the verify took the static forward (a GPU's)
-        and all are greedy: a dozen kernels for the batch, not twenty a sequence. None: each verifies alone."""
+    def _verify_rows(self, live: list[Sequence], drafted: dict[int, Drafted], parts: list[Part]) -> tuple | None:
+        """Every sequence's verify_chain values as one table on the device and how to split it once read, where the
+        verify took the static forward (a GPU's) and all are greedy: a dozen kernels for the batch, not twenty a
+        sequence. None: each verifies alone."""
         static = getattr(self.target, "all_rows", None)
         if static is None or static.last is None or any(s.generator is not None for s in live):
             return None
@@ -388,8 +334,8 @@ class BatchEngine:
             if drafted[id(s)].shown_device is not None:
                 q[s.slot, : p.width - 1].copy_(drafted[id(s)].shown_device)
         table = verify_rows_greedy(static.out[width][:rows, :, : self.engine.vocab], static.ids[width][:rows],
-                                   torch.tensor(n).to(device, non_blocking=True), q).tolist()
-        return [chain_values(table[s.slot], width, p.width - 1) for s, p in zip(live, parts)]
+                                   torch.tensor(n).to(device, non_blocking=True), q)
+        return table, lambda values: [chain_values(values[s.slot], width, p.width - 1) for s, p in zip(live, parts)]
 
     def _verify(self, s: Sequence, d: Drafted, logits: torch.Tensor) -> torch.Tensor:
         """One sequence's acceptance from the target's logits [n+1, V], on the device, with its own generator: the
@@ -401,7 +347,9 @@ class BatchEngine:
         return verify_chain(logits, draft, q, d.shown_device, s.request.sampling, s.generator)
 
     def _commit(self, s: Sequence, d: Drafted, values: list[float], decision: Decision, draft_ms: float,
-                verify_ms: float, wall_ms: float) -> Step:
+                verify_ms: float, wall_ms: float) -> Outcome:
+        """A sequence's verified round into its state (tokens, rows, proposers, controller); at a stop its rows are
+        freed. Describing it for people waits (_describe)."""
         eng, n = self.engine, len(d.tokens)
         accepted, added = int(values[4 * n]), int(values[4 * n + 1])
         committed = d.tokens[:accepted] + [added]
@@ -429,46 +377,57 @@ class BatchEngine:
             self.heads.commit(s.slot, s.head_rows, committed)  # type: ignore[union-attr]
             s.head_rows = None
         s.controller.observe(decision, n, accepted, draft_ms, verify_ms, wall_ms)
-        step = self._describe(s, d, values, kept, committed, decision, draft_ms, verify_ms)
         s.token_ids += committed
-        s.steps.append(step)
         if stop is None and len(s.token_ids) >= s.max_new:
             stop = s.stop_reason
         if stop is not None:
-            # The detokenizer's pending bytes go to the last committed token, as the loop's last step does.
-            step = replace(with_text(step, step.text + s.detok.flush()), stop_reason=stop)
-            s.steps[-1] = step
-            self._finish(s, stop)
-        return step
+            s.stopped = True
+            self._release(s)
+        return Outcome(s, d, values, decision, committed, kept, draft_ms, verify_ms, stop)
 
-    def _describe(self, s: Sequence, d: Drafted, values: list[float], kept: int, committed: list[int],
-                  decision: Decision, draft_ms: float, verify_ms: float) -> Step:
-        """The Step as the single-sequence loop describes one (engine/decoding/describe.py), from this round's
-        verify_chain outcome read back on the host."""
-        n = len(d.tokens)
+    def _describe(self, o: Outcome) -> Step:
+        """The Step as the single-sequence loop describes one (engine/decoding/describe.py), from a round's
+        verify_chain outcome read back on the host; the sequence's summary with its last."""
+        s, d, values, n = o.seq, o.drafted, o.values, len(o.drafted.tokens)
         result = RoundResult(proposed=d.tokens, q_shown=d.q_shown, p_shown=values[2 * n: 3 * n],
                              accept_prob=values[3 * n: 4 * n], accepted=int(values[4 * n]),
-                             added=int(values[4 * n + 1]), added_p=values[4 * n + 2], draft_ms=draft_ms,
-                             verify_ms=verify_ms)
+                             added=int(values[4 * n + 1]), added_p=values[4 * n + 2], draft_ms=o.draft_ms,
+                             verify_ms=o.verify_ms)
         proposal = None
-        if decision.k:
+        if o.decision.k:
             proposal = Proposal(tokens=torch.tensor(d.tokens, dtype=torch.long), q=None,
-                                sources=(decision.source,) * n, forwards=n)  # type: ignore[arg-type]
-        launched = Launched(torch.tensor(values), n, proposal, decision, None, ())
-        step, _ = describe_step(len(s.steps), result, committed, kept, launched, s.detok, s.t0, 0.0,
-                                len(s.token_ids) + len(committed))
+                                sources=(o.decision.source,) * n, forwards=n)  # type: ignore[arg-type]
+        launched = Launched(torch.tensor(values), n, proposal, o.decision, None, ())
+        # Its tokens already hold this round's (committed before the next round's forwards were launched).
+        step, _ = describe_step(len(s.steps), result, o.committed, o.kept, launched, s.detok, s.t0, 0.0,
+                                len(s.token_ids))
+        if o.stop is not None:
+            # The detokenizer's pending bytes go to the last committed token, as the loop's last step does.
+            step = replace(with_text(step, step.text + s.detok.flush()), stop_reason=o.stop)
+        s.steps.append(step)
+        if o.stop is not None:
+            self._finish(s, o.stop)
         return step
+
+    @property
+    def decoding(self) -> int:
+        """Sequences still decoding (the active ones whose last Step may still wait are not)."""
+        return sum(not s.stopped for s in self.active)
 
     def drop(self, s: Sequence) -> None:
         """Takes a sequence out without a summary (its round failed)."""
-        self._release(s)
+        if not s.stopped:
+            s.stopped = True
+            self._release(s)
+        self.pending = [o for o in self.pending if o.seq is not s]
+        self.active.remove(s)
 
     def _finish(self, s: Sequence, stop: StopReason) -> None:
         s.controller.finish()
         s.summary = summarize(s.steps, mode=s.request.mode, k=s.request.k if s.request.mode == "speculative" else 0,
                               prompt_tokens=len(s.prompt), seconds=time.perf_counter() - s.t0, stop_reason=stop,
                               draft_forwards=s.draft_forwards, prefill_s=s.prefill_s)
-        self._release(s)
+        self.active.remove(s)
 
     def _release(self, s: Sequence) -> None:
         """Its rows are emptied now (llama.cpp's cells go back to the pool its neighbours share) and free."""
@@ -477,7 +436,6 @@ class BatchEngine:
                 decoder.reset(s.slot)
         if s.head:
             self.heads.release(s.slot)  # type: ignore[union-attr]
-        self.active.remove(s)
         self.free.append(s.slot)
         self.free.sort()  # a new sequence takes the lowest free row: a GPU's static forward runs the rows up to it
 

@@ -11,7 +11,7 @@ import math
 import re
 from dataclasses import dataclass, replace
 
-from engine.limits import BATCH_WIDTHS, tree_widths
+from engine.limits import BATCH_WIDTHS, PREFILL_WIDTHS, tree_widths
 from engine.models.census import ModelCensus
 from engine.models.quant import (CAPTURABLE, FLOAT_BYTES, NF4_BLOCK, NF4_CODE_BYTES, is_fast, is_quantized,
                                  nf4_absmax_bytes_on_cpu)
@@ -195,8 +195,7 @@ def head_items(inputs: PlanInputs, t_kind: str, t_pos: int, span: int) -> list[P
     output rows of its vocabulary gathered once, its one-layer KV cache, its graphs' catch-up logits.
     With CUDA graphs the target also captures the widths of the default dynamic tree (engine/decoding/
     engine.py set_tree: TREE_NODES nodes, limits.tree_widths), each with a float32 [W, V] output, in a
-    pool of their own sized by the widest tree, and keeps the head's layers in [W, n * hidden] buffers
-    per captured width.
+    pool of their own sized by the widest tree, and keeps the head's layers in [W, n * hidden] buffers per width.
     """
     h, t = inputs.head, inputs.target
     if h is None or (inputs.device_type == "cuda" and inputs.gpus > 1):
@@ -235,11 +234,12 @@ def batch_items(inputs: PlanInputs, t_kind: str, d_kind: str | None) -> list[Pla
         rows = n + (not shared)
         items.append(PlanItem("kv", role, f"{role} KV cache of {n} served sequences ({positions:,} each)",
                               rows * kv_layer_bytes(spec, positions) * len(spec.census.layers)))
-        if kind == "graphs":  # every row in one forward per width (runners/batched_graphs.py): static logits
+        if kind == "graphs":  # every row in one forward per width, prompts a row at a time (runners/batched_graphs.py)
             kept = h.n_features * spec.census.hidden * _float_bytes(spec) if role == "target" and h else 0
-            pool = sum(forward_transient(spec, n * BATCH_WIDTHS[-1], positions))  # the widest forward's own
-            items.append(PlanItem("graphs", role, f"{role} CUDA graphs of {n} rows at once",
-                                  n * sum(BATCH_WIDTHS) * (spec.census.vocab * 4 + kept) + pool))
+            pool = max(sum(forward_transient(spec, n * BATCH_WIDTHS[-1], positions)),  # the widest forward's own,
+                       forward_transient(spec, PREFILL_WIDTHS[-1], positions)[0])  # or a prompt chunk's (no logits)
+            items.append(PlanItem("graphs", role, f"{role} CUDA graphs of {n} rows at once", pool + sum(PREFILL_WIDTHS)
+                                  * kept + n * sum(BATCH_WIDTHS) * (spec.census.vocab * 4 + kept)))
     if h is not None and inputs.target.census.model_type in LEAN_TYPES:
         b, w = FLOAT_BYTES.get(inputs.target.compute, 2), inputs.k_max + 1  # catch-ups of widths 1..w
         rows = -(-(min(inputs.context, inputs.target.census.max_positions) + 2 * w) // CACHE_ALIGN) * CACHE_ALIGN

@@ -130,7 +130,9 @@ class BatchedDecoder:
         self.vectorised = False
         # Every row in one static forward, CUDA graphs on a GPU (batched_graphs.py; use_all_rows sets it up).
         self.all_rows: AllRows | None = None
-        self.attention = "math"  # forward_rows' attention (ROW_ATTENTION)
+        # forward_rows' attention (ROW_ATTENTION): "bmm", the fastest of the three in CUDA graphs at every rows x width
+        # measured (bench/batched_forward_cost.py; bench/results/h100_batched_forward_cost.json)
+        self.attention = "bmm"
 
     def reset(self, slot: int) -> None:
         self.lengths[slot] = 0
@@ -212,11 +214,12 @@ class BatchedDecoder:
         return list(out_logits.split(counts))
 
     @torch.no_grad()
-    def forward_rows(self, ids: torch.Tensor, starts: list[int] | torch.Tensor, slots: list[int] | None = None,
+    def forward_rows(self, ids: torch.Tensor, starts: list[int] | torch.Tensor,
+                     slots: list[int] | torch.Tensor | None = None,
                      take: torch.Tensor | None = None, kv_len: int | None = None, every: bool = False,
                      keep: tuple[int, ...] = ()) -> torch.Tensor | None:
         """Every row at once, all of one width: ids [B, W] appended to rows `slots` (default: the first B rows,
-        in order) at positions starts[b] .. starts[b] + W - 1 (a list, or a [B] long tensor on the device, which
+        in order; a [B] long tensor on the device, which a CUDA graph reads, or a list) at positions starts[b] .. starts[b] + W - 1 (a list, or a [B] long tensor on the device, which
         a CUDA graph reads); float32 logits [B, V] of each row's token
         `take[b]` (default: its last), or with `every` all W tokens' logits [B, W, V].
 
@@ -235,7 +238,7 @@ class BatchedDecoder:
         if not isinstance(starts, torch.Tensor):
             assert max(starts) + w <= min(kv_len, c.cache_len), "a row would overflow its cache"
             starts = torch.tensor(starts, device=self.device)
-        rows = None if slots is None else torch.tensor(slots, device=self.device)
+        rows = slots if slots is None or isinstance(slots, torch.Tensor) else torch.tensor(slots, device=self.device)
         pos = starts[:, None] + stage.key_pos[:w]  # [B, W]
         x = F.embedding(ids.reshape(-1).to(lean.input_device), lean.embed).to(lean.dtype)  # [B*W, hidden]
         fused = rope_kernel.runs(x)  # RoPE, the cache writes and the query layout in one launch a layer (CUDA)
@@ -261,8 +264,8 @@ class BatchedDecoder:
                 v_all[where, :, pos] = v
                 # [B, W, Hq, D] -> [B, Hkv, G*W, D]: the G query heads of a KV head as G*W query rows (as lean.py)
                 q = qk[:, :, : c.n_heads].permute(0, 2, 1, 3).reshape(b, c.n_kv_heads, c.group * w, c.head_dim)
-            k_rows = k_all[:b, :, :kv_len] if rows is None else k_all.index_select(0, rows)[:, :, :kv_len]
-            v_rows = v_all[:b, :, :kv_len] if rows is None else v_all.index_select(0, rows)[:, :, :kv_len]
+            k_rows = k_all[:b, :, :kv_len] if rows is None else k_all[:, :, :kv_len].index_select(0, rows)
+            v_rows = v_all[:b, :, :kv_len] if rows is None else v_all[:, :, :kv_len].index_select(0, rows)
             o = self._attend(q, k_rows, v_rows, bias)  # [B, Hkv, G*W, D]
             o = o.reshape(b, c.n_heads, w, c.head_dim).permute(0, 2, 1, 3).reshape(b * w, q_size)
             x = layer.finish(x, o, c)

@@ -11,9 +11,11 @@ span), captured at load, replays it.
 Rows below R that take no part in a forward (free rows, a sequence that drafts with n-gram while others feed
 the draft model) still run: they write their padding at their own length, past what they hold, where attention
 masks it by position until a later forward overwrites it (rollback's rule), and their outputs are not read.
-Rows from R on do not run. The attention span covers every running row's positions. A forward
-this cannot take (no logits: a prefill; wider than the widest width; a row too near the end of its cache; other
-layers kept) goes to the per-part forward, the same maths.
+Rows from R on do not run. The attention span covers every running row's positions. A prompt's chunk (no logits)
+goes into its one row, right-padded to the nearest of PREFILL_WIDTHS, from a graph per (padded width, span): eagerly,
+the per-part forward of one chunk costs about 20 ms of launches on a GPU whose forward takes 2.5 (every sequence
+in the batch waits for it). A forward this cannot take (wider than the widest width; a row too near the end of its
+cache; other layers kept; several prompts at once) goes to the per-part forward, the same maths.
 
 On a CPU the same static forward runs eagerly (tests compare it with the per-part one); on a GPU it pays because
 the matmuls cost about the same for a few more rows (the rows are where the weights stream once).
@@ -26,7 +28,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.limits import BATCH_WIDTHS
+from engine.limits import BATCH_WIDTHS, PREFILL_WIDTHS
 from engine.runners.graphs import MIN_BUCKET, WARMUP_ITERS, kv_buckets
 
 if TYPE_CHECKING:
@@ -55,14 +57,26 @@ class AllRows:
         self.kept = {w: torch.zeros(slots, w, len(self.keep) * c.hidden, dtype=decoder.lean.dtype, device=dev)
                      for w in self.widths} if self.keep else {}
         self.graphs: dict[tuple[int, int, int], torch.cuda.CUDAGraph] = {}  # (rows, width, span) -> graph
+        # A prompt's chunk, right-padded to one of PREFILL_WIDTHS, into one row (`row`, from `start`) without logits:
+        # one graph per (width, span) where the per-part forward launches hundreds of kernels.
+        self.prefill_widths = tuple(w for w in PREFILL_WIDTHS if w <= decoder.max_length)
+        self.pre_ids = {w: torch.zeros(1, w, dtype=torch.long, device=decoder.lean.input_device)
+                        for w in self.prefill_widths}
+        self.row = torch.zeros(1, dtype=torch.long, device=dev)
+        self.start = torch.zeros(1, dtype=torch.long, device=dev)
+        self.pre_kept = {w: torch.zeros(1, w, len(self.keep) * c.hidden, dtype=decoder.lean.dtype, device=dev)
+                         for w in self.prefill_widths} if self.keep else {}
+        self.prefill_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # (width, span) -> graph
         self.forwards = 0  # forwards taken here (the rest went part by part): what a bench reports
+        self.prefills = 0  # prompt chunks taken here
         # The last forward's (rows, width) when it was taken here (None: it went part by part): its logits are
         # out[width][:rows] and its tokens ids[width][:rows], every row at once (the batch's greedy verify reads them).
         self.last: tuple[int, int] | None = None
 
     def buffer_bytes(self) -> int:
         """The static inputs and outputs (the graphs' own pool is apart)."""
-        tensors = [*self.ids.values(), self.starts, *self.out.values(), *self.kept.values()]
+        tensors = [*self.ids.values(), self.starts, *self.out.values(), *self.kept.values(), *self.pre_ids.values(),
+                   *self.pre_kept.values()]
         return sum(t.numel() * t.element_size() for t in tensors)
 
     # -- one forward -------------------------------------------------------------------------------
@@ -75,11 +89,46 @@ class AllRows:
         if self.keep:
             self.kept[width][:rows].copy_(self.d.kept_rows)
 
+    def _prefill_step(self, width: int, span: int) -> None:
+        """The forward a prefill graph holds: the static chunk into row `row` from `start`, its kept rows out."""
+        self.d.forward_rows(self.pre_ids[width], self.start, slots=self.row, kv_len=span, keep=self.keep)
+        if self.keep:
+            self.pre_kept[width].copy_(self.d.kept_rows)
+
+    def prefill(self, part: Part) -> bool:
+        """A prompt's chunk into its row, no logits (the graph of its padded width, eagerly off CUDA); False where
+        no prefill shape takes it. The padding's slots lie past the row's length, masked until overwritten."""
+        d, n = self.d, len(part.ids)
+        start = d.lengths[part.slot]
+        width = next((w for w in self.prefill_widths if w >= n), None)
+        if part.tail is not None or width is None or start + width > d.config.cache_len:
+            return False
+        span = next(s for s in self.spans if s >= start + width)
+        graph = self.prefill_graphs.get((width, span))
+        if graph is None and self.graphs_on:
+            return False  # a shape not captured: the per-part forward (the same maths) is no slower eagerly
+        ids = torch.zeros(1, width, dtype=torch.long)
+        ids[0, :n] = torch.tensor(part.ids)
+        self.pre_ids[width].copy_(ids, non_blocking=True)
+        self.row.fill_(part.slot)
+        self.start.fill_(start)
+        if graph is not None:
+            graph.replay()
+        else:
+            self._prefill_step(width, span)
+        d.lengths[part.slot] += n
+        self.prefills += 1
+        if self.keep:
+            d.kept = [self.pre_kept[width][0, :n].clone()]  # the next chunk's replay overwrites the buffer
+        return True
+
     def forward(self, parts: list[Part], logits: bool, keep: tuple[int, ...]) -> list[torch.Tensor] | None:
         """What BatchedDecoder.forward returns, or None where this shape cannot take the forward."""
         self.last = None
-        if not logits or (keep and keep != self.keep):
+        if keep and keep != self.keep:
             return None
+        if not logits:
+            return [] if len(parts) == 1 and self.prefill(parts[0]) else None
         d = self.d
         widths = [p.width for p in parts]
         width = next((w for w in self.widths if w >= max(widths)), None)
@@ -118,7 +167,7 @@ class AllRows:
     # -- capture -----------------------------------------------------------------------------------
     @torch.inference_mode()
     def capture(self) -> int:
-        """One graph per (rows, width, span); returns how many. A failure leaves the eager static forward (correct,
+        """One graph per (rows, width, span), and per (width, span) of a prefill; returns how many. A failure leaves the eager static forward (correct,
         slower) and says so in the log. The rows' lengths are untouched (forward_rows never sets them)."""
         if not self.graphs_on:
             return 0
@@ -131,23 +180,34 @@ class AllRows:
                 if width > span:
                     continue
                 self.ids[width].zero_()
-                stream.wait_stream(torch.cuda.current_stream(d.device))
-                with torch.cuda.stream(stream):
-                    for _ in range(WARMUP_ITERS):
-                        self._step(rows, width, span)
-                torch.cuda.current_stream(d.device).wait_stream(stream)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    self._step(rows, width, span)
-                graph.replay()
-                self.graphs[(rows, width, span)] = graph
+                self.graphs[(rows, width, span)] = self._capture(lambda: self._step(rows, width, span), stream, pool)
+            self.row.zero_()
+            for width, span in itertools.product(self.prefill_widths, self.spans):
+                if width <= span:
+                    self.prefill_graphs[(width, span)] = self._capture(lambda: self._prefill_step(width, span),
+                                                                       stream, pool)
             torch.cuda.synchronize(d.device)
         except Exception as exc:  # graphs are an optimisation: never let them break serving
             log.warning("batched CUDA graph capture failed, the batch runs its static forward eagerly: %s", exc,
                         exc_info=True)
             self.graphs.clear()
+            self.prefill_graphs.clear()
             torch.cuda.synchronize(d.device)
-        return len(self.graphs)
+        return len(self.graphs) + len(self.prefill_graphs)
+
+    def _capture(self, body, stream: torch.cuda.Stream, pool) -> torch.cuda.CUDAGraph:
+        """body() warmed on a side stream, then captured into the shared pool and replayed once."""
+        device = self.d.device
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            for _ in range(WARMUP_ITERS):
+                body()
+        torch.cuda.current_stream(device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool, stream=stream):
+            body()
+        graph.replay()
+        return graph
 
 
 def row_buckets(slots: int) -> tuple[int, ...]:

@@ -99,7 +99,7 @@ def rope_and_write_rows(qk: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, si
     position), caches [slots, Hkv, cache_len, D], rows [B] long: the cache row of each batch row (None: the
     first B) -> queries [B, Hkv, G * W, D] rotated; rotated keys and the values written in their rows."""
     b, w = qk.shape[:2]
-    assert qk.stride(0) == w * qk.stride(1) and v.stride(0) == w * v.stride(1), "a batch row's tokens evenly strided"
+    assert w == 1 or (qk.stride(0) == w * qk.stride(1) and v.stride(0) == w * v.stride(1)), "rows evenly strided"
     assert pos.is_contiguous() and pos.shape == (b, w)
     flat_pos = pos.view(-1)
     return _launch(qk.flatten(0, 1), v.flatten(0, 1), cos, sin, flat_pos, flat_pos, rows, k_cache, v_cache,
