@@ -8,7 +8,7 @@ graphs). Every
 row holds --context tokens; each timed forward is rolled back, so every repeat sees the same cache. Median ms of
 --iters forwards after a warm one.
 
-    python bench/batched_forward_cost.py --model MODEL_DIR --json bench/results/h200_batched_forward_cost.json
+    python bench/batched_forward_cost.py --model MODEL_DIR --json bench/results/h100_batched_forward_cost.json
 """
 from __future__ import annotations
 

@@ -117,6 +117,7 @@ def test_a_static_forward_runs_the_rows_up_to_the_highest_part_only(engine):
 def test_a_mixed_batch_gives_every_sequence_its_single_sequence_answer(engine, how):
     alone = [_alone(engine, r) for r in REQUESTS]
     batch = BatchEngine(engine, 4)
+    batch.overlap = how.startswith("all_rows")  # the GPU's route describes each round in the next
     for decoder in (batch.target, batch.draft):
         route(decoder, how)
     seqs = [batch.add(r, engine.encode(r), threading.Event()) for r in REQUESTS]
@@ -141,16 +142,19 @@ def test_a_mixed_batch_gives_every_sequence_its_single_sequence_answer(engine, h
         assert "".join(s.text for s in seq.steps) == seq.summary.text
 
 
-def test_rows_are_reused_and_a_cancelled_sequence_ends(engine):
+@pytest.mark.parametrize("overlap", [False, True])  # True: a GPU's, each round's Steps described in the next
+def test_rows_are_reused_and_a_cancelled_sequence_ends(engine, overlap):
     batch = BatchEngine(engine, 1)
+    batch.overlap = overlap
     cancel = threading.Event()
     seq = batch.add(REQUESTS[0], engine.encode(REQUESTS[0]), cancel)
-    assert batch.round() == [], "a round's Steps come out of the next round"
+    first = batch.round()
+    assert first == [] if overlap else [(seq, seq.steps[0])], "with overlap a round's Steps come out of the next"
     batch.round()
     cancel.set()
-    (ended, step), = batch.round()  # the round before's Step, and the summary with it
-    assert ended is seq and step is not None and seq.summary.stop_reason == "cancelled"
-    assert seq.steps[-1] is step and not batch.active
+    (ended, step), = batch.round()  # with overlap the round before's Step, and the summary with it
+    assert ended is seq and seq.summary.stop_reason == "cancelled" and not batch.active
+    assert step is (seq.steps[-1] if overlap else None)
     assert batch.free == [0]
     gen, _ = _alone(engine, REQUESTS[1])
     again = batch.add(REQUESTS[1], engine.encode(REQUESTS[1]), threading.Event())

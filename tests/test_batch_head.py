@@ -131,6 +131,8 @@ def test_head_sequences_answer_in_a_batch_what_they_answer_alone(engine, how):
     drafted = [s for s in fixed.steps if s.proposed]
     assert drafted and all(set(s.sources) == {"head"} for s in drafted)
     assert [(s.proposed, s.accepted) for s in fixed.steps] == [(s.proposed, s.accepted) for s in lone_steps]
+    assert all(a.proposed_q == pytest.approx(b.proposed_q, abs=1e-4) for a, b in zip(fixed.steps, lone_steps)), \
+        "each draft's q(x) as the head drafted it"
 
 
 def test_a_sampled_head_sequence_answers_in_a_batch_what_it_answers_beside_others(engine):
@@ -165,3 +167,23 @@ def test_without_a_head_the_batch_refuses_head_requests(engine):
     batch.heads = None  # as on llama.cpp, whose batched forward keeps no layers
     assert not batch.supports(REQUESTS[0])
     assert batch.supports(REQUESTS[1])
+
+
+def test_head_only_rows_show_each_drafts_q_as_the_lone_head_does(engine):
+    """Every sequence drafting with the head (the static forward's route): the verify reads q(x) from the head's own
+    buffer; each Step shows what the loop's head proposer shows."""
+    from dataclasses import replace
+
+    batch = BatchEngine(engine, 4)
+    route(batch.target, "all_rows", batch.heads.layers)
+    batch.overlap = True  # as on a GPU: each round's Steps described while the next one's forwards run
+    requests = [REQUESTS[0], replace(REQUESTS[0], messages=_messages(6), k=3)]
+    alone = [_alone(engine, r) for r in requests]
+    seqs = [batch.add(r, engine.encode(r), threading.Event()) for r in requests]
+    while batch.active:
+        batch.round()
+    for seq, (gen, steps) in zip(seqs, alone):
+        assert seq.token_ids == gen.token_ids
+        assert [(s.proposed, s.accepted) for s in seq.steps] == [(s.proposed, s.accepted) for s in steps]
+        assert all(a.proposed_q == pytest.approx(b.proposed_q, abs=1e-4) for a, b in zip(seq.steps, steps))
+        assert any(s.proposed_q and max(s.proposed_q) < 1 for s in seq.steps), "softmax values, not point masses"

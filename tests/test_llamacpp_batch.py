@@ -194,7 +194,7 @@ def test_cancelling_one_sequence_leaves_the_others_exact(engine):
     batch.round()
     cancel.set()
     ended = batch.round()
-    assert [s for s, _ in ended] == [seqs[0], seqs[1], seqs[2]] and seqs[1].summary.stop_reason == "cancelled"
+    assert (seqs[1], None) in ended and seqs[1].summary.stop_reason == "cancelled"
     assert batch.target.kv_length(seqs[1].slot) == 0 and seqs[1].slot in batch.free
     _drain(batch)
     for seq, request in zip((seqs[0], seqs[2]), keep):

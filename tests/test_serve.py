@@ -90,6 +90,16 @@ def test_chat_stream_carries_the_same_text_and_every_token_status(server, engine
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens > 0
 
 
+def test_stop_strings_cut_the_same_when_steps_come_a_round_late(server, engine):
+    """As on a GPU (the batch describes each round in the next): a stop string cancels the sequence while its
+    Step waits; the summary comes with that Step, once."""
+    server.scheduler.batch.overlap = True  # the worker is idle between tests
+    try:
+        test_stop_strings_cut_exactly_across_token_boundaries(server, engine)
+    finally:
+        server.scheduler.batch.overlap = False
+
+
 def test_completions_whole_and_streamed(server, engine):
     client = _client(server)
     whole = client.completions.create(model=MODEL, prompt=QUESTION, max_tokens=20)
@@ -324,8 +334,8 @@ def test_a_client_that_gives_up_on_a_whole_answer_cancels_it_too(engine):
 
 
 def test_a_lone_request_runs_through_the_loop_and_the_next_ones_join_the_batch(engine):
-    """alone_in_loop (the default beside CUDA graph runners): a request to an idle server takes the single-sequence
-    loop, faster there than a batch of one; requests arriving while it runs are batched beside it."""
+    """alone_in_loop (an option; off by default): a request to an idle server takes the single-sequence loop;
+    requests arriving while it runs are batched beside it."""
     from engine.serving.scheduler import Scheduler
 
     prompts = [QUESTION, "class Stack:", "x = [1, 2"]

@@ -23,10 +23,11 @@ sampling and its own random generator. One `round()`:
    n-gram drafts are point masses); a standard step draws from the processed p. One host sync reads
    every sequence's outcome.
 5. Commit and roll back each row to exactly the committed prefix; cut at EOS / max_new_tokens (a sequence
-   that stops frees its rows now). Each sequence's Step, described as the single-sequence loop does
-   (statuses, q, p, text), comes out of the next round(): the host describes a round while the device runs
-   the next one's forwards, which no longer wait for it (on a GPU the description costs about as much host
-   time as the round's launches).
+   that stops frees its rows now), and describe each sequence's Step as the single-sequence loop does
+   (statuses, q, p, text). On a GPU the Steps come out of the next round(): the host describes a round
+   while the device runs the next one's forwards, which no longer wait for it (the description costs about
+   as much host time as the round's launches); elsewhere forwards run as they are called, and each round
+   describes its own.
 
 Exactness. Greedy in float32: a sequence's tokens equal the single-sequence loop's (on llama.cpp: as far
 as its kernels give a row the same argmax whatever else is in its batch). Sampled: every
@@ -104,6 +105,9 @@ class BatchEngine:
                 decoder.use_all_rows(keep, graphs=captured_graphs(runner))
         if self.heads is not None and captured_graphs(engine.target_runner):
             self.heads.warmup()
+        # On a GPU a round's Steps are described while the next round's forwards run (they come out of the next
+        # round); elsewhere a forward runs as it is called and each round describes its own.
+        self.overlap = isinstance(self.target, BatchedDecoder) and self.target.device.type == "cuda"
         self.active: list[Sequence] = []  # admitted, not yet summarised (a stopped one's last Step may wait)
         self.pending: list[Outcome] = []  # the last round's outcomes, described in the next round
         self.costs = RowCosts(RATE)  # what this batch's verifies cost by their rows (as the controller averages)
@@ -182,10 +186,10 @@ class BatchEngine:
     # -- one round -------------------------------------------------------------------------------
     @torch.inference_mode()
     def round(self) -> list[tuple[Sequence, Step | None]]:
-        """One batched step for every sequence still decoding, and the Steps of the round before: (sequence, its
-        Step) each, in order, a sequence at most once; one that has ended has its summary set with its last Step
-        (Step None: cancelled with none left to describe). The last round's outcomes are described (Steps, text) while this round's forwards run on the
-        device, so a Step comes out one round after its verify; a round with nothing left to decode describes."""
+        """One batched step for every sequence still decoding: (sequence, its Step) each, in order, a sequence at
+        most once; one that has ended has its summary set with its last Step (Step None: cancelled with none left
+        to describe). With `overlap` (a GPU) the Steps are the round before's, described while this round's
+        forwards run, and a round with nothing left to decode only describes."""
         out: list[tuple[Sequence, Step | None]] = []
         cancelled = [s for s in self.active if s.cancel.is_set() and not s.stopped]
         for seq in cancelled:
@@ -205,6 +209,9 @@ class BatchEngine:
                 out.append((seq, None))
         if read is not None:
             self._accept(live, *read, t_begin, t_launched, t_described)
+            if not self.overlap:  # the forwards ran as they were called: nothing to overlap, no Step need wait
+                out += [(o.seq, self._describe(o)) for o in self.pending]
+                self.pending = []
         return out
 
     def _launch(self, live: list[Sequence]):
@@ -326,13 +333,18 @@ class BatchEngine:
         rows, width = static.last
         device = static.out[width].device
         n = [0] * rows  # drafts per row; rows no sequence holds verify nothing
-        q = torch.ones(rows, width - 1)  # q(x) people see, host-known ones filled here
         for s, p in zip(live, parts):
-            n[s.slot], q[s.slot, : len(drafted[id(s)].q_shown)] = p.width - 1, torch.tensor(drafted[id(s)].q_shown)
-        q = q.to(device, non_blocking=True)
-        for s, p in zip(live, parts):  # the head's shown q, still on the device
-            if drafted[id(s)].shown_device is not None:
-                q[s.slot, : p.width - 1].copy_(drafted[id(s)].shown_device)
+            n[s.slot] = p.width - 1
+        if self.heads is not None and all(drafted[id(s)].shown_device is not None for s in live):
+            q = self.heads.runner.shown[:rows, : width - 1]  # every row's q(x) as the head drafted it (its view)
+        else:
+            q = torch.ones(rows, width - 1)  # q(x) people see, host-known ones filled here
+            for s in live:
+                q[s.slot, : len(drafted[id(s)].q_shown)] = torch.tensor(drafted[id(s)].q_shown)
+            q = q.to(device, non_blocking=True)
+            for s, p in zip(live, parts):  # the head's shown q, still on the device
+                if drafted[id(s)].shown_device is not None:
+                    q[s.slot, : p.width - 1].copy_(drafted[id(s)].shown_device)
         table = verify_rows_greedy(static.out[width][:rows, :, : self.engine.vocab], static.ids[width][:rows],
                                    torch.tensor(n).to(device, non_blocking=True), q)
         return table, lambda values: [chain_values(values[s.slot], width, p.width - 1) for s, p in zip(live, parts)]

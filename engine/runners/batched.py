@@ -219,9 +219,9 @@ class BatchedDecoder:
                      take: torch.Tensor | None = None, kv_len: int | None = None, every: bool = False,
                      keep: tuple[int, ...] = ()) -> torch.Tensor | None:
         """Every row at once, all of one width: ids [B, W] appended to rows `slots` (default: the first B rows,
-        in order; a [B] long tensor on the device, which a CUDA graph reads, or a list) at positions starts[b] .. starts[b] + W - 1 (a list, or a [B] long tensor on the device, which
-        a CUDA graph reads); float32 logits [B, V] of each row's token
-        `take[b]` (default: its last), or with `every` all W tokens' logits [B, W, V].
+        in order; a list, or a [B] long tensor on the device, which a CUDA graph reads) at positions starts[b] ..
+        starts[b] + W - 1 (a list, or such a tensor); float32 logits [B, V] of each row's token `take[b]`
+        (default: its last), or with `every` all W tokens' logits [B, W, V].
 
         What `forward` does per part, vectorised: one attention call for all B rows against their own
         cache rows (the first `kv_len` slots, default all; the caller keeps every start + W within it),

@@ -167,8 +167,9 @@ class AllRows:
     # -- capture -----------------------------------------------------------------------------------
     @torch.inference_mode()
     def capture(self) -> int:
-        """One graph per (rows, width, span), and per (width, span) of a prefill; returns how many. A failure leaves the eager static forward (correct,
-        slower) and says so in the log. The rows' lengths are untouched (forward_rows never sets them)."""
+        """One graph per (rows, width, span), and per (width, span) of a prefill; returns how many. A failure
+        leaves the eager static forward (correct, slower) and says so in the log. The rows' lengths are untouched
+        (forward_rows never sets them)."""
         if not self.graphs_on:
             return 0
         d = self.d

@@ -12,8 +12,8 @@ draft model, n-gram lookup or both, are decoded together, up to max_seqs at once
 batches), and so are those drafting from the draft head on torch: one target forward verifies every
 sequence's drafts, each sequence with its own K, sampling and random generator. The rest (engine-side
 stop strings, a model the batched forward cannot take) runs through the single-sequence loop, one at a
-time, a step of it between two batched rounds; so does a request that arrives to an idle server beside
-CUDA graph runners, whose loop decodes one sequence faster than a batch of one (`alone_in_loop`). A
+time, a step of it between two batched rounds; with `alone_in_loop`, so does a request that arrives to an
+idle server (the loop drafts the head's trees; on a GPU the batch of one is the faster, docs/serve.md). A
 sampled answer from the batch follows the target's law but not the loop's exact tokens for the same seed
 (the random draws come in another order); with a fixed K it is the same answer whatever else is in the
 batch.
@@ -32,7 +32,6 @@ from typing import TYPE_CHECKING, Literal
 
 from engine.decoding.batch import BatchEngine
 from engine.errors import EngineError, GenerationError
-from engine.runners.graphs import captured_graphs
 from engine.runners.lean import UnsupportedModelError
 from engine.limits import widest_draft
 from engine.types import GenerationRequest, Step, Summary
@@ -72,16 +71,15 @@ class Scheduler:
     """Owns the engine; `submit` admits a request or refuses it; `close` stops the worker."""
 
     def __init__(self, engine: Engine, *, max_seqs: int = 4, queue_size: int = 16, batched: bool = True,
-                 alone_in_loop: bool | None = None) -> None:
+                 alone_in_loop: bool = False) -> None:
         """max_seqs: sequences decoded together; queue_size: admitted requests beyond them that wait.
         batched: decode the requests the batch takes together (engine/decoding/batch.py, BatchEngine.supports)
         where the engine's models allow it (torch on one device, or llama.cpp); the rest, and every request
         otherwise, one at a time.
         alone_in_loop: a request that arrives to an idle server runs through the single-sequence loop (the
-        others that come while it runs are batched beside it). None: where the target's runner captured CUDA
-        graphs, whose loop decodes a lone sequence faster than the batch (its one-row forwards, the head's
-        trees: on an H100 the batch alone runs at 0.84x the loop's standard and 0.78x its head speed, docs/serve.md);
-        on a CPU a batch of one is as fast."""
+        others that come while it runs are batched beside it). Off by default: on an H100 a batch of one runs
+        1.04x the loop's standard speed and 1.06x its head speed (its trees included; docs/serve.md), and on a
+        CPU it is as fast."""
         assert max_seqs >= 1 and queue_size >= 0, "max_seqs >= 1, queue_size >= 0"
         self.engine = engine
         self.batch: BatchEngine | None = None
@@ -90,8 +88,6 @@ class Scheduler:
                 self.batch = BatchEngine(engine, max_seqs)
             except UnsupportedModelError as e:
                 log.warning("requests are decoded one at a time: %s", e)
-        if alone_in_loop is None:
-            alone_in_loop = captured_graphs(engine.target_runner)
         self.alone_in_loop = alone_in_loop and self.batch is not None
         self.max_seqs = max_seqs
         self.queue_size = queue_size
