@@ -144,7 +144,10 @@ def main() -> int:
                                          "row_attention": getattr(batch.target, "attention", None),
                                          "batched_graphs": {role: len(d.all_rows.graphs) for role, d in
                                                             (("target", batch.target), ("draft", batch.draft))
-                                                            if getattr(d, "all_rows", None) is not None}},
+                                                            if getattr(d, "all_rows", None) is not None},
+                                         "prompt_graphs": {role: len(d.all_rows.prefill_graphs) for role, d in
+                                                           (("target", batch.target), ("draft", batch.draft))
+                                                           if getattr(d, "all_rows", None) is not None}},
                                         indent=2) + "\n", encoding="utf-8")
     return 0
 

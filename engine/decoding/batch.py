@@ -210,8 +210,12 @@ class BatchEngine:
         if read is not None:
             self._accept(live, *read, t_begin, t_launched, t_described)
             if not self.overlap:  # the forwards ran as they were called: nothing to overlap, no Step need wait
+                t0 = time.perf_counter()
                 out += [(o.seq, self._describe(o)) for o in self.pending]
                 self.pending = []
+                ms = (time.perf_counter() - t0) * 1e3
+                self.host_ms += ms  # part of the next round's wall time, as the commits are
+                self.spent_ms["describe"] += ms
         return out
 
     def _launch(self, live: list[Sequence]):
