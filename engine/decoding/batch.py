@@ -111,10 +111,10 @@ class BatchEngine:
         self.active: list[Sequence] = []  # admitted, not yet summarised (a stopped one's last Step may wait)
         self.pending: list[Outcome] = []  # the last round's outcomes, described in the next round
         self.costs = RowCosts(RATE)  # what this batch's verifies cost by their rows (as the controller averages)
-        self.host_ms = 0.0  # the last round's commits, after its verify: part of a round's wall time
+        self.host_ms = 0.0  # the last round's commits (and, without overlap, descriptions): part of a round's wall time
         # Where rounds spent their time, summed: deciding and drafting, the verify (its forward and acceptance up to
-        # the host sync), committing; describing the round before, which the verify's time holds (the host describes
-        # while the device computes); and how many rounds (a benchmark reads them).
+        # the host sync), committing, describing (with overlap the round before's, inside the verify's time: the
+        # host describes while the device computes); and how many rounds (a benchmark reads them).
         self.spent_ms = {"draft": 0.0, "verify": 0.0, "commit": 0.0, "describe": 0.0}
         self.rounds = 0
         # Adaptive controllers learn the batch's timing here; acceptance is the engine's (the same dict).
@@ -260,12 +260,13 @@ class BatchEngine:
     def _accept(self, live: list[Sequence], decisions: dict[int, Decision], drafted: dict[int, Drafted],
                 parts: list[Part], table: tuple, t_drafted: float, t_begin: float, t_launched: float,
                 t_described: float) -> None:
-        """Reads every sequence's outcome (the host sync) and commits it; the Steps wait for the next round."""
+        """Reads every sequence's outcome (the host sync) and commits it; round() describes them (with overlap, in the
+        next round)."""
         values, split = table
         outcomes = split(values.tolist())
         t_verified = time.perf_counter()
-        # The verify's wall time holds the last round's Steps, described while its forwards ran (on a GPU; elsewhere
-        # after them): what a round costs either way.
+        # With overlap the verify's wall time holds the last round's Steps, described while its forwards ran: what a
+        # round costs either way.
         draft_ms, verify_ms = (t_drafted - t_begin) * 1e3, (t_verified - t_drafted) * 1e3
         self.costs.observe(sum(p.width for p in parts), verify_ms)
         wall_ms = (t_verified - t_begin) * 1e3 + self.host_ms
@@ -414,7 +415,7 @@ class BatchEngine:
             proposal = Proposal(tokens=torch.tensor(d.tokens, dtype=torch.long), q=None,
                                 sources=(o.decision.source,) * n, forwards=n)  # type: ignore[arg-type]
         launched = Launched(torch.tensor(values), n, proposal, o.decision, None, ())
-        # Its tokens already hold this round's (committed before the next round's forwards were launched).
+        # Its tokens already hold this round's (committed before it is described).
         step, _ = describe_step(len(s.steps), result, o.committed, o.kept, launched, s.detok, s.t0, 0.0,
                                 len(s.token_ids))
         if o.stop is not None:

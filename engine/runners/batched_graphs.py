@@ -14,8 +14,9 @@ masks it by position until a later forward overwrites it (rollback's rule), and 
 Rows from R on do not run. The attention span covers every running row's positions. A prompt's chunk (no logits)
 goes into its one row, right-padded to the nearest of PREFILL_WIDTHS, from a graph per (padded width, span): eagerly,
 the per-part forward of one chunk costs about 20 ms of launches on a GPU whose forward takes 2.5 (every sequence
-in the batch waits for it). A forward this cannot take (wider than the widest width; a row too near the end of its
-cache; other layers kept; several prompts at once) goes to the per-part forward, the same maths.
+in the batch waits for it; bench/results/h100_batched_forward_cost.json). A forward this cannot take (wider than
+the widest width; a row too near the end of its cache; other layers kept; several prompts at once) goes to the
+per-part forward, the same maths.
 
 On a CPU the same static forward runs eagerly (tests compare it with the per-part one); on a GPU it pays because
 the matmuls cost about the same for a few more rows (the rows are where the weights stream once).
