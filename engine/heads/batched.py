@@ -24,7 +24,7 @@ import torch
 
 from engine.heads.model import DraftHead, rope
 from engine.runners.batched_graphs import row_buckets
-from engine.runners.graphs import WARMUP_ITERS, kv_buckets
+from engine.runners.graphs import capture, kv_buckets
 from engine.runners.lean import CACHE_ALIGN, PREFILL_CHUNK, math_attention
 
 log = logging.getLogger(__name__)
@@ -208,16 +208,7 @@ class BatchedHeadRunner:
                 self.starts.zero_()
                 self.last.zero_()
                 self.idx.zero_()
-                stream.wait_stream(torch.cuda.current_stream(self.device))
-                with torch.cuda.stream(stream):
-                    for _ in range(WARMUP_ITERS):
-                        body()
-                        self.idx.zero_()
-                torch.cuda.current_stream(self.device).wait_stream(stream)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    body()
-                self.graphs[(kind, r, width, span)] = graph
+                self.graphs[(kind, r, width, span)] = capture(body, stream, pool, self.device, self.idx.zero_)
             torch.cuda.synchronize(self.device)
         except Exception as exc:  # graphs are an optimisation: eager stays correct
             log.warning("batched draft-head graph capture failed, it runs eagerly: %s", exc, exc_info=True)

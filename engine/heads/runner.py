@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from engine.errors import GenerationError
 from engine.heads.model import DraftHead, rope
 from engine.limits import TREE_ALTERNATIVES_MAX
-from engine.runners.graphs import kv_buckets
+from engine.runners.graphs import capture, kv_buckets
 from engine.runners.lean import CACHE_ALIGN, PREFILL_CHUNK
 
 log = logging.getLogger(__name__)
@@ -31,7 +31,6 @@ log = logging.getLogger(__name__)
 ALTERNATIVES = TREE_ALTERNATIVES_MAX  # next-best draft tokens kept beside each draft (a tree proposal reads up to these)
 MIN_BUCKET = 512  # smallest attention span (as the target runner): one graph per (width, span)
 COMPILE_SPANS = 2  # compile_step: spans whose chain step is compiled (short and medium contexts)
-WARMUP_ITERS = 3  # eager runs on a side stream before each capture
 # Most captured replays one catch-up is split into; wider ones (a prompt's rows) run as one eager
 # forward. On an H200 catch-ups of a few replays cost 1.1-1.2 ms more than a round's own one
 # (bench/results/h200_auto_trace_t07_head.json, catch_up_ms): about 0.3 ms a replay.
@@ -279,16 +278,7 @@ class HeadRunner:
         # blocks apart and memory grows with the number of graphs (bench/head_memory.py measures it).
         if self._side_stream is None:
             self._side_stream = torch.cuda.Stream(self.device)
-        stream = self._side_stream
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            for _ in range(WARMUP_ITERS):
-                body()
-                reset()
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool, stream=stream):
-            body()
+        graph = capture(body, self._side_stream, pool, self.device, reset)
         reset()
         graph.replay()
         torch.cuda.synchronize(self.device)

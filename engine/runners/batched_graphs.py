@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.limits import BATCH_WIDTHS, PREFILL_WIDTHS
-from engine.runners.graphs import MIN_BUCKET, WARMUP_ITERS, kv_buckets
+from engine.runners.graphs import MIN_BUCKET, capture, kv_buckets
 
 if TYPE_CHECKING:
     from engine.runners.batched import BatchedDecoder, Part
@@ -198,16 +198,8 @@ class AllRows:
         return len(self.graphs) + len(self.prefill_graphs)
 
     def _capture(self, body, stream: torch.cuda.Stream, pool) -> torch.cuda.CUDAGraph:
-        """body() warmed on a side stream, then captured into the shared pool and replayed once."""
-        device = self.d.device
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):
-            for _ in range(WARMUP_ITERS):
-                body()
-        torch.cuda.current_stream(device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool, stream=stream):
-            body()
+        """body() captured into the shared pool (runners/graphs.py capture), then replayed once."""
+        graph = capture(body, stream, pool, self.d.device)
         graph.replay()
         return graph
 

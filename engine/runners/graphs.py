@@ -37,6 +37,24 @@ WARMUP_ITERS = 3  # eager runs on a side stream before each capture, as PyTorch 
 MIN_BUCKET = 512  # smallest attention span; spans double up to the whole cache
 
 
+def capture(body: Callable[[], None], stream: torch.cuda.Stream, pool, device: torch.device,
+            reset: Callable[[], None] | None = None) -> torch.cuda.CUDAGraph:
+    """body() as a CUDA graph in `pool`: warmed WARMUP_ITERS times on the side `stream` (reset() after each, so
+    every run starts from the state a replay will), then captured on it. Every runner of this project captures
+    through here; replaying once to check, and putting counters back after, are the caller's."""
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for _ in range(WARMUP_ITERS):
+            body()
+            if reset is not None:
+                reset()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool, stream=stream):
+        body()
+    return graph
+
+
 def capture_problem(model: nn.Module) -> str | None:
     """Why this model's forward cannot be captured in a CUDA graph, or None when it can."""
     for module in model.modules():
@@ -362,16 +380,7 @@ class StaticGraphRunner:
                 out.copy_(run(s, inp, start, bucket, True, hidden, stage_tree))
 
             with torch.cuda.device(stage.device):
-                stream = self._stream(stage.device)
-                stream.wait_stream(torch.cuda.current_stream(stage.device))
-                with torch.cuda.stream(stream):
-                    for _ in range(WARMUP_ITERS):
-                        step()
-                torch.cuda.current_stream(stage.device).wait_stream(stream)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pools[stage.device], stream=stream):
-                    step()
-            graphs.append(graph)
+                graphs.append(capture(step, self._stream(stage.device), pools[stage.device], stage.device))
         for s, graph in enumerate(graphs):  # one replay so a broken capture fails here, not in a generation
             if s:
                 self.stage_in[(s, width)].copy_(self.stage_out[(s - 1, width)])
