@@ -6,7 +6,10 @@ generation of each on the first prompt), so each ratio is measured side by side 
 same prompts. A configuration is `0`..`3` (a chain with that many alternatives beside each draft token)
 or `dN` (a dynamic tree of N nodes, engine/heads/tree.py), with `@K` for a draft depth other than --k
 (e.g. `d48@8`). Prints one row per configuration: tok/s, x standard, tokens per target forward,
-acceptance by position, identical outputs (greedy), and writes every run to --json.
+acceptance by position, identical outputs (greedy); then where each configuration's rounds spend their
+time (per speculative round: the drafting and the verify as the device's events timed them, the host's
+work between rounds, and what lies outside every step) beside the drafting and verify priced at load,
+which the cost model and the draft check use; and writes every run to --json.
 
     python3 bench/tree_sweep.py --target path/to/target --head path/to/head --trees 2,d32,d48,d64@8 --k 6 \\
         --json bench/results/h200_tree_sweep.json
@@ -40,6 +43,19 @@ def use_tree(engine, tree: str, frontier: int) -> None:
     else:
         engine.set_dynamic_tree(0)
         engine.set_tree(int(tree))
+
+
+def round_split(runs) -> dict:
+    """Ms per round of the runs' decoding (after the prompt's prefill): the drafting and the verify as the
+    device's events timed them, the host's work between rounds (steps' overhead), and the time outside every
+    step (the answer's start and end), each over the rounds that drafted (all rounds for standard runs)."""
+    drafted = sum(sum(r.drafted_steps[1:]) for r in runs)
+    rounds = drafted or sum(r.drafted_steps[0] for r in runs if r.drafted_steps) or 1
+    parts = {"draft": sum(r.draft_s for r in runs), "verify": sum(r.verify_s for r in runs),
+             "host": sum(r.overhead_s for r in runs)}
+    parts["outside"] = sum(r.seconds - r.prefill_s for r in runs) - sum(parts.values())
+    parts["all"] = sum(parts.values())
+    return {name: 1e3 * v / rounds for name, v in parts.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -82,10 +98,10 @@ def main(argv: list[str] | None = None) -> int:
         steps = list(generation)
         return record_run(generation, steps, prompt, label)
 
-    verify_ms = {}  # each configuration's tree rounds as measured at its first use (ms by K)
+    verify_ms, draft_ms = {}, {}  # each configuration's tree rounds as measured at its first use (ms by K)
     for label, tree, k in [("standard", None, 0), *configs]:  # untimed: first calls, allocations, graphs
         run(prompts[0], label, tree, k)
-        verify_ms[label] = dict(engine.info.tree_ms)
+        verify_ms[label], draft_ms[label] = dict(engine.info.tree_ms), dict(engine.info.tree_draft_ms)
     runs = []
     for prompt in prompts:
         runs.append(run(prompt, "standard", None, 0))
@@ -103,12 +119,24 @@ def main(argv: list[str] | None = None) -> int:
                "tokens_per_target_forward": t["tokens_per_target_forward"],
                "per_position_acceptance": list(t["per_position_acceptance"]),
                "time_split": t["time_split"], "tree_verify_ms": verify_ms[label],
+               "round_ms": round_split([r for r in runs if r.mode == label]),
+               "priced_ms": {"draft": draft_ms[label].get(k), "verify": verify_ms[label].get(k)},
                "identical": same["identical"], "compared": same["compared"],
                "divergences": same["divergences"]}
         rows.append(row)
         print(f"{label:<10}{k:>3}{row['tokens_per_s']:>9.1f}{row['vs_standard']:>8.2f}"
               f"{row['tokens_per_target_forward']:>9.2f}{same['identical']:>6}/{same['compared']:<4}  "
               + " ".join(f"{a:.2f}" for a in row["per_position_acceptance"]), flush=True)
+    std_ms = round_split([r for r in runs if r.mode == "standard"])
+    print(f"\nms a round{'':<4}{'draft':>8}{'verify':>8}{'host':>8}{'outside':>9}{'in all':>8}   priced at load")
+    print(f"{'standard':<14}{'':>8}{std_ms['verify']:>8.3f}{std_ms['host']:>8.3f}{std_ms['outside']:>9.3f}"
+          f"{std_ms['all']:>8.3f}   verify {dict(engine.info.target_ms).get(1, float('nan')):.3f}")
+    for row in rows:
+        m, p = row["round_ms"], row["priced_ms"]
+        priced = "" if p["verify"] is None else (
+            f"verify {p['verify']:.3f}" + ("" if p["draft"] is None else f" + draft {p['draft']:.3f}"))
+        print(f"{row['config']:<14}{m['draft']:>8.3f}{m['verify']:>8.3f}{m['host']:>8.3f}{m['outside']:>9.3f}"
+              f"{m['all']:>8.3f}   {priced}")
     own.out.write_text(json.dumps({
         "standard": {"tokens_per_s": base["tokens_per_s"], "tokens_per_target_forward": base["tokens_per_target_forward"]},
         "configs": rows, "temperature": args.temperature, "max_new_tokens": args.max_new_tokens,

@@ -231,7 +231,7 @@ class ModelInfo:
     tree_ms: tuple[tuple[int, float], ...] = ()
     tree_alternatives: int = 0
     tree_nodes: int = 0
-    # A dynamic tree's drafting per K (TreeDrafter.measure_ms: the head's catch-up, K levels, the pick): a
+    # A dynamic tree's drafting per K, timed in its rounds (TreeDrafter.rehearse: catch-up, K levels, pick): a
     # level ranks F * F children, dearer than a chain step's head_ms. Empty for chains and sibling trees.
     tree_draft_ms: tuple[tuple[int, float], ...] = ()
     runtime: str = "torch"  # what runs the forwards: "torch" or "llamacpp"

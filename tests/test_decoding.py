@@ -96,6 +96,30 @@ def test_standard_steps_are_single_target_tokens(engine):
     assert all(s.new_tokens == 1 and s.tokens[0].status == "target" and not s.proposed for s in steps)
 
 
+def test_a_standard_step_is_timed_as_standard_decoding_queues_it(engine, monkeypatch):
+    """With lookahead (a GPU's default) standard decoding queues rounds two ahead, each fed the token the one
+    before left on the device: costs.round_parts times width 1 so, and leaves the target's cache as it was."""
+    from engine.decoding import costs
+    from engine.decoding.loop import Generation
+
+    fed: list = []
+    launch = Generation._launch
+
+    def spy(self, proposers, decision, pending, *args, **kwargs):
+        fed.append(pending if isinstance(pending, int) else "on the device")
+        return launch(self, proposers, decision, pending, *args, **kwargs)
+
+    monkeypatch.setattr(Generation, "_launch", spy)
+    length = engine.target_runner.length
+    for lookahead, first in ((True, [1, "on the device", "on the device", "on the device"]), (False, [1] * 4)):
+        monkeypatch.setattr(engine, "lookahead", lookahead)
+        fed.clear()
+        timed = costs.round_parts(engine, [1, 3], 3)
+        assert len(timed[1]) == len(timed[3]) == 3 and all(v > 0 for _, v in timed[1])
+        assert fed[:4] == first and fed[4:] == [1] * 4  # width 3's rounds each start from the committed state
+        assert engine.target_runner.length == length
+
+
 def test_statuses_and_text_are_consistent(engine):
     gen, steps = _run(engine, prompt="快速 排序 🙂", mode="speculative", k=6, max_new_tokens=60,
                       sampling=Sampling(temperature=0.9, seed=3))

@@ -229,7 +229,7 @@ def test_dynamic_tree_rounds_are_measured_for_the_prediction(engine):
         assert [k for k, _ in engine.info.tree_draft_ms] == list(range(1, TREE_K_MAX + 1))
         assert all(ms > 0 for _, ms in engine.info.tree_draft_ms)
         head_length = engine.head_runner.length
-        engine.tree_drafter.measure_ms(3, iters=2)
+        engine.tree_drafter.rehearse(3)
         assert engine.head_runner.length == head_length, "measuring leaves the head's cache as it was"
         assert engine.target_runner.length == length
         costs = engine.step_costs()

@@ -24,6 +24,7 @@ import torch
 
 from engine.heads.runner import HeadRunner
 from engine.limits import tree_nodes, tree_widths
+from engine.runners import ids_tensor
 from engine.runners.tree import Tree, TreeDraft
 
 log = logging.getLogger(__name__)
@@ -104,27 +105,20 @@ class TreeDrafter:
         p = self.picked[n]
         return TreeDraft(p.tokens, p.parents, p.ranks, p.q, Tree(p.depth, p.ancestors), self.max_depth)
 
-    def measure_ms(self, depth: int, iters: int = 20) -> float:
-        """Milliseconds of one round's drafting `depth` levels deep, as the loop spends them: the head's
-        catch-up of width 2 (a partly accepted round), the levels, the pick. A level expands F nodes at
-        once and ranks F * F children, so it costs more than a chain step (HeadRunner.measure_ms).
+    def rehearse(self, depth: int) -> None:
+        """One round's drafting as the loop spends it, for costs.round_parts to time: the head's catch-up of
+        width 2 (a partly accepted round), the levels, the pick. A level expands F nodes at once and ranks
+        F * F children, so it costs more than a chain step (HeadRunner.measure_ms).
 
         Writes past the committed length only (as drafting does), so the head's cache is left as it was.
         """
         r = self.runner
         saved = r.length
         feats = torch.zeros(2, r.config.features, device=r.device, dtype=r.dtype)
-        ids = torch.zeros(2, dtype=torch.long, device=r.device)
         span = r.span(saved + 2 + self.slots)
-
-        def round_() -> None:
-            r.length = saved
-            r.catch_up(feats, ids, span)
-            self.draft(depth, span)
-
-        total = r.time_ms(round_, iters)
+        r.catch_up(feats, ids_tensor([0, 0], r.device), span)
+        self.draft(depth, span)
         r.length = saved
-        return total / iters
 
     def _run(self, key: tuple, body) -> None:
         graph = self.runner.graphs.get(key)
