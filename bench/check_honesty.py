@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from app.cli.check import _candidates, format_report, report_json
 from app.cli.common import CliError, environment, load_engine, request_for
 from app.cli.parser import build_parser
+from engine.errors import EngineError
 
 
 def _decode_rate(runs) -> float:
@@ -78,11 +79,16 @@ def main(argv: list[str] | None = None) -> int:
     from engine.measure.check import check_engine
     from engine.types import Sampling
 
-    prompts = read_prompts(own.bench_prompts)
-    target, drafts = _candidates(args)
-    args.target, args.draft = target, drafts[0] if drafts else None
-    loaded = time.perf_counter()
-    engine = load_engine(args, needs_draft=bool(drafts), needs_head=False)
+    try:
+        prompts = read_prompts(own.bench_prompts)
+        target, drafts = _candidates(args)
+        drafts = [d for d in drafts if d != "none"]  # --draft none: the head and n-gram only, as the check's
+        args.target, args.draft = target, drafts[0] if drafts else "none"
+        loaded = time.perf_counter()
+        engine = load_engine(args, needs_draft=bool(drafts), needs_head=False)
+    except (CliError, EngineError) as e:
+        print(f"check_honesty: {e}", file=sys.stderr)
+        return 2
     print(f"models loaded in {time.perf_counter() - loaded:.1f} s", flush=True)
     sampling = Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     report = check_engine(engine, target, drafts[1:], sampling=sampling, head=args.head != "none", ngram=True,

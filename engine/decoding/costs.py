@@ -3,8 +3,10 @@
 The target side is timed through the loop's own round (Generation._launch / outcome.read_outcome) with drafts
 that cost nothing, so a width's figure is what a step of the loop spends verifying: the forward,
 the acceptance math and the outcome's copy to the host, timed like Step.verify_ms (CUDA events on
-a GPU, the host clock on a CPU). Proposers are timed through their own propose() (proposers.py);
-a draft head's runner times its greedy round itself when it is attached (ModelInfo.head_ms).
+a GPU, the host clock on a CPU); standard steps queued as standard decoding queues them, and a dynamic
+tree's rounds with its head drafting in them (round_parts). Proposers are timed through their own
+propose() (proposers.py); a draft head's runner times its greedy round itself when it is attached
+(ModelInfo.head_ms).
 
 Sampled rounds (temperature > 0) cost more, and are measured apart (ModelInfo.sampled_costs,
 sampled_target_ms): a sampled verify processes every row and draws its token, and a proposer that

@@ -1,0 +1,27 @@
+"""The benchmark scripts answer bad input in one line (exit 2), before any model is loaded where they can."""
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _script(name: str):
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--bench-prompts", "no-such-prompts.jsonl"], "cannot read prompts file"),
+    (["--target", "no/such/model", "--draft", "none"], "Model path not found"),
+])
+def test_check_honesty_answers_bad_input_in_one_line(tmp_path, capsys, argv, says):
+    code = _script("check_honesty").main([*argv, "--json", str(tmp_path / "out.json")])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err.startswith("check_honesty: ") and says in err and "\n" not in err
+    assert not (tmp_path / "out.json").exists()
