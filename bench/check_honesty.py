@@ -5,7 +5,8 @@ Runs `specdec-studio check` (the probe prompts, assets/check_prompts.jsonl), the
 the draft head, n-gram lookup — at the K the check chose (its best K even when none pays), on the 20
 shared prompts (assets/bench_prompts.jsonl), and prints predicted vs measured acceptance per draft
 position and speedup. The check prices decoding rounds (no prefill); the measured speedup is given both
-in rounds (tokens over the seconds after prefill) and end to end (the bench's tok/s).
+in rounds (tokens over the seconds after prefill) and end to end (the bench's tok/s), and what a round spent
+by phase (drafting, verify, the host's work between rounds), beside its price at load for the head's trees.
 
 CPU, the default pair on llama.cpp (model options as the CLI's):
 
@@ -37,6 +38,7 @@ def _decode_rate(runs) -> float:
 
 def _measure(engine, args, kind: str, k: int, prompts, max_new: int) -> dict:
     from engine.measure.bench import BenchContext, run_bench
+    from engine.measure.experiment import round_split
 
     args.k, args.proposer, args.raw = k, kind, False
     ctx = BenchContext(None, engine, make_request=lambda p, mode, n: request_for(args, p, mode, n),
@@ -52,10 +54,34 @@ def _measure(engine, args, kind: str, k: int, prompts, max_new: int) -> dict:
         "speedup_end_to_end": s["speculative"]["tokens_per_s"] / s["standard"]["tokens_per_s"],
         "speedup_in_rounds": _decode_rate(spec) / _decode_rate(std),
         "bench_predicted_speedup": s.get("cost_model", {}).get("predicted_speedup"),
+        # What a round spent by phase (ms), to set beside its price: the standard step's and this candidate's.
+        "standard_round_ms": round_split(std), "round_ms": round_split(spec),
         "standard_tok_s": s["standard"]["tokens_per_s"],
         "speculative_tok_s": s["speculative"]["tokens_per_s"],
         "wall_s": result.wall_s,
     }
+
+
+def _tree_price(info, c, sampling) -> dict:
+    """A tree round's price at load by phase (ms; None where it was not measured), as the check priced it."""
+    from engine.measure.costmodel import tree_costs_at
+
+    return {"draft": dict(info.tree_draft_ms).get(c.best_k),
+            "verify": tree_costs_at(info, not sampling.greedy).get(c.best_k),
+            "host": c.round_overhead_ms, "standard": dict(info.target_ms).get(1)}
+
+
+def _round_line(m: dict, standard: dict, priced: dict | None) -> str:
+    """'  a step 4.84 ms: drafting 1.53, verify 3.04, host 0.28; a standard step 2.41 (priced: ...)'."""
+    def ms(value) -> str:
+        return "-" if value is None else f"{value:.3f}"
+
+    line = (f"  a step {m['all']:.3f} ms: drafting {m['draft']:.3f}, verify {m['verify']:.3f}, host {m['host']:.3f}; "
+            f"a standard step {standard['all']:.3f}")
+    if priced is not None:
+        line += (f" (priced: drafting {ms(priced['draft'])}, verify {ms(priced['verify'])}, host {ms(priced['host'])};"
+                 f" a standard step {ms(priced['standard'])})")
+    return line
 
 
 def _inside(value: float | None, bounds: tuple[float, float] | None) -> bool | None:
@@ -109,7 +135,8 @@ def main(argv: list[str] | None = None) -> int:
     write()
     for c in report.candidates:
         # Only the engine's own draft decodes through the loop; other drafts were loaded beside it for the check.
-        if c.status != "ok" or not c.best_k or c.kind in skip or (c.kind == "draft" and c.name != engine.info.draft_name):
+        if c.status != "ok" or not c.best_k or c.kind in skip or (
+                c.kind == "draft" and c.name != engine.info.draft_name):
             continue
         measured = _measure(engine, args, c.kind, c.best_k, prompts, own.max_new_tokens)
         first = (measured["per_position_acceptance"] or [None])[0]
@@ -118,6 +145,8 @@ def main(argv: list[str] | None = None) -> int:
                "predicted_first_range": c.first_range, "predicted_speedup_range": c.speedup_range, **measured,
                "first_in_range": _inside(first, c.first_range),
                "speedup_in_range": _inside(measured["speedup_in_rounds"], c.speedup_range)}
+        if c.kind == "head" and c.tree:
+            row["priced_ms"] = _tree_price(engine.info, c, sampling)
         rows.append(row)
         pred = " ".join(f"{v:.2f}" for v in c.sampled_positions[:6])
         meas = " ".join(f"{v:.2f}" for v in measured["per_position_acceptance"][:6])
@@ -128,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{c.name} K={c.best_k}: acceptance per position predicted {pred} | measured {meas}; speedup "
               f"predicted {c.speedup:.2f}x, measured {measured['speedup_in_rounds']:.2f}x in rounds "
               f"({measured['speedup_end_to_end']:.2f}x end to end){ranges}", flush=True)
+        print(_round_line(measured["round_ms"], measured["standard_round_ms"], row.get("priced_ms")), flush=True)
         write()
     print(f"wrote {own.out}")
     return 0

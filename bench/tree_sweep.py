@@ -45,19 +45,6 @@ def use_tree(engine, tree: str, frontier: int) -> None:
         engine.set_tree(int(tree))
 
 
-def round_split(runs) -> dict:
-    """Ms per round of the runs' decoding (after the prompt's prefill): the drafting and the verify as the
-    device's events timed them, the host's work between rounds (steps' overhead), and the time outside every
-    step (the answer's start and end), each over the rounds that drafted (all rounds for standard runs)."""
-    drafted = sum(sum(r.drafted_steps[1:]) for r in runs)
-    rounds = drafted or sum(r.drafted_steps[0] for r in runs if r.drafted_steps) or 1
-    parts = {"draft": sum(r.draft_s for r in runs), "verify": sum(r.verify_s for r in runs),
-             "host": sum(r.overhead_s for r in runs)}
-    parts["outside"] = sum(r.seconds - r.prefill_s for r in runs) - sum(parts.values())
-    parts["all"] = sum(parts.values())
-    return {name: 1e3 * v / rounds for name, v in parts.items()}
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--trees", required=True, help="configurations, e.g. 0,2,d32,d48@8")
@@ -70,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"tree_sweep: {e}", file=sys.stderr)
         return 2
     from engine.measure.bench import compare_outputs
-    from engine.measure.experiment import read_prompts, record_run, totals
+    from engine.measure.experiment import read_prompts, record_run, round_split, totals
 
     try:
         configs = [parse_config(c.strip(), args.k) for c in own.trees.split(",") if c.strip()]
@@ -128,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{row['tokens_per_target_forward']:>9.2f}{same['identical']:>6}/{same['compared']:<4}  "
               + " ".join(f"{a:.2f}" for a in row["per_position_acceptance"]), flush=True)
     std_ms = round_split([r for r in runs if r.mode == "standard"])
-    print(f"\nms a round{'':<4}{'draft':>8}{'verify':>8}{'host':>8}{'outside':>9}{'in all':>8}   priced at load")
+    print(f"\nms a step{'':<5}{'draft':>8}{'verify':>8}{'host':>8}{'outside':>9}{'in all':>8}   priced at load")
     print(f"{'standard':<14}{'':>8}{std_ms['verify']:>8.3f}{std_ms['host']:>8.3f}{std_ms['outside']:>9.3f}"
           f"{std_ms['all']:>8.3f}   verify {dict(engine.info.target_ms).get(1, float('nan')):.3f}")
     for row in rows:

@@ -492,3 +492,15 @@ def test_the_bench_verdict_names_what_drafted_not_what_was_asked():
     cost = cost_model_summary(SimpleNamespace(info=info), runs, summary, proposer="draft")
     assert cost["drafter"] == "head" and cost["draft_ms"] == pytest.approx(0.2)
     assert "the draft head costs 7% of a target forward" in cost["verdict"]
+
+
+def test_round_split_gives_each_phase_per_step_and_what_lies_outside_the_steps():
+    # 10 rounds of 4 drafts: 20 ms drafting, 50 ms verifying, 5 ms between steps; 0.1 s of prompt, 0.08 s
+    # in all after it: 5 ms outside every step (the answer's start and end).
+    spec = replace(run("head K=4", "a", 30, 0.18, drafted=4, accepted=2, steps=10), prefill_s=0.1, draft_s=0.02,
+                   verify_s=0.05, overhead_s=0.005)
+    split = ex.round_split([spec])
+    assert split == pytest.approx({"draft": 2.0, "verify": 5.0, "host": 0.5, "outside": 0.5, "all": 8.0})
+    std = replace(run("standard", "a", 30, 0.09), verify_s=0.09)  # 30 standard steps of 3 ms
+    assert ex.round_split([std]) == pytest.approx({"draft": 0.0, "verify": 3.0, "host": 0.0, "outside": 0.0,
+                                                   "all": 3.0})

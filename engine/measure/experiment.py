@@ -263,6 +263,20 @@ def run_tasks(tasks: Sequence[Task], run: Runner, *, warm: Callable[[BenchPrompt
 
 # --------------------------------------------------------------------------- aggregates
 
+def round_split(runs: Sequence[RunRecord]) -> dict[str, float]:
+    """Ms per step of the runs' decoding (after the prompt's prefill), speculative or standard: the drafting
+    and the verify as the device's events timed them, the host's work between steps (their overhead), and the
+    time outside every step (the answer's start and end): what a round spent, beside what the cost model
+    priced it at (ModelInfo's costs at load). A proposer that drafts every round (the head at a fixed K) gives
+    its rounds' figures; one that often has nothing to draft (n-gram lookup) their mean with standard steps."""
+    rounds = sum(sum(r.drafted_steps) for r in runs) or 1
+    parts = {"draft": sum(r.draft_s for r in runs), "verify": sum(r.verify_s for r in runs),
+             "host": sum(r.overhead_s for r in runs)}
+    parts["outside"] = sum(r.seconds - r.prefill_s for r in runs) - sum(parts.values())
+    parts["all"] = sum(parts.values())
+    return {name: 1e3 * v / rounds for name, v in parts.items()}
+
+
 def totals(runs: Sequence[RunRecord]) -> dict[str, Any]:
     """Sums over runs: tok/s is total tokens over total seconds (long answers weigh more, as in use)."""
     tokens, seconds = sum(r.new_tokens for r in runs), sum(r.seconds for r in runs)
