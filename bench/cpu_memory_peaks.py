@@ -127,9 +127,15 @@ def main(argv: list[str] | None = None) -> int:
     if not os.path.exists("/proc/self/clear_refs"):
         print("bench/cpu_memory_peaks.py reads Linux's /proc; it cannot run here", file=sys.stderr)
         return 2
+    from engine.errors import EngineError
+
+    try:
+        phase = phase_load(args) if args.phase == "load" else phase_reload(args)
+    except EngineError as e:
+        print(f"cpu_memory_peaks: {e}", file=sys.stderr)
+        return 2
     result = {"phase": args.phase, "dtype": args.dtype, "fast_path_asked": args.fast_path,
-              "pythonpath": os.environ.get("PYTHONPATH", ""),
-              **(phase_load(args) if args.phase == "load" else phase_reload(args))}
+              "pythonpath": os.environ.get("PYTHONPATH", ""), **phase}
     text = json.dumps(result)
     print(text)
     if args.json is not None:

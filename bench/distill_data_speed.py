@@ -55,9 +55,14 @@ def main() -> int:
     ap.add_argument("--segments", default="0,128")
     ap.add_argument("--recommend", type=Path, default=None, help="write the favoured --plan options here")
     args = ap.parse_args()
-    tok = AutoTokenizer.from_pretrained(args.target)
     dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype).to(args.device).eval()
+    try:
+        tok = AutoTokenizer.from_pretrained(args.target)
+        model = AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype).to(args.device).eval()
+    except (OSError, ValueError, RuntimeError) as e:  # no such folder, not a model, a device torch cannot use
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        print(f"distill_data_speed: cannot load {args.target} on {args.device}: {first}", file=sys.stderr)
+        return 2
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
     results: dict = {"steps": [], "answers": []}
 

@@ -220,6 +220,13 @@ def main(argv: list[str] | None = None) -> int:
                 normalize_precision(precision)
         except ModelLoadError as e:
             p.error(str(e))
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        p.error(f"--device {args.device}: this torch sees no CUDA device (the 8-bit precisions run on a GPU)")
+    if not args.tiny:  # every row loads the draft, the pair's rows the target too: say so before any row
+        needed = [("--draft", args.draft)] + ([("--target", args.target)] if "pair" in args.parts.split(",") else [])
+        for flag, folder in needed:
+            if not Path(folder, "config.json").is_file():
+                p.error(f"{flag} {folder} is not a model folder (config.json and weights); or run --tiny")
     if args.tiny:
         import tempfile
 

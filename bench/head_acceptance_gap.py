@@ -57,14 +57,24 @@ def main() -> int:
     from engine.loadspec import LoadSpec
     from engine.types import GenerationRequest, Message, Sampling
 
-    engine = engine_for_pair(load_pair_packed(LoadSpec(args.target, None, with_draft=False, head=args.head)), LoadSpec())
+    from engine.errors import EngineError
+
+    root = Path(__file__).resolve().parents[1]
+    try:
+        lines = root.joinpath(args.prompt_file).read_text("utf-8").splitlines()[: args.prompts]
+        engine = engine_for_pair(load_pair_packed(LoadSpec(args.target, None, with_draft=False, head=args.head)),
+                                 LoadSpec())
+    except (EngineError, OSError) as e:
+        print(f"head_acceptance_gap: {e}", file=sys.stderr)
+        return 2
+    if engine.head_runner is None:
+        print("head_acceptance_gap: no draft head fits this target (--head DIR)", file=sys.stderr)
+        return 2
     engine.set_tree(0)
     head = engine.head_runner.head
     depth = args.k
     teacher = Teacher(engine.target, head.config.feature_layers)
     lm_head = engine.target.get_output_embeddings()  # a module: on the CPU its weight is packed
-    root = Path(__file__).resolve().parents[1]
-    lines = root.joinpath(args.prompt_file).read_text("utf-8").splitlines()[: args.prompts]
     tf_hooks = [[0, 0] for _ in range(depth)]
     tf_runner = [[0, 0] for _ in range(depth)]
     decoded = [[0, 0] for _ in range(depth)]

@@ -25,3 +25,16 @@ def test_check_honesty_answers_bad_input_in_one_line(tmp_path, capsys, argv, say
     err = capsys.readouterr().err.strip()
     assert code == 2 and err.startswith("check_honesty: ") and says in err and "\n" not in err
     assert not (tmp_path / "out.json").exists()
+
+
+@pytest.mark.parametrize("name, argv, says", [
+    ("cpu_memory_peaks", ["--target", "no/such/model"], "Model path not found"),
+    ("head_acceptance_gap", ["--target", "no/such/model"], "Model path not found"),
+    ("head_acceptance_gap", ["--prompt-file", "no-such-prompts.jsonl"], "No such file"),
+    ("distill_data_speed", ["--target", "no/such/model", "--device", "cpu"], "cannot load no/such/model"),
+])
+def test_a_model_or_file_that_cannot_load_is_one_line(monkeypatch, capsys, name, argv, says):
+    monkeypatch.setattr("sys.argv", [f"{name}.py", *argv])
+    assert _script(name).main() == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"{name}: ") and says in err and "\n" not in err
