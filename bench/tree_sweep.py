@@ -6,9 +6,9 @@ generation of each on the first prompt), so each ratio is measured side by side 
 same prompts. A configuration is `0`..`3` (a chain with that many alternatives beside each draft token)
 or `dN` (a dynamic tree of N nodes, engine/heads/tree.py), with `@K` for a draft depth other than --k
 (e.g. `d48@8`). Prints one row per configuration: tok/s, x standard, tokens per target forward,
-acceptance by position, identical outputs (greedy); then where each configuration's rounds spend their
-time (per speculative round: the drafting and the verify as the device's events timed them, the host's
-work between rounds, and what lies outside every step) beside the drafting and verify priced at load,
+acceptance by position, identical outputs (greedy); then where each configuration's steps spend their
+time (experiment.round_split: the drafting and the verify as the device's events timed them, the host's
+work between steps, and what lies outside every step) beside the drafting and verify priced at load,
 which the cost model and the draft check use; and writes every run to --json.
 
     python3 bench/tree_sweep.py --target path/to/target --head path/to/head --trees 2,d32,d48,d64@8 --k 6 \\

@@ -125,25 +125,22 @@ def round_parts(engine: Engine, widths: Iterable[int], iters: int, warm: bool = 
     times: dict[int, list[tuple[float, float]]] = {}
     for width in widths:
         decision = Decision(width - 1, "canned" if width > 1 else None, "fixed")  # type: ignore[arg-type]
-        times[width] = []
-        depth = 2 if queued and width == 1 else 1
-        queue: list[tuple[int, Launched]] = []
+        depth = 2 if queued and width == 1 else 1  # rounds in flight
+        queue: list[Launched] = []
+        results = []
         pending: int | torch.Tensor = 1
-        count = iters + 1 if warm else iters
-        for i in range(count + depth - 1):
-            if i < count:
-                _check(interrupted)
-                launched = generation._launch(proposers, decision, pending, generator)
-                queue.append((i, launched))
-                pending = launched.token if depth > 1 and launched.token is not None else 1
-            if len(queue) == depth or i >= count:
-                j, launched = queue.pop(0)
-                result = read_outcome(launched)
+        for _ in range(iters + 1 if warm else iters):
+            _check(interrupted)
+            queue.append(generation._launch(proposers, decision, pending, generator))
+            if depth > 1:  # the next standard round reads this one's token on the device
+                pending = queue[-1].token  # type: ignore[assignment]
+            if len(queue) == depth:
+                results.append(read_outcome(queue.pop(0)))
                 if depth == 1:
                     target.rollback(saved)
-                if j or not warm:
-                    times[width].append((result.draft_ms, result.verify_ms))
+        results += [read_outcome(launched) for launched in queue]
         target.rollback(saved)
+        times[width] = [(r.draft_ms, r.verify_ms) for r in results[1 if warm else 0:]]
     return times
 
 
