@@ -5,8 +5,8 @@ Runs `specdec-studio check` (the probe prompts, assets/check_prompts.jsonl), the
 the draft head, n-gram lookup — at the K the check chose (its best K even when none pays), on the 20
 shared prompts (assets/bench_prompts.jsonl), and prints predicted vs measured acceptance per draft
 position and speedup. The check prices decoding rounds (no prefill); the measured speedup is given both
-in rounds (tokens over the seconds after prefill) and end to end (the bench's tok/s), and what a round spent
-by phase (drafting, verify, the host's work between rounds), beside its price at load for the head's trees.
+in rounds (tokens over the seconds after prefill) and end to end (the bench's tok/s), and what a step spent
+by phase (drafting, verify, the host's work between steps), beside its price at load for the head's trees.
 
 CPU, the default pair on llama.cpp (model options as the CLI's):
 
@@ -54,8 +54,8 @@ def _measure(engine, args, kind: str, k: int, prompts, max_new: int) -> dict:
         "speedup_end_to_end": s["speculative"]["tokens_per_s"] / s["standard"]["tokens_per_s"],
         "speedup_in_rounds": _decode_rate(spec) / _decode_rate(std),
         "bench_predicted_speedup": s.get("cost_model", {}).get("predicted_speedup"),
-        # What a round spent by phase (ms), to set beside its price: the standard step's and this candidate's.
-        "standard_round_ms": round_split(std), "round_ms": round_split(spec),
+        # What a step spent by phase (ms), to set beside its price: standard decoding's and this candidate's.
+        "standard_step_ms": round_split(std), "step_ms": round_split(spec),
         "standard_tok_s": s["standard"]["tokens_per_s"],
         "speculative_tok_s": s["speculative"]["tokens_per_s"],
         "wall_s": result.wall_s,
@@ -71,7 +71,7 @@ def _tree_price(info, c, sampling) -> dict:
             "host": c.round_overhead_ms, "standard": dict(info.target_ms).get(1)}
 
 
-def _round_line(m: dict, standard: dict, priced: dict | None) -> str:
+def _step_line(m: dict, standard: dict, priced: dict | None) -> str:
     """'  a step 4.84 ms: drafting 1.53, verify 3.04, host 0.28; a standard step 2.41 (priced: ...)'."""
     def ms(value) -> str:
         return "-" if value is None else f"{value:.3f}"
@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{c.name} K={c.best_k}: acceptance per position predicted {pred} | measured {meas}; speedup "
               f"predicted {c.speedup:.2f}x, measured {measured['speedup_in_rounds']:.2f}x in rounds "
               f"({measured['speedup_end_to_end']:.2f}x end to end){ranges}", flush=True)
-        print(_round_line(measured["round_ms"], measured["standard_round_ms"], row.get("priced_ms")), flush=True)
+        print(_step_line(measured["step_ms"], measured["standard_step_ms"], row.get("priced_ms")), flush=True)
         write()
     print(f"wrote {own.out}")
     return 0
