@@ -24,6 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from app.cli import options as opt
 from app.cli.check import _candidates, format_report, report_json
 from app.cli.common import CliError, environment, load_engine, request_for
 from app.cli.parser import build_parser
@@ -92,13 +93,17 @@ def _inside(value: float | None, bounds: tuple[float, float] | None) -> bool | N
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--bench-prompts", type=Path, default=Path("assets/bench_prompts.jsonl"))
-    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--max-new-tokens", type=opt.max_new_tokens, default=64)
     ap.add_argument("--skip", default="", help="comma-separated kinds not to measure: draft, head, ngram")
     ap.add_argument("--json", dest="out", type=Path, required=True)
     own, rest = ap.parse_known_args(argv)
     try:
         args = build_parser().parse_args(["check", "--ngram", *rest])
-    except CliError as e:
+        unknown = {s.strip() for s in own.skip.split(",") if s.strip()} - {"draft", "head", "ngram"}
+        if unknown:
+            raise CliError(f"--skip takes draft, head and ngram, not {', '.join(sorted(unknown))}")
+        opt.check_writable(own.out)  # before minutes of loading and timing
+    except (CliError, argparse.ArgumentTypeError) as e:
         print(f"check_honesty: {e}", file=sys.stderr)
         return 2
     from engine.measure.bench import read_prompts

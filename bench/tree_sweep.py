@@ -63,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         configs = [parse_config(c.strip(), args.k) for c in own.trees.split(",") if c.strip()]
         if not configs:
             raise argparse.ArgumentTypeError("--trees names no configuration")
+        opt.check_writable(own.out)  # before minutes of loading and runs
         prompts = read_prompts(Path(args.prompts))
         started = time.perf_counter()
         engine = load_engine(args, needs_draft=False, needs_head=True)

@@ -19,6 +19,7 @@ def _script(name: str):
 @pytest.mark.parametrize("argv, says", [
     (["--bench-prompts", "no-such-prompts.jsonl"], "cannot read prompts file"),
     (["--target", "no/such/model", "--draft", "none"], "Model path not found"),
+    (["--skip", "draft,heads"], "--skip takes draft, head and ngram, not heads"),
 ])
 def test_check_honesty_answers_bad_input_in_one_line(tmp_path, capsys, argv, says):
     code = _script("check_honesty").main([*argv, "--json", str(tmp_path / "out.json")])
@@ -38,3 +39,16 @@ def test_a_model_or_file_that_cannot_load_is_one_line(monkeypatch, capsys, name,
     assert _script(name).main() == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"{name}: ") and says in err and "\n" not in err
+
+
+def test_check_honesty_refuses_a_results_file_it_could_not_write_before_loading(tmp_path, capsys):
+    for out, says in ((tmp_path, "is a folder"), (tmp_path / "no" / "x.json", "does not exist")):
+        assert _script("check_honesty").main(["--target", "no/such/model", "--json", str(out)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("check_honesty: ") and says in err and "\n" not in err
+
+
+def test_tree_sweep_refuses_a_results_file_it_could_not_write_before_loading(tmp_path, capsys):
+    assert _script("tree_sweep").main(["--trees", "d16", "--json", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("tree_sweep: ") and "is a folder" in err and "\n" not in err
