@@ -145,6 +145,9 @@ class Step:
     # a standard step). A dynamic tree (engine/heads/tree.py) verifies its N nodes K levels deep.
     tree_width: int = 0
     tree_depth: int = 0
+    # A walked dynamic tree: per shown draft position, every token drafted there under the path (the shown
+    # one among them, the drafter's order). Sampling accepts one of them with the sum of their p.
+    tree_children: tuple[tuple[int, ...], ...] = ()
 
 
 # Which model is reading the prompt: the target, the draft model, or the draft head (its one layer).

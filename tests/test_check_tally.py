@@ -112,6 +112,30 @@ def test_a_tree_walk_that_ends_on_a_childless_branch_counts_as_reached_not_accep
     assert expected_tokens(per_position, HEAD_K) == (2 + 3) / 2  # tokens a drafting round kept, on average
 
 
+def test_a_sampled_tree_position_is_priced_with_every_token_drafted_there():
+    """Sampling through a tree keeps one of a node's children with the sum of their p (verify.tree_choices): the
+    check prices a walked round's position with every token drafted under the path there, a chain's with its one."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from engine.measure.check import HEAD_K, _head
+
+    rows = torch.full((4, 16), -30.0)
+    rows[0, 7], rows[0, 5], rows[0, 3] = torch.tensor([0.5, 0.3, 0.2]).log()  # the law before the first token
+    rows[1, 2] = 0.0  # certain
+
+    def one_round(children: tuple) -> tuple[float, ...]:
+        step = SimpleNamespace(total_tokens=3, new_tokens=3, proposed=(7, 2), accepted=2, tree_depth=8, extra=None,
+                               tree_children=children, draft_ms=1.0, verify_ms=3.0, overhead_ms=0.5)
+        tally = Tally.empty(HEAD_K)
+        _head([step], rows, [7, 2, 9, 9], Sampling(temperature=1.0), tally)
+        return tuple(round(x, 4) for x in tally.sampled[HEAD_K].per_position)
+
+    assert one_round(((7, 5), (2, 11))) == (0.8, 1.0, 0.0)  # 7 or 5 kept: 0.5 + 0.3
+    assert one_round(()) == (0.5, 1.0, 0.0)  # a chain: its own token only
+
+
 def test_the_benchs_summary_counts_a_branchs_end_as_the_check_does():
     """Measured and predicted acceptance by position are the same quantity for dynamic trees: the summary of
     the rounds above gives the check's rates, not 1.0 at the position where a walk found no child."""

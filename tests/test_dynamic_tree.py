@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.decoding import verify
+from engine.decoding import host_walk, verify
+from engine.decoding.outcome import Launched, read_outcome
 from engine.decoding.sampling import draw, process
 from engine.decoding.verify import verify_path
 from engine.heads.tree import canned_tree
@@ -166,6 +167,52 @@ def test_the_walk_follows_the_targets_tokens_into_a_branch():
     assert [int(v) for v in values[:2]] == [1, 3]
 
 
+@pytest.mark.parametrize("greedy", [True, False])
+def test_the_walk_on_the_host_is_the_walk_of_every_row_at_once(monkeypatch, greedy):
+    """Row by row on the host (the CPU's walk) and every row at once (a GPU's) give the same outcome: greedy
+    token for token, and sampled with the same token at each reached row when each row's law is a point mass."""
+    gen = torch.Generator().manual_seed(3)
+    sampling = Sampling() if greedy else Sampling(temperature=0.7)
+    compared = branches = 0
+    for trial in range(60):
+        nodes, frontier = 6 + trial % 20, 2 + trial % 4
+        tokens = torch.randperm(40, generator=gen)[:nodes]  # siblings are distinct tokens (the drafter's choices)
+        tree = canned_tree(tokens, frontier, TREE_K_MAX)
+        logits = torch.randn(nodes + 1, 40, generator=gen)
+        logits[:, tree.tokens[0]] += 3.0 * (trial % 2)  # often the drafter's first token, so walks go deep
+        if not greedy:  # point masses: both walks reach the same rows, whatever their draws
+            logits = torch.where(logits == logits.max(-1, keepdim=True).values, 30.0, -30.0)
+        host = _read_path(verify.verify_path(logits, tree, sampling, None), tree.max_depth)
+        monkeypatch.setattr(verify, "WALK_ON_HOST", ())
+        every = _read_path(verify.verify_path(logits, tree, sampling, None), tree.max_depth)
+        monkeypatch.undo()
+        assert (host.proposed, host.accepted, host.added, host.ranks, host.path_rows, host.children) == \
+            (every.proposed, every.accepted, every.added, every.ranks, every.path_rows, every.children), trial
+        assert host.p_shown == pytest.approx(every.p_shown, abs=1e-5)
+        assert host.added_p == pytest.approx(every.added_p, abs=1e-5)
+        compared += 1
+        branches += host.accepted > 0
+    assert compared == 60 and branches > 10
+
+
+def _read_path(values: torch.Tensor, depth: int):
+    return read_outcome(Launched(values, depth, None, None, None, (0.0, 0.0, 0.0, 0.0), path=True))
+
+
+def test_the_host_reads_what_was_drafted_under_each_node_of_the_path():
+    """RoundResult.children: per depth of the walk, the tokens under the path's node, best rank first; the
+    check prices a sampled round's acceptance there as the sum of their p (verify.tree_choices)."""
+    tree, logits = _tiny_tree()
+    logits[0, 2] = logits[2, 4] = logits[4, 7] = 5.0  # b (the second choice), then d, then 7 at a leaf
+    result = _read_path(verify_path(logits, tree, Sampling(), None), tree.max_depth)
+    assert (result.proposed, result.accepted, result.added) == ([2, 4], 2, 7)
+    assert result.children == [[1, 2], [4], []]  # a and b under the pending token, d under b, none under d
+    logits = torch.full((5, 8), -5.0)
+    logits[0, 1] = logits[1, 6] = 5.0  # a, then 6 where the head drafted c
+    result = _read_path(verify_path(logits, tree, Sampling(), None), tree.max_depth)
+    assert (result.proposed, result.accepted, result.children) == ([1, 3], 1, [[1, 2], [3]])
+
+
 def _sequential_siblings(logits, tree, sampling, generator):
     """A wrong rule, for the test to catch: children tried in rank order, each accepted with p(x)
     WITHOUT renormalising after a rejection, the token after a full rejection drawn from p without them."""
@@ -194,24 +241,40 @@ def _sequential_siblings(logits, tree, sampling, generator):
     return ok, y, probs
 
 
+def _sequential_on_host(law, logits, children, sampling, generator):
+    """The same wrong rule for the walk on the host (host_walk.row_token): one reached row's token."""
+    for token in children:
+        if torch.rand((), generator=generator) < law[token]:
+            return token
+    rest = law.clone()
+    rest[children] = 0
+    rest = rest if rest.sum() > 0 else law
+    return int(draw((rest / rest.sum()).unsqueeze(0), generator)[0])
+
+
+@pytest.mark.parametrize("walk", ["host", "device"])
 @pytest.mark.parametrize("rule", ["exact", "mutated"])
-def test_sampling_through_dynamic_trees_keeps_the_targets_law(engine, monkeypatch, rule):
+def test_sampling_through_dynamic_trees_keeps_the_targets_law(engine, monkeypatch, rule, walk):
     """Sampled rounds walk trees with several children per node: the output law is the target's
     (chi-square over the first two tokens), with many tokens taken through a branch; the same test
-    fails a rule that does not renormalise the residual between siblings."""
+    fails a rule that does not renormalise the residual between siblings. Both walks: row by row on the
+    host (the CPU's) and every row at once (a GPU's, run here on the CPU)."""
     engine.set_dynamic_tree(12, 4)
+    if walk == "device":
+        monkeypatch.setattr(verify, "WALK_ON_HOST", ())
     if rule == "mutated":
         monkeypatch.setattr(verify, "tree_choices", _sequential_siblings)
+        monkeypatch.setattr(host_walk, "row_token", _sequential_on_host)
     counted = []
     try:
         if rule == "exact":
             check_sampling_law(engine, "", proposer="head", messages=(Message("user", "hello world"),),
                                trials=1200, count=lambda steps: counted.append(_branches(steps)))
             assert sum(counted) > 100, sum(counted)
-        else:  # its bias is plain at a third of the trials (p about 1e-8 at 400)
+        else:  # its bias (p(x1) p(x2) taken from a second child) shows at p about 1e-4 in 1,500 trials
             with pytest.raises(AssertionError, match="pvalue"):
                 check_sampling_law(engine, "", proposer="head", messages=(Message("user", "hello world"),),
-                                   trials=500)
+                                   trials=2500)
     finally:
         engine.set_dynamic_tree(0)
 

@@ -74,6 +74,7 @@ def describe_step(index: int, r: RoundResult, committed: list[int], kept_draft: 
         decision=launched.decision,
         overhead_ms=overhead_ms,
         extra=extra,
+        tree_children=tuple(tuple(c) for c in r.children[:n_shown]) if r.children is not None else (),
         **_tree_shape(launched),
     )
     return step, text

@@ -28,6 +28,9 @@ class RoundResult:
     extra_row: int = 0  # the tree row of that alternative (runners/tree.py)
     ranks: list[int] | None = None  # a walked tree (verify_path): each shown token's rank among its siblings
     path_rows: list[int] | None = None  # its tree rows of the pending token and the accepted path, by depth
+    # A walked tree: per depth from the pending token to where the walk stopped, the tokens drafted under the
+    # path's node there in the drafter's order (what the target could take at each shown draft position).
+    children: list[list[int]] | None = None
 
 
 @dataclass
@@ -55,8 +58,10 @@ def read_outcome(launched: Launched) -> RoundResult:
         launched.done.synchronize()
     values = launched.outcome.tolist()
     n = launched.n
-    if launched.path:  # verify_path's layout: D slots per field, the path's rows, then the counts
-        shown, accepted, added, added_p = values[6 * n + 1:]
+    tree: list[float] = []
+    if launched.path:  # verify_path's layout: D slots per field, the path's rows, the counts, then the tree
+        shown, accepted, added, added_p = values[6 * n + 1:6 * n + 5]
+        tree = values[6 * n + 5:]
         values = (values[: int(shown)] + values[n : n + int(shown)] + values[2 * n : 2 * n + int(shown)]
                   + values[3 * n : 3 * n + int(shown)] + [accepted, added, added_p]
                   + values[4 * n : 4 * n + int(shown)] + values[5 * n : 5 * n + int(accepted) + 1])
@@ -87,4 +92,19 @@ def read_outcome(launched: Launched) -> RoundResult:
     if launched.path:
         result.ranks = [int(x) for x in values[4 * n + 3 : 5 * n + 3]]
         result.path_rows = [int(x) for x in values[5 * n + 3 :]]
+        result.children = _children(tree, result.path_rows)
     return result
+
+
+def _children(tree: list[float], path_rows: list[int]) -> list[list[int]]:
+    """Per node of the path (its rows by depth), the tokens drafted under it, best rank first.
+
+    `tree` is verify_path's tail: the N tokens, then their parent rows, then their ranks."""
+    nodes = len(tree) // 3
+    depth_of = {row: d for d, row in enumerate(path_rows)}
+    kids: list[list[tuple[int, int]]] = [[] for _ in path_rows]
+    for token, parent, rank in zip(tree[:nodes], tree[nodes:2 * nodes], tree[2 * nodes:]):
+        d = depth_of.get(int(parent))
+        if d is not None:
+            kids[d].append((int(rank), int(token)))
+    return [[token for _, token in sorted(k)] for k in kids]

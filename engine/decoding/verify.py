@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from engine.decoding.host_walk import walk_on_host
 from engine.decoding.sampling import accept_draft, display_probs, draw, process
 from engine.runners.tree import TreeDraft
 from engine.types import Sampling
@@ -151,6 +152,10 @@ def tree_choices(logits: torch.Tensor, tree: TreeDraft, sampling: Sampling,
     return tree.tokens == y.index_select(0, tree.parents), y, shown
 
 
+# Devices whose trees are walked row by row on the host (host_walk.py: no sync to avoid, every row paid for).
+WALK_ON_HOST = ("cpu",)
+
+
 def verify_path(logits: torch.Tensor, tree: TreeDraft, sampling: Sampling,
                 generator: torch.Generator | None) -> torch.Tensor:
     """A tree of drafts (rows 1..N under the pending token, logits [N + 1, V]): the path the target walks.
@@ -159,9 +164,14 @@ def verify_path(logits: torch.Tensor, tree: TreeDraft, sampling: Sampling,
     there is one; the target's token after the last row of the path is the round's added token.
     Shown like a chain: the path's tokens (accepted), then where the walk stopped the drafter's
     best child there (rejected; none at a leaf, where the added token is a bonus).
-    Returns [6D + 5] (D = tree.max_depth): shown tokens, q(x), p(x), accept prob, branch rank (each
-    [D], the first `shown` valid), the path's rows [D + 1], then shown, accepted, added, p(added).
+    Returns [6D + 5 + 3N] (D = tree.max_depth): shown tokens, q(x), p(x), accept prob, branch rank (each
+    [D], the first `shown` valid), the path's rows [D + 1], then shown, accepted, added, p(added), then the
+    tree itself (its N tokens, parent rows and ranks), from which the host reads what was drafted under each
+    node of the path (outcome.read_outcome: RoundResult.children) in the round's one sync.
+    Logits in host memory take the same walk row by row (host_walk.walk_on_host), the same outcome.
     """
+    if logits.device.type in WALK_ON_HOST:
+        return walk_on_host(logits, tree, sampling, generator)
     depth_max, device = tree.max_depth, logits.device
     ok, y, shown = tree_choices(logits, tree, sampling, generator)  # [N], [W], [W, V]
     depth, ancestors = tree.shape.depth, tree.shape.ancestors  # [W], [W, W]
@@ -190,4 +200,4 @@ def verify_path(logits: torch.Tensor, tree: TreeDraft, sampling: Sampling,
     return torch.cat([token.float(), q_x.float(), p_x.float(), accept_prob.float(),
                       rank.index_select(0, rows).float(), path[: depth_max + 1].float(),
                       torch.stack([(accepted[0] + stopped).float(), accepted[0].float(), added[0].float()]),
-                      added_p.float()])
+                      added_p.float(), torch.stack([tree.tokens, tree.parents, tree.ranks]).view(-1).float()])

@@ -30,6 +30,7 @@ import torch
 
 from engine.decoding.ngram import NgramProposer
 from engine.decoding.proposers import empty_proposal
+from engine.decoding.sampling import process
 from engine.errors import GenerationError
 from engine.limits import K_MAX, PROBE_TOKENS, TREE_K_MAX
 from engine.measure.check_load import DraftUnderTest, engine_draft, load_drafts, params_of
@@ -239,7 +240,11 @@ def _ngram(ids: list[int], rows: torch.Tensor, cont: list[int], sampling: Sampli
 
 def _head(steps: list, rows: torch.Tensor, cont: list[int], sampling: Sampling, tally: Tally) -> None:
     """The head's greedy rounds of HEAD_K drafts that decoded the continuation; at T > 0 each reached draft is
-    judged by the processed target probability of its token at that row (point-mass drafts, as the head's).
+    judged by the processed target probability of its token at that row (point-mass drafts, as the head's),
+    and where the round walked a tree by the sum of that probability over every token drafted at that position
+    under the path (Step.tree_children): sampling through a tree accepts one of a node's children with
+    probability sum_i p(x_i) (verify.tree_choices), more than its first choice alone. The rows are the greedy
+    text's, so past a sibling that sampling would take, the path's own children stand for the branch's.
 
     A round reaches draft position i when it accepted the i before it, up to its chain's length or its tree's
     depth. In a dynamic tree a walk can end where its branch has no child left (a small tree spends its nodes
@@ -259,8 +264,9 @@ def _head(steps: list, rows: torch.Tensor, cont: list[int], sampling: Sampling, 
             if sampling.greedy or i >= len(step.proposed):  # no draft shown there: a branch that ended
                 sampled[i] += float(i < step.accepted)
             else:
-                x = step.proposed[i]
-                sampled[i] += float(point_mass(rows[start + i:start + i + 1], torch.tensor([x]), sampling)[0])
+                drafted = step.tree_children[i] if i < len(step.tree_children) else (step.proposed[i],)
+                law = process(rows[start + i:start + i + 1].float(), sampling)[0]  # [V] once, however many drafted
+                sampled[i] += min(1.0, float(law[torch.tensor(drafted)].sum()))
         if step.accepted < len(step.proposed) and step.accepted < HEAD_K and start + step.accepted < len(cont):
             rejected[step.accepted] += 1
             rescued[step.accepted] += step.extra is not None
