@@ -5,7 +5,10 @@ decoding and in each tree configuration in turn (configurations alternated per p
 generation of each on the first prompt), so each ratio is measured side by side in one process on the
 same prompts. A configuration is `0`..`3` (a chain with that many alternatives beside each draft token)
 or `dN` (a dynamic tree of N nodes, engine/heads/tree.py), with `@K` for a draft depth other than --k
-(e.g. `d48@8`). Prints one row per configuration: tok/s, x standard, tokens per target forward,
+(e.g. `d48@8`), and `:rows` for a dynamic tree walked as a GPU walks it, every row of the tree forward
+processed and drawn at once (torch.multinomial), where the CPU's walk goes row by row on the host
+(engine/decoding/host_walk.py; e.g. `d16@4,d16@4:rows` on a CPU measures what that walk buys).
+Prints one row per configuration: tok/s, x standard, tokens per target forward,
 acceptance by position, identical outputs (greedy); then where each configuration's steps spend their
 time (experiment.round_split: the drafting and the verify as the device's events timed them, the host's
 work between steps, and what lies outside every step) beside the drafting and verify priced at load,
@@ -31,10 +34,22 @@ from app.cli.parser import build_parser  # noqa: E402
 from engine.errors import EngineError  # noqa: E402
 
 
-def parse_config(text: str, k: int) -> tuple[str, str, int]:
-    """'d48@8' -> (label, tree, K), each part checked as the CLI checks --tree and --k (ArgumentTypeError)."""
-    tree, _, depth = text.partition("@")
-    return text, opt.tree(tree), opt.k(depth) if depth else k
+def parse_config(text: str, k: int) -> tuple[str, str, int, bool]:
+    """'d48@8:rows' -> (label, tree, K, every row at once), each part checked as the CLI checks --tree and --k
+    (ArgumentTypeError)."""
+    shape, colon, walk = text.partition(":")
+    if colon and walk != "rows":
+        raise argparse.ArgumentTypeError(f"{text!r}: after ':' only 'rows' (walk every row at once)")
+    tree, _, depth = shape.partition("@")
+    return text, opt.tree(tree), opt.k(depth) if depth else k, bool(colon)
+
+
+def use_walk(every: bool) -> None:
+    """Every row of a tree at once with multinomial draws (a GPU's way), or the device's own way."""
+    from engine.decoding import sampling, verify
+
+    verify.WALK_ON_HOST = () if every else ("cpu",)
+    sampling.HOST_SAMPLING = () if every else ("cpu",)
 
 
 def use_tree(engine, tree: str, frontier: int) -> None:
@@ -67,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         prompts = read_prompts(Path(args.prompts))
         started = time.perf_counter()
         engine = load_engine(args, needs_draft=False, needs_head=True)
-        for _, tree, _ in configs:  # each one set once before any run: one that cannot be says so now
+        for _, tree, _, _ in configs:  # each one set once before any run: one that cannot be says so now
             use_tree(engine, tree, args.tree_frontier)
     except (argparse.ArgumentTypeError, EngineError) as e:
         print(f"tree_sweep: {e}", file=sys.stderr)
@@ -76,7 +91,8 @@ def main(argv: list[str] | None = None) -> int:
           flush=True)
     args.raw = False
 
-    def run(prompt, label: str, tree: str | None, k: int):
+    def run(prompt, label: str, tree: str | None, k: int, every: bool = False):
+        use_walk(every)
         if tree is not None:
             use_tree(engine, tree, args.tree_frontier)
         args.k = k
@@ -87,22 +103,22 @@ def main(argv: list[str] | None = None) -> int:
         return record_run(generation, steps, prompt, label)
 
     verify_ms, draft_ms = {}, {}  # each configuration's tree rounds as measured at its first use (ms by K)
-    for label, tree, k in [("standard", None, 0), *configs]:  # untimed: first calls, allocations, graphs
-        run(prompts[0], label, tree, k)
+    for label, tree, k, every in [("standard", None, 0, False), *configs]:  # untimed: first calls, graphs
+        run(prompts[0], label, tree, k, every)
         verify_ms[label], draft_ms[label] = dict(engine.info.tree_ms), dict(engine.info.tree_draft_ms)
     runs = []
     for prompt in prompts:
         runs.append(run(prompt, "standard", None, 0))
-        for label, tree, k in configs:
-            runs.append(run(prompt, label, tree, k))
+        for label, tree, k, every in configs:
+            runs.append(run(prompt, label, tree, k, every))
     base = totals([r for r in runs if r.mode == "standard"])
     rows = []
     print(f"{'config':<10}{'K':>3}{'tok/s':>9}{'x std':>8}{'tok/fwd':>9}{'identical':>11}  acceptance by position")
     print(f"{'standard':<10}{'':>3}{base['tokens_per_s']:>9.1f}{1:>8.2f}{base['tokens_per_target_forward']:>9.2f}")
-    for label, tree, k in configs:
+    for label, tree, k, every in configs:
         t = totals([r for r in runs if r.mode == label])
         same = compare_outputs(runs, label, engine.tokenizer)
-        row = {"config": label, "tree": tree, "k": k, "tokens_per_s": t["tokens_per_s"],
+        row = {"config": label, "tree": tree, "k": k, "every_row_at_once": every, "tokens_per_s": t["tokens_per_s"],
                "vs_standard": t["tokens_per_s"] / base["tokens_per_s"],
                "tokens_per_target_forward": t["tokens_per_target_forward"],
                "per_position_acceptance": list(t["per_position_acceptance"]),

@@ -52,3 +52,12 @@ def test_tree_sweep_refuses_a_results_file_it_could_not_write_before_loading(tmp
     assert _script("tree_sweep").main(["--trees", "d16", "--json", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("tree_sweep: ") and "is a folder" in err and "\n" not in err
+
+
+def test_tree_sweep_refuses_a_walk_it_does_not_know_before_loading(tmp_path, capsys):
+    assert _script("tree_sweep").main(["--trees", "d16:cols", "--json", str(tmp_path / "x.json")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("tree_sweep: ") and "'rows'" in err and "\n" not in err
+    sweep = _script("tree_sweep")
+    assert sweep.parse_config("d48@8:rows", 4) == ("d48@8:rows", "d48", 8, True)
+    assert sweep.parse_config("2", 4) == ("2", "2", 4, False)

@@ -311,7 +311,7 @@ def _trace(engine, lookahead: bool, cancel_after: int | None = None, **kw):
     "kw",
     [
         dict(mode="standard"),
-        dict(mode="standard", sampling=Sampling(temperature=1.1, top_k=20, top_p=0.9, seed=3)),
+        dict(mode="standard", sampling=Sampling(temperature=1.1, top_k=20, top_p=0.9, seed=4)),
         dict(mode="speculative", k=4),
         dict(mode="speculative", k=3, sampling=Sampling(temperature=0.8, top_p=0.95, seed=5)),
         dict(mode="speculative", k=5, proposer="ngram"),
@@ -327,6 +327,7 @@ def test_queueing_the_next_round_ahead_changes_nothing(engine, kw):
     """
     prompt = "def add(a, b): return a + b\ndef add(a, b):"
     free = _trace(engine, False, prompt=prompt, max_new_tokens=37, **kw)
+    assert len(free[1]) >= 12, "a seed whose text is long enough to cut in the middle and to end at its 12th token"
     assert _trace(engine, True, prompt=prompt, max_new_tokens=37, **kw) == free
     text = "".join(step[-1] for step in free[0])
     stop = text[len(text) // 2 : len(text) // 2 + 3]  # ends the generation mid-way
