@@ -2,8 +2,11 @@
 
 Reads a head's training log (`distill` writes OUT/train_log.jsonl; a run continued with --init appends
 to it): every "data" line adds the fresh answer tokens the target wrote for it, every "eval" line is the
-head's held-out greedy acceptance per draft position at that point. Prints the curve, writes its points
-as JSON and a plot (PNG, rendered offscreen with the app's own plotting library).
+head's held-out greedy acceptance per draft position at that point. Each run holds out answers of its own
+fresh data, so a continued run's first evaluation (step 0, before it trains) is the head it starts from
+measured on the new held-out answers: that point, not the last one of the run before, is what the run
+improved on. Prints the curve, writes its points as JSON and a plot (PNG, rendered offscreen with the
+app's own plotting library).
 
     .venv/bin/python bench/head_curve.py assets/heads/qwen2.5-coder-1.5b-instruct/train_log.jsonl \\
         --json bench/results/head_curve.json --png bench/results/head_curve.png
@@ -19,19 +22,23 @@ from pathlib import Path
 
 def curve(lines: list[dict]) -> list[dict]:
     """One point per held-out evaluation: the fresh answer tokens the target wrote so far, the answer tokens
-    trained on so far (a continued run's counts added to the runs before it), and acceptance by position."""
-    written, trained, before, points = 0, 0, 0, []
+    trained on so far (a continued run's counts added to the runs before it), and acceptance by position.
+    A continued run's evaluation before it trains is kept with "start": true (a fresh run's is a random head)."""
+    written, trained, before, points, continued = 0, 0, 0, [], False
     for record in lines:
         kind = record.get("kind") if isinstance(record, dict) else None
         if kind == "data":
             written += int(record.get("answer_tokens", 0))
         elif kind == "continue":
             before = trained  # a run continued from the head so far: its counts start again from 0
+            continued = True
         elif kind == "train":
             trained = before + int(record.get("tokens", 0))
-        elif kind == "eval" and record.get("step", 0) > 0:
+        elif kind == "eval" and (record.get("step", 0) > 0 or continued):
+            start = int(record.get("step", 0)) == 0
             points.append({"answer_tokens": written, "trained_tokens": trained, "step": int(record["step"]),
-                           "acceptance": [float(a) for a in record["acceptance"]]})
+                           "acceptance": [float(a) for a in record["acceptance"]], **({"start": True} if start else {})})
+            continued = False
     return points
 
 
@@ -82,7 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'written':>12}{'trained on':>14}{'step':>7}  acceptance by position")
     for p in points:
         print(f"{p['answer_tokens']:>12,}{p['trained_tokens']:>14,}{p['step']:>7}  "
-              + " ".join(f"{a:.2f}" for a in p["acceptance"]))
+              + " ".join(f"{a:.2f}" for a in p["acceptance"])
+              + ("  (the head it continues, on this run's held-out answers)" if p.get("start") else ""))
     if args.json is not None:
         args.json.write_text(json.dumps({"log": str(args.log), "points": points}, indent=1) + "\n", encoding="utf-8")
     if args.png is not None:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
 
 import pytest
@@ -61,3 +62,21 @@ def test_tree_sweep_refuses_a_walk_it_does_not_know_before_loading(tmp_path, cap
     sweep = _script("tree_sweep")
     assert sweep.parse_config("d48@8:rows", 4) == ("d48@8:rows", "d48", 8, True)
     assert sweep.parse_config("2", 4) == ("2", "2", 4, False)
+
+
+def test_head_curve_keeps_a_continued_runs_start_on_its_own_held_out_answers(tmp_path, capsys):
+    lines = [{"kind": "data", "answer_tokens": 100},
+             {"kind": "eval", "step": 0, "acceptance": [0.0]},  # a fresh run's random head: not a point
+             {"kind": "train", "tokens": 400}, {"kind": "eval", "step": 5, "acceptance": [0.5]},
+             {"kind": "continue", "from": "h"}, {"kind": "data", "answer_tokens": 300},
+             {"kind": "eval", "step": 0, "acceptance": [0.4]},  # the head so far on the new held-out answers
+             {"kind": "train", "tokens": 600}, {"kind": "eval", "step": 9, "acceptance": [0.6]}]
+    log = tmp_path / "train_log.jsonl"
+    log.write_text("\n".join(json.dumps(x) for x in lines) + "\n", encoding="utf-8")
+    assert _script("head_curve").main([str(log), "--json", str(tmp_path / "c.json")]) == 0
+    points = json.loads((tmp_path / "c.json").read_text(encoding="utf-8"))["points"]
+    assert [(p["answer_tokens"], p["trained_tokens"], p["step"], p["acceptance"], p.get("start", False))
+            for p in points] == [(100, 400, 5, [0.5], False), (400, 400, 0, [0.4], True), (400, 1000, 9, [0.6], False)]
+    assert "the head it continues" in capsys.readouterr().out
+    log.write_text("not json\n", encoding="utf-8")
+    assert _script("head_curve").main([str(log)]) == 2
