@@ -233,12 +233,16 @@ class TrainHeadDialog(QDialog):
                 self._held_out_later.append(record["step"], 100.0 * float(np.mean(acceptance[1:])))
             self._dirty = True
         elif record.get("kind") == "continue" and "step" in record:
-            # The loss jumps and the held-out set changes here: a line says why.
+            # The loss jumps and the held-out set changes here: a short label names the run (runs can begin a
+            # few hundred steps apart, where a sentence would overlap the next one), its tooltip says why.
+            run = len(self._marks) // len(self._plots) + 2
             for plot in self._plots:
-                label = "continued on fresh data" if plot is self._plots[0] else None
+                label = f"run {run}" if plot is self._plots[0] else None
                 line = pg.InfiniteLine(pos=record["step"], angle=90, pen=self._mark_pen, label=label,
                                        labelOpts={"position": 0.92, "color": self._mark_colour,
-                                                  "anchors": [(1.05, 0.5), (1.05, 0.5)]})
+                                                  "anchors": [(1.1, 0.5), (1.1, 0.5)]})
+                line.setToolTip(f"Run {run} continued the head before it on fresh data: the loss jumps and the "
+                                "held-out answers change here.")
                 plot.addItem(line)
                 self._marks.append((plot, line))
 
