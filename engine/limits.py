@@ -18,15 +18,15 @@ TREE_FRONTIER = 8
 TREE_NODES_MAX = 255
 # The tree a GPU drafts by default, and how it is fitted to the costs measured at load: halved (down to
 # TREE_NODES_MIN, then chains) while its verify at the default K costs more than TREE_COST_LIMIT times a
-# chain's. On an H200 (bench/results/h200_tree_sweep_*.json) 64 nodes, F = 8, K = 5 measured fastest (1.69x
-# standard greedy, 1.57x at T = 0.7), its verify 1.13x a chain's; 96 and 128 nodes cost 1.18x and 1.20x and
-# measured slower (1.65x, 1.62x).
+# chain's. In an H200 sweep of 16 to 128 nodes (bench/results/h200_tree_sweep_*.json) 64 nodes, F = 8, K = 5
+# measured fastest, greedy and at T = 0.7, its verify 1.13x a chain's; 96 and 128 nodes cost 1.18x and 1.20x
+# and measured slower.
 TREE_NODES = 64
 TREE_NODES_MIN = 16
 TREE_COST_LIMIT = 1.15
 # The smallest tree is kept against chains on a limit of its own: it keeps about 1.3x a chain's tokens a round
-# (3.05 against 2.35 at K = 5 on a 2-core Xeon, bench/results/cpu_tree_sweep_bf16.json, where its verify cost
-# 1.12x a chain's and it measured 1.88x standard against the chain's 1.67x), so it pays until its verify costs
+# (3.43 against 2.68 at K = 5 on a 2-core Xeon, bench/results/cpu_tree_sweep_bf16.json, where its verify cost
+# 1.13x a chain's and it measured 2.11x standard against the chain's 1.89x), so it pays until its verify costs
 # about that much more; the limit leaves a margin.
 TREE_MIN_COST_LIMIT = 1.25
 
