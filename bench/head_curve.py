@@ -35,9 +35,9 @@ def curve(lines: list[dict]) -> list[dict]:
         elif kind == "train":
             trained = before + int(record.get("tokens", 0))
         elif kind == "eval" and (record.get("step", 0) > 0 or continued):
-            start = int(record.get("step", 0)) == 0
-            points.append({"answer_tokens": written, "trained_tokens": trained, "step": int(record["step"]),
-                           "acceptance": [float(a) for a in record["acceptance"]], **({"start": True} if start else {})})
+            step = int(record.get("step", 0))
+            points.append({"answer_tokens": written, "trained_tokens": trained, "step": step,
+                           "acceptance": [float(a) for a in record["acceptance"]], **({"start": True} if step == 0 else {})})
             continued = False
     return points
 
@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         lines = [json.loads(line) for line in args.log.read_text(encoding="utf-8").splitlines() if line.strip()]
         points = curve(lines)
-    except (OSError, ValueError, TypeError) as e:  # unreadable, not JSON lines, or counts that are not numbers
+    except (OSError, ValueError, TypeError, KeyError) as e:  # unreadable, not JSON lines, counts not numbers, no figures
         print(f"head_curve: cannot read {args.log} as a training log: {e}", file=sys.stderr)
         return 2
     if not points:

@@ -78,5 +78,7 @@ def test_head_curve_keeps_a_continued_runs_start_on_its_own_held_out_answers(tmp
     assert [(p["answer_tokens"], p["trained_tokens"], p["step"], p["acceptance"], p.get("start", False))
             for p in points] == [(100, 400, 5, [0.5], False), (400, 400, 0, [0.4], True), (400, 1000, 9, [0.6], False)]
     assert "the head it continues" in capsys.readouterr().out
-    log.write_text("not json\n", encoding="utf-8")
-    assert _script("head_curve").main([str(log)]) == 2
+    for text in ("not json\n", '{"kind": "continue"}\n{"kind": "eval"}\n', '{"kind": "eval", "step": "x"}\n'):
+        log.write_text(text, encoding="utf-8")
+        assert _script("head_curve").main([str(log)]) == 2
+        assert capsys.readouterr().err.startswith("head_curve: cannot read")
