@@ -36,8 +36,9 @@ def curve(lines: list[dict]) -> list[dict]:
             trained = before + int(record.get("tokens", 0))
         elif kind == "eval" and (record.get("step", 0) > 0 or continued):
             step = int(record.get("step", 0))
-            points.append({"answer_tokens": written, "trained_tokens": trained, "step": step,
-                           "acceptance": [float(a) for a in record["acceptance"]], **({"start": True} if step == 0 else {})})
+            point = {"answer_tokens": written, "trained_tokens": trained, "step": step,
+                     "acceptance": [float(a) for a in record["acceptance"]]}
+            points.append({**point, "start": True} if step == 0 else point)
             continued = False
     return points
 
@@ -80,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         lines = [json.loads(line) for line in args.log.read_text(encoding="utf-8").splitlines() if line.strip()]
         points = curve(lines)
-    except (OSError, ValueError, TypeError, KeyError) as e:  # unreadable, not JSON lines, counts not numbers, no figures
+    except (OSError, ValueError, TypeError, KeyError) as e:  # unreadable, not JSON lines, no figures or numbers
         print(f"head_curve: cannot read {args.log} as a training log: {e}", file=sys.stderr)
         return 2
     if not points:
