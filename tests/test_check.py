@@ -375,3 +375,32 @@ def test_a_dynamic_tree_is_priced_with_its_own_drafting():
     faster = price_head(info, runner, 1000, {**summary, "round_ms": 1.0}, tally, greedy, "")
     assert faster.round_overhead_ms == 0.0 and faster.speedup == pytest.approx(priced.speedup), \
         "rounds timed under their price (noise) take nothing off"
+
+
+def test_at_t_above_zero_the_heads_rounds_are_timed_sampling(tiny_head, monkeypatch):
+    """A greedy round does no sibling walk on the host; at T > 0 the host work priced is what the head's
+    sampled rounds took: one sampling generation of the first probe, its mean round wall time applied to
+    every probe's rounds (so every resample prices it), and none where too few rounds fit."""
+    from engine.measure import check
+    from tests.head_fixtures import head_engine
+
+    engine = head_engine(tiny_head.target, tiny_head.head)
+    engine.measure_costs()
+    sampling = Sampling(temperature=0.7, seed=3)
+    asked = []
+    generate = engine.generate
+    monkeypatch.setattr(engine, "generate", lambda request: asked.append(request.sampling) or generate(request))
+    mean = check._sampled_round_ms(engine, PROMPTS[0], sampling)
+    assert asked == [sampling] and mean is not None and mean > 0
+
+    def priced(sampled_ms):
+        monkeypatch.setattr(check, "_sampled_round_ms", lambda *a: sampled_ms)
+        report = run_check(engine, [], sampling=sampling, head=True, ngram=False, prompts=PROMPTS, probe_tokens=12)
+        return next(c for c in report.candidates if c.kind == "head")
+
+    slow, fast = priced(mean + 40.0), priced(None)
+    assert slow.round_overhead_ms > fast.round_overhead_ms + 30.0, "40 ms more a sampled round is priced in"
+    assert slow.speedup < fast.speedup
+    monkeypatch.undo()
+    monkeypatch.setattr(check, "MIN_TIMED_ROUNDS", 10_000)
+    assert check._sampled_round_ms(engine, PROMPTS[0], sampling) is None, "too few rounds: the greedy ones price"

@@ -46,6 +46,11 @@ log = logging.getLogger(__name__)
 
 FORCED_ROWS = 64  # rows per teacher-forced forward: a 152k vocabulary's float32 logits, 39 MB
 HEAD_K = TREE_K_MAX  # draft length of the head's own rounds (positions beyond it repeat the last rate)
+# At T > 0 the head's rounds are timed again sampling (verify.tree_choices walks siblings on the host, which a
+# greedy round does not: on an H100 0.46 ms a round against 0.19): up to this many tokens of the first probe,
+# within this many seconds, kept where at least MIN_TIMED_ROUNDS rounds fit (rounds of hundreds of ms, a CPU's,
+# would price their forwards' noise, not the host's work, which is lost in them).
+TIMED_TOKENS, TIMED_S, MIN_TIMED_ROUNDS = 96, 1.0, 16
 POSITIONS = ("chained over the target's greedy continuation: draft position i of a round starting at row t is "
              "judged at row t + i (an exact replay at T = 0; at T > 0 the context is the greedy text)")
 NGRAM_POSITIONS = "n-gram lookup's own proposals on the continuations, chained as drafts"
@@ -105,6 +110,13 @@ def run_check(engine, drafts: Sequence[DraftUnderTest], *, sampling: Sampling, h
             head_tallies.append(Tally.empty(HEAD_K))
             _head(head_steps, rows, cont, sampling, head_tallies[-1])
         phases["ngram and head"] += time.perf_counter() - t0
+    if with_head and not sampling.greedy and prompts:
+        t0 = time.perf_counter()
+        sampled_ms = _sampled_round_ms(engine, prompts[0], sampling)
+        phases["sampled rounds"] = time.perf_counter() - t0
+        if sampled_ms is not None:  # the same mean for every probe's rounds, so every resample prices it
+            for t in head_tallies:
+                t.round_ms = sampled_ms * t.rounds_timed
     log.info("draft check phases (s): %s", {k: round(v, 1) for k, v in phases.items()})
     if progress is not None:
         progress(1.0, "Pricing the candidates")
@@ -147,6 +159,26 @@ def _continuation(engine, ids: list[int], prompt: BenchPrompt, n: int) -> tuple[
     # The loop leaves every committed token but the last in the cache, the prompt first.
     cached = engine.encode(request) == ids and engine.target_runner.length >= len(ids) - 1
     return cont[:n], steps, cached
+
+
+def _sampled_round_ms(engine, prompt: BenchPrompt, sampling: Sampling) -> float | None:
+    """The mean wall time (drafting, verify, host work) of the head's rounds sampling at `sampling` on the
+    probe, or None where fewer than MIN_TIMED_ROUNDS rounds fit in TIMED_S."""
+    request = GenerationRequest(messages=(Message("user", prompt.prompt),), mode="speculative", proposer="head",
+                                k=HEAD_K, max_new_tokens=TIMED_TOKENS, sampling=sampling)
+    spent, rounds = 0.0, 0
+    started = time.perf_counter()
+    generation = engine.generate(request)
+    try:
+        for step in generation:
+            if step.proposed:
+                spent += step.draft_ms + step.verify_ms + step.overhead_ms
+                rounds += 1
+            if time.perf_counter() - started > TIMED_S:
+                break
+    finally:
+        generation.close()
+    return spent / rounds if rounds >= MIN_TIMED_ROUNDS else None
 
 
 @torch.inference_mode()
