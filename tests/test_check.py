@@ -401,6 +401,8 @@ def test_at_t_above_zero_the_heads_rounds_are_timed_sampling(tiny_head, monkeypa
     slow, fast = priced(mean + 40.0), priced(None)
     assert slow.round_overhead_ms > fast.round_overhead_ms + 30.0, "40 ms more a sampled round is priced in"
     assert slow.speedup < fast.speedup
+    monkeypatch.setattr(check, "TIMED_S", 1e-6)  # rounds too slow for 16 to fit: no sampled run at all
+    assert priced(mean + 40.0).round_overhead_ms < slow.round_overhead_ms - 30.0
     monkeypatch.undo()
     monkeypatch.setattr(check, "MIN_TIMED_ROUNDS", 10_000)
     assert check._sampled_round_ms(engine, PROMPTS[0], sampling) is None, "too few rounds: the greedy ones price"

@@ -49,7 +49,7 @@ HEAD_K = TREE_K_MAX  # draft length of the head's own rounds (positions beyond i
 # At T > 0 the head's rounds are timed again sampling (verify.tree_choices walks siblings on the host, which a
 # greedy round does not: on an H100 0.46 ms a round against 0.19): up to this many tokens of the first probe,
 # within this many seconds, kept where at least MIN_TIMED_ROUNDS rounds fit (rounds of hundreds of ms, a CPU's,
-# would price their forwards' noise, not the host's work, which is lost in them).
+# would price their forwards' noise, not the host's work, which is lost in them; they are not run there).
 TIMED_TOKENS, TIMED_S, MIN_TIMED_ROUNDS = 96, 1.0, 16
 POSITIONS = ("chained over the target's greedy continuation: draft position i of a round starting at row t is "
              "judged at row t + i (an exact replay at T = 0; at T > 0 the context is the greedy text)")
@@ -112,11 +112,8 @@ def run_check(engine, drafts: Sequence[DraftUnderTest], *, sampling: Sampling, h
         phases["ngram and head"] += time.perf_counter() - t0
     if with_head and not sampling.greedy and prompts:
         t0 = time.perf_counter()
-        sampled_ms = _sampled_round_ms(engine, prompts[0], sampling)
+        _retime_sampling(engine, prompts[0], sampling, head_tallies)
         phases["sampled rounds"] = time.perf_counter() - t0
-        if sampled_ms is not None:  # the same mean for every probe's rounds, so every resample prices it
-            for t in head_tallies:
-                t.round_ms = sampled_ms * t.rounds_timed
     log.info("draft check phases (s): %s", {k: round(v, 1) for k, v in phases.items()})
     if progress is not None:
         progress(1.0, "Pricing the candidates")
@@ -159,6 +156,19 @@ def _continuation(engine, ids: list[int], prompt: BenchPrompt, n: int) -> tuple[
     # The loop leaves every committed token but the last in the cache, the prompt first.
     cached = engine.encode(request) == ids and engine.target_runner.length >= len(ids) - 1
     return cont[:n], steps, cached
+
+
+def _retime_sampling(engine, prompt: BenchPrompt, sampling: Sampling, tallies: list[Tally]) -> None:
+    """The head's rounds priced at their sampled wall time where enough sampled rounds fit in TIMED_S (the
+    greedy rounds' mean says whether they can): the same mean for every probe's rounds, so every resample
+    prices it."""
+    timed = sum(t.rounds_timed for t in tallies)
+    if not timed or sum(t.round_ms for t in tallies) / timed * MIN_TIMED_ROUNDS > TIMED_S * 1000.0:
+        return
+    sampled_ms = _sampled_round_ms(engine, prompt, sampling)
+    if sampled_ms is not None:
+        for t in tallies:
+            t.round_ms = sampled_ms * t.rounds_timed
 
 
 def _sampled_round_ms(engine, prompt: BenchPrompt, sampling: Sampling) -> float | None:
