@@ -4,7 +4,8 @@ Runs `specdec-studio check` (the probe prompts, assets/check_prompts.jsonl), the
 (engine.measure.bench.run_bench, standard then speculative) for every candidate it priced — the draft,
 the draft head, n-gram lookup — at the K the check chose (its best K even when none pays), on the 20
 shared prompts (assets/bench_prompts.jsonl), and prints predicted vs measured acceptance per draft
-position and speedup. The check prices decoding rounds (no prefill); the measured speedup is given both
+position and speedup. The check prices answers of --max-new-tokens tokens, the length the bench decodes
+(their last rounds keep only what is left; no prefill); the measured speedup is given both
 in rounds (tokens over the seconds after prefill) and end to end (the bench's tok/s), and what a step spent
 by phase (drafting, verify, the host's work between steps), beside its price at load for the head's trees.
 
@@ -123,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"models loaded in {time.perf_counter() - loaded:.1f} s", flush=True)
     sampling = Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     report = check_engine(engine, target, drafts[1:], sampling=sampling, head=args.head != "none", ngram=True,
-                          probe_tokens=args.probe_tokens)
+                          probe_tokens=args.probe_tokens, answer_tokens=own.max_new_tokens)  # the answers it measures
     print(format_report(report), flush=True)
     args.top_k, args.top_p, args.seed = report.top_k, report.top_p, 0
     skip = {s.strip() for s in own.skip.split(",") if s.strip()}

@@ -201,7 +201,9 @@ def test_cli_check_refuses_bad_input_in_one_line_before_loading(capsys, tmp_path
     for argv, words in ((["check", "--prompts", str(tmp_path / "missing.jsonl")], "cannot read prompts file"),
                         (["check", "--json", str(tmp_path / "no" / "r.json")], "does not exist"),
                         (["check", "--scan", str(tmp_path / "nowhere")], "is not a folder"),
-                        (["check", "--probe-tokens", "2"], "probe tokens must be from 4")):
+                        (["check", "--probe-tokens", "2"], "probe tokens must be from 4"),
+                        (["check", "--answer-tokens", "0"], "answer tokens must be from 1"),
+                        (["check", "--answer-tokens", "many"], "answer tokens")):
         assert main(argv) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and words in err[0], err
@@ -406,3 +408,78 @@ def test_at_t_above_zero_the_heads_rounds_are_timed_sampling(tiny_head, monkeypa
     monkeypatch.undo()
     monkeypatch.setattr(check, "MIN_TIMED_ROUNDS", 10_000)
     assert check._sampled_round_ms(engine, PROMPTS[0], sampling) is None, "too few rounds: the greedy ones price"
+
+
+def test_an_answers_rounds_are_the_loops_whose_last_rounds_keep_only_what_is_left():
+    """costmodel.answer_rounds against the loop's rule played out (a round with r tokens left drafts
+    min(K, r), keeps its accepted drafts and the target's token, at most r), seeded; exact small cases."""
+    import random
+
+    from engine.measure.costmodel import answer_rounds, answer_share, expected_tokens
+
+    def played(per_position, k, n, answers=20000):
+        rng, total = random.Random(7), 0
+        for _ in range(answers):
+            left = n
+            while left > 0:
+                drafts, m = min(k, left), 0
+                while m < drafts and rng.random() < per_position[min(m, len(per_position) - 1)]:
+                    m += 1
+                left -= min(m + 1, left)
+                total += 1
+        return total / answers
+
+    rates = [0.86, 0.75, 0.75, 0.69, 0.62]
+    for n in (1, 3, 7, 32, 200):  # 200: past the exact part, where each token costs 1 / expected_tokens rounds
+        assert abs(answer_rounds(rates, 5, n) - played(rates, 5, n)) < 0.02 * n ** 0.5 + 0.01, n
+    assert answer_rounds([1.0], 3, 10) == 3.0  # 4 + 4 + the 2 left
+    assert answer_rounds([0.0], 3, 10) == 10.0 and answer_rounds(rates, 0, 10) == 10.0
+    assert answer_share(rates, 5, None) == 1.0
+    shares = [answer_share(rates, 5, n) for n in (8, 32, 256, 4096)]
+    assert shares == sorted(shares) and shares[0] < 0.9 and 0.99 < shares[-1] < 1.0
+    assert abs(answer_rounds(rates, 5, 4096) - 4096 / expected_tokens(rates, 5)) < 2.0
+
+
+def test_the_check_prices_answers_of_the_length_asked(tiny_pair):
+    """With answer_tokens each K's speedup is its rounds' times the share of a round's tokens such answers
+    keep (costmodel.answer_share), the draft model's here; the report says which length it priced."""
+    from engine.measure.costmodel import answer_share
+
+    engine = tiny_engine(*tiny_pair)
+    engine.measure_costs(rounds=1)
+
+    def check(answer_tokens):
+        report = run_check(engine, [engine_draft(engine)], sampling=Sampling(), head=False, ngram=False,
+                           prompts=PROMPTS, probe_tokens=16, answer_tokens=answer_tokens)
+        return report, report.candidates[0]
+
+    (rounds, a), (short, b) = check(None), check(6)
+    assert rounds.answer_tokens is None and short.answer_tokens == 6
+    k = a.best_k
+    share = answer_share(a.sampled_positions, k, 6)
+    assert share < 0.95 and b.speedups[k - 1] == pytest.approx(a.speedups[k - 1] * share)
+
+
+def test_a_trees_speedup_for_short_answers_is_its_rounds_times_their_share():
+    from types import SimpleNamespace
+
+    from engine.measure.check_math import Rounds
+    from engine.measure.check_price import price_head
+    from engine.measure.costmodel import answer_share, expected_tokens
+    from engine.types import ModelInfo, ProposerCost
+
+    at = (0.86, 0.82, 0.79, 0.79, 0.66, 0.6, 0.6, 0.6)
+    rounds = Rounds(tuple([100.0] * 8), tuple(100.0 * a for a in at), 0.0, 0.0, 0.0)
+    summary = {"greedy": {8: rounds}, "sampled": {8: rounds}, "kl": None, "top1": at[0]}
+    tally = SimpleNamespace(rejected=None, rescued=None)
+    runner = SimpleNamespace(head=SimpleNamespace(num_trained=lambda: 10))
+    drafting = {k: 0.3 + 0.35 * k for k in range(1, 9)}
+    info = ModelInfo(target_name="t", draft_name=None, device="cuda:0", dtype="bfloat16", fast_path="cuda-graphs",
+                     vocab_size=100, target_ms=tuple((w, 2.2 + 0.05 * w) for w in range(1, 14)),
+                     proposer_costs=(ProposerCost("head", 0.21, 0.0),), tree_ms=tuple((k, 3.2) for k in range(1, 9)),
+                     tree_nodes=64, tree_draft_ms=tuple(drafting.items()))
+    priced = price_head(info, runner, 1000, summary, tally, Sampling(), "", answer_tokens=12)
+    standard = info.target_ms[0][1]
+    each = [expected_tokens(at, k) * answer_share(at, k, 12) * standard / (3.2 + drafting[k]) for k in range(1, 9)]
+    assert priced.tree and priced.speedup == pytest.approx(max(each)) and priced.best_k == each.index(max(each)) + 1
+    assert priced.speedup < price_head(info, runner, 1000, summary, tally, Sampling(), "").speedup

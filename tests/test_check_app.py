@@ -70,9 +70,10 @@ def test_a_further_draft_loads_on_torch_through_the_apps_check_job(tiny_pair, tm
     worker = FakeWorker()
     jobs: list[CheckJob] = []
     worker.check_requested.connect(jobs.append)
-    link = _link(worker, info=None, loaded=loaded)
+    link = _link(worker, info=None, loaded=loaded, settings=GenerationSettings(max_new_tokens=48))
     link._start(ModelSelection(target=loaded.target, draft=ModelChoice("folder", str(target_dir)), device="cpu"))
     job = jobs[0]
+    assert job.answer_tokens == 48, "priced for the answers the settings panel asks for"
     assert job.drafts == (str(target_dir),) and job.further.runtime == "torch" and job.further.device == "cpu"
     assert job.further.head is None and not job.further.with_draft
     finished, failed = [], []
@@ -83,6 +84,7 @@ def test_a_further_draft_loads_on_torch_through_the_apps_check_job(tiny_pair, tm
         torch.set_num_threads(threads)  # a CPU load sets the cores' threads; the other tests run on one
     assert not failed, failed
     report = finished[0]
+    assert report.answer_tokens == 48
     further = next(c for c in report.candidates if c.spec == str(target_dir))
     assert further.status == "ok", further.reason
     assert further.kind == "draft" and further.top1 is not None and further.top1 > 0.9  # the target itself

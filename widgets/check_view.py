@@ -119,7 +119,8 @@ class CheckView(QWidget):
         self.progress.hide()
         self.status.setText(f"{report.probes} probe prompts, {report.probe_tokens} tokens, checked in "
                             f"{report.wall_s:.0f} s on {report.device} ({report.runtime}); "
-                            f"temperature {report.temperature:g}")
+                            f"temperature {report.temperature:g}"
+                            + (f"; speedups of {report.answer_tokens}-token answers" if report.answer_tokens else ""))
         self.table.setRowCount(len(report.candidates))
         for r, c in enumerate(report.candidates):
             tips = _tips(c)

@@ -43,6 +43,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help='probe prompts, JSONL {"id", "category", "prompt"} (default: assets/check_prompts.jsonl)')
     g.add_argument("--probe-tokens", type=lambda t: opt.whole(t, 4, MAX_NEW_TOKENS, "probe tokens"),
                    default=PROBE_TOKENS, help=f"tokens of the target's greedy continuation per probe prompt (default {PROBE_TOKENS})")
+    g.add_argument("--answer-tokens", type=lambda t: opt.whole(t, 1, MAX_NEW_TOKENS, "answer tokens"), default=None,
+                   help="price answers of this many tokens, whose last rounds keep only what is left (default: rounds)")
     g.add_argument("--temperature", type=opt.temperature, default=0.0, help="price acceptance at this temperature")
     g.add_argument("--top-k", type=opt.top_k, default=0, help="0 disables")
     g.add_argument("--top-p", type=opt.top_p, default=1.0, help="1 disables")
@@ -95,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
     sampling = Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     report = check_engine(engine, target, rest, sampling=sampling, head=args.head != "none", ngram=args.ngram,
                           prompts=prompts, probe_tokens=args.probe_tokens, progress=_progress(),
-                          load_torch=load_torch)
+                          load_torch=load_torch, answer_tokens=args.answer_tokens)
     print(format_report(report))
     try:
         if args.json_out is not None:
@@ -144,7 +146,8 @@ def format_report(report: CheckReport) -> str:
             f"{f'acc/pos T={t:g}':>20} {'cost':>5} {'K':>3} {'speedup':>8} {'90% range':>10}")
     lines = [(f"{report.target} on {report.device} ({report.runtime}); {report.probes} probe prompts, "
               f"{report.probe_tokens} continuation tokens; temperature {t:g}, top-p {report.top_p:g}, "
-              f"top-k {report.top_k}; a target forward {report.target_ms:.1f} ms"), head]
+              f"top-k {report.top_k}; a target forward {report.target_ms:.1f} ms"
+              + (f"; speedups of {report.answer_tokens}-token answers" if report.answer_tokens else "")), head]
     for n, c in enumerate(report.candidates, 1):
         if c.status != "ok":
             lines.append(f"{n:>2} {c.name[:34]:<34} refused: {c.reason}")

@@ -31,6 +31,7 @@ class CheckJob:
     drafts: tuple[str, ...]  # further drafts to load beside it (the dialog's choice when it is not the loaded one)
     sampling: Sampling  # the temperature / top-p / top-k acceptance is priced at (the settings panel's)
     further: LoadSpec  # how a further draft loads on torch (its spec goes in as `target`): the loaded pair's options
+    answer_tokens: int | None = None  # the answers the speedups are priced for (the settings panel's max new tokens)
     stop: threading.Event = field(default_factory=threading.Event)  # set by the dialog's Stop (or its closing)
 
     def run(self, engine, progress: Callable[[float, str], None], finished: Callable[[object], None],
@@ -51,7 +52,8 @@ class CheckJob:
 
         try:
             result = check_engine(engine, self.target, self.drafts, sampling=self.sampling, head=True, ngram=True,
-                                  progress=report, cancel=cancel, load_torch=self._load_torch)
+                                  progress=report, cancel=cancel, load_torch=self._load_torch,
+                                  answer_tokens=self.answer_tokens)
         except Exception as e:
             failed(generation_error_message(e))
             return
@@ -130,7 +132,7 @@ class CheckLink(QObject):
             drafts = (spec,)
         s = self._settings()
         job = CheckJob(target, drafts, Sampling(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p),
-                       further_drafts_load(loaded or selection, selection))
+                       further_drafts_load(loaded or selection, selection), answer_tokens=s.max_new_tokens)
         self._in_flight.append((job, dialog))
         self.worker.check_requested.emit(job)
 

@@ -66,8 +66,10 @@ def probe_prompts() -> tuple[BenchPrompt, ...]:
 def run_check(engine, drafts: Sequence[DraftUnderTest], *, sampling: Sampling, head: bool = True,
               ngram: bool = True, refused: Sequence[CandidateCheck] = (), prompts: Sequence[BenchPrompt] | None = None,
               probe_tokens: int = PROBE_TOKENS, progress: Progress | None = None,
-              cancel: threading.Event | None = None) -> CheckReport:
-    """Checks every loaded draft, the engine's head (when `head` and one is attached) and n-gram lookup."""
+              cancel: threading.Event | None = None, answer_tokens: int | None = None) -> CheckReport:
+    """Checks every loaded draft, the engine's head (when `head` and one is attached) and n-gram lookup; the
+    speedups are those of answers of `answer_tokens` tokens where given (their last rounds keep only what is
+    left: costmodel.answer_share), else of rounds."""
     started = time.perf_counter()
     prompts = tuple(prompts if prompts is not None else probe_prompts())
     with_head = head and engine.head_runner is not None
@@ -120,11 +122,12 @@ def run_check(engine, drafts: Sequence[DraftUnderTest], *, sampling: Sampling, h
     target_params = params_of(engine.target_runner, engine.target)
     priced: list[tuple[Callable[[Tally], CandidateCheck], list[Tally], int]] = [
         (lambda t, d=d: replace(price_chain(engine.info, d.name, d.params, target_params, d.cost, d.sampled_cost,
-                                            t.summary(), sampling, POSITIONS), spec=d.spec), tallies[id(d)], K_MAX)
+                                            t.summary(), sampling, POSITIONS, answer_tokens), spec=d.spec),
+         tallies[id(d)], K_MAX)
         for d in drafts]
     if with_head:
         priced.append((lambda t: price_head(engine.info, engine.head_runner, target_params, t.summary(), t, sampling,
-                                            HEAD_POSITIONS), head_tallies, HEAD_K))
+                                            HEAD_POSITIONS, answer_tokens), head_tallies, HEAD_K))
     if ngram:
         priced.append((lambda t: price_ngram(engine.info, t.summary(), sampling, NGRAM_POSITIONS), ngram_tallies,
                        K_MAX))
@@ -134,7 +137,7 @@ def run_check(engine, drafts: Sequence[DraftUnderTest], *, sampling: Sampling, h
     return CheckReport(engine.info.target_name, engine.info.runtime, engine.info.device, sampling.temperature,
                        sampling.top_p, sampling.top_k, len(prompts), compared, target_ms, tuple(ranked),
                        verdict_line(ranked), time.perf_counter() - started,
-                       tuple((k, round(v, 2)) for k, v in phases.items()))
+                       tuple((k, round(v, 2)) for k, v in phases.items()), answer_tokens)
 
 
 def _continuation(engine, ids: list[int], prompt: BenchPrompt, n: int) -> tuple[list[int], list, bool]:
@@ -349,7 +352,8 @@ def _size(params: int) -> str:
 def check_engine(engine, target_spec: str | None, draft_specs: Sequence[str], *, sampling: Sampling,
                  head: bool = True, ngram: bool = True, prompts: Sequence[BenchPrompt] | None = None,
                  probe_tokens: int = PROBE_TOKENS, progress: Progress | None = None,
-                 cancel: threading.Event | None = None, load_torch=None) -> CheckReport:
+                 cancel: threading.Event | None = None, load_torch=None,
+                 answer_tokens: int | None = None) -> CheckReport:
     """The whole check on a loaded engine: its own draft (if any), each of `draft_specs` besides it (tokenizer
     first, then loaded on the engine's runtime: check_load.load_drafts), its head and n-gram lookup.
     The report's wall time counts from here: the extra drafts' loads are in it."""
@@ -371,7 +375,7 @@ def check_engine(engine, target_spec: str | None, draft_specs: Sequence[str], *,
             progress(0.1 + 0.9 * fraction, message)
 
     report = run_check(engine, drafts, sampling=sampling, head=head, ngram=ngram, refused=refusals, prompts=prompts,
-                       probe_tokens=probe_tokens, progress=checking, cancel=cancel)
+                       probe_tokens=probe_tokens, progress=checking, cancel=cancel, answer_tokens=answer_tokens)
     return replace(report, wall_s=time.perf_counter() - started)
 
 

@@ -7,7 +7,7 @@ from dataclasses import replace
 from engine.limits import K_MAX
 from engine.measure.check_math import Rounds, rescue_rates
 from engine.measure.check_types import CandidateCheck
-from engine.measure.costmodel import CostModel, costs_at, expected_tokens, tree_costs_at
+from engine.measure.costmodel import CostModel, answer_share, costs_at, expected_tokens, tree_costs_at
 from engine.measure.experiment import alternative_tokens
 from engine.types import ModelInfo, ProposerCost, Sampling
 
@@ -19,8 +19,9 @@ def _best(speedups: Sequence[float]) -> int:
 
 def price_chain(info: ModelInfo, name: str, params: int, target_params: int, cost: ProposerCost | None,
                 sampled_cost: ProposerCost | None, summary: dict, sampling: Sampling,
-                positions_from: str) -> CandidateCheck:
-    """A draft model: for each K its rounds' per-position acceptance through CostModel.step_ms(K).
+                positions_from: str, answer_tokens: int | None = None) -> CandidateCheck:
+    """A draft model: for each K its rounds' per-position acceptance through CostModel.step_ms(K), for answers
+    of `answer_tokens` tokens where given (costmodel.answer_share: the last rounds keep what is left).
 
     After a round that kept every draft the draft's next forward is 2 tokens wide (its last draft and
     the bonus), priced like the target's 2-token forward scaled to the draft, as the bench's prediction
@@ -41,7 +42,8 @@ def price_chain(info: ModelInfo, name: str, params: int, target_params: int, cos
         r: Rounds = summary["sampled"][k]
         per_position = r.per_position or (0.0,)
         wide = r.all_accepted * c.per_token_ms * (model.target_cost(2) / model.target_cost(1) - 1.0)
-        speedups.append(expected_tokens(per_position, k) * model.standard_ms() / (model.step_ms(k) + wide))
+        speedups.append(expected_tokens(per_position, k) * answer_share(per_position, k, answer_tokens)
+                        * model.standard_ms() / (model.step_ms(k) + wide))
     k = _best(speedups)
     return CandidateCheck(**base, greedy_positions=summary["greedy"][k].per_position,
                           sampled_positions=summary["sampled"][k].per_position,
@@ -50,7 +52,7 @@ def price_chain(info: ModelInfo, name: str, params: int, target_params: int, cos
 
 
 def price_head(info: ModelInfo, head_runner, target_params: int, summary: dict, tally, sampling: Sampling,
-               positions_from: str) -> CandidateCheck:
+               positions_from: str, answer_tokens: int | None = None) -> CandidateCheck:
     """The draft head: chains through CostModel.speedup_from_positions; where the engine verifies its
     drafts as sibling trees (ModelInfo.tree_ms), also each tree's measured verify with the alternatives'
     extra token (experiment.alternative_tokens, the bench's own count). Where it grows dynamic trees,
@@ -82,14 +84,16 @@ def price_head(info: ModelInfo, head_runner, target_params: int, summary: dict, 
     if summary.get("round_ms") is not None and (k_run in trees or not ran_as_tree):
         host = summary["round_ms"] - round_ms(model, k_run, trees.get(k_run))
         model = replace(model, overhead_ms=max(host, 0.0))
-    speedups = [model.speedup_from_positions(at_t, k) for k in range(1, K_MAX + 1)] if at_t else []
+    speedups = [model.speedup_from_positions(at_t, k) * answer_share(at_t, k, answer_tokens)
+                for k in range(1, K_MAX + 1)] if at_t else []
     k, tree = _best(speedups), False
     best = speedups[k - 1] if speedups else None
     draft_ms = model.draft_ms
 
     def tree_speedup(kt: int, verify_ms: float) -> float:
         extra = alternative_tokens(at_t, rescue, kt) if info.tree_alternatives else 0.0
-        return (expected_tokens(at_t, kt) + extra) * model.standard_ms() / round_ms(model, kt, verify_ms)
+        return ((expected_tokens(at_t, kt) + extra) * answer_share(at_t, kt, answer_tokens) * model.standard_ms()
+                / round_ms(model, kt, verify_ms))
 
     if info.tree_nodes and trees and at_t:
         # The rounds were a dynamic tree's walked paths: their acceptance is the tree's, which a chain of

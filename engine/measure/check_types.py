@@ -51,6 +51,7 @@ class CheckReport:
     verdict: str  # one line a person can act on
     wall_s: float  # seconds the check took after the models were loaded
     phases: tuple[tuple[str, float], ...] = ()  # (part, seconds): the target's continuations, each candidate
+    answer_tokens: int | None = None  # the answer length the speedups are priced for (None: per round)
 
     @property
     def best(self) -> CandidateCheck | None:

@@ -39,6 +39,36 @@ def expected_tokens(per_position: Sequence[float], k: int) -> float:
     return expected
 
 
+def answer_rounds(per_position: Sequence[float], k: int, answer_tokens: int) -> float:
+    """Expected rounds of K drafts that commit an answer of `answer_tokens` tokens, drafting no more than the
+    tokens still wanted, as the loop does (a round with r tokens left drafts min(K, r) and keeps what is
+    left at most). Exact up to 16 (K + 1) tokens; beyond, each further token costs 1 / expected_tokens
+    rounds (the renewal rate: the answer's end is all that differs from rounds that keep their mean)."""
+    if answer_tokens <= 0:
+        return 0.0
+    if k <= 0 or not per_position:
+        return float(answer_tokens)
+    exact = min(answer_tokens, 16 * (k + 1))
+    rounds = [0.0] * (exact + 1)  # rounds[r]: expected rounds with r tokens left
+    for left in range(1, exact + 1):
+        drafts = min(k, left)
+        total, reach = 1.0, 1.0
+        for m in range(drafts):  # m drafts accepted, then the target's token: m + 1 tokens
+            a = per_position[min(m, len(per_position) - 1)]
+            total += reach * (1.0 - a) * rounds[left - m - 1]
+            reach *= a
+        rounds[left] = total + reach * rounds[max(left - drafts - 1, 0)]  # all accepted, the bonus cut to what is left
+    return rounds[exact] + (answer_tokens - exact) / expected_tokens(per_position, k)
+
+
+def answer_share(per_position: Sequence[float], k: int, answer_tokens: int | None) -> float:
+    """What share of a round's mean tokens an answer of `answer_tokens` keeps a round (1 for None: rounds
+    priced as if answers never ended)."""
+    if answer_tokens is None or k <= 0 or not per_position:
+        return 1.0
+    return answer_tokens / answer_rounds(per_position, k, answer_tokens) / expected_tokens(per_position, k)
+
+
 @dataclass(frozen=True)
 class CostModel:
     draft_ms: float  # one drafted token (a 1-token draft forward; ~0 for n-gram lookup)
