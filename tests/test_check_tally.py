@@ -37,12 +37,15 @@ def test_merged_probes_count_what_one_tally_of_everything_counts():
     both = merged([_probe(a), _probe(b)], K_MAX)
     assert both.greedy == together.greedy and both.sampled == together.sampled
     assert both.rows == 7 and both.top1_sum == 4.0 and both.summary()["top1"] == 4 / 7
-    trees = [replace(_probe(a), rejected=[1.0, 2.0], rescued=[0.0, 1.0]), replace(_probe(b), rejected=[3.0])]
+    trees = [replace(_probe(a), rejected=[1.0, 2.0], rescued=[0.0, 1.0], round_ms=9.0, rounds_timed=3),
+             replace(_probe(b), rejected=[3.0], round_ms=2.0, rounds_timed=2)]
     assert merged(trees, K_MAX).rejected == [4.0, 2.0] and merged(trees, K_MAX).rescued == [0.0, 1.0]
     # A resample's tally comes from stacked counts: counting each probe once is merged(), twice doubles it.
     once, twice = Stacked(trees, K_MAX).tallies(np.array([[1.0, 1.0], [2.0, 0.0]]))
     assert once == merged(trees, K_MAX)
     assert twice.greedy == merged([trees[0], trees[0]], K_MAX).greedy and twice.rejected == [2.0, 4.0]
+    # ... the head's rounds' wall time too, or a resample would price no host work beside the forwards
+    assert (twice.round_ms, twice.rounds_timed) == (18.0, 6) and once.summary()["round_ms"] == 11.0 / 5
     assert Stacked([_probe(a)], K_MAX).tallies(np.ones((1, 1)))[0].rejected is None  # chains keep no rejections
 
 

@@ -46,10 +46,11 @@ log = logging.getLogger(__name__)
 
 FORCED_ROWS = 64  # rows per teacher-forced forward: a 152k vocabulary's float32 logits, 39 MB
 HEAD_K = TREE_K_MAX  # draft length of the head's own rounds (positions beyond it repeat the last rate)
-# At T > 0 the head's rounds are timed again sampling (verify.tree_choices walks siblings on the host, which a
-# greedy round does not: on an H100 0.46 ms a round against 0.19): up to this many tokens of the first probe,
-# within this many seconds, kept where at least MIN_TIMED_ROUNDS rounds fit (rounds of hundreds of ms, a CPU's,
-# would price their forwards' noise, not the host's work, which is lost in them; they are not run there).
+# The head's rounds price the host's work beside their forwards only where MIN_TIMED_ROUNDS of them fit in TIMED_S:
+# rounds of hundreds of ms, a CPU's, would price their forwards' noise (a load running 10-20% off its prices),
+# not the host's work, which is lost in them. At T > 0 they are timed again sampling (verify.tree_choices walks
+# siblings on the host, which a greedy round does not: on an H100 0.46 ms a round against 0.19), up to
+# TIMED_TOKENS tokens of the first probe.
 TIMED_TOKENS, TIMED_S, MIN_TIMED_ROUNDS = 96, 1.0, 16
 POSITIONS = ("chained over the target's greedy continuation: draft position i of a round starting at row t is "
              "judged at row t + i (an exact replay at T = 0; at T > 0 the context is the greedy text)")
@@ -112,9 +113,9 @@ def run_check(engine, drafts: Sequence[DraftUnderTest], *, sampling: Sampling, h
             head_tallies.append(Tally.empty(HEAD_K))
             _head(head_steps, rows, cont, sampling, head_tallies[-1])
         phases["ngram and head"] += time.perf_counter() - t0
-    if with_head and not sampling.greedy and prompts:
+    if with_head and prompts:
         t0 = time.perf_counter()
-        _retime_sampling(engine, prompts[0], sampling, head_tallies)
+        _time_host_work(engine, prompts[0], sampling, head_tallies)
         phases["sampled rounds"] = time.perf_counter() - t0
     log.info("draft check phases (s): %s", {k: round(v, 1) for k, v in phases.items()})
     if progress is not None:
@@ -161,14 +162,18 @@ def _continuation(engine, ids: list[int], prompt: BenchPrompt, n: int) -> tuple[
     return cont[:n], steps, cached
 
 
-def _retime_sampling(engine, prompt: BenchPrompt, sampling: Sampling, tallies: list[Tally]) -> None:
-    """The head's rounds priced at their sampled wall time where enough sampled rounds fit in TIMED_S (the
-    greedy rounds' mean says whether they can): the same mean for every probe's rounds, so every resample
-    prices it."""
+def _time_host_work(engine, prompt: BenchPrompt, sampling: Sampling, tallies: list[Tally]) -> None:
+    """What the head's rounds took, for pricing the host's work beside their forwards: nothing where the
+    greedy rounds show that MIN_TIMED_ROUNDS do not fit in TIMED_S (the timing is cleared); at T > 0 their
+    sampled wall time, the same mean for every probe's rounds."""
     timed = sum(t.rounds_timed for t in tallies)
-    if not timed or sum(t.round_ms for t in tallies) / timed * MIN_TIMED_ROUNDS > TIMED_S * 1000.0:
+    if not timed:
         return
-    sampled_ms = _sampled_round_ms(engine, prompt, sampling)
+    if sum(t.round_ms for t in tallies) / timed * MIN_TIMED_ROUNDS > TIMED_S * 1000.0:
+        for t in tallies:
+            t.round_ms, t.rounds_timed = 0.0, 0
+        return
+    sampled_ms = None if sampling.greedy else _sampled_round_ms(engine, prompt, sampling)
     if sampled_ms is not None:
         for t in tallies:
             t.round_ms = sampled_ms * t.rounds_timed

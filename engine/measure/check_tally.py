@@ -88,7 +88,8 @@ class Stacked:
 
     def __init__(self, tallies: Sequence[Tally], k_max: int) -> None:
         # Columns: kl, top1, rows; then per table (greedy, sampled) and K: rounds, tokens, drafted, reached by
-        # position, accepted by position (0 past a probe's own); then rejected, rescued (head trees).
+        # position, accepted by position (0 past a probe's own); then rejected, rescued (head trees); then the
+        # head's rounds' wall time and their count (the host work priced beside the forwards).
         self.offsets: dict[tuple[str, int], int] = {}
         width = 3
         for table in ("greedy", "sampled"):
@@ -98,7 +99,7 @@ class Stacked:
         self.rejected = max((len(t.rejected or ()) for t in tallies), default=0)
         self.rescued = max((len(t.rescued or ()) for t in tallies), default=0)
         self.trees = any(t.rejected is not None for t in tallies)
-        self.counts = np.zeros((len(tallies), width + self.rejected + self.rescued))  # [P, C]
+        self.counts = np.zeros((len(tallies), width + self.rejected + self.rescued + 2))  # [P, C]
         for i, t in enumerate(tallies):
             row = self.counts[i]
             row[:3] = (t.kl_sum, t.top1_sum, t.rows)
@@ -109,6 +110,7 @@ class Stacked:
                 row[at + 3 + k:at + 3 + k + len(r.accepted)] = r.accepted
             row[width:width + len(t.rejected or ())] = t.rejected or ()
             row[width + self.rejected:width + self.rejected + len(t.rescued or ())] = t.rescued or ()
+            row[-2:] = (t.round_ms, t.rounds_timed)
         self.width = width
 
     def tallies(self, weights: np.ndarray) -> list[Tally]:
@@ -119,10 +121,10 @@ class Stacked:
             for (table, k), at in self.offsets.items():
                 tables[table][k] = Rounds(tuple(v[at + 3:at + 3 + k]), tuple(v[at + 3 + k:at + 3 + 2 * k]),
                                           v[at], v[at + 1], v[at + 2])
-            tail = v[self.width:]
+            tail = v[self.width:-2]
             out.append(Tally(tables["greedy"], tables["sampled"], v[0], v[1], int(round(v[2])),
                              tail[:self.rejected] if self.trees else None,
-                             tail[self.rejected:] if self.trees else None))
+                             tail[self.rejected:] if self.trees else None, v[-2], int(round(v[-1]))))
         return out
 
 
