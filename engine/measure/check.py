@@ -116,7 +116,8 @@ def run_check(engine, drafts: Sequence[DraftUnderTest], *, sampling: Sampling, h
     if with_head and prompts:
         t0 = time.perf_counter()
         _time_host_work(engine, prompts[0], sampling, head_tallies)
-        phases["sampled rounds"] = time.perf_counter() - t0
+        if not sampling.greedy:
+            phases["sampled rounds"] = time.perf_counter() - t0
     log.info("draft check phases (s): %s", {k: round(v, 1) for k, v in phases.items()})
     if progress is not None:
         progress(1.0, "Pricing the candidates")
