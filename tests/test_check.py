@@ -339,15 +339,12 @@ def test_without_a_head_the_continuation_and_its_rows_are_standard_decodings_own
     torch.testing.assert_close(rows, forced, atol=2e-2, rtol=1e-2)  # float16 on the host, either way
 
 
-def test_a_dynamic_tree_is_priced_with_its_own_drafting():
-    """On the H200 the check priced the default 64-node tree's rounds at the head's chain cost a level
-    (0.21 ms) where a level drafts in about 0.37: 2.42x predicted against 1.59x measured. Each depth's
-    measured drafting (ModelInfo.tree_draft_ms) prices it now."""
+def _priced_tree():
+    """A dynamic tree's rounds (acceptance by position, 64 nodes, each depth's verify 3.2 ms and its own
+    drafting) as price_head reads them: (acceptance, summary, tally, runner, drafting, info)."""
     from types import SimpleNamespace
 
     from engine.measure.check_math import Rounds
-    from engine.measure.check_price import price_head
-    from engine.measure.costmodel import expected_tokens
     from engine.types import ModelInfo, ProposerCost
 
     at = (0.86, 0.82, 0.79, 0.79, 0.66, 0.6, 0.6, 0.6)
@@ -360,6 +357,17 @@ def test_a_dynamic_tree_is_priced_with_its_own_drafting():
                      vocab_size=100, target_ms=tuple((w, 2.2 + 0.05 * w) for w in range(1, 14)),
                      proposer_costs=(ProposerCost("head", 0.21, 0.0),), tree_ms=tuple((k, 3.2) for k in range(1, 9)),
                      tree_nodes=64, tree_draft_ms=tuple(drafting.items()))
+    return at, summary, tally, runner, drafting, info
+
+
+def test_a_dynamic_tree_is_priced_with_its_own_drafting():
+    """On the H200 the check priced the default 64-node tree's rounds at the head's chain cost a level
+    (0.21 ms) where a level drafts in about 0.37: 2.42x predicted against 1.59x measured. Each depth's
+    measured drafting (ModelInfo.tree_draft_ms) prices it now."""
+    from engine.measure.check_price import price_head
+    from engine.measure.costmodel import expected_tokens
+
+    at, summary, tally, runner, drafting, info = _priced_tree()
     greedy = Sampling(temperature=0.0)
     priced = price_head(info, runner, 1000, summary, tally, greedy, "")
     standard = info.target_ms[0][1]
@@ -465,23 +473,10 @@ def test_the_check_prices_answers_of_the_length_asked(tiny_pair):
 
 
 def test_a_trees_speedup_for_short_answers_is_its_rounds_times_their_share():
-    from types import SimpleNamespace
-
-    from engine.measure.check_math import Rounds
     from engine.measure.check_price import price_head
     from engine.measure.costmodel import answer_share, expected_tokens
-    from engine.types import ModelInfo, ProposerCost
 
-    at = (0.86, 0.82, 0.79, 0.79, 0.66, 0.6, 0.6, 0.6)
-    rounds = Rounds(tuple([100.0] * 8), tuple(100.0 * a for a in at), 0.0, 0.0, 0.0)
-    summary = {"greedy": {8: rounds}, "sampled": {8: rounds}, "kl": None, "top1": at[0]}
-    tally = SimpleNamespace(rejected=None, rescued=None)
-    runner = SimpleNamespace(head=SimpleNamespace(num_trained=lambda: 10))
-    drafting = {k: 0.3 + 0.35 * k for k in range(1, 9)}
-    info = ModelInfo(target_name="t", draft_name=None, device="cuda:0", dtype="bfloat16", fast_path="cuda-graphs",
-                     vocab_size=100, target_ms=tuple((w, 2.2 + 0.05 * w) for w in range(1, 14)),
-                     proposer_costs=(ProposerCost("head", 0.21, 0.0),), tree_ms=tuple((k, 3.2) for k in range(1, 9)),
-                     tree_nodes=64, tree_draft_ms=tuple(drafting.items()))
+    at, summary, tally, runner, drafting, info = _priced_tree()
     priced = price_head(info, runner, 1000, summary, tally, Sampling(), "", answer_tokens=12)
     standard = info.target_ms[0][1]
     each = [expected_tokens(at, k) * answer_share(at, k, 12) * standard / (3.2 + drafting[k]) for k in range(1, 9)]
