@@ -103,6 +103,8 @@ def main(argv: list[str] | None = None) -> int:
         unknown = {s.strip() for s in own.skip.split(",") if s.strip()} - {"draft", "head", "ngram"}
         if unknown:
             raise CliError(f"--skip takes draft, head and ngram, not {', '.join(sorted(unknown))}")
+        if args.answer_tokens is not None:
+            raise CliError("--answer-tokens is --max-new-tokens here: the check prices the answers the bench decodes")
         opt.check_writable(own.out)  # before minutes of loading and timing
     except (CliError, argparse.ArgumentTypeError) as e:
         print(f"check_honesty: {e}", file=sys.stderr)

@@ -21,6 +21,7 @@ def _script(name: str):
     (["--bench-prompts", "no-such-prompts.jsonl"], "cannot read prompts file"),
     (["--target", "no/such/model", "--draft", "none"], "Model path not found"),
     (["--skip", "draft,heads"], "--skip takes draft, head and ngram, not heads"),
+    (["--answer-tokens", "5"], "--answer-tokens is --max-new-tokens here"),
 ])
 def test_check_honesty_answers_bad_input_in_one_line(tmp_path, capsys, argv, says):
     code = _script("check_honesty").main([*argv, "--json", str(tmp_path / "out.json")])
