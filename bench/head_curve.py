@@ -1,7 +1,8 @@
 """Does more data still pay the draft head? Held-out acceptance by position against the answer tokens it has seen.
 
 Reads a head's training log (`distill` writes OUT/train_log.jsonl; a run continued with --init appends
-to it): every "data" line adds the fresh answer tokens the target wrote for it, every "eval" line is the
+to it): every "data" line adds the fresh answer tokens the target wrote for it (a round equal to one of an earlier
+run adds none: that run trains again on old answers, and its points say so), every "eval" line is the
 head's held-out greedy acceptance per draft position at that point. Each run holds out answers of its own
 fresh data, so a continued run's first evaluation (step 0, before it trains) is the head it starts from
 measured on the new held-out answers: that point, not the last one of the run before, is what the run
@@ -20,24 +21,41 @@ import sys
 from pathlib import Path
 
 
+# A data round is the same round of an earlier run when all of these match (a deterministic target and the same
+# seed write the same answers): its tokens were seen before, and the run is a further epoch on old data.
+DATA_KEY = ("round", "seed", "sampled", "kept", "answers", "answer_tokens", "greedy")
+
+
 def curve(lines: list[dict]) -> list[dict]:
     """One point per held-out evaluation: the fresh answer tokens the target wrote so far, the answer tokens
     trained on so far (a continued run's counts added to the runs before it), and acceptance by position.
     A continued run's evaluation before it trains is kept with "start": true (a fresh run's is a random head)."""
     written, trained, before, points, continued = 0, 0, 0, [], False
+    earlier: set[tuple] = set()  # the data rounds of the runs before this one
+    this_run: set[tuple] = set()
+    repeat = False  # this run wrote the very rounds of an earlier one (same seed and plan): not fresh data
     for record in lines:
         kind = record.get("kind") if isinstance(record, dict) else None
         if kind == "data":
-            written += int(record.get("answer_tokens", 0))
+            key = tuple(str(record.get(k)) for k in DATA_KEY)
+            this_run.add(key)
+            if key in earlier:
+                repeat = True
+            else:
+                written += int(record.get("answer_tokens", 0))
         elif kind == "continue":
             before = trained  # a run continued from the head so far: its counts start again from 0
             continued = True
+            earlier |= this_run
+            this_run, repeat = set(), False
         elif kind == "train":
             trained = before + int(record.get("tokens", 0))
         elif kind == "eval" and (record.get("step", 0) > 0 or continued):
             step = int(record.get("step", 0))
             point = {"answer_tokens": written, "trained_tokens": trained, "step": step,
                      "acceptance": [float(a) for a in record["acceptance"]]}
+            if repeat:
+                point["repeat"] = True
             points.append({**point, "start": True} if step == 0 else point)
             continued = False
     return points
@@ -91,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     for p in points:
         print(f"{p['answer_tokens']:>12,}{p['trained_tokens']:>14,}{p['step']:>7}  "
               + " ".join(f"{a:.2f}" for a in p["acceptance"])
-              + ("  (the head it continues, on this run's held-out answers)" if p.get("start") else ""))
+              + ("  (the head it continues, on this run's held-out answers)" if p.get("start") else "")
+              + ("  (data of an earlier run again)" if p.get("repeat") else ""))
     if args.json is not None:
         args.json.write_text(json.dumps({"log": str(args.log), "points": points}, indent=1) + "\n", encoding="utf-8")
     if args.png is not None:

@@ -79,6 +79,13 @@ def test_head_curve_keeps_a_continued_runs_start_on_its_own_held_out_answers(tmp
     assert [(p["answer_tokens"], p["trained_tokens"], p["step"], p["acceptance"], p.get("start", False))
             for p in points] == [(100, 400, 5, [0.5], False), (400, 400, 0, [0.4], True), (400, 1000, 9, [0.6], False)]
     assert "the head it continues" in capsys.readouterr().out
+    again = lines[4:]  # a third run that writes the second one's data again: no fresh tokens, its points marked
+    log.write_text("\n".join(json.dumps(x) for x in lines + again) + "\n", encoding="utf-8")
+    assert _script("head_curve").main([str(log), "--json", str(tmp_path / "c.json")]) == 0
+    points = json.loads((tmp_path / "c.json").read_text(encoding="utf-8"))["points"]
+    assert [(p["answer_tokens"], p["trained_tokens"], p.get("repeat", False)) for p in points[3:]] == [
+        (400, 1000, True), (400, 1600, True)]
+    assert "data of an earlier run again" in capsys.readouterr().out
     for text in ("not json\n", '{"kind": "continue"}\n{"kind": "eval"}\n', '{"kind": "eval", "step": "x"}\n'):
         log.write_text(text, encoding="utf-8")
         assert _script("head_curve").main([str(log)]) == 2
