@@ -15,7 +15,9 @@ from engine.heads.distill import DistillError
 from engine.heads.runner import HeadRunner
 from engine.heads.shards import SHARD_BYTES, head_for, load_head, open_head, read_manifest
 from engine.heads.train import Teacher, unrolled_states
-from tests.head_fixtures import distiller, load_target, quick_plan
+from tests.head_fixtures import TINY_PLAN, distiller, load_target, quick_plan
+
+TINY_SEED = TINY_PLAN.seed  # the seed the tiny head's own run used
 
 
 def _log(folder) -> list[dict]:
@@ -212,6 +214,39 @@ def test_a_head_continues_from_a_finished_run(tiny_head, tmp_path):
     assert kinds[-1] == "eval"  # the final evaluation (the export record follows the copy, in the work log)
     with pytest.raises(DistillError, match="another head"):
         distiller(tiny_head.target, tmp_path / "out", tmp_path / "work", plan).run()
+
+
+def test_a_continued_run_writes_fresh_questions_with_the_same_seed(tiny_head, tmp_path):
+    """--init with the seed the head was trained with: the data is new (seeded by the head it continues),
+    so a run continued twice never trains twice on the same answers; a resumed call writes the same data."""
+    from engine.heads.fitting import load_round
+
+    def questions(work) -> set[str]:
+        return {r["question"] for r in load_round(work / "data" / "round-00000.pt")}
+
+    before = read_manifest(tiny_head.head)
+    plan = quick_plan(max_rounds=2, max_steps=2, seed=TINY_SEED)
+    distiller(tiny_head.target, tmp_path / "out", tmp_path / "work", plan, init=before).run()
+    fresh = questions(tmp_path / "work")
+    assert fresh and fresh.isdisjoint(questions(tiny_head.work))
+    data = next(r for r in _log(tmp_path / "work") if r["kind"] == "data")
+    assert data["seed"] != TINY_SEED  # the log says which seed wrote the round
+    distiller(tiny_head.target, tmp_path / "out2", tmp_path / "work2", plan, init=before).run()
+    assert questions(tmp_path / "work2") == fresh  # reproducible from the seed and the head
+
+
+def test_a_call_that_ends_during_the_data_leaves_the_rest_of_the_data_to_the_next_call(tiny_head, tmp_path):
+    """The data's share of the budget is written in full: a call cut short by its own limit does not start
+    training on the rounds it has; the next call writes the rest, then trains."""
+    plan = quick_plan(max_rounds=3, max_steps=2)
+    first = distiller(tiny_head.target, tmp_path / "out", tmp_path / "work", plan)
+    # After the first round the call has a little more than its reserve left: not enough for another round.
+    first.clock.call_left = lambda: float("inf") if first.state["rounds"] == 0 else plan.reserve_s + 1e-3
+    first.run()
+    state = json.loads((tmp_path / "work" / "state.json").read_text(encoding="utf-8"))
+    assert (state["phase"], state["rounds"], state["step"]) == ("data", 1, 0)
+    summary = distiller(tiny_head.target, tmp_path / "out", tmp_path / "work", plan).run()
+    assert summary["data_rounds"] == 3 and summary["steps"] == 2
 
 
 def test_plan_settings_change_by_name_and_are_checked():

@@ -9,6 +9,7 @@ again with the same work folder. Every call ends by exporting the head it has so
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
@@ -122,6 +123,7 @@ class Distiller(DataPhase, TrainingPhase):
                 raise DistillError(f"Refusing to train on a benchmark or test prompt: {q[:80]!r} matches {hit[:80]!r}.")
         self.extra_questions = list(extra_questions)
         self.init = init
+        self.data_seed = data_seed(plan.seed, init)
         work.mkdir(parents=True, exist_ok=True)
         (work / "data").mkdir(exist_ok=True)
         self.state = self._load_state()
@@ -186,8 +188,7 @@ class Distiller(DataPhase, TrainingPhase):
                    f"call {self.state['calls']}: resuming at {self.state['phase']}")
         budget = self.plan.minutes * 60
         if self.state["phase"] == "data":
-            self._data(budget * self.plan.data_share)
-            if not self.cancel.is_set() and self.clock.call_left() > self.plan.reserve_s:
+            if self._data(budget * self.plan.data_share):
                 self.state["phase"] = "train"
             self._save_state()
         summary: dict = {"phase": self.state["phase"]}
@@ -207,6 +208,19 @@ def _is_state(state: object) -> bool:
     return (number(state.get("spent_s")) and state.get("phase") in ("data", "train", "done")
             and count(state.get("rounds")) and count(state.get("step")) and count(state.get("calls"))
             and (state.get("train_started_s") is None or number(state.get("train_started_s"))))
+
+
+def data_seed(seed: int, init: HeadFiles | None) -> int:
+    """The seed of a run's questions and answers: the plan's, mixed with the head a continued run starts from.
+
+    A run continued from a head with the seed that head was trained with would otherwise write the very
+    questions and answers of the run before (the target is deterministic): a second epoch, not fresh data.
+    """
+    if init is None:
+        return seed
+    shards = "".join(s.get("sha256", "") for s in init.manifest.get("shards", []))
+    digest = hashlib.sha256(f"{seed}:{shards}".encode()).hexdigest()
+    return int(digest[:8], 16)  # 32 bits: times the round multipliers it stays a valid torch seed
 
 
 def init_record(files: HeadFiles) -> dict:

@@ -211,9 +211,10 @@ class TrainingPhase:
                     with autocast:
                         loss, stats = head_loss(head, features, normed, ids, lengths, prompt_lens, cfg, cos, sin)
                     opt.zero_grad(set_to_none=True)
-                    loss.backward()
-                    torch.nn.utils.clip_grad_norm_(head.parameters(), cfg.clip)
-                    opt.step()
+                    if loss.requires_grad:  # a batch whose answers all end at once has nothing to learn
+                        loss.backward()
+                        torch.nn.utils.clip_grad_norm_(head.parameters(), cfg.clip)
+                        opt.step()
                 except torch.OutOfMemoryError:
                     opt.zero_grad(set_to_none=True)
                     loss = None

@@ -69,16 +69,18 @@ class DataPhase:
                     torch.cuda.empty_cache()
         return D.sample_segmented(self.target, self.tokenizer, prompts, segment=segment, **options)
 
-    def _data(self, until: float) -> None:
+    def _data(self, until: float) -> bool:
+        """Writes data rounds until the budget reaches `until` seconds; True once the data is done (the budget
+        or max_rounds reached), False where the call ends or is cancelled first (the next call writes on)."""
         self.sampler = self._make_sampler()
         try:
-            self._data_rounds(until)
+            return self._data_rounds(until)
         finally:
             self.sampler = None  # its cache goes before training needs the memory
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
 
-    def _data_rounds(self, until: float) -> None:
+    def _data_rounds(self, until: float) -> bool:
         plan = self.plan
         self._data_until = until
         seen = set()
@@ -88,20 +90,22 @@ class DataPhase:
         while True:
             r = self.state["rounds"]
             if plan.max_rounds is not None and r >= plan.max_rounds:
-                break
+                return True
+            if r > 0 and self.clock.used() >= until - last:
+                return not self.cancel.is_set()  # another round would overrun the data's share of the budget
             if r > 0 and (self._stop_at(until - last) or self.clock.call_left() - last <= plan.reserve_s):
-                break
+                return False  # the call ends (or cancel) before the data is done: the next call writes on
             self._report("data", f"data round {r + 1}: sampling questions")
             started = time.perf_counter()
-            rng = torch.Generator().manual_seed(plan.seed * 1000003 + r)
+            rng = torch.Generator().manual_seed(self.data_seed * 1000003 + r)
             questions, stats = self._questions(r, rng, seen)
             # Round 0 is greedy (held-out acceptance is measured on greedy answers), then by share.
             greedy = int((r + 1) * plan.sampled_share) == int(r * plan.sampled_share)
             self._report("data", f"data round {r + 1}: answering {len(questions)} questions "
                                  f"({'greedy' if greedy else 'sampled'})")
-            records = self._answers(questions, greedy, rng, seed=plan.seed * 1000003 + r)
+            records = self._answers(questions, greedy, rng, seed=self.data_seed * 1000003 + r)
             if plan.followup_share > 0 and records:
-                more, follow = self._followups(records, greedy, rng, seen, seed=plan.seed * 1000003 + r + 500009)
+                more, follow = self._followups(records, greedy, rng, seen, seed=self.data_seed * 1000003 + r + 500009)
                 records += more
                 stats = {**stats, "followups": follow}
             tmp = self.work / "data" / f".round-{r:05d}.pt.tmp"
@@ -111,7 +115,8 @@ class DataPhase:
             self._save_state()
             tokens = sum(len(x["ids"]) - x["prompt_len"] for x in records)
             last = time.perf_counter() - started
-            self._log({"kind": "data", "round": r + 1, **stats, "answers": len(records), "answer_tokens": tokens,
+            self._log({"kind": "data", "round": r + 1, "seed": self.data_seed, **stats, "answers": len(records),
+                       "answer_tokens": tokens,
                        "greedy": greedy, "seconds": round(last, 1),
                        "answer_tokens_per_s": round(tokens / max(last, 1e-9)),
                        "writer": "continuous" if self.sampler is not None else "generate"},
@@ -125,7 +130,7 @@ class DataPhase:
         order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # similar lengths batch well
         outs = self._write([prompts[i] for i in order], max_new=plan.question_tokens,
                            temperature=plan.question_temperature, top_p=plan.question_top_p,
-                           seed=plan.seed * 7919 + r, max_time=self._generate_time(0.3))
+                           seed=self.data_seed * 7919 + r, max_time=self._generate_time(0.3))
         kept: list[tuple[str, str]] = []
         counts = Counter()
         if r == 0:
