@@ -12,6 +12,12 @@ Prints answer tokens per second of each, the ratio to generate, and how many ans
 token for token (bf16 kernels may round a near tie differently for another batch shape):
 
     python bench/distill_writers.py --target path/to/Qwen2.5-Coder-1.5B-Instruct --json distill_writers.json
+
+Where the continuous writer's time goes: `--profile` runs the last row count once more under torch's
+profiler and prints the operations that took the most device time (CPU time on a CPU), with the share
+of the run each took; `--no-generate` leaves generate out (ratios are then to the first writer).
+
+    python bench/distill_writers.py --target path/to/Qwen2.5-Coder-1.5B-Instruct --rows 512 --no-generate --profile
 """
 from __future__ import annotations
 
@@ -33,7 +39,7 @@ def count(what: str, high: int):
     return lambda text: opt.whole(text, 1, high, what)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -52,7 +58,10 @@ def main() -> int:
                     help="generate's segment (0: one call)")
     ap.add_argument("--rows", default="128,256,512", type=lambda t: opt.listed(t, count("--rows", 8192), "--rows"),
                     help="continuous batching row counts")
-    args = ap.parse_args()
+    ap.add_argument("--no-generate", action="store_true", help="time only the continuous writer")
+    ap.add_argument("--profile", action="store_true",
+                    help="profile the last row count's writer and print where its time goes")
+    args = ap.parse_args(argv)
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.device.startswith("cuda") and not torch.cuda.is_available():
@@ -78,7 +87,7 @@ def main() -> int:
                                        segment=args.segment, temperature=0.0, top_p=1.0, seed=0)
         return outs
 
-    writers = [("generate", generate)]
+    writers = [] if args.no_generate else [("generate", generate)]
     for rows in (int(r) for r in args.rows.split(",")):
         sampler = ContinuousSampler(model, rows=rows, max_length=longest, eos=eos)
         writers.append((f"continuous {rows}",
@@ -98,16 +107,45 @@ def main() -> int:
         rec = {"writer": name, "seconds": round(dt, 2), "answer_tokens": tokens,
                "ended": sum(e for _, e in outs), "tokens_per_s": round(tokens / dt),
                "same_as_generate": same, "answers": len(outs)}
-        rec["x_generate"] = round(rec["tokens_per_s"] / results["writers"][0]["tokens_per_s"], 2) \
+        rec["x_first"] = round(rec["tokens_per_s"] / results["writers"][0]["tokens_per_s"], 2) \
             if results["writers"] else 1.0
         results["writers"].append(rec)
         print(f"{name:16s} {dt:7.1f} s  {tokens:8d} answer tokens  {rec['tokens_per_s']:7d} tok/s  "
-              f"{rec['x_generate']:5.2f}x generate  same answers {same}/{len(outs)}", flush=True)
+              f"{rec['x_first']:5.2f}x {writers[0][0]}  same answers {same}/{len(outs)}", flush=True)
         if args.json is not None:
             write_record(args.json, {k: str(v) for k, v in vars(args).items()}, results)
         if args.device.startswith("cuda"):
             torch.cuda.empty_cache()
+    if args.profile:
+        results["profile"] = profile(writers[-1], prompts, args.device)
+        if args.json is not None:
+            write_record(args.json, {k: str(v) for k, v in vars(args).items()}, results)
     return 0
+
+
+def profile(writer, prompts: list[list[int]], device: str, top: int = 20) -> list[dict]:
+    """Runs one writer on the prompts under torch's profiler; prints and returns its costliest operations."""
+    import torch
+    from torch.profiler import ProfilerActivity
+
+    name, write = writer
+    on_gpu = device.startswith("cuda")
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
+    with torch.profiler.profile(activities=activities) as prof:
+        t0 = time.perf_counter()
+        write(prompts)
+        if on_gpu:
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    key = "self_device_time_total" if on_gpu else "self_cpu_time_total"
+    events = sorted(prof.key_averages(), key=lambda e: getattr(e, key), reverse=True)
+    total = sum(getattr(e, key) for e in events) or 1.0
+    rows = [{"op": e.key, "calls": e.count, "ms": round(getattr(e, key) / 1e3, 2),
+             "share": round(getattr(e, key) / total, 4)} for e in events[:top]]
+    print(f"{name}: {wall:.1f} s under the profiler; {'device' if on_gpu else 'CPU'} time by operation:")
+    for r in rows:
+        print(f"  {r['share']:6.1%} {r['ms']:10.1f} ms {r['calls']:8d} calls  {r['op'][:70]}")
+    return rows
 
 
 if __name__ == "__main__":

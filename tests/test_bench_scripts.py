@@ -90,3 +90,18 @@ def test_head_curve_keeps_a_continued_runs_start_on_its_own_held_out_answers(tmp
         log.write_text(text, encoding="utf-8")
         assert _script("head_curve").main([str(log)]) == 2
         assert capsys.readouterr().err.startswith("head_curve: cannot read")
+
+
+def test_distill_writers_profiles_the_continuous_writer(tiny_head, tmp_path, capsys):
+    """--no-generate --profile on a CPU: the writer is timed, then profiled; the costliest operations are
+    printed with their shares and written to the record."""
+    out = tmp_path / "w.json"
+    argv = ["--target", str(tiny_head.target), "--device", "cpu", "--dtype", "float32", "--questions", "6",
+            "--answer-tokens", "6", "--rows", "4", "--no-generate", "--profile", "--json", str(out)]
+    assert _script("distill_writers").main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "continuous 4" in printed and "CPU time by operation" in printed
+    record = json.loads(out.read_text(encoding="utf-8"))
+    rows = record["summary"]["profile"]
+    assert rows and all(0 <= r["share"] <= 1 and r["calls"] >= 1 for r in rows)
+    assert [w["writer"] for w in record["summary"]["writers"]] == ["continuous 4"]
