@@ -20,10 +20,7 @@ import os
 import sys
 from pathlib import Path
 
-
-# A data round is the same round of an earlier run when all of these match (a deterministic target and the same
-# seed write the same answers): its tokens were seen before, and the run is a further epoch on old data.
-DATA_KEY = ("round", "seed", "sampled", "kept", "answers", "answer_tokens", "greedy")
+from app.core.head_log import data_key
 
 
 def curve(lines: list[dict]) -> list[dict]:
@@ -37,7 +34,7 @@ def curve(lines: list[dict]) -> list[dict]:
     for record in lines:
         kind = record.get("kind") if isinstance(record, dict) else None
         if kind == "data":
-            key = tuple(str(record.get(k)) for k in DATA_KEY)
+            key = data_key(record)  # equal to a round of an earlier run: not fresh data
             this_run.add(key)
             if key in earlier:
                 repeat = True

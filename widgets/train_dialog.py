@@ -241,7 +241,10 @@ class TrainHeadDialog(QDialog):
                 line = pg.InfiniteLine(pos=record["step"], angle=90, pen=self._mark_pen, label=label,
                                        labelOpts={"position": 0.92, "color": self._mark_colour,
                                                   "anchors": [(1.1, 0.5), (1.1, 0.5)]})
-                line.setToolTip(f"Run {run} continued the head before it on fresh data: the loss jumps and the "
+                line.setToolTip(f"Run {run} continued the head before it on the data of an earlier run again: "
+                                "the loss jumps here, and it holds out that run's answers."
+                                if record.get("repeat") else
+                                f"Run {run} continued the head before it on fresh data: the loss jumps and the "
                                 "held-out answers change here.")
                 plot.addItem(line)
                 self._marks.append((plot, line))

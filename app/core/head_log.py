@@ -63,7 +63,34 @@ def read_log(path: Path) -> tuple[list[dict], int]:
         records.append(record)
     if skipped:
         log.info("%s: %d unreadable line(s) skipped", path, skipped)
+    _mark_repeats(records)
     return records, runs
+
+
+# A data round is the same round of an earlier run when all of these match (a deterministic target and the same
+# seed write the same answers): its tokens were seen before, and the run trains again on old data.
+DATA_KEY = ("round", "seed", "sampled", "kept", "answers", "answer_tokens", "greedy")
+
+
+def data_key(record: dict) -> tuple[str, ...]:
+    """What identifies a "data" record's round across runs (DATA_KEY)."""
+    return tuple(str(record.get(k)) for k in DATA_KEY)
+
+
+def _mark_repeats(records: list[dict]) -> None:
+    """Sets "repeat": true on a "continue" marker whose run wrote a data round of an earlier run again."""
+    earlier: set[tuple[str, ...]] = set()
+    this_run: set[tuple[str, ...]] = set()
+    marker = None
+    for i, record in enumerate(records):
+        if record.get("kind") == "continue":
+            earlier |= this_run
+            this_run, marker = set(), i
+        elif record.get("kind") == "data":
+            key = data_key(record)
+            this_run.add(key)
+            if marker is not None and key in earlier:
+                records[marker] = {**records[marker], "repeat": True}
 
 
 def read_head_log(folder: Path, source: Literal["folder", "shipped"]) -> HeadLog | None:
