@@ -20,31 +20,24 @@ import os
 import sys
 from pathlib import Path
 
-from app.core.head_log import data_key
+from app.core.head_log import mark_repeats
 
 
 def curve(lines: list[dict]) -> list[dict]:
     """One point per held-out evaluation: the fresh answer tokens the target wrote so far, the answer tokens
     trained on so far (a continued run's counts added to the runs before it), and acceptance by position.
     A continued run's evaluation before it trains is kept with "start": true (a fresh run's is a random head)."""
-    written, trained, before, points, continued = 0, 0, 0, [], False
-    earlier: set[tuple] = set()  # the data rounds of the runs before this one
-    this_run: set[tuple] = set()
-    repeat = False  # this run wrote the very rounds of an earlier one (same seed and plan): not fresh data
+    written, trained, before, points, continued, repeat = 0, 0, 0, [], False, False
+    lines = list(lines)
+    mark_repeats(lines)  # a round equal to one of an earlier run is no fresh data, and its run says so
     for record in lines:
         kind = record.get("kind") if isinstance(record, dict) else None
-        if kind == "data":
-            key = data_key(record)  # equal to a round of an earlier run: not fresh data
-            this_run.add(key)
-            if key in earlier:
-                repeat = True
-            else:
-                written += int(record.get("answer_tokens", 0))
+        if kind == "data" and not record.get("repeat"):
+            written += int(record.get("answer_tokens", 0))
         elif kind == "continue":
             before = trained  # a run continued from the head so far: its counts start again from 0
             continued = True
-            earlier |= this_run
-            this_run, repeat = set(), False
+            repeat = bool(record.get("repeat"))
         elif kind == "train":
             trained = before + int(record.get("tokens", 0))
         elif kind == "eval" and (record.get("step", 0) > 0 or continued):

@@ -63,7 +63,7 @@ def read_log(path: Path) -> tuple[list[dict], int]:
         records.append(record)
     if skipped:
         log.info("%s: %d unreadable line(s) skipped", path, skipped)
-    _mark_repeats(records)
+    mark_repeats(records)
     return records, runs
 
 
@@ -77,19 +77,22 @@ def data_key(record: dict) -> tuple[str, ...]:
     return tuple(str(record.get(k)) for k in DATA_KEY)
 
 
-def _mark_repeats(records: list[dict]) -> None:
-    """Sets "repeat": true on a "continue" marker whose run wrote a data round of an earlier run again."""
+def mark_repeats(records: list) -> None:
+    """Sets "repeat": true on each data record that repeats a round of an earlier run (DATA_KEY), and on the
+    "continue" marker of the run that wrote it; entries that are not records are left alone."""
     earlier: set[tuple[str, ...]] = set()
     this_run: set[tuple[str, ...]] = set()
     marker = None
     for i, record in enumerate(records):
-        if record.get("kind") == "continue":
+        kind = record.get("kind") if isinstance(record, dict) else None
+        if kind == "continue":
             earlier |= this_run
             this_run, marker = set(), i
-        elif record.get("kind") == "data":
+        elif kind == "data":
             key = data_key(record)
             this_run.add(key)
             if marker is not None and key in earlier:
+                records[i] = {**record, "repeat": True}
                 records[marker] = {**records[marker], "repeat": True}
 
 

@@ -93,19 +93,20 @@ class DataPhase:
                 return True
             if r > 0 and self.clock.used() >= until - last:
                 return not self.cancel.is_set()  # another round would overrun the data's share of the budget
-            if r > 0 and (self._stop_at(until - last) or self.clock.call_left() - last <= plan.reserve_s):
+            if r > 0 and (self.cancel.is_set() or self.clock.call_left() - last <= plan.reserve_s):
                 return False  # the call ends (or cancel) before the data is done: the next call writes on
             self._report("data", f"data round {r + 1}: sampling questions")
             started = time.perf_counter()
-            rng = torch.Generator().manual_seed(self.data_seed * 1000003 + r)
+            seed = self.data_seed * 1000003 + r  # this round's draws
+            rng = torch.Generator().manual_seed(seed)
             questions, stats = self._questions(r, rng, seen)
             # Round 0 is greedy (held-out acceptance is measured on greedy answers), then by share.
             greedy = int((r + 1) * plan.sampled_share) == int(r * plan.sampled_share)
             self._report("data", f"data round {r + 1}: answering {len(questions)} questions "
                                  f"({'greedy' if greedy else 'sampled'})")
-            records = self._answers(questions, greedy, rng, seed=self.data_seed * 1000003 + r)
+            records = self._answers(questions, greedy, rng, seed=seed)
             if plan.followup_share > 0 and records:
-                more, follow = self._followups(records, greedy, rng, seen, seed=self.data_seed * 1000003 + r + 500009)
+                more, follow = self._followups(records, greedy, rng, seen, seed=seed + 500009)
                 records += more
                 stats = {**stats, "followups": follow}
             tmp = self.work / "data" / f".round-{r:05d}.pt.tmp"
