@@ -169,7 +169,7 @@ def test_a_continued_log_goes_on_from_its_last_step_and_skips_bad_lines(tmp_path
 
 def test_the_shipped_log_reads_as_one_history():
     head = head_log_for(SHIPPED_HEAD, Path("/nonexistent"))
-    assert head is not None and head.source == "shipped" and head.runs == 4
+    assert head is not None and head.source == "shipped" and head.runs == 5
     steps = [r["step"] for r in head.records if r["kind"] == "train"]
     assert steps == sorted(steps) and len(steps) > 100 and head.steps == head.records[-1]["step"] > 2000
     assert head_log_for("another head", Path("/nonexistent")) is None and head_log_for(None, Path("/x")) is None
@@ -184,13 +184,14 @@ def test_the_dialog_opens_on_the_log_of_the_head_in_use_and_a_start_clears_it(wi
     assert len(series["loss"][0]) == sum(r["kind"] == "train" for r in shipped.records)
     assert len(series["held_out"][0]) == sum(r["kind"] == "eval" for r in shipped.records)
     assert series["held_out"][0][-1] == shipped.steps and series["held_out"][1][-1] > 70
-    assert dialog.status.text().startswith(f"Training log of the head in use ({SHIPPED_HEAD}): 57.5 minutes on cuda:0 "
-                                           "in four runs, 5,084 steps; held-out acceptance by draft position 76% 72%")
+    assert dialog.status.text().startswith(f"Training log of the head in use ({SHIPPED_HEAD}): 73.8 minutes on cuda:0 "
+                                           "in five runs, 5,638 steps; held-out acceptance by draft position 81% 77%")
     # where each later run began; the fourth wrote the third's data rounds again, and its mark says so
-    assert [line.value() for _plot, line in dialog._marks] == [1415, 1415, 2096, 2096, 3680, 3680]
-    assert [line.label.format for _plot, line in dialog._marks[::2]] == ["run 2", "run 3", "run 4"]
-    assert "fresh data" in dialog._marks[0][1].toolTip() and "fresh data" in dialog._marks[2][1].toolTip()
-    assert "data of an earlier run again" in dialog._marks[4][1].toolTip()
+    assert [line.value() for _plot, line in dialog._marks] == [1415, 1415, 2096, 2096, 3680, 3680, 5084, 5084]
+    assert [line.label.format for _plot, line in dialog._marks[::2]] == ["run 2", "run 3", "run 4", "run 5"]
+    tips = [line.toolTip() for _plot, line in dialog._marks[::2]]
+    assert ["data of an earlier run again" in t for t in tips] == [False, False, True, False]
+    assert all("fresh data" in t for i, t in enumerate(tips) if i != 2)
     with qtbot.waitSignal(w.worker.training_finished, timeout=5000):
         dialog.start_button.click()
         assert dialog.series()["loss"][0].size == 0 and not dialog._marks  # the log is gone as the live run begins
