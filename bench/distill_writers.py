@@ -6,7 +6,9 @@ one process (each warmed first, then timed in turn):
 - `generate`: D.sample_segmented, Hugging Face's generate over left-padded batches of `--batch` questions,
   in segments of `--segment` tokens (rows that ended drop out between segments), as distill wrote data
   with `--plan rows=0`;
-- `continuous R`: engine/heads/generate.py with R rows (distill's default writer, `--plan rows=R`).
+- `continuous R`: engine/heads/generate.py with R rows (distill's default writer, `--plan rows=R`), its step of
+  every row replayed as CUDA graphs on a GPU; `--eager` also times the last R with that step launched
+  eagerly, op by op (`continuous R eager`).
 
 Prints answer tokens per second of each, the ratio to generate, and how many answers are the same
 token for token (bf16 kernels may round a near tie differently for another batch shape):
@@ -15,9 +17,10 @@ token for token (bf16 kernels may round a near tie differently for another batch
 
 Where the continuous writer's time goes: `--profile` runs the last row count once more under torch's
 profiler and prints the operations that took the most device time (CPU time on a CPU), with the share
-of the run each took; `--no-generate` leaves generate out (ratios are then to the first writer).
+of the device time each took and how busy the device was over the run; `--no-generate` leaves generate
+out (ratios are then to the first writer).
 
-    python bench/distill_writers.py --target path/to/Qwen2.5-Coder-1.5B-Instruct --rows 512 --no-generate --profile
+    python bench/distill_writers.py --target path/to/Qwen2.5-Coder-1.5B-Instruct --rows 512 --no-generate --eager --profile
 """
 from __future__ import annotations
 
@@ -59,6 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", default="128,256,512", type=lambda t: opt.listed(t, count("--rows", 8192), "--rows"),
                     help="continuous batching row counts")
     ap.add_argument("--no-generate", action="store_true", help="time only the continuous writer")
+    ap.add_argument("--eager", action="store_true",
+                    help="also time the last row count with its step launched eagerly (no CUDA graphs)")
     ap.add_argument("--profile", action="store_true",
                     help="profile the last row count's writer and print where its time goes")
     args = ap.parse_args(argv)
@@ -87,12 +92,18 @@ def main(argv: list[str] | None = None) -> int:
                                        segment=args.segment, temperature=0.0, top_p=1.0, seed=0)
         return outs
 
+    def continuous(rows: int, graphs: bool = True):
+        sampler = ContinuousSampler(model, rows=rows, max_length=longest, eos=eos, graphs=graphs)
+        return (f"continuous {rows}" + ("" if graphs else " eager"),
+                lambda batch: sampler.run(batch, max_new=args.answer_tokens, temperature=0.0, top_p=1.0, seed=0))
+
     writers = [] if args.no_generate else [("generate", generate)]
-    for rows in (int(r) for r in args.rows.split(",")):
-        sampler = ContinuousSampler(model, rows=rows, max_length=longest, eos=eos)
-        writers.append((f"continuous {rows}",
-                        lambda batch, s=sampler: s.run(batch, max_new=args.answer_tokens, temperature=0.0,
-                                                       top_p=1.0, seed=0)))
+    counts = [int(r) for r in args.rows.split(",")]
+    for rows in counts[:-1]:
+        writers.append(continuous(rows))
+    if args.eager:
+        writers.append(continuous(counts[-1], graphs=False))
+    writers.append(continuous(counts[-1]))  # last: the one --profile runs again
     reference = None
     for name, write in writers:
         write(prompts[:16])  # warm-up: kernels, allocator
@@ -126,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
 def profile(writer, prompts: list[list[int]], device: str, top: int = 20) -> list[dict]:
     """Runs one writer on the prompts under torch's profiler; prints and returns its costliest operations."""
     import torch
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity
 
     name, write = writer
@@ -138,12 +150,17 @@ def profile(writer, prompts: list[list[int]], device: str, top: int = 20) -> lis
             torch.cuda.synchronize()
         wall = time.perf_counter() - t0
     key = "self_device_time_total" if on_gpu else "self_cpu_time_total"
-    events = sorted(prof.key_averages(), key=lambda e: getattr(e, key), reverse=True)
+    # The operators only: on a GPU each kernel is listed again under its own name, its time already its operator's.
+    ops = [e for e in prof.key_averages() if not on_gpu or getattr(e, "device_type", None) != DeviceType.CUDA]
+    events = sorted(ops, key=lambda e: getattr(e, key), reverse=True)
     total = sum(getattr(e, key) for e in events) or 1.0
     rows = [{"op": e.key, "calls": e.count, "ms": round(getattr(e, key) / 1e3, 2),
              "share": round(getattr(e, key) / total, 4)} for e in events[:top]]
-    print(f"{name}: {wall:.1f} s under the profiler; {'device' if on_gpu else 'CPU'} time by operation:")
-    for r in rows:
+    rows.append({"op": "(all operators)", "calls": sum(e.count for e in events), "ms": round(total / 1e3, 2),
+                 "share": 1.0, "busy": round(total / 1e6 / wall, 3)})
+    print(f"{name}: {wall:.1f} s under the profiler, {'device' if on_gpu else 'CPU'} busy {total / 1e6:.1f} s "
+          f"({total / 1e6 / wall:.0%}); by operation:")
+    for r in rows[:-1]:
         print(f"  {r['share']:6.1%} {r['ms']:10.1f} ms {r['calls']:8d} calls  {r['op'][:70]}")
     return rows
 

@@ -93,15 +93,19 @@ def test_head_curve_keeps_a_continued_runs_start_on_its_own_held_out_answers(tmp
 
 
 def test_distill_writers_profiles_the_continuous_writer(tiny_head, tmp_path, capsys):
-    """--no-generate --profile on a CPU: the writer is timed, then profiled; the costliest operations are
-    printed with their shares and written to the record."""
+    """--no-generate --eager --profile on a CPU: the writer is timed eagerly and as it runs by default (the same
+    answers), then profiled; the costliest operations are printed with their shares of all the operators'
+    time, which the record closes with beside how busy the processor was."""
     out = tmp_path / "w.json"
     argv = ["--target", str(tiny_head.target), "--device", "cpu", "--dtype", "float32", "--questions", "6",
-            "--answer-tokens", "6", "--rows", "4", "--no-generate", "--profile", "--json", str(out)]
+            "--answer-tokens", "6", "--rows", "4", "--no-generate", "--eager", "--profile", "--json", str(out)]
     assert _script("distill_writers").main(argv) == 0
     printed = capsys.readouterr().out
-    assert "continuous 4" in printed and "CPU time by operation" in printed
+    assert "continuous 4 eager" in printed and "CPU busy" in printed
     record = json.loads(out.read_text(encoding="utf-8"))
-    rows = record["summary"]["profile"]
+    *rows, total = record["summary"]["profile"]
     assert rows and all(0 <= r["share"] <= 1 and r["calls"] >= 1 for r in rows)
-    assert [w["writer"] for w in record["summary"]["writers"]] == ["continuous 4"]
+    assert sum(r["share"] for r in rows) <= 1.0001 and total["op"] == "(all operators)" and 0 < total["busy"]
+    writers = record["summary"]["writers"]
+    assert [w["writer"] for w in writers] == ["continuous 4 eager", "continuous 4"]
+    assert writers[1]["same_as_generate"] == writers[1]["answers"] == 6  # the same answers as the eager step's

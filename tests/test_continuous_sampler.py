@@ -144,3 +144,38 @@ def test_many_long_prompts_prefill_in_groups(model, monkeypatch):
     prefills = [w for w in widths if w[1] > 1]
     assert all(b * w <= 64 for b, w in prefills) and sum(b for b, _ in prefills) == 6
     assert got == [_greedy_alone(model, p, 3, set()) for p in prompts]
+
+
+def test_the_step_from_static_buffers_writes_what_the_plain_forward_writes(model):
+    """RowSteps (the step a CUDA graph replays, here eagerly from its buffers) against forward_rows called with
+    the step's own tensors: the same logits and caches. (Every run above goes through it for its full-width
+    steps: greedy continuations equal to each prompt decoded alone.)"""
+    from engine.heads.generate import RowSteps
+
+    dec = BatchedDecoder(model, 64, 4)
+    steps = RowSteps(dec, graphs=True)  # on a CPU: no capture, the same body from the static buffers
+    assert not steps.graphs_on
+    plain = BatchedDecoder(model, 64, 4)
+    prompts = [[5, 9, 33], [11, 12], [40, 41, 42, 43], [7]]
+    for d in (dec, plain):
+        for slot, p in enumerate(prompts):
+            d.forward_rows(torch.tensor([p]), [0], slots=[slot])
+    nxt, starts = torch.tensor([1, 2, 3, 4]), [len(p) for p in prompts]
+    got = steps(nxt, starts, dec.span(max(starts) + 1))
+    want = plain.forward_rows(nxt[:, None], starts, kv_len=plain.span(max(starts) + 1))
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+    torch.testing.assert_close(dec.kv, plain.kv, atol=0, rtol=0)
+
+
+@pytest.mark.gpu
+def test_the_step_replayed_as_cuda_graphs_writes_the_eager_step_answers(model):
+    """On CUDA (float32): the step of every row replayed as CUDA graphs (one per attention span, several spans
+    here) gives the eager step's answers, greedy and sampled, token for token."""
+    cuda = build_model(96, seed=3, layers=2, hidden=64).float().eval().cuda()
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(1, 96, (int(n),), generator=gen).tolist() for n in torch.randint(1, 40, (12,), generator=gen)]
+    for temperature in (0.0, 0.9):
+        samplers = [ContinuousSampler(cuda, rows=4, max_length=600, eos=[], graphs=g) for g in (True, False)]
+        runs = [s.run(prompts, max_new=300, temperature=temperature, top_p=1.0, seed=1) for s in samplers]
+        assert runs[0] == runs[1] and all(len(ids) == 300 for ids, _ in runs[0])  # past a 256-slot span
+        assert len(samplers[0].steps.graphs) >= 2 and not samplers[1].steps.graphs

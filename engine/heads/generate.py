@@ -11,12 +11,19 @@ row needs (BatchedDecoder.span), so short answers read little. Logits that are n
 a run raise NonFiniteLogits at the next sync (the caller falls back to another writer); until then they
 are drawn from as zeros, so a sampling draw never faults the device.
 
+The step of every row at once is a forward of ~20 kernels a layer: launched one by one, the host's
+launches, not the device, set the pace (an H100 was busy about a third of a 512-row run,
+`bench/distill_writers.py --profile`). On CUDA it is replayed as a CUDA graph per attention span
+(RowSteps), captured the first time a span is needed; the tail of a run, its rows packed into fewer,
+and every prefill run eagerly.
+
 Greedy continuations equal the model's own greedy decoding, prompt by prompt (float32 tests). Sampled
 rows draw from softmax(logits / T), cut to the top-p nucleus, with one generator for the whole run:
 reproducible for a fixed seed, rows and prompts, not across other row counts.
 """
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -25,8 +32,10 @@ import torch
 
 from engine.errors import GenerationError
 from engine.runners.batched import BatchedDecoder
+from engine.runners.graphs import capture
 from engine.runners.lean import PREFILL_CHUNK
 
+log = logging.getLogger(__name__)
 CHECK_EVERY = 8  # decode steps between host syncs (a row may decode this many tokens past its EOS, discarded)
 PREFILL_TOKENS = 8192  # padded prompt tokens a prefill forward takes at most (its activations stay small)
 
@@ -43,14 +52,62 @@ class _Row:
     written: list[int] = field(default_factory=list)
 
 
+class RowSteps:
+    """One decode step of all the decoder's rows (a token each at its own start) from static inputs: a CUDA graph
+    per attention span, captured at its first use (`graphs`), else the same forward eagerly from the same
+    buffers. A capture that fails leaves every later step eager (correct, slower) and says so in the log."""
+
+    def __init__(self, decoder: BatchedDecoder, graphs: bool) -> None:
+        self.d = decoder
+        self.ids = torch.zeros(decoder.slots, 1, dtype=torch.long, device=decoder.lean.input_device)
+        self.starts = torch.zeros(decoder.slots, dtype=torch.long, device=decoder.device)
+        self.graphs_on = graphs and decoder.device.type == "cuda"
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # span -> graph, its static logits
+        self.pool = self.stream = None
+
+    def __call__(self, nxt: torch.Tensor, starts: list[int], span: int) -> torch.Tensor:
+        """Float32 logits [rows, V] of every row's next token nxt [rows] written at starts[row]; read them before
+        the next call (a graph's output is overwritten by its next replay)."""
+        self.ids.copy_(nxt[:, None])
+        self.starts.copy_(torch.tensor(starts), non_blocking=True)
+        if not self.graphs_on:
+            return self._body(span)
+        entry = self.graphs.get(span)
+        if entry is None:
+            try:
+                entry = self.graphs[span] = self._capture(span)
+            except Exception as exc:  # graphs are an optimisation: eager stays correct
+                log.warning("the data writer's step graph failed to capture, it runs eagerly: %s", exc, exc_info=True)
+                self.graphs_on = False
+                self.graphs.clear()
+                torch.cuda.synchronize(self.d.device)
+                return self._body(span)
+        graph, out = entry
+        graph.replay()
+        return out
+
+    def _body(self, span: int) -> torch.Tensor:
+        return self.d.forward_rows(self.ids, self.starts, kv_len=span)
+
+    def _capture(self, span: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """Warm-ups write each row's K/V for the step being taken (the same values the replay writes again)."""
+        if self.pool is None:
+            self.pool, self.stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream(self.d.device)
+        held: list[torch.Tensor] = []
+        graph = capture(lambda: held.append(self._body(span)), self.stream, self.pool, self.d.device, held.clear)
+        return graph, held[-1]
+
+
 class ContinuousSampler:
     """Continues prompts `rows` at a time on one model; rows that end take the next prompt at once."""
 
     def __init__(self, model, *, rows: int, max_length: int, eos: list[int],
-                 decoder: BatchedDecoder | None = None) -> None:
-        """max_length: prompt + answer tokens of the longest continuation. Raises UnsupportedModelError
-        (engine.runners.lean) for a model the lean decoder cannot run."""
+                 decoder: BatchedDecoder | None = None, graphs: bool = True) -> None:
+        """max_length: prompt + answer tokens of the longest continuation; graphs: replay the step of every row
+        as CUDA graphs (on CUDA). Raises UnsupportedModelError (engine.runners.lean) for a model the lean
+        decoder cannot run."""
         self.decoder = decoder or BatchedDecoder(model, max_length, rows)
+        self.steps = RowSteps(self.decoder, graphs)
         self.rows = self.decoder.slots
         self.max_length = self.decoder.max_length
         self.device = self.decoder.device
@@ -90,7 +147,11 @@ class ContinuousSampler:
             history = []
             for _ in range(steps):
                 starts = [live[s].length if s in live else 0 for s in range(width)]
-                logits = self.decoder.forward_rows(nxt[:width, None], starts, kv_len=self.decoder.span(max(starts) + 1))
+                span = self.decoder.span(max(starts) + 1)
+                if width == self.rows:
+                    logits = self.steps(nxt, starts, span)
+                else:
+                    logits = self.decoder.forward_rows(nxt[:width, None], starts, kv_len=span)
                 picked = self._draw(logits, temperature, top_p, gen)
                 nxt = picked if width == self.rows else torch.cat([picked, nxt[width:]])
                 history.append(picked)
