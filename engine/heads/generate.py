@@ -12,8 +12,8 @@ a run raise NonFiniteLogits at the next sync (the caller falls back to another w
 are drawn from as zeros, so a sampling draw never faults the device.
 
 The step of every row at once is a forward of ~20 kernels a layer: launched one by one, the host's
-launches, not the device, set the pace (an H100 was busy about a third of a 512-row run,
-`bench/distill_writers.py --profile`). On CUDA it is replayed as a CUDA graph per attention span
+launches, not the device, set the pace (an H100's kernels ran about 3.3 s of a profiled 14.6-s run of
+512 rows, `bench/distill_writers.py --profile`). On CUDA it is replayed as a CUDA graph per attention span
 (RowSteps), captured the first time a span is needed; the tail of a run, its rows packed into fewer,
 and every prefill run eagerly.
 
@@ -36,6 +36,7 @@ from engine.runners.graphs import capture
 from engine.runners.lean import PREFILL_CHUNK
 
 log = logging.getLogger(__name__)
+
 CHECK_EVERY = 8  # decode steps between host syncs (a row may decode this many tokens past its EOS, discarded)
 PREFILL_TOKENS = 8192  # padded prompt tokens a prefill forward takes at most (its activations stay small)
 
