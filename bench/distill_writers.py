@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
                 lambda batch: sampler.run(batch, max_new=args.answer_tokens, temperature=0.0, top_p=1.0, seed=0))
 
     writers = [] if args.no_generate else [("generate", generate)]
-    counts = [int(r) for r in args.rows.split(",")]
+    counts = [int(r) for r in args.rows.split(",") if r.strip()]  # as --rows checked them ("512," is one)
     for rows in counts[:-1]:
         writers.append(continuous(rows))
     if args.eager:

@@ -98,7 +98,7 @@ def test_distill_writers_profiles_the_continuous_writer(tiny_head, tmp_path, cap
     time, which the record closes with beside how busy the processor was."""
     out = tmp_path / "w.json"
     argv = ["--target", str(tiny_head.target), "--device", "cpu", "--dtype", "float32", "--questions", "6",
-            "--answer-tokens", "6", "--rows", "4", "--no-generate", "--eager", "--profile", "--json", str(out)]
+            "--answer-tokens", "6", "--rows", "4,", "--no-generate", "--eager", "--profile", "--json", str(out)]
     assert _script("distill_writers").main(argv) == 0
     printed = capsys.readouterr().out
     assert "continuous 4 eager" in printed and "CPU busy" in printed
