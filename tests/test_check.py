@@ -469,7 +469,8 @@ def test_the_check_prices_answers_of_the_length_asked(tiny_pair):
     assert rounds.answer_tokens is None and short.answer_tokens == 6
     k = a.best_k
     share = answer_share(a.sampled_positions, k, 6)
-    assert share < 0.95 and b.speedups[k - 1] == pytest.approx(a.speedups[k - 1] * share)
+    # which K is best follows this load's timings; at K = 1 six tokens keep more of a round than at K = 5
+    assert share < 0.99 and b.speedups[k - 1] == pytest.approx(a.speedups[k - 1] * share)
 
 
 def test_a_trees_speedup_for_short_answers_is_its_rounds_times_their_share():
