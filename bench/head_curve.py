@@ -37,7 +37,7 @@ def curve(lines: list[dict]) -> list[dict]:
         elif kind == "continue":
             before = trained  # a run continued from the head so far: its counts start again from 0
             continued = True
-            repeat = bool(record.get("repeat"))
+            repeat = "with" if record.get("repeat") and record.get("fresh") else bool(record.get("repeat"))
         elif kind == "train":
             trained = before + int(record.get("tokens", 0))
         elif kind == "eval" and (record.get("step", 0) > 0 or continued):
@@ -45,7 +45,7 @@ def curve(lines: list[dict]) -> list[dict]:
             point = {"answer_tokens": written, "trained_tokens": trained, "step": step,
                      "acceptance": [float(a) for a in record["acceptance"]]}
             if repeat:
-                point["repeat"] = True
+                point["repeat"] = repeat  # True: only data an earlier run wrote; "with": fresh data beside it
             points.append({**point, "start": True} if step == 0 else point)
             continued = False
     return points
@@ -100,7 +100,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{p['answer_tokens']:>12,}{p['trained_tokens']:>14,}{p['step']:>7}  "
               + " ".join(f"{a:.2f}" for a in p["acceptance"])
               + ("  (the head it continues, on this run's held-out answers)" if p.get("start") else "")
-              + ("  (data of an earlier run again)" if p.get("repeat") else ""))
+              + ("  (with data of an earlier run again)" if p.get("repeat") == "with" else
+                 "  (data of an earlier run again)" if p.get("repeat") else ""))
     if args.json is not None:
         args.json.write_text(json.dumps({"log": str(args.log), "points": points}, indent=1) + "\n", encoding="utf-8")
     if args.png is not None:

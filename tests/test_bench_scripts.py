@@ -86,6 +86,12 @@ def test_head_curve_keeps_a_continued_runs_start_on_its_own_held_out_answers(tmp
     assert [(p["answer_tokens"], p["trained_tokens"], p.get("repeat", False)) for p in points[3:]] == [
         (400, 1000, True), (400, 1600, True)]
     assert "data of an earlier run again" in capsys.readouterr().out
+    both = [lines[4], lines[5], {"kind": "data", "answer_tokens": 50, "round": 2}, *lines[6:]]  # fresh beside old
+    log.write_text("\n".join(json.dumps(x) for x in lines + both) + "\n", encoding="utf-8")
+    assert _script("head_curve").main([str(log), "--json", str(tmp_path / "c.json")]) == 0
+    points = json.loads((tmp_path / "c.json").read_text(encoding="utf-8"))["points"]
+    assert [(p["answer_tokens"], p.get("repeat", False)) for p in points[3:]] == [(450, "with"), (450, "with")]
+    assert "with data of an earlier run again" in capsys.readouterr().out
     for text in ("not json\n", '{"kind": "continue"}\n{"kind": "eval"}\n', '{"kind": "eval", "step": "x"}\n'):
         log.write_text(text, encoding="utf-8")
         assert _script("head_curve").main([str(log)]) == 2

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import csv
 import os
+import shutil
 import struct
 import subprocess
 import sys
@@ -345,10 +346,30 @@ def test_sweep_output_folder_that_is_a_file_fails_before_loading(prompts_file, t
     (["--device", "gpu"], "--device"),
     (["--target", "caf\udce9"], "UTF-8"),
     (["--prompts", "/no/such/prompts.jsonl"], "cannot read prompts file"),
+    (["--data", "/no/such/work"], "no such folder"),
 ])
 def test_bad_distill_options_fail_before_loading(args, fragment, tmp_path, no_load_anywhere, capsys):
     line = _one_line(main(["distill", "--out", str(tmp_path / "head"), *args]), capsys.readouterr().err, fragment)
     assert len(line) < 200
+
+
+def test_distill_data_that_is_no_earlier_run_fails_before_loading(tmp_path, no_load_anywhere, capsys):
+    """--data must name an earlier run's work folder (or its data folder) with data rounds, not this run's own."""
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    out = ["--out", str(tmp_path / "head")]
+    _one_line(main(["distill", *out, "--data", str(plain)]), capsys.readouterr().err, "not a distillation's work folder")
+    (plain / "state.json").write_text("{}")
+    _one_line(main(["distill", *out, "--data", str(plain)]), capsys.readouterr().err, "has no data rounds")
+    (plain / "data").mkdir()
+    (plain / "data" / "round-00000.pt").write_bytes(b"x")
+    own = tmp_path / "head" / "work"
+    own.mkdir(parents=True)
+    shutil.copy(plain / "state.json", own / "state.json")
+    shutil.copytree(plain / "data", own / "data")
+    _one_line(main(["distill", *out, "--data", str(own / "data")]), capsys.readouterr().err, "own work folder")
+    _one_line(main(["distill", *out, "--data", str(plain), "--data", str(plain / "data")]),
+              capsys.readouterr().err, "given twice")
 
 
 def test_distill_output_that_is_a_file_fails_before_loading(tmp_path, no_load_anywhere, capsys):

@@ -235,6 +235,46 @@ def test_a_continued_run_writes_fresh_questions_with_the_same_seed(tiny_head, tm
     assert questions(tmp_path / "work2") == fresh  # reproducible from the seed and the head
 
 
+def test_a_run_trains_on_the_data_of_an_earlier_run_again(tiny_head, tmp_path):
+    """--data: an earlier run's rounds are trained on beside the fresh ones; the fresh questions avoid theirs,
+    only fresh answers are held out, and the log repeats their records so a head that saw them says so."""
+    from app.core.head_log import read_log
+    from engine.heads.fitting import load_round
+
+    kept = [r for path in sorted((tiny_head.work / "data").glob("round-*.pt")) for r in load_round(path)]
+    before = read_manifest(tiny_head.head)
+    plan = quick_plan(max_rounds=1, max_steps=4, seed=5)
+    run = distiller(tiny_head.target, tmp_path / "out", tmp_path / "work", plan, init=before,
+                    data=[tiny_head.work / "data"])  # the data folder names its work folder
+    summary = run.run()
+    fresh = load_round(tmp_path / "work" / "data" / "round-00000.pt")
+    assert {r["question"] for r in fresh}.isdisjoint(r["question"] for r in kept)
+    train, held = run._sequences()
+    assert summary["kept_rounds"] == 4 and summary["sequences"] == len(train) == len(fresh) - len(held) + len(kept)
+    fresh_ids = {tuple(r["ids"].tolist()) for r in fresh if r["greedy"]}
+    assert held and all(tuple(s.ids.tolist()) in fresh_ids for s in held)
+    logged = [r for r in _log(tmp_path / "work") if r.get("kept_from")]
+    earlier = [r for r in _log(tiny_head.work) if r["kind"] == "data"]
+    assert [{k: v for k, v in r.items() if k not in ("time_s", "kept_from")} for r in logged] == \
+        [{k: v for k, v in r.items() if k != "time_s"} for r in earlier]
+    records, runs = read_log(tmp_path / "out" / "train_log.jsonl")
+    marker = next(r for r in records if r["kind"] == "continue")
+    assert runs == 2 and marker["repeat"] and marker["fresh"]  # the head saw those rounds in its first run
+    assert [bool(r.get("repeat")) for r in records if r["kind"] == "data"][len(earlier):] == [True] * 4 + [False]
+
+    with pytest.raises(DistillError, match="other --data folders"):  # resumed without them
+        distiller(tiny_head.target, tmp_path / "out", tmp_path / "work", plan, init=before).run()
+    with pytest.raises(DistillError, match="own work folder"):
+        distiller(tiny_head.target, tmp_path / "o", tmp_path / "work", plan, data=[tmp_path / "work"])
+    foreign = tmp_path / "foreign"
+    shutil.copytree(tiny_head.work / "data", foreign / "data")
+    state = json.loads((tiny_head.work / "state.json").read_text(encoding="utf-8"))
+    state["fingerprint"]["hidden"] += 1
+    (foreign / "state.json").write_text(json.dumps(state), encoding="utf-8")
+    with pytest.raises(DistillError, match="another target"):
+        distiller(tiny_head.target, tmp_path / "o", tmp_path / "w2", plan, data=[foreign])
+
+
 def test_a_call_that_ends_during_the_data_leaves_the_rest_of_the_data_to_the_next_call(tiny_head, tmp_path):
     """The data's share of the budget is written in full: a call cut short by its own limit does not start
     training on the rounds it has; the next call writes the rest, then trains."""

@@ -211,6 +211,25 @@ def test_a_head_trained_in_the_dialog_folder_comes_first(window):
                                     "20 steps; held-out acceptance by draft position 50% 40%.")
 
 
+def test_a_run_given_an_earlier_runs_data_is_marked_as_both(window):
+    """A run that wrote fresh rounds and trained on an earlier run's again (distill --data): its mark says both."""
+    data = lambda n, seed=1: json.dumps({"kind": "data", "round": n, "seed": seed, "answers": 8,  # noqa: E731
+                                         "answer_tokens": 100 * n, "greedy": n == 1})
+    continued = json.dumps({"kind": "continue", "from": "fake-target head"})
+    info = replace(FAKE_INFO, draft_name=None, head_name=SHIPPED_HEAD)
+    write_head(default_head_folder(info.target_name), [
+        data(1), data(2), train(10), evaluate(10), continued, data(1, seed=7), train(10), evaluate(10),
+        continued, data(1), data(2), data(1, seed=9), train(10), evaluate(10),
+        continued, data(1), train(10), evaluate(10)])
+    dialog = window(FakeTrainer(), info).open_train_dialog()
+    dialog.refresh()
+    tips = [line.toolTip() for _plot, line in dialog._marks[::2]]
+    assert len(tips) == 3
+    assert "on fresh data:" in tips[0]
+    assert "on fresh data and on the data of an earlier run again" in tips[1]
+    assert "on the data of an earlier run again:" in tips[2] and "fresh" not in tips[2]
+
+
 def test_without_a_log_the_dialog_is_as_before(window, tmp_path):
     info = replace(FAKE_INFO, draft_name=None, head_name="a head shipped nowhere")
     default_head_folder(info.target_name).mkdir(parents=True)  # a folder without a manifest and log

@@ -241,11 +241,16 @@ class TrainHeadDialog(QDialog):
                 line = pg.InfiniteLine(pos=record["step"], angle=90, pen=self._mark_pen, label=label,
                                        labelOpts={"position": 0.92, "color": self._mark_colour,
                                                   "anchors": [(1.1, 0.5), (1.1, 0.5)]})
-                line.setToolTip(f"Run {run} continued the head before it on the data of an earlier run again: "
-                                "the loss jumps here, and it holds out that run's answers."
-                                if record.get("repeat") else
-                                f"Run {run} continued the head before it on fresh data: the loss jumps and the "
-                                "held-out answers change here.")
+                if record.get("repeat") and record.get("fresh"):
+                    tip = (f"Run {run} continued the head before it on fresh data and on the data of an earlier "
+                           "run again: the loss jumps and the held-out answers (fresh ones) change here.")
+                elif record.get("repeat"):
+                    tip = (f"Run {run} continued the head before it on the data of an earlier run again: "
+                           "the loss jumps here, and it holds out that run's answers.")
+                else:
+                    tip = (f"Run {run} continued the head before it on fresh data: the loss jumps and the "
+                           "held-out answers change here.")
+                line.setToolTip(tip)
                 plot.addItem(line)
                 self._marks.append((plot, line))
 

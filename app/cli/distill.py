@@ -12,6 +12,8 @@ def cmd_distill(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from engine.heads.distill import DistillPlan, distill, plan_with
+    from engine.heads.fitting import DistillError
+    from engine.heads.reuse import find_all_kept
     from engine.measure.bench import read_prompts
 
     # Cheap checks first: a typo in a file or folder name should not cost a model load.
@@ -22,6 +24,10 @@ def cmd_distill(args: argparse.Namespace) -> int:
         raise CliError(str(e)) from None
     if args.init is not None and not (args.init / "manifest.json").is_file():
         raise CliError(f"--init {args.init}: not a draft head folder (no manifest.json)")
+    try:
+        find_all_kept(args.data, args.work or args.out / "work")
+    except DistillError as e:
+        raise CliError(str(e)) from None
     questions = [p.prompt for p in read_prompts(args.prompts)] if args.prompts is not None else []
     for folder in (args.out, args.work or args.out / "work"):
         try:
@@ -46,6 +52,7 @@ def cmd_distill(args: argparse.Namespace) -> int:
 
         summary = distill(args.target, args.out, minutes=args.minutes, work=args.work, call_minutes=args.call_minutes,
                           device=args.device, dtype=args.dtype, seed=args.seed, questions=questions,
-                          progress=progress, init=args.init, plan_changes=changes)
+                          progress=progress, init=args.init, plan_changes=changes,
+                          data=args.data)
     print(json.dumps(summary, indent=2, ensure_ascii=False))
     return 0

@@ -72,6 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
     distill.add_argument("--seed", type=opt.seed, default=0, help=f"0 to {opt.MAX_SEED}")
     distill.add_argument("--init", type=opt.path, default=None,
                          help="a head folder trained for this target to continue from (fresh data, its vocabulary)")
+    distill.add_argument("--data", action="append", default=[], metavar="WORK", type=opt.path,
+                         help="the work folder of an earlier distillation of this target: train on its data rounds "
+                              "again beside the fresh ones (repeatable)")
     distill.add_argument("--plan", action="append", default=[], metavar="KEY=VALUE", type=opt.key_value,
                          help="change one setting of the plan, e.g. answer_segment=128 or train.lr=3e-4 (repeatable)")
     distill.add_argument("--device", default="auto", type=opt.device, help="auto, cpu, cuda or cuda:N (default: auto)")

@@ -79,7 +79,8 @@ def data_key(record: dict) -> tuple[str, ...]:
 
 def mark_repeats(records: list) -> None:
     """Sets "repeat": true on each data record that repeats a round of an earlier run (DATA_KEY), and on the
-    "continue" marker of the run that wrote it; entries that are not records are left alone."""
+    "continue" marker of the run that trained on it again, with "fresh": true there when that run also wrote
+    data of its own (a run given an earlier run's rounds with --data); entries that are not records are left alone."""
     earlier: set[tuple[str, ...]] = set()
     this_run: set[tuple[str, ...]] = set()
     marker = None
@@ -91,9 +92,13 @@ def mark_repeats(records: list) -> None:
         elif kind == "data":
             key = data_key(record)
             this_run.add(key)
-            if marker is not None and key in earlier:
+            if marker is None:
+                continue
+            if key in earlier:
                 records[i] = {**record, "repeat": True}
                 records[marker] = {**records[marker], "repeat": True}
+            else:
+                records[marker] = {**records[marker], "fresh": True}
 
 
 def read_head_log(folder: Path, source: Literal["folder", "shipped"]) -> HeadLog | None:

@@ -24,8 +24,9 @@ from pathlib import Path
 from engine.errors import IncompatibleModelsError, ModelLoadError
 from engine.heads import data as D
 from engine.heads.config import fingerprint
-from engine.heads.fitting import DistillError, TrainingPhase
+from engine.heads.fitting import DistillError, TrainingPhase, load_round
 from engine.heads.model import DraftHead
+from engine.heads.reuse import KeptData, check_kept, find_all_kept
 from engine.heads.shards import HeadFiles, open_head
 from engine.heads.train import TrainConfig
 from engine.heads.writing import DataPhase
@@ -100,11 +101,13 @@ class Distiller(DataPhase, TrainingPhase):
     def __init__(self, target, tokenizer, *, work: Path, out: Path, plan: DistillPlan, name: str,
                  call_minutes: float | None = None, extra_questions: list[str] = (),
                  progress: ProgressFn | None = None, cancel: threading.Event | None = None,
-                 started: float | None = None, init: HeadFiles | None = None) -> None:
+                 started: float | None = None, init: HeadFiles | None = None, data: list[Path] = ()) -> None:
         """started: time.perf_counter() when this call began (loading the target counts against the budget).
 
         init: a head already trained for this target to continue from (its vocabulary and weights);
         the new data is fresh, and the budget it used before is carried into the summary.
+        data: work folders of earlier distillations of this target whose rounds are trained on beside the
+        fresh ones (engine/heads/reuse.py).
         """
         self.target = target
         self.tokenizer = tokenizer
@@ -116,6 +119,8 @@ class Distiller(DataPhase, TrainingPhase):
         self.cancel = cancel or threading.Event()
         self.device = next(target.parameters()).device
         self.fingerprint = fingerprint(target)
+        self.kept: list[KeptData] = find_all_kept(list(data), work)
+        check_kept(self.kept, self.fingerprint.to_json())
         self.refusals = D.Refusals(D.packaged_refusals())
         for q in extra_questions:
             hit = self.refusals.match(q)
@@ -138,7 +143,8 @@ class Distiller(DataPhase, TrainingPhase):
         path = self.work / "state.json"
         fresh = {"fingerprint": self.fingerprint.to_json(), "plan": self.plan.to_json(), "spent_s": 0.0,
                  "phase": "data", "rounds": 0, "train_started_s": None, "step": 0, "calls": 0,
-                 "init": None if self.init is None else init_record(self.init)}
+                 "init": None if self.init is None else init_record(self.init),
+                 "kept": [str(k.work) for k in self.kept]}
         if not path.exists():
             return fresh
         try:
@@ -155,6 +161,9 @@ class Distiller(DataPhase, TrainingPhase):
         if state.get("init") != fresh["init"]:
             raise DistillError(f"The work folder {self.work} was started from another head (--init); "
                                "continue with the same one or use an empty folder.")
+        if state.get("kept", []) != fresh["kept"]:
+            raise DistillError(f"The work folder {self.work} was started with other --data folders; "
+                               "continue with the same ones or use an empty folder.")
         return state
 
     def _save_state(self) -> None:
@@ -174,6 +183,23 @@ class Distiller(DataPhase, TrainingPhase):
         eta = min(budget - self.clock.used(), self.clock.call_left())
         self.progress(DistillProgress(phase, min(self.clock.used() / budget, 1.0), max(eta, 0.0), message, record))
 
+    def _kept_rounds(self) -> list[Path]:
+        return [path for k in self.kept for path in k.rounds]
+
+    def _log_kept(self) -> None:
+        """The kept rounds' own "data" records (as their run logged them), each marked with where it was kept."""
+        for k in self.kept:
+            for path in k.rounds:
+                number = int(path.stem.rsplit("-", 1)[1]) + 1
+                record = k.logged.get(number)
+                if record is None:  # that run's log is gone: what the round itself says
+                    records = load_round(path)
+                    record = {"kind": "data", "round": number, "answers": len(records),
+                              "answer_tokens": sum(len(x["ids"]) - x["prompt_len"] for x in records)}
+                record = {key: value for key, value in record.items() if key != "time_s"}
+                self._log({**record, "kept_from": k.work.name}, "data",
+                          f"kept round {number} of {k.work.name}: {record.get('answer_tokens', 0)} answer tokens")
+
     def _stop_at(self, budget_point: float) -> bool:
         """True once the budget reaches `budget_point` seconds, the call is about to end, or cancel is set."""
         return (self.cancel.is_set() or self.clock.used() >= budget_point
@@ -186,6 +212,8 @@ class Distiller(DataPhase, TrainingPhase):
         self.state["calls"] += 1
         self._log({"kind": "call", "call": self.state["calls"], "phase": self.state["phase"]}, "load",
                    f"call {self.state['calls']}: resuming at {self.state['phase']}")
+        if self.state["calls"] == 1:
+            self._log_kept()
         budget = self.plan.minutes * 60
         if self.state["phase"] == "data":
             if self._data(budget * self.plan.data_share):
@@ -282,12 +310,13 @@ def prepare(target: str | None, out: Path, *, minutes: float, work: Path | None 
             call_minutes: float | None = None, device: str = "auto", dtype: str = "auto", seed: int = 0,
             questions: list[str] = (), plan: DistillPlan | None = None, progress: ProgressFn | None = None,
             cancel: threading.Event | None = None, init: Path | None = None,
-            plan_changes: dict[str, str] | None = None) -> Distiller:
+            plan_changes: dict[str, str] | None = None, data: list[Path] = ()) -> Distiller:
     """Loads the target (as the store loads any model) and prepares one call of its distillation.
 
     The work folder defaults to OUT/work; preparing and running again with it continues the run.
     Loading counts against the budget. init: a head folder for this target to continue training
     (refused, as at load, when it was trained for another target). plan_changes: see plan_with.
+    data: work folders of earlier runs for this target whose data rounds are trained on again (reuse.py).
     """
     started = time.perf_counter()
     # Cheap checks first: a bad setting or question should not cost a model load.
@@ -296,6 +325,7 @@ def prepare(target: str | None, out: Path, *, minutes: float, work: Path | None 
     except ValueError as e:
         raise DistillError(str(e)) from None
     check_questions(questions)
+    find_all_kept(list(data), work or out / "work")  # the folders' shape; their target is checked once it loads
     report = progress or (lambda p: None)
     report(DistillProgress("load", 0.0, minutes * 60, "loading the target"))
     pair = load_pair(LoadSpec(target, None, with_draft=False, device=device, dtype=dtype))
@@ -314,7 +344,8 @@ def prepare(target: str | None, out: Path, *, minutes: float, work: Path | None 
     name = files.name if files is not None else f"{pair.info.target_name} head"  # a continued head keeps its name
     return Distiller(pair.target, pair.tokenizer, work=work or out / "work", out=out, plan=plan,
                      name=name, call_minutes=call_minutes,
-                     extra_questions=list(questions), progress=progress, cancel=cancel, started=started, init=files)
+                     extra_questions=list(questions), progress=progress, cancel=cancel, started=started, init=files,
+                     data=list(data))
 
 
 def check_questions(questions: list[str]) -> None:

@@ -89,14 +89,17 @@ def load_round(path: Path) -> list[dict]:
 
 
 class TrainingPhase:
-    """Training methods of a Distiller (which supplies plan, clock, state, _log, _report, _stop_at, _rounds)."""
+    """Training methods of a Distiller (which supplies plan, clock, state, _log, _report, _stop_at, _rounds,
+    _kept_rounds)."""
 
     def _sequences(self) -> tuple[list[Sequence], list[Sequence]]:
-        """(training, held-out) sequences from every data round; held out: the first greedy answers by question."""
+        """(training, held-out) sequences from every data round, this run's and those kept from earlier runs
+        (--data); held out: the first greedy answers of this run by question (answers no earlier head saw)."""
         records = [r for path in self._rounds() for r in load_round(path)]
         if not records:
             raise DistillError("No training data was produced: give the distillation more minutes.")
         greedy = sorted((r for r in records if r["greedy"]), key=lambda r: D.dedupe_key(r["question"]))
+        records += [r for path in self._kept_rounds() for r in load_round(path)]
         held = {id(r) for r in greedy[: min(self.plan.eval_sequences, len(greedy) // 5)]}
         train = [Sequence(r["ids"], r["prompt_len"], r["greedy"]) for r in records if id(r) not in held]
         evals = [Sequence(r["ids"], r["prompt_len"], r["greedy"]) for r in records if id(r) in held]
@@ -297,6 +300,7 @@ class TrainingPhase:
             "budget_minutes": self.plan.minutes, "used_minutes": round(self.clock.used() / 60, 2),
             "calls": self.state["calls"], "finished": self.state["phase"] == "done", "steps": pos["step"],
             "trained_tokens": pos["tokens"], "sequences": sequences, "data_rounds": self.state["rounds"],
+            "kept_rounds": len(self._kept_rounds()),
             "held_out_acceptance": [round(a, 4) for a in acceptance],
             "expected_tokens_k5": round(expected_tokens(acceptance, 5), 3) if acceptance else None,
             "device": str(self.device), "seed": self.plan.seed,

@@ -1,7 +1,8 @@
 """The distillation's data phase: rounds of questions the target writes as a user, and its answers.
 
 A mixin of Distiller (engine/heads/distill.py), which supplies target, tokenizer, plan, work, clock,
-state, refusals, extra_questions, cancel, device and the logging and budget methods; TrainingPhase
+state, refusals, extra_questions, cancel, device, the rounds kept from earlier runs (_kept_rounds) and the
+logging and budget methods; TrainingPhase
 (fitting.py) is its other half.
 """
 from __future__ import annotations
@@ -84,7 +85,7 @@ class DataPhase:
         plan = self.plan
         self._data_until = until
         seen = set()
-        for path in self._rounds():
+        for path in self._rounds() + self._kept_rounds():  # kept rounds' questions too: held-out answers stay unseen
             seen.update(D.dedupe_key(r["question"]) for r in load_round(path))
         last = 0.0  # seconds the last round took: a round is not started if it would overrun
         while True:
