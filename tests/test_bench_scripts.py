@@ -115,3 +115,34 @@ def test_distill_writers_profiles_the_continuous_writer(tiny_head, tmp_path, cap
     writers = record["summary"]["writers"]
     assert [w["writer"] for w in writers] == ["continuous 4 eager", "continuous 4"]
     assert writers[1]["same_as_generate"] == writers[1]["answers"] == 6  # the same answers as the eager step's
+
+
+def test_head_variants_prices_a_wider_vocabulary_and_a_second_layer(tiny_head, tmp_path, capsys):
+    """On the tiny head: the answers' tokens outside its rows, its draft cost with more rows and its layer
+    alone, and per variant the acceptance rise it needs; each figure in the record and on the screen."""
+    out = tmp_path / "v.json"
+    argv = ["--target", str(tiny_head.target), "--head", str(tiny_head.head), "--prompts", "3",
+            "--max-new-tokens", "12", "--iters", "3", "--json", str(out)]
+    assert _script("head_variants").main(argv) == 0
+    printed = capsys.readouterr().out
+    s = json.loads(out.read_text(encoding="utf-8"))["summary"]
+    assert 3 <= s["answer_tokens"] <= 36 and 0 <= s["outside_vocab"] <= s["answer_tokens"]  # an answer may end early
+    assert s["vocab_ceiling"] == pytest.approx(s["outside_vocab"] / s["answer_tokens"])
+    rows = sorted(int(r) for r in s["draft_ms_by_rows"])
+    assert rows[0] == s["draft_vocab"] < rows[-1] == s["target_vocab"] and s["layer_ms"] > 0
+    names = [v["variant"] for v in s["variants"]]
+    assert names[-1] == "a second decoder layer" and len(names) == len(rows)
+    for v in s["variants"]:
+        assert v["needed_rise"] is None or 0 <= v["needed_rise"] <= 1
+    assert "vocabulary ceiling" in printed and "a second decoder layer" in printed
+
+
+def test_head_variants_chain_pricing():
+    hv = _script("head_variants")
+    acceptance, target = [0.8] * 5, {w: 10.0 + w for w in range(1, 10)}
+    now, k = hv.chain_speedup(acceptance, target, 0.5)
+    assert k >= 1 and now > 1.0
+    assert hv.needed_rise(acceptance, target, 0.5, now) == pytest.approx(0.0, abs=1e-6)
+    dearer = hv.needed_rise(acceptance, target, 1.5, now)
+    assert 0 < dearer < 0.2 and hv.chain_speedup([min(a + dearer, 1) for a in acceptance], target, 1.5)[0] >= now - 1e-9
+    assert hv.needed_rise(acceptance, target, 100.0, now) is None  # costs more than every draft could win
