@@ -243,14 +243,14 @@ def _cpu_tree_runner(target, context: int | None, layers: tuple[int, ...], notes
 
 
 def _quantize_head(head, precision: str, device: torch.device) -> str:
-    """The draft precision applies to the head's layer too (the head is the drafter): one line on what happened."""
+    """The draft precision applies to the head's layers too (the head is the drafter): one line on what happened."""
     problem = fastquant.precision_problem(precision, device)
     if problem is not None:
         dtype = str(head.embed.dtype).removeprefix("torch.") if head.embed is not None else "its float dtype"
         return f"draft head: kept in {dtype} ({problem})"
     count = head.quantize(precision)
     log.info("draft head: %d layer matrices in %s", count, precision)
-    return f"draft head: layer in {precision}"
+    return f"draft head: {'layers' if head.config.layers > 1 else 'layer'} in {precision}"
 
 
 def _first_line(exc: BaseException) -> str:

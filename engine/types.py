@@ -150,7 +150,7 @@ class Step:
     tree_children: tuple[tuple[int, ...], ...] = ()
 
 
-# Which model is reading the prompt: the target, the draft model, or the draft head (its one layer).
+# Which model is reading the prompt: the target, the draft model, or the draft head (its layers).
 PrefillPart = Literal["target", "draft", "head"]
 
 

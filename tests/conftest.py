@@ -91,3 +91,12 @@ def tiny_head(tmp_path_factory):
     from tests.head_fixtures import build_tiny_head
 
     return build_tiny_head(tmp_path_factory.mktemp("head"))
+
+
+@pytest.fixture(scope="session")
+def tiny_two_layer_head(tiny_head, tmp_path_factory):
+    """The tiny head grown to two decoder layers, the second with random output projections (it changes the
+    drafts): a head folder beside the tiny target."""
+    from tests.head_fixtures import two_layer_head
+
+    return two_layer_head(tiny_head, tmp_path_factory.mktemp("head2") / "head")

@@ -48,6 +48,23 @@ def build_tiny_head(root: Path) -> TinyHead:
     return TinyHead(target, root / "head", root / "work", summary)
 
 
+def two_layer_head(tiny: TinyHead, folder: Path) -> Path:
+    """`tiny`'s head with a second decoder layer whose output projections are random (not the identity a grown
+    layer starts as), saved as a head folder."""
+    from engine.heads.config import fingerprint
+    from engine.heads.shards import save_head
+
+    files = read_manifest(tiny.head)
+    head = load_head(files, torch.device("cpu"), torch.float32).grown(2)
+    gen = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for w in (head.more[0].wo, head.more[0].w2):
+            w.copy_(torch.randn(w.shape, generator=gen) * 0.05)
+    target, _ = load_target(tiny.target)
+    save_head(head, folder, name="tiny two-layer head", target=fingerprint(target), training=files.manifest["training"])
+    return folder
+
+
 def head_engine(target: Path, head: Path, dtype: torch.dtype = torch.float32, *, static: bool = False,
                 quant: str | None = None) -> Engine:
     """An engine on the tiny target (eager runner, no draft model) with the head attached.

@@ -47,6 +47,10 @@ def test_the_batched_head_drafts_for_each_row_what_a_lone_head_drafts(engine):
     _drafts_match_lone_heads(engine.head_runner.head)
 
 
+def test_a_two_layer_head_drafts_in_a_batch_what_it_drafts_alone(tiny_head, tiny_two_layer_head):
+    _drafts_match_lone_heads(head_engine(tiny_head.target, tiny_two_layer_head).head_runner.head)
+
+
 def _drafts_match_lone_heads(head) -> BatchedHeadRunner:
     """Rows of different widths, a row that sits out a round and a free row, in one catch-up and chain steps each
     round: every row drafts exactly the tokens a HeadRunner of its own drafts from the same rows (float32)."""

@@ -53,6 +53,27 @@ def test_greedy_through_dynamic_trees_equals_standard(engine, frontier, nodes):
         assert branches > 0, "no token was accepted through a branch: the test would not exercise the walk"
 
 
+def test_a_two_layer_head_is_lossless_in_chains_and_dynamic_trees(tiny_head, tiny_two_layer_head):
+    """A head of two decoder layers (the second with its own cache) drafts chains and dynamic trees losslessly,
+    and its drafts are accepted: the second layer's cache follows the committed text as the first's does."""
+    engine = head_engine(tiny_head.target, tiny_two_layer_head, static=True)
+    assert engine.head_runner.head.config.layers == 2
+    accepted = 0
+    for nodes in (0, 12):
+        engine.set_dynamic_tree(nodes, 4)
+        for k in (1, 3, 6):
+            for seed in range(2):
+                messages = _messages(seed * 7 + k + nodes)
+                max_new = 7 + (seed * 5 + k) % 23
+                std, _ = _run(engine, messages=messages, mode="standard", max_new_tokens=max_new)
+                spec, _ = _run(engine, messages=messages, mode="speculative", proposer="head", k=k,
+                               max_new_tokens=max_new)
+                assert spec.token_ids == std.token_ids, f"K={k} N={nodes} messages={messages!r}"
+                accepted += spec.summary.accepted
+    engine.set_dynamic_tree(0)
+    assert accepted > 0
+
+
 def test_eos_inside_a_branch_stops_both_modes_at_the_same_token(engine):
     """EOS set to a token accepted through a branch, mid-path: both modes stop right there."""
     engine.set_dynamic_tree(24, 4)

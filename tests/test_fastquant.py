@@ -281,6 +281,28 @@ def test_head_layer_quantizes_and_matches_its_dequantized_weights(tiny_head):
         torch.testing.assert_close(quant.finish(h, attended), ref.finish(h, attended), atol=1e-4, rtol=1e-4)
 
 
+def test_a_two_layer_heads_later_layer_quantizes_too(tiny_two_layer_head):
+    from engine.heads.model import LAYER_WEIGHTS
+    from engine.heads.shards import load_head, read_manifest
+
+    files = read_manifest(tiny_two_layer_head)
+    quant = load_head(files, torch.device("cpu"), torch.float32)
+    ref = load_head(files, torch.device("cpu"), torch.float32)
+    assert quant.quantize("int8-wo") == 2 * len(LAYER_WEIGHTS) - 1  # the later layer has no fc
+    layer, ref_layer = quant.more[0], ref.more[0]
+    assert all(getattr(layer, name) is None for name in LAYER_WEIGHTS[1:])
+    with torch.no_grad():
+        for name in LAYER_WEIGHTS[1:]:
+            getattr(ref_layer, name).copy_(layer.quantized[name].weight_float())
+    c = ref.config
+    g = torch.Generator().manual_seed(4)
+    h, attended = torch.randn(3, c.hidden, generator=g), torch.randn(3, c.n_heads * c.head_dim, generator=g)
+    with torch.no_grad():
+        for a, b in zip(layer.project(h), ref_layer.project(h)):
+            torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(layer.finish(h, attended), ref_layer.finish(h, attended), atol=1e-4, rtol=1e-4)
+
+
 def test_speculative_with_an_int8_head_equals_standard(tiny_head):
     from engine.types import GenerationRequest, Message
     from tests.head_fixtures import head_engine

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import shutil
 import threading
+from dataclasses import replace
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ import torch
 from engine.errors import IncompatibleModelsError, ModelLoadError
 from engine.heads import data as D
 from engine.heads.config import feature_layers, fingerprint
-from engine.heads.distill import DistillError
+from engine.heads.distill import DistillError, plan_with
 from engine.heads.runner import HeadRunner
 from engine.heads.shards import SHARD_BYTES, head_for, load_head, open_head, read_manifest
 from engine.heads.train import Teacher, unrolled_states
@@ -36,10 +37,14 @@ def test_training_lowers_the_loss_and_raises_acceptance(tiny_head):
     assert tiny_head.summary["finished"] and tiny_head.summary["held_out_acceptance"] == after
 
 
-def test_the_trained_maths_is_the_decoding_maths(tiny_head):
-    """Unrolled training states (teacher-forced tokens) == the runner's catch-up and chain steps."""
+@pytest.mark.parametrize("layers", [1, 2])
+def test_the_trained_maths_is_the_decoding_maths(tiny_head, request, layers):
+    """Unrolled training states (teacher-forced tokens) == the runner's catch-up and chain steps, for a head of
+    one decoder layer and of two (each layer's keys and values in training as in its own cache)."""
+    folder = tiny_head.head if layers == 1 else request.getfixturevalue("tiny_two_layer_head")
     target, _ = load_target(tiny_head.target)
-    head = load_head(read_manifest(tiny_head.head), torch.device("cpu"), torch.float32).bind(target)
+    head = load_head(read_manifest(folder), torch.device("cpu"), torch.float32).bind(target)
+    assert head.config.layers == layers
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 300, (1, 40), generator=g)
     teacher = Teacher(target, head.config.feature_layers)
@@ -55,6 +60,30 @@ def test_the_trained_maths_is_the_decoding_maths(tiny_head):
             runner.token.copy_(ids[0, m + s : m + s + 1])  # teacher forcing, as in training
             runner.step(128)
         torch.testing.assert_close(runner.last_logits, head.logits(states[s][0, m - 1]).float(), atol=1e-4, rtol=1e-4)
+
+
+def test_a_grown_head_drafts_exactly_what_it_grew_from(tiny_head):
+    """Layers added to a trained head start as the identity: the same states in training, the same drafts."""
+    target, _ = load_target(tiny_head.target)
+    one = load_head(read_manifest(tiny_head.head), torch.device("cpu"), torch.float32).bind(target)
+    three = one.grown(3).bind(target)
+    assert three.config.layers == 3 and len(three.more) == 2 and three.config == replace(one.config, layers=3)
+    assert three.num_trained() > one.num_trained()
+    ids = torch.randint(0, 300, (2, 30), generator=torch.Generator().manual_seed(1))
+    teacher = Teacher(target, one.config.feature_layers)
+    features, _ = teacher(ids, torch.tensor([30, 30]))
+    teacher.close()
+    cos, sin = one.rope_tables(48, torch.device("cpu"), torch.float32)
+    for a, b in zip(unrolled_states(one, features, ids, 4, cos, sin), unrolled_states(three, features, ids, 4, cos, sin)):
+        assert torch.equal(a, b)
+    drafts = []
+    for head in (one, three):
+        runner = HeadRunner(head, max_length=128, k_max=6)
+        runner.catch_up(features[0, :20], ids[0, 1:21], 128)
+        for _ in range(5):
+            runner.step(128)
+        drafts.append(runner.drafts.clone())
+    assert torch.equal(*drafts)
 
 
 def test_the_verify_pass_leaves_the_features_training_reads(tiny_head):
@@ -273,6 +302,26 @@ def test_a_run_trains_on_the_data_of_an_earlier_run_again(tiny_head, tmp_path):
     (foreign / "state.json").write_text(json.dumps(state), encoding="utf-8")
     with pytest.raises(DistillError, match="another target"):
         distiller(tiny_head.target, tmp_path / "o", tmp_path / "w2", plan, data=[foreign])
+
+
+def test_a_continued_run_grows_the_head_a_layer(tiny_head, tmp_path):
+    """--plan layers=2 with --init: the continued head gets a second layer that starts as the identity (its first
+    evaluation is the one-layer head's), trains it, and ships it; fewer layers than the head has are refused."""
+    before = read_manifest(tiny_head.head)
+    firsts = {}
+    for layers in (0, 2):
+        plan = quick_plan(max_rounds=1, max_steps=6, seed=5, layers=layers)
+        distiller(tiny_head.target, tmp_path / f"out{layers}", tmp_path / f"work{layers}", plan, init=before).run()
+        firsts[layers] = next(r for r in _log(tmp_path / f"work{layers}") if r["kind"] == "eval")["acceptance"]
+    assert firsts[2] == pytest.approx(firsts[0], abs=1e-6)  # the same held-out answers, the same drafts
+    after = read_manifest(tmp_path / "out2")
+    assert after.config == replace(before.config, layers=2) and read_manifest(tmp_path / "out0").config == before.config
+    grown = load_head(after, torch.device("cpu"), torch.float32)
+    assert grown.more[0].wo.abs().max() > 0  # trained away from the identity
+    with pytest.raises(DistillError, match="keeps them"):
+        distiller(tiny_head.target, tmp_path / "o", tmp_path / "w", quick_plan(layers=1), init=after)
+    with pytest.raises(ValueError, match="layers"):
+        plan_with(TINY_PLAN, {"layers": "9"})
 
 
 def test_a_call_that_ends_during_the_data_leaves_the_rest_of_the_data_to_the_next_call(tiny_head, tmp_path):

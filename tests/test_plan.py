@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import json
 import math
+from importlib import resources
+from pathlib import Path
 from dataclasses import replace
 
 import pytest
@@ -299,6 +301,9 @@ def test_an_attached_head_is_counted_by_hand_where_the_logits_come_out():
     eight_bit = build_plan(PlanInputs(spec, spec, "cuda", 512, head=replace(head, precision="int8-wo")), [GiB], "given")
     assert next(i.bytes for i in eight_bit.devices[0].items if i.model == "head") == items[
         "draft head (weights, output rows, cache)"] - 10_000  # one byte a weight instead of two
+    two = build_plan(PlanInputs(spec, spec, "cuda", 512, head=replace(head, layers=2)), [GiB], "given")
+    assert next(i.bytes for i in two.devices[0].items if i.model == "head") == items[
+        "draft head (weights, output rows, cache)"] + 2 * 2 * 16 * 512 * 2  # a second layer's own cache
     cpu = build_plan(PlanInputs(spec, spec, "cpu", 512, head=head), [GiB], "given")
     assert [i.label for i in cpu.devices[0].items if i.model == "head"] == ["draft head (weights, output rows, cache)"]
     split = build_plan(PlanInputs(spec, spec, "cuda", 512, gpus=2, head=head), [GiB, GiB], "given")
@@ -312,7 +317,13 @@ def test_the_plan_finds_the_shipped_head_for_the_default_target_and_only_for_it(
     assert HEAD_MANIFEST == MANIFEST
     target = model_census("default", "target")[0]
     shipped = head_spec("auto", target, "bfloat16")
-    assert shipped is not None and shipped.hidden == target.hidden and shipped.draft_vocab > 0
+    assert shipped is not None and shipped.hidden == target.hidden and shipped.draft_vocab > 0 and shipped.layers == 1
+    manifest = json.loads((Path(str(resources.files("assets").joinpath("heads"))) / "qwen2.5-coder-1.5b-instruct"
+                           / MANIFEST).read_text(encoding="utf-8"))
+    manifest["config"]["layers"] = 2
+    (tmp_path / "two").mkdir()
+    (tmp_path / "two" / MANIFEST).write_text(json.dumps(manifest), encoding="utf-8")
+    assert head_spec(tmp_path / "two", target, "bfloat16") == replace(shipped, layers=2)
     assert head_spec("auto", census_from_config(TINY, "tiny"), "bfloat16") is None  # no head for this shape
     assert head_spec(None, target, "bfloat16") is None and head_spec("none", target, "bfloat16") is None
     for text in ("{not json", "[]", '{"config": {"hidden": "x"}, "target": [1]}',

@@ -1,4 +1,4 @@
-"""Draft heads: one decoder layer fed the target's own hidden states (EAGLE-style), and their training.
+"""Draft heads: decoder layers fed the target's own hidden states (EAGLE-style; one by default), and their training.
 
 config.py: what a head is (shapes, fused target layers, the target it belongs to);
 model.py: its weights and maths; runner.py: its static KV cache and CUDA graphs for decoding;

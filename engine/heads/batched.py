@@ -54,6 +54,8 @@ class BatchedHeadRunner:
         with torch.inference_mode(False), torch.no_grad():
             self.k_cache = torch.zeros(slots, c.n_kv_heads, cache_len, c.head_dim, device=dev, dtype=dt)
             self.v_cache = torch.zeros_like(self.k_cache)
+            # the K/V of each layer after the first (HeadConfig.layers), at the same positions
+            self.more_kv = [(torch.zeros_like(self.k_cache), torch.zeros_like(self.k_cache)) for _ in head.more]
             self.key_pos = torch.arange(cache_len, device=dev)  # [L]
             self.cos, self.sin = head.rope_tables(cache_len, dev, dt)  # [L, D] each
             widths = range(1, self.widest + 1)
@@ -70,7 +72,8 @@ class BatchedHeadRunner:
 
     def buffer_bytes(self) -> int:
         """Its caches and static buffers (the graphs' pool is apart)."""
-        tensors = [self.k_cache, self.v_cache, *self.feat_in.values(), *self.ids_in.values(), self.state,
+        tensors = [self.k_cache, self.v_cache, *(t for kv in self.more_kv for t in kv), *self.feat_in.values(),
+                   *self.ids_in.values(), self.state,
                    self.drafts, self.shown]
         return sum(t.numel() * t.element_size() for t in tensors)
 
@@ -158,32 +161,47 @@ class BatchedHeadRunner:
 
     def _layer(self, h: torch.Tensor, emb: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor | None,
                span: int) -> torch.Tensor:
-        """The decoder layer over rows [B, W] (the first B slots, or `rows`' slots) at `positions` [B, W]: states and
-        embeddings [B, W, H] -> [B, W, H], their K/V written to those positions, each row causal over its own."""
+        """The decoder layers over rows [B, W] (the first B slots, or `rows`' slots) at `positions` [B, W]: states
+        and embeddings [B, W, H] -> [B, W, H], their K/V written to those positions, each row causal over its own."""
         c, head = self.config, self.head
         b, w = positions.shape
         n = b * w
         cos = self.cos[positions].reshape(n, -1)  # [N, D]
         sin = self.sin[positions].reshape(n, -1)
-        q, k, v = head.project(h.reshape(n, -1), emb.reshape(n, -1).to(h.dtype))  # [N, Hq, D], [N, Hkv, D] x2
-        q, k = rope(q, cos, sin), rope(k, cos, sin)
-        where = (torch.arange(b, device=self.device) if rows is None else rows)[:, None].expand(b, w)  # [B, W]
-        self.k_cache[where, :, positions] = k.view(b, w, c.n_kv_heads, c.head_dim)
-        self.v_cache[where, :, positions] = v.view(b, w, c.n_kv_heads, c.head_dim)
-        if rows is None:
-            k_rows, v_rows = self.k_cache[:b, :, :span], self.v_cache[:b, :, :span]
-        else:
-            k_rows = self.k_cache.index_select(0, rows)[:, :, :span]
-            v_rows = self.v_cache.index_select(0, rows)[:, :, :span]
         group = c.n_heads // c.n_kv_heads
-        # [B, W, Hq, D] -> [B, Hkv, G*W, D]: a KV head's G query heads as G*W query rows (as the lone runner)
-        q = q.view(b, w, c.n_heads, c.head_dim).permute(0, 2, 1, 3).reshape(b, c.n_kv_heads, group * w, c.head_dim)
         mask = self.key_pos[:span] <= positions[:, :, None]  # [B, W, span]
         mask = mask[:, None].expand(b, group, w, span).reshape(b, 1, group * w, span)
         bias = torch.zeros(mask.shape, dtype=self.dtype, device=self.device).masked_fill_(~mask, float("-inf"))
+        where = (torch.arange(b, device=self.device) if rows is None else rows)[:, None].expand(b, w)  # [B, W]
+        h = h.reshape(n, -1)
+        q, k, v = head.project(h, emb.reshape(n, -1).to(h.dtype))  # [N, Hq, D], [N, Hkv, D] x2
+        attend = lambda q, k, v, k_cache, v_cache: self._attention(  # noqa: E731
+            q, k, v, cos, sin, positions, where, rows, bias, span, k_cache, v_cache)
+        h = head.finish(h, attend(q, k, v, self.k_cache, self.v_cache))
+        for layer, (k_cache, v_cache) in zip(head.more, self.more_kv):
+            h = layer.finish(h, attend(*layer.project(h), k_cache, v_cache))
+        return h.view(b, w, -1)
+
+    def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   positions: torch.Tensor, where: torch.Tensor, rows: torch.Tensor | None, bias: torch.Tensor,
+                   span: int, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        """One layer's attention over rows [B, W]: q [N, Hq, D], k/v [N, Hkv, D] rotated, K/V written at `positions`
+        of the slots `where` [B, W] in its cache, each row over its own slot's span -> [N, Hq * D]."""
+        c = self.config
+        b, w = positions.shape
+        q, k = rope(q, cos, sin), rope(k, cos, sin)
+        k_cache[where, :, positions] = k.view(b, w, c.n_kv_heads, c.head_dim)
+        v_cache[where, :, positions] = v.view(b, w, c.n_kv_heads, c.head_dim)
+        if rows is None:
+            k_rows, v_rows = k_cache[:b, :, :span], v_cache[:b, :, :span]
+        else:
+            k_rows = k_cache.index_select(0, rows)[:, :, :span]
+            v_rows = v_cache.index_select(0, rows)[:, :, :span]
+        group = c.n_heads // c.n_kv_heads
+        # [B, W, Hq, D] -> [B, Hkv, G*W, D]: a KV head's G query heads as G*W query rows (as the lone runner)
+        q = q.view(b, w, c.n_heads, c.head_dim).permute(0, 2, 1, 3).reshape(b, c.n_kv_heads, group * w, c.head_dim)
         o = math_attention(q, k_rows, v_rows, bias, c.head_dim**-0.5)  # [B, Hkv, G*W, D]
-        o = o.reshape(b, c.n_heads, w, c.head_dim).permute(0, 2, 1, 3).reshape(n, c.n_heads * c.head_dim)
-        return head.finish(h.reshape(n, -1), o).view(b, w, -1)
+        return o.reshape(b, c.n_heads, w, c.head_dim).permute(0, 2, 1, 3).reshape(b * w, c.n_heads * c.head_dim)
 
     # -- CUDA graphs -------------------------------------------------------------------------------
     @torch.inference_mode()

@@ -25,6 +25,7 @@ class HeadConfig:
     eps: float  # RMSNorm epsilon
     feature_layers: tuple[int, ...]  # target layers whose outputs are fused (EAGLE-3: low, mid, high)
     draft_vocab: int  # rows of the head's output: the most frequent target ids (FR-Spec / EAGLE-3)
+    layers: int = 1  # decoder layers: the first reads [embedding, state], each later one the state alone
 
     @property
     def features(self) -> int:

@@ -52,6 +52,8 @@ class DistillPlan:
     sampled_share: float = 0.4  # share of data rounds whose answers are sampled rather than greedy
     intermediate: int = 1536  # the head's MLP width (keeps the shipped shards near 45 MB)
     draft_vocab: int = 32768  # most frequent target ids the head can propose
+    layers: int = 0  # the head's decoder layers; 0: one for a new head, as many as a continued head has
+    # (more than it has: the continued head grows new layers that start as the identity)
     train: TrainConfig = field(default_factory=lambda: TrainConfig(max_len=1536))  # optimisation
     eval_sequences: int = 48  # greedy answers held out to measure acceptance
     eval_every_s: float = 75.0  # seconds between evaluations
@@ -128,6 +130,9 @@ class Distiller(DataPhase, TrainingPhase):
                 raise DistillError(f"Refusing to train on a benchmark or test prompt: {q[:80]!r} matches {hit[:80]!r}.")
         self.extra_questions = list(extra_questions)
         self.init = init
+        if init is not None and 0 < plan.layers < init.config.layers:
+            raise DistillError(f"{init.name} has {init.config.layers} decoder layers; a continued head keeps them "
+                               f"(--plan layers={plan.layers} would drop some).")
         self.data_seed = data_seed(plan.seed, init)
         work.mkdir(parents=True, exist_ok=True)
         (work / "data").mkdir(exist_ok=True)
@@ -268,7 +273,7 @@ UPPER = {"question_batch": 16384, "question_tokens": 4096, "answer_tokens": 1638
          "draft_vocab": 1 << 20, "eval_sequences": 100_000, "log_every": 1_000_000, "depth": 16,
          "batch_tokens": 1 << 21, "max_len": 32768, "answer_segment": 16384, "lr": 1.0, "reg_weight": 100.0,
          "question_temperature": 10.0, "answer_temperature": 10.0, "question_top_p": 1.0, "clip": 1e6,
-         "rows": 8192}
+         "rows": 8192, "layers": 8}
 MAX_QUESTION_CHARS = 32_000  # a given question longer than this is not a question (a pasted file, a typo)
 
 

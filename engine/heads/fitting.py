@@ -139,11 +139,14 @@ class TrainingPhase:
         return head.requires_grad_(True)
 
     def _build_head(self, d2t: torch.Tensor) -> DraftHead:
+        layers = self.plan.layers
         if self.init is not None:
             head = self._init_head()
             if not torch.equal(head.d2t.cpu(), d2t.cpu()):
                 raise DistillError(f"The work folder {self.work} has another draft vocabulary than {self.init.name}; "
                                    "use an empty folder.")
+            if layers > head.config.layers:  # new layers start as the identity: the head drafts as before
+                head = head.grown(layers).requires_grad_(True)
             return head.bind(self.target)
         cfg = self.target.config
         n_heads = cfg.num_attention_heads
@@ -151,7 +154,7 @@ class TrainingPhase:
             hidden=cfg.hidden_size, n_heads=n_heads, n_kv_heads=getattr(cfg, "num_key_value_heads", None) or n_heads,
             head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // n_heads,
             intermediate=self.plan.intermediate, eps=float(getattr(cfg, "rms_norm_eps", 1e-6)),
-            feature_layers=feature_layers(cfg.num_hidden_layers), draft_vocab=int(d2t.numel()),
+            feature_layers=feature_layers(cfg.num_hidden_layers), draft_vocab=int(d2t.numel()), layers=layers or 1,
         )
         torch.manual_seed(self.plan.seed)
         head = DraftHead(head_cfg, d2t).to(self.device).bind(self.target)

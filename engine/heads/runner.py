@@ -73,6 +73,9 @@ class HeadRunner:
             shape = (1, c.n_kv_heads, cache_len, c.head_dim)
             self.k_cache = torch.zeros(shape, device=dev, dtype=dt)
             self.v_cache = torch.zeros(shape, device=dev, dtype=dt)
+            # the K/V of each layer after the first (HeadConfig.layers), at the same slots
+            self.more_kv = [(torch.zeros(shape, device=dev, dtype=dt), torch.zeros(shape, device=dev, dtype=dt))
+                            for _ in head.more]
             self.key_pos = torch.arange(cache_len, device=dev)  # [L]
             self.cos, self.sin = head.rope_tables(cache_len, dev, dt)  # [L, D] each
             self.start = torch.zeros((), dtype=torch.long, device=dev)  # catch-up write position
@@ -180,39 +183,51 @@ class HeadRunner:
         self.token.copy_(self.head.d2t.index_select(0, best))
 
     def _layer(self, h: torch.Tensor, emb: torch.Tensor, start: torch.Tensor, span: int) -> torch.Tensor:
-        """The decoder layer over W rows at positions start.. (writing their K/V): [W, H] -> [W, H]."""
+        """The decoder layers over W rows at positions start.. (writing their K/V): [W, H] -> [W, H]."""
         width = h.shape[0]
         pos = start.view(-1)[:1] + self.key_pos[:width]  # [W]
         return self.attend(h, emb, pos, pos, self.key_pos[None, :span] <= pos[:, None], span)
 
     def attend(self, h: torch.Tensor, emb: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                visible: torch.Tensor, span: int) -> torch.Tensor:
-        """The decoder layer over W rows: states h [W, H] and token embeddings [W, H] at RoPE positions [W],
+        """The decoder layers over W rows: states h [W, H] and token embeddings [W, H] at RoPE positions [W],
         their K/V written to cache slots [W], each row attending to the slots `visible` [W, span] says.
 
         A chain's rows sit at their own slots and see every slot up to theirs; a tree's rows (engine/heads/
-        tree.py) share positions between siblings, so their slots and what they see are given apart.
+        tree.py) share positions between siblings, so their slots and what they see are given apart. Every
+        layer after the first reads the state the one before left, at the same slots in its own cache.
         """
         c, head = self.config, self.head
-        width = h.shape[0]
         cos, sin = self.cos.index_select(0, positions), self.sin.index_select(0, positions)  # [W, D]
+        mask = visible.repeat(c.n_heads // c.n_kv_heads, 1)  # [G*W, span]
+        bias = torch.zeros(mask.shape, dtype=self.dtype, device=self.device).masked_fill_(~mask, float("-inf"))
         q, k, v = head.project(h, emb)  # [W, Hq, D], [W, Hkv, D], [W, Hkv, D]
+        h = head.finish(h, self._attention(q, k, v, cos, sin, slots, bias, span, self.k_cache, self.v_cache))
+        for layer, (k_cache, v_cache) in zip(head.more, self.more_kv):
+            q, k, v = layer.project(h)
+            h = layer.finish(h, self._attention(q, k, v, cos, sin, slots, bias, span, k_cache, v_cache))
+        return h
+
+    def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   slots: torch.Tensor, bias: torch.Tensor, span: int, k_cache: torch.Tensor,
+                   v_cache: torch.Tensor) -> torch.Tensor:
+        """One layer's attention: q [W, Hq, D], k/v [W, Hkv, D] rotated, K/V written to `slots` of its cache,
+        each row over the span as `bias` [G*W, span] allows -> [W, Hq * D]."""
+        c = self.config
+        width = q.shape[0]
         q, k = rope(q, cos, sin), rope(k, cos, sin)
-        self.k_cache.index_copy_(2, slots, k.transpose(0, 1).unsqueeze(0))  # [1, Hkv, L, D]
-        self.v_cache.index_copy_(2, slots, v.transpose(0, 1).unsqueeze(0))
+        k_cache.index_copy_(2, slots, k.transpose(0, 1).unsqueeze(0))  # [1, Hkv, L, D]
+        v_cache.index_copy_(2, slots, v.transpose(0, 1).unsqueeze(0))
         group = c.n_heads // c.n_kv_heads
         # GQA without copying the cache: a KV head's G query heads become G*W query rows.
         q = q.transpose(0, 1).reshape(1, c.n_kv_heads, group * width, c.head_dim)
-        mask = visible.repeat(group, 1)  # [G*W, span]
-        bias = torch.zeros(mask.shape, dtype=self.dtype, device=self.device).masked_fill_(~mask, float("-inf"))
-        k_span, v_span = self.k_cache[:, :, :span], self.v_cache[:, :, :span]
+        k_span, v_span = k_cache[:, :, :span], v_cache[:, :, :span]
         if self.device.type == "cuda":
             o = F.scaled_dot_product_attention(q, k_span, v_span, attn_mask=bias, scale=c.head_dim**-0.5)
         else:  # a handful of query rows: two matmuls beat the CPU flash kernel (8 ms vs 0.1 at span 1024)
             scores = torch.matmul(q, k_span.transpose(-1, -2)) * c.head_dim**-0.5 + bias  # [1, Hkv, G*W, span]
             o = torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v_span)  # [1, Hkv, G*W, D]
-        o = o.reshape(c.n_heads, width, c.head_dim).transpose(0, 1).reshape(width, c.n_heads * c.head_dim)
-        return head.finish(h, o)
+        return o.reshape(c.n_heads, width, c.head_dim).transpose(0, 1).reshape(width, c.n_heads * c.head_dim)
 
     # -- CUDA graphs ----------------------------------------------------------------------------
 

@@ -131,9 +131,13 @@ def load_head(files: HeadFiles, device: torch.device, dtype: torch.dtype) -> Dra
     missing = set(head.state_dict()) - set(tensors) - {"d2t"}
     if missing:
         raise ModelLoadError(f"The draft head {files.name} lacks weights: {sorted(missing)}.")
+    params = head.state_dict()  # the tensors themselves (layers after the first are nested: "more.0.wqkv")
+    unknown = set(tensors) - set(params)
+    if unknown:
+        raise ModelLoadError(f"The draft head {files.name} has weights its configuration does not: {sorted(unknown)}.")
     with torch.no_grad():
         for key, value in tensors.items():
-            getattr(head, key).copy_(value)
+            params[key].copy_(value)
     head.requires_grad_(False)
     return head.to(device=device, dtype=dtype).eval()
 

@@ -141,21 +141,18 @@ def unrolled_states(head: DraftHead, features: torch.Tensor, ids: torch.Tensor, 
     c = head.config
     t = ids.shape[1]
     h = head.fuse(features)  # [B, T, H]
-    k0 = v0 = None
-    ks: list[torch.Tensor] = []
-    vs: list[torch.Tensor] = []
+    # per layer: the keys/values of step 0 (seen causally), then each later step's (seen by its own row only)
+    kv: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(c.layers)]
     for s in range(depth):
         emb = head.embed_ids(shift(ids, 1 + s))  # [B, T, H]
-        q, k, v = head.project(h, emb)
-        cs, sn = cos[s : s + t].to(q.dtype), sin[s : s + t].to(q.dtype)
-        q, k = rope(q, cs, sn), rope(k, cs, sn)
-        if s == 0:
-            k0, v0 = k, v
-        else:
-            ks.append(k)
-            vs.append(v)
-        o = unrolled_attention(q, k0, v0, ks, vs, c.head_dim**-0.5)
-        h = head.finish(h, o)
+        for i, layer in enumerate([head, *head.more]):
+            q, k, v = head.project(h, emb) if i == 0 else layer.project(h)
+            cs, sn = cos[s : s + t].to(q.dtype), sin[s : s + t].to(q.dtype)
+            q, k = rope(q, cs, sn), rope(k, cs, sn)
+            kv[i].append((k, v))
+            (k0, v0), later = kv[i][0], kv[i][1:]
+            o = unrolled_attention(q, k0, v0, [x for x, _ in later], [y for _, y in later], c.head_dim**-0.5)
+            h = layer.finish(h, o)
         yield h
 
 

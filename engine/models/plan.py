@@ -61,6 +61,7 @@ class HeadSpec:
     n_features: int  # target layers it reads
     draft_vocab: int  # output rows gathered from the target's head
     precision: str = "bfloat16"  # its layer's: the draft precision (int8-wo / fp8) or the float dtype
+    layers: int = 1  # its decoder layers, each with its own K/V cache
 
 
 @dataclass(frozen=True)
@@ -191,18 +192,17 @@ def _graph_widths(role: str, k_max: int) -> tuple[int, ...]:
 def head_items(inputs: PlanInputs, t_kind: str, t_pos: int, span: int) -> list[PlanItem]:
     """What attaching the draft head adds where the target's logits come out.
 
-    The head: its weights (1 byte each plus a float32 scale per row in int8-wo / fp8), the target's
-    output rows of its vocabulary gathered once, its one-layer KV cache, its graphs' catch-up logits.
-    With CUDA graphs the target also captures the widths of the default dynamic tree (engine/decoding/
-    engine.py set_tree: TREE_NODES nodes, limits.tree_widths), each with a float32 [W, V] output, in a
-    pool of their own sized by the widest tree, and keeps the head's layers in [W, n * hidden] buffers per width.
+    The head: its weights (1 byte each plus a float32 scale per row in int8-wo / fp8), the target's output rows of
+    its vocabulary gathered once, its KV cache (one per layer), its graphs' catch-up logits. With CUDA graphs the
+    target captures the widths of the default dynamic tree (engine/decoding/engine.py set_tree; limits.tree_widths),
+    each with a float32 [W, V] output, in a pool sized by the widest tree, and the layers the head reads per width.
     """
     h, t = inputs.head, inputs.target
     if h is None or (inputs.device_type == "cuda" and inputs.gpus > 1):
         return []  # a split target loads without its head (engine/assemble.py)
     b = FLOAT_BYTES.get(t.compute, 2)
     weights = h.parameters * (1 if is_fast(h.precision) else b) + (h.draft_vocab * h.hidden) * b
-    cache = 2 * h.n_kv_heads * h.head_dim * t_pos * b
+    cache = 2 * h.n_kv_heads * h.head_dim * t_pos * b * h.layers
     catch_up = 3 * (inputs.k_max + 1) * h.draft_vocab * 4
     items = [PlanItem("weights", "head", "draft head (weights, output rows, cache)",
                       weights + cache + catch_up)]
@@ -243,7 +243,7 @@ def batch_items(inputs: PlanInputs, t_kind: str, d_kind: str | None) -> list[Pla
     if h is not None and inputs.target.census.model_type in LEAN_TYPES:
         b, w = FLOAT_BYTES.get(inputs.target.compute, 2), inputs.k_max + 1  # catch-ups of widths 1..w
         rows = -(-(min(inputs.context, inputs.target.census.max_positions) + 2 * w) // CACHE_ALIGN) * CACHE_ALIGN
-        per_row = (2 * h.n_kv_heads * h.head_dim * rows + w * (w + 1) // 2 * h.n_features * h.hidden) * b \
+        per_row = (2 * h.n_kv_heads * h.head_dim * rows * h.layers + w * (w + 1) // 2 * h.n_features * h.hidden) * b \
             + 3 * h.draft_vocab * 4
         items.append(PlanItem("kv", "head", f"draft head caches of {n} served sequences", n * per_row))
     return items

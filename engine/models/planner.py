@@ -148,7 +148,7 @@ def head_spec(head: str | Path | None, target: ModelCensus, precision: str) -> H
         try:
             return HeadSpec(str(m.get("name", folder.name)), int(m.get("parameters", 0)), int(c["hidden"]),
                             int(c["n_kv_heads"]), int(c["head_dim"]), len(c["feature_layers"]),
-                            int(c["draft_vocab"]), precision)
+                            int(c["draft_vocab"]), precision, int(c.get("layers", 1)))
         except (KeyError, TypeError, ValueError):
             return None  # a damaged manifest: the load says so in its own line
     return None
