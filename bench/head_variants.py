@@ -5,10 +5,9 @@ Loads the target and its draft head (default: the shipped one), then on this mac
      outside the head's draft vocabulary: the head can never draft those, so a wider vocabulary can raise
      acceptance at a draft position by at most that share (a full vocabulary by all of it).
   2. The draft step's cost (HeadRunner.measure_ms: a round's milliseconds per draft token, catch-up and
-     chain steps, CUDA graphs on a GPU) with the head's own output rows, twice as many and the target's
+     chain steps, CUDA graphs on a GPU; the median of --passes passes, the variants in turn in each) with the head's own output rows, twice as many and the target's
      whole vocabulary (the extra rows are target rows of the same shape and dtype; their values do not
-     change the time), and the head's decoder layer alone (captured and replayed on a GPU, eager on a
-     CPU): what a second layer of the same shape adds to every step.
+     change the time), and with a second decoder layer (the head grown a layer: DraftHead.grown).
   3. What each must win. With the verify costs the engine measured at load (every width) and the head's
      held-out acceptance by position (its manifest), the best chain's predicted speedup now, and for each
      variant the rise in acceptance at every position it needs to match it: a variant pays only where
@@ -23,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from dataclasses import replace
@@ -85,28 +85,13 @@ def variant_head(head, rows: int, target):
     return variant
 
 
-def layer_ms(runner, iters: int) -> float:
-    """One chain step's decoder layer alone (at the runner's first span): a CUDA graph replayed on a GPU (as
-    the step itself runs), eagerly elsewhere. Writes its K/V at `pos`, past anything committed."""
-    import torch
-
-    span = runner.buckets[0]
-
-    def body() -> None:
-        runner._layer(runner.state, runner.head.embed_ids(runner.token), runner.pos.view(1), span)
-
-    def reset() -> None:
-        runner.pos.fill_(8)
-
-    reset()
-    if runner.use_graphs:
-        pool = runner.pool or torch.cuda.graph_pool_handle()
-        with torch.inference_mode(False), torch.no_grad():
-            runner.capture_graph(("layer", 1, span), body, reset, pool)
-        graph = runner.graphs.pop(("layer", 1, span))
-        return runner.time_ms(graph.replay, iters) / iters
-    with torch.no_grad():
-        return runner.time_ms(body, iters) / iters
+def two_layers(head, target):
+    """The head grown a second decoder layer (its own cache; the new layer starts as the identity), bound to the
+    same output rows."""
+    grown = head.grown(2).eval().requires_grad_(False)
+    grown.bind_inputs(target)
+    grown.lm_rows, grown.lm_bias = head.lm_rows, head.lm_bias
+    return grown
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -117,10 +102,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--target", default=None, help="a target folder (default: the packaged pair's)")
     ap.add_argument("--head", default="auto", help="a head folder (default: the shipped head for the target)")
     ap.add_argument("--iters", type=int, default=0, help="timed draft rounds per figure (default: 20 CPU, 200 GPU)")
+    ap.add_argument("--passes", type=int, default=5, help="each variant timed this many times in turn (the median)")
     ap.add_argument("--json", type=Path, default=None, help="write the figures here (a bench record)")
     args = ap.parse_args(argv)
-    if args.prompts < 0 or args.max_new_tokens < 1 or args.iters < 0:
-        print("head_variants: --prompts and --iters take 0 or more, --max-new-tokens 1 or more", file=sys.stderr)
+    if args.prompts < 0 or args.max_new_tokens < 1 or args.iters < 0 or args.passes < 1:
+        print("head_variants: --prompts and --iters take 0 or more, --max-new-tokens and --passes 1 or more",
+              file=sys.stderr)
         return 2
     if args.json is not None and args.json.is_dir():
         print(f"head_variants: --json {args.json} is a folder; name a file", file=sys.stderr)
@@ -182,26 +169,28 @@ def main(argv: list[str] | None = None) -> int:
     if not engine.info.target_ms:
         engine.measure_costs()
     target_ms = {int(w): float(ms) for w, ms in engine.info.target_ms}
-    costs = {}
-    for rows in (own, min(2 * own, vocab), vocab):
-        variant = variant_head(head, rows, engine.target)
-        runner = HeadRunner(variant, max_length=1024, k_max=K_MAX)
-        runner.warmup()
-        costs[rows] = runner.measure_ms(5, iters)
-        if rows == own:
-            layer = layer_ms(runner, iters)
-        del runner
-        if gpu:
-            torch.cuda.empty_cache()
+    heads = {"today": head}
+    for rows in sorted({min(2 * own, vocab), vocab} - {own}):
+        heads[f"{rows:,} output rows"] = variant_head(head, rows, engine.target)
+    heads["two decoder layers"] = two_layers(head, engine.target)
+    timed: dict[str, list[float]] = {name: [] for name in heads}
+    with torch.no_grad():
+        runners = {name: HeadRunner(variant, max_length=1024, k_max=K_MAX) for name, variant in heads.items()}
+        for runner in runners.values():
+            runner.warmup()
+        for _ in range(args.passes):  # the variants in turn, each pass: side by side as the machine drifts
+            for name, runner in runners.items():
+                timed[name].append(runner.measure_ms(5, iters))
+    costs = {name: statistics.median(ms) for name, ms in timed.items()}
 
     # 3. what each must win
-    now, k_now = chain_speedup(acceptance, target_ms, costs[own])
-    variants = [(f"{rows:,} output rows", costs[rows]) for rows in costs if rows != own]
-    variants.append(("a second decoder layer", costs[own] + layer))
+    now, k_now = chain_speedup(acceptance, target_ms, costs["today"])
     rows_out = []
-    for name, cost in variants:
+    for name, cost in costs.items():
+        if name == "today":
+            continue
         rise = needed_rise(acceptance, target_ms, cost, now)
-        rows_out.append({"variant": name, "draft_ms": round(cost, 4), "cost_over_now": round(cost / costs[own], 3),
+        rows_out.append({"variant": name, "draft_ms": round(cost, 4), "cost_over_now": round(cost / costs["today"], 3),
                          "needed_rise": None if rise is None else round(rise, 4)})
 
     std = target_ms[1]
@@ -211,18 +200,22 @@ def main(argv: list[str] | None = None) -> int:
         print(f"vocabulary ceiling: {outside} of {answers:,} greedy answer tokens ({ceiling:.2%}) lie outside the "
               f"head's {own:,} rows: no wider vocabulary can raise acceptance at a position by more")
     print(f"held-out acceptance by position {' '.join(f'{a:.2f}' for a in acceptance)}: best chain K={k_now}, "
-          f"{now:.2f}x predicted at a draft token of {costs[own]:.3f} ms ({costs[own] / std:.1%} of a standard step)")
-    print(f"the head's decoder layer alone: {layer:.3f} ms a step ({layer / costs[own]:.0%} of a draft token)")
-    print(f"{'variant':<26}{'ms a draft token':>18}{'x now':>8}   acceptance rise needed at every position")
+          f"{now:.2f}x predicted at a draft token of {costs['today']:.3f} ms ({costs['today'] / std:.1%} of a "
+          "standard step)")
+    print(f"{'variant':<26}{'ms a draft token':>18}{'x now':>8}   acceptance rise needed at every position"
+          f"   (passes, ms)")
     for r in rows_out:
         need = "cannot reach it" if r["needed_rise"] is None else f"+{r['needed_rise']:.3f}"
-        print(f"{r['variant']:<26}{r['draft_ms']:>18.3f}{r['cost_over_now']:>8.2f}   {need}")
+        spread = " ".join(f"{x:.2f}" for x in timed[r["variant"]])
+        print(f"{r['variant']:<26}{r['draft_ms']:>18.3f}{r['cost_over_now']:>8.2f}   {need:<15}({spread})")
+    print(f"today's head, passes: {' '.join(f'{x:.2f}' for x in timed['today'])} ms")
     if args.json is not None:
         summary = {"device": str(engine.device), "dtype": engine.info.dtype, "head": files.name,
                    "draft_vocab": own, "target_vocab": vocab, "answer_tokens": answers, "outside_vocab": outside,
                    "vocab_ceiling": ceiling, "held_out_acceptance": acceptance, "target_ms": target_ms,
-                   "draft_ms_by_rows": {str(k): round(v, 4) for k, v in costs.items()},
-                   "layer_ms": round(layer, 4), "best_k": k_now, "predicted_speedup": round(now, 4),
+                   "draft_ms": {k: round(v, 4) for k, v in costs.items()},
+                   "draft_ms_passes": {k: [round(x, 4) for x in v] for k, v in timed.items()},
+                   "best_k": k_now, "predicted_speedup": round(now, 4),
                    "variants": rows_out, "seconds": round(time.perf_counter() - started, 1)}
         config = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
         write_record(args.json, config, summary)
