@@ -5,9 +5,10 @@ Loads the target and its draft head (default: the shipped one), then on this mac
      outside the head's draft vocabulary: the head can never draft those, so a wider vocabulary can raise
      acceptance at a draft position by at most that share (a full vocabulary by all of it).
   2. The draft step's cost (HeadRunner.measure_ms: a round's milliseconds per draft token, catch-up and
-     chain steps, CUDA graphs on a GPU; the median of --passes passes, the variants in turn in each) with the head's own output rows, twice as many and the target's
-     whole vocabulary (the extra rows are target rows of the same shape and dtype; their values do not
-     change the time), and with a second decoder layer (the head grown a layer: DraftHead.grown).
+     chain steps, CUDA graphs on a GPU; the median of --passes passes, the variants in turn in each) with
+     the head's own output rows, twice as many and the target's whole vocabulary (the extra rows are target
+     rows of the same shape and dtype; their values do not change the time), and with a second decoder
+     layer (the head grown a layer: DraftHead.grown).
   3. What each must win. With the verify costs the engine measured at load (every width) and the head's
      held-out acceptance by position (its manifest), the best chain's predicted speedup now, and for each
      variant the rise in acceptance at every position it needs to match it: a variant pays only where

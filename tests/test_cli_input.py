@@ -362,6 +362,8 @@ def test_distill_data_that_is_no_earlier_run_fails_before_loading(tmp_path, no_l
     (plain / "state.json").write_text("{}")
     _one_line(main(["distill", *out, "--data", str(plain)]), capsys.readouterr().err, "has no data rounds")
     (plain / "data").mkdir()
+    (plain / "data" / "round-copy.pt").write_bytes(b"x")  # not a name the data phase writes
+    _one_line(main(["distill", *out, "--data", str(plain)]), capsys.readouterr().err, "has no data rounds")
     (plain / "data" / "round-00000.pt").write_bytes(b"x")
     own = tmp_path / "head" / "work"
     own.mkdir(parents=True)

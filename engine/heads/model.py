@@ -7,9 +7,10 @@ feature-level autoregression). The layer is the target's architecture (RMSNorm, 
 SiLU MLP) with a narrower MLP, and q/k/v read the concatenation [norm(embedding), norm(hidden)]
 with the hidden state as the residual. A head of more layers (`HeadConfig.layers`) runs each later one
 as a plain decoder layer over the state (`ExtraLayer`, its own K/V cache); a later layer's output
-projections start at zero, so a layer added to a trained head starts as the identity. Its output goes through a final norm and the target's own
-output rows for a reduced draft vocabulary (`d2t`: draft row -> target id), so a draft step reads
-32k rows instead of 152k and nothing of the target is stored twice on disk.
+projections start at zero, so a layer added to a trained head starts as the identity. The last
+layer's output goes through a final norm and the target's own output rows for a reduced draft
+vocabulary (`d2t`: draft row -> target id), so a draft step reads 32k rows instead of 152k and
+nothing of the target is stored twice on disk.
 
 Both the training loop (engine/heads/train.py, batched with its own attention pattern) and the
 decoding runner (engine/heads/runner.py, static KV cache) call the pieces below, so the maths
@@ -55,6 +56,7 @@ class LayerMaths(nn.Module):
         return out if residual is None else residual + out
 
     def _quantize(self, names: tuple[str, ...], kind: str) -> int:
+        """These matrices as QuantLinear (their float weights released); how many this layer has quantized."""
         for name in names:
             weight = getattr(self, name)
             if weight is None:

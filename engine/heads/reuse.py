@@ -9,12 +9,14 @@ head whose history already holds those rounds shows them as data seen again (app
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from engine.heads.fitting import DistillError
 
 STATE = "state.json"
+ROUND = re.compile(r"round-\d{5,}\.pt")  # as the data phase names them (engine/heads/writing.py)
 
 
 @dataclass(frozen=True)
@@ -36,7 +38,7 @@ def find_kept(folder: Path) -> KeptData:
     work = folder if (folder / STATE).is_file() else folder.parent
     if not (work / STATE).is_file():
         raise DistillError(f"--data {folder}: not a distillation's work folder (no {STATE} in it or above it)")
-    rounds = tuple(sorted((work / "data").glob("round-*.pt")))
+    rounds = tuple(sorted(p for p in (work / "data").glob("round-*.pt") if ROUND.fullmatch(p.name)))
     if not rounds:
         raise DistillError(f"--data {folder}: the work folder has no data rounds (data/round-*.pt)")
     try:
@@ -54,7 +56,7 @@ def find_all_kept(folders: list[Path], work: Path) -> list[KeptData]:
     for folder in folders:
         k = find_kept(folder)
         if k.work == Path(work).resolve():
-            raise DistillError(f"--data {folder}: that is this run's own work folder (its rounds are trained on anyway)")
+            raise DistillError(f"--data {folder}: that is this run's own work folder (trained on anyway)")
         if any(k.work == other.work for other in kept):
             raise DistillError(f"--data {folder}: given twice")
         kept.append(k)
