@@ -10,8 +10,9 @@ one process (each warmed first, then timed in turn):
   every row replayed as CUDA graphs on a GPU; `--eager` also times the last R with that step launched
   eagerly, op by op (`continuous R eager`).
 
-Prints answer tokens per second of each, the ratio to generate, and how many answers are the same
-token for token (bf16 kernels may round a near tie differently for another batch shape):
+Prints answer tokens per second of each, the ratio to the first writer timed (generate unless
+`--no-generate`), and how many answers are the same as that writer's token for token (bf16 kernels may
+round a near tie differently for another batch shape):
 
     python bench/distill_writers.py --target path/to/Qwen2.5-Coder-1.5B-Instruct --json distill_writers.json
 
@@ -117,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         same = sum(a == b for a, b in zip(outs, reference))
         rec = {"writer": name, "seconds": round(dt, 2), "answer_tokens": tokens,
                "ended": sum(e for _, e in outs), "tokens_per_s": round(tokens / dt),
-               "same_as_generate": same, "answers": len(outs)}
+               "same_as_first": same, "answers": len(outs)}  # answers equal to the first writer's (x_first's)
         rec["x_first"] = round(rec["tokens_per_s"] / results["writers"][0]["tokens_per_s"], 2) \
             if results["writers"] else 1.0
         results["writers"].append(rec)

@@ -114,7 +114,7 @@ def test_distill_writers_profiles_the_continuous_writer(tiny_head, tmp_path, cap
     assert sum(r["share"] for r in rows) <= 1.0001 and total["op"] == "(all operators)" and 0 < total["busy"]
     writers = record["summary"]["writers"]
     assert [w["writer"] for w in writers] == ["continuous 4 eager", "continuous 4"]
-    assert writers[1]["same_as_generate"] == writers[1]["answers"] == 6  # the same answers as the eager step's
+    assert writers[1]["same_as_first"] == writers[1]["answers"] == 6  # the same answers as the eager step's
 
 
 def test_head_variants_prices_a_wider_vocabulary_and_a_second_layer(tiny_head, tmp_path, capsys):
