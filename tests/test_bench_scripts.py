@@ -159,3 +159,22 @@ def test_head_variants_answers_bad_input_in_one_line_before_loading(argv, says, 
     assert err.startswith("head_variants: ") and says in err and "\n" not in err
     assert _script("head_variants").main(["--json", str(tmp_path)]) == 2
     assert "is a folder" in capsys.readouterr().err
+
+
+def test_tree_sweep_says_a_rows_walks_price_is_the_host_walks_on_a_cpu(tiny_head, tmp_path, capsys):
+    """On a CPU the engine prices its trees for the host's walk at load; a `:rows` configuration is timed
+    walking every row, and its priced column says whose price it shows."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps({"id": f"q{i}", "category": "chat", "prompt": p})
+                                 for i, p in enumerate(["hello world", "def add"])) + "\n", encoding="utf-8")
+    out = tmp_path / "s.json"
+    argv = ["--trees", "d8@3,d8@3:rows", "--json", str(out), "--target", str(tiny_head.target), "--head",
+            str(tiny_head.head), "--runtime", "torch", "--device", "cpu", "--dtype", "float32",
+            "--max-new-tokens", "6", "--prompts", str(prompts)]
+    assert _script("tree_sweep").main(argv) == 0
+    printed = capsys.readouterr().out
+    rows = {r["config"]: r for r in json.loads(out.read_text(encoding="utf-8"))["configs"]}
+    assert rows["d8@3"]["priced_ms"]["walk"] == rows["d8@3:rows"]["priced_ms"]["walk"] == "host"
+    lines = [line for line in printed.splitlines() if line.startswith("d8@3")]
+    assert any("(for the host's walk)" in line for line in lines if line.startswith("d8@3:rows"))
+    assert not any("(for the host's walk)" in line for line in lines if line.split()[0] == "d8@3")
