@@ -193,11 +193,14 @@ def test_distillation_resumes_where_it_stopped(tiny_head, tmp_path):
 
 
 @pytest.mark.gpu
-def test_head_graphs_draft_what_the_eager_head_drafts(tiny_head):
-    """On CUDA: the captured catch-up and chain steps reproduce the eager ones (same buffers, positions)."""
+@pytest.mark.parametrize("layers", [1, 2])
+def test_head_graphs_draft_what_the_eager_head_drafts(tiny_head, request, layers):
+    """On CUDA: the captured catch-up and chain steps reproduce the eager ones (same buffers, positions), for a
+    head of one decoder layer and of two."""
+    folder = tiny_head.head if layers == 1 else request.getfixturevalue("tiny_two_layer_head")
     target, _ = load_target(tiny_head.target)
     target = target.to("cuda")
-    head = load_head(read_manifest(tiny_head.head), torch.device("cuda"), torch.float32).bind(target)
+    head = load_head(read_manifest(folder), torch.device("cuda"), torch.float32).bind(target)
     graphs = HeadRunner(head, max_length=1024, k_max=6)
     graphs.warmup()
     assert graphs.graphs, "no graph was captured"
@@ -218,6 +221,8 @@ def test_head_graphs_draft_what_the_eager_head_drafts(tiny_head):
     assert torch.equal(graphs.drafts[:5], eager.drafts[:5])
     torch.testing.assert_close(graphs.last_logits, eager.last_logits)
     torch.testing.assert_close(graphs.k_cache[:, :, :43], eager.k_cache[:, :, :43])
+    for (k_graphs, _), (k_eager, _) in zip(graphs.more_kv, eager.more_kv, strict=True):
+        torch.testing.assert_close(k_graphs[:, :, :43], k_eager[:, :, :43])
 
 
 def test_a_head_continues_from_a_finished_run(tiny_head, tmp_path):
