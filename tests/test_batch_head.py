@@ -89,10 +89,13 @@ def _drafts_match_lone_heads(head) -> BatchedHeadRunner:
 
 
 @pytest.mark.gpu
-def test_the_batched_heads_cuda_graphs_draft_what_lone_heads_draft_and_serve_head_requests(tiny_head):
+@pytest.mark.parametrize("layers", [1, 2])
+def test_the_batched_heads_cuda_graphs_draft_what_lone_heads_draft_and_serve_head_requests(tiny_head, request, layers):
     from tests.head_fixtures import cuda_head_engine
 
-    fast = cuda_head_engine(tiny_head.target, tiny_head.head)
+    folder = tiny_head.head if layers == 1 else request.getfixturevalue("tiny_two_layer_head")
+    fast = cuda_head_engine(tiny_head.target, folder)
+    assert fast.head_runner.head.config.layers == layers
     assert _drafts_match_lone_heads(fast.head_runner.head).graphs, "captured per (width, span)"
     batch = BatchEngine(fast, 4)
     assert batch.heads.runner.graphs and batch.target.all_rows.graphs
