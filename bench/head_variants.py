@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         outside += sum(t not in d2t for t in ids)
     ceiling = outside / answers if answers else None
 
-    # 2. the draft step's cost by output rows, and the layer alone
+    # 2. the draft step's cost with more output rows, and with a second layer
     if not engine.info.target_ms:
         engine.measure_costs()
     target_ms = {int(w): float(ms) for w, ms in engine.info.target_ms}
