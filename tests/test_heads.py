@@ -329,6 +329,30 @@ def test_a_continued_run_grows_the_head_a_layer(tiny_head, tmp_path):
         plan_with(TINY_PLAN, {"layers": "9"})
 
 
+def test_a_kept_folders_damaged_log_lines_are_not_copied(tiny_head, tmp_path):
+    """--data copies a kept round's own log record; a line that is not one (bad JSON, a count that is not a
+    count) gives way to what the round file itself holds."""
+    from engine.heads.fitting import load_round
+    from engine.heads.reuse import find_kept
+
+    kept = tmp_path / "kept"
+    shutil.copytree(tiny_head.work, kept)
+    lines = []
+    for record in _log(kept):
+        if record["kind"] == "data" and record["round"] == 2:
+            record = {**record, "answer_tokens": "many"}  # round 2's own line, damaged
+        lines.append(json.dumps(record))
+    lines += ["not json", '{"kind": "data", "round": true, "answer_tokens": 5}']  # `true` is no round
+    (kept / "train_log.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    logged = find_kept(kept).logged
+    assert sorted(logged) == [1, 3, 4]
+    distiller(tiny_head.target, tmp_path / "out", tmp_path / "work", quick_plan(max_rounds=1, max_steps=1),
+              data=[kept]).run()  # the kept run's own seed: the kept rounds move the data seed, so questions are new
+    second = next(r for r in _log(tmp_path / "work") if r.get("kept_from") and r["round"] == 2)
+    records = load_round(kept / "data" / "round-00001.pt")
+    assert second["answer_tokens"] == sum(len(x["ids"]) - x["prompt_len"] for x in records)
+
+
 def test_a_call_that_ends_during_the_data_leaves_the_rest_of_the_data_to_the_next_call(tiny_head, tmp_path):
     """The data's share of the budget is written in full: a call cut short by its own limit does not start
     training on the rounds it has; the next call writes the rest, then trains."""

@@ -133,7 +133,7 @@ class Distiller(DataPhase, TrainingPhase):
         if init is not None and 0 < plan.layers < init.config.layers:
             raise DistillError(f"{init.name} has {init.config.layers} decoder layers; a continued head keeps them "
                                f"(--plan layers={plan.layers} would drop some).")
-        self.data_seed = data_seed(plan.seed, init)
+        self.data_seed = data_seed(plan.seed, init, self.kept)
         work.mkdir(parents=True, exist_ok=True)
         (work / "data").mkdir(exist_ok=True)
         self.state = self._load_state()
@@ -243,16 +243,20 @@ def _is_state(state: object) -> bool:
             and (state.get("train_started_s") is None or number(state.get("train_started_s"))))
 
 
-def data_seed(seed: int, init: HeadFiles | None) -> int:
-    """The seed of a run's questions and answers: the plan's, mixed with the head a continued run starts from.
+def data_seed(seed: int, init: HeadFiles | None, kept: list[KeptData] = ()) -> int:
+    """The seed of a run's questions and answers: the plan's, mixed with the head a continued run starts from
+    and with the rounds kept from earlier runs (--data: their names and sizes).
 
     A run continued from a head with the seed that head was trained with would otherwise write the very
     questions and answers of the run before (the target is deterministic): a second epoch, not fresh data.
+    A run given the rounds of one with its own seed would write only questions it must drop as seen.
     """
-    if init is None:
+    if init is None and not kept:
         return seed
-    shards = "".join(s.get("sha256", "") for s in init.manifest.get("shards", []))
-    digest = hashlib.sha256(f"{seed}:{shards}".encode()).hexdigest()
+    shards = "".join(s.get("sha256", "") for s in init.manifest.get("shards", [])) if init is not None else ""
+    rounds = ",".join(f"{p.name}={p.stat().st_size}" for k in kept for p in k.rounds)
+    text = f"{seed}:{shards}" + (f":{rounds}" if rounds else "")  # a continued run alone: as it always was
+    digest = hashlib.sha256(text.encode()).hexdigest()
     return int(digest[:8], 16)  # 32 bits: times the round multipliers it stays a valid torch seed
 
 

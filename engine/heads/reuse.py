@@ -84,6 +84,8 @@ def _logged_rounds(path: Path) -> dict[int, dict]:
             record = json.loads(line)
         except ValueError:
             continue
-        if isinstance(record, dict) and record.get("kind") == "data" and isinstance(record.get("round"), int):
+        if isinstance(record, dict) and record.get("kind") == "data" and all(
+                isinstance(record.get(k), int) and not isinstance(record.get(k), bool) and record[k] >= 0
+                for k in ("round", "answer_tokens")):  # a damaged line: the round file's own count is logged
             out[record["round"]] = record
     return out
