@@ -37,17 +37,13 @@ K_MAX = 8  # chains priced up to this K (the widths the engine measures at load)
 
 
 def chain_speedup(acceptance: list[float], target_ms: dict[int, float], draft_ms: float) -> tuple[float, int]:
-    """(speedup, K) of the best chain: tokens per round (1 + the products of the per-position rates) times a
-    standard step's cost over the round's (K draft tokens and a (K + 1)-row verify); K = 0 is standard (1.0)."""
-    best = (1.0, 0)
-    reach, tokens = 1.0, 1.0
-    for k in range(1, K_MAX + 1):
-        if k + 1 not in target_ms:
-            break
-        reach *= acceptance[min(k, len(acceptance)) - 1]
-        tokens += reach
-        best = max(best, (tokens * target_ms[1] / (k * draft_ms + target_ms[k + 1]), k))
-    return best
+    """(speedup, K) of the best chain over the measured verify widths, as the cost model prices one
+    (CostModel.speedup_from_positions); K = 0 is standard (1.0)."""
+    from engine.measure.costmodel import CostModel
+
+    model = CostModel(draft_ms=draft_ms, target_ms=target_ms)
+    ks = [k for k in range(1, K_MAX + 1) if k + 1 in target_ms]
+    return max([(1.0, 0)] + [(model.speedup_from_positions(acceptance, k), k) for k in ks])
 
 
 def needed_rise(acceptance: list[float], target_ms: dict[int, float], draft_ms: float, now: float) -> float | None:

@@ -24,7 +24,7 @@ from pathlib import Path
 from engine.errors import IncompatibleModelsError, ModelLoadError
 from engine.heads import data as D
 from engine.heads.config import fingerprint
-from engine.heads.fitting import DistillError, TrainingPhase, load_round
+from engine.heads.fitting import DistillError, TrainingPhase, answer_tokens, load_round
 from engine.heads.model import DraftHead
 from engine.heads.reuse import KeptData, check_kept, find_all_kept
 from engine.heads.shards import HeadFiles, open_head
@@ -200,7 +200,7 @@ class Distiller(DataPhase, TrainingPhase):
                 if record is None:  # that run's log is gone: what the round itself says
                     records = load_round(path)
                     record = {"kind": "data", "round": number, "answers": len(records),
-                              "answer_tokens": sum(len(x["ids"]) - x["prompt_len"] for x in records)}
+                              "answer_tokens": answer_tokens(records)}
                 record = {key: value for key, value in record.items() if key != "time_s"}
                 self._log({**record, "kept_from": k.work.name}, "data",
                           f"kept round {number} of {k.work.name}: {record.get('answer_tokens', 0)} answer tokens")

@@ -88,6 +88,11 @@ def load_round(path: Path) -> list[dict]:
     return load_tensor_file(path, "a data round", lambda v: isinstance(v, list) and all(map(_is_record, v)))
 
 
+def answer_tokens(records: list[dict]) -> int:
+    """The answer tokens of a round's records (each one's ids after its prompt)."""
+    return sum(len(r["ids"]) - r["prompt_len"] for r in records)
+
+
 class TrainingPhase:
     """Training methods of a Distiller (which supplies plan, clock, state, _log, _report, _stop_at, _rounds,
     _kept_rounds)."""

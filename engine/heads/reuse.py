@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 from engine.heads.fitting import DistillError
@@ -26,7 +27,12 @@ class KeptData:
     work: Path  # that work folder (resolved)
     rounds: tuple[Path, ...]  # its data/round-*.pt, in order
     fingerprint: dict | None  # the target it was written by (its state file's), None when unreadable
-    logged: dict[int, dict]  # round number (1-based, as logged) -> that round's "data" record in its log
+
+    @cached_property
+    def logged(self) -> dict[int, dict]:
+        """Round number (1-based, as logged) -> that round's "data" record in its log, read when first asked
+        (only the run that logs the kept rounds does; the checks before and after the load need no log)."""
+        return _logged_rounds(self.work / "train_log.jsonl")
 
 
 def find_kept(folder: Path) -> KeptData:
@@ -46,8 +52,7 @@ def find_kept(folder: Path) -> KeptData:
     except (OSError, ValueError, RecursionError):
         state = None
     fingerprint = state.get("fingerprint") if isinstance(state, dict) else None
-    return KeptData(work.resolve(), rounds, fingerprint if isinstance(fingerprint, dict) else None,
-                    _logged_rounds(work / "train_log.jsonl"))
+    return KeptData(work.resolve(), rounds, fingerprint if isinstance(fingerprint, dict) else None)
 
 
 def find_all_kept(folders: list[Path], work: Path) -> list[KeptData]:

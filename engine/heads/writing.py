@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from engine.heads import data as D
-from engine.heads.fitting import load_round
+from engine.heads.fitting import answer_tokens, load_round
 from engine.heads.generate import ContinuousSampler, NonFiniteLogits
 from engine.runners.lean import UnsupportedModelError
 
@@ -115,7 +115,7 @@ class DataPhase:
             os.replace(tmp, self.work / "data" / f"round-{r:05d}.pt")
             self.state["rounds"] = r + 1
             self._save_state()
-            tokens = sum(len(x["ids"]) - x["prompt_len"] for x in records)
+            tokens = answer_tokens(records)
             last = time.perf_counter() - started
             self._log({"kind": "data", "round": r + 1, "seed": self.data_seed, **stats, "answers": len(records),
                        "answer_tokens": tokens,
