@@ -358,6 +358,8 @@ def test_distill_data_that_is_no_earlier_run_fails_before_loading(tmp_path, no_l
     plain = tmp_path / "plain"
     plain.mkdir()
     out = ["--out", str(tmp_path / "head")]
+    (tmp_path / "file").write_text("x")
+    _one_line(main(["distill", *out, "--data", str(tmp_path / "file")]), capsys.readouterr().err, "not a work folder")
     _one_line(main(["distill", *out, "--data", str(plain)]), capsys.readouterr().err, "not a distillation's work folder")
     (plain / "state.json").write_text("{}")
     _one_line(main(["distill", *out, "--data", str(plain)]), capsys.readouterr().err, "has no data rounds")

@@ -40,7 +40,7 @@ def find_kept(folder: Path) -> KeptData:
     (one line) when it is not one. The target's fingerprint is checked later (check_kept), once it is loaded."""
     folder = Path(folder)
     if not folder.is_dir():
-        raise DistillError(f"--data {folder}: no such folder")
+        raise DistillError(f"--data {folder}: " + ("a file, not a work folder" if folder.exists() else "no such folder"))
     work = folder if (folder / STATE).is_file() else folder.parent
     if not (work / STATE).is_file():
         raise DistillError(f"--data {folder}: not a distillation's work folder (no {STATE} in it or above it)")
