@@ -161,9 +161,14 @@ def test_head_variants_answers_bad_input_in_one_line_before_loading(argv, says, 
     assert "is a folder" in capsys.readouterr().err
 
 
-def test_tree_sweep_says_a_rows_walks_price_is_the_host_walks_on_a_cpu(tiny_head, tmp_path, capsys):
+def test_tree_sweep_says_a_rows_walks_price_is_the_host_walks_on_a_cpu(tiny_head, tmp_path, capsys, monkeypatch):
     """On a CPU the engine prices its trees for the host's walk at load; a `:rows` configuration is timed
     walking every row, and its priced column says whose price it shows."""
+    from engine.decoding import sampling, verify
+
+    # the script switches the walk through these module settings: put back after the test, for the tests after it
+    monkeypatch.setattr(verify, "WALK_ON_HOST", verify.WALK_ON_HOST)
+    monkeypatch.setattr(sampling, "HOST_SAMPLING", sampling.HOST_SAMPLING)
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("\n".join(json.dumps({"id": f"q{i}", "category": "chat", "prompt": p})
                                  for i, p in enumerate(["hello world", "def add"])) + "\n", encoding="utf-8")
