@@ -236,3 +236,96 @@ def test_without_a_log_the_dialog_is_as_before(window, tmp_path):
     dialog = window(FakeTrainer(), info).open_train_dialog()
     dialog.refresh()
     assert dialog.status.text() == "Not started." and all(x.size == 0 for x, _y in dialog.series().values())
+
+
+# --------------------------------------------------------------------------- continuing a head
+
+def pick(dialog, data: str) -> None:
+    """Chooses the "Start from" entry holding `data` as a person would (activated, not only current)."""
+    index = dialog.start_from.findData(data)
+    assert index >= 0, [dialog.start_from.itemData(i) for i in range(dialog.start_from.count())]
+    dialog.start_from.setCurrentIndex(index)
+    dialog.start_from.activated.emit(index)
+
+
+def test_a_run_can_continue_the_shipped_head(window, qtbot, tmp_path):
+    from app.core.head_log import shipped_head_folders
+
+    trainer = FakeTrainer(steps=10)
+    w = window(trainer, replace(FAKE_INFO, draft_name=None, head_name=SHIPPED_HEAD))
+    dialog = w.open_train_dialog()
+    labels = [dialog.start_from.itemText(i) for i in range(dialog.start_from.count())]
+    assert labels == ["A new head", f"The shipped head ({SHIPPED_HEAD})", "Another head folder…"]
+    shipped = next(f for f in shipped_head_folders() if json.loads((f / "manifest.json").read_text())["name"]
+                   == SHIPPED_HEAD)
+    pick(dialog, str(shipped))
+    dialog.folder.setText(str(tmp_path / "mine"))
+    with qtbot.waitSignal(w.worker.training_finished, timeout=5000):
+        dialog.start_button.click()
+        assert not dialog.start_from.isEnabled()
+    qtbot.waitUntil(lambda: not w.training.running, timeout=2000)
+    assert trainer.requests[0].init == str(shipped) and trainer.requests[0].out == str(tmp_path / "mine")
+    # the head just trained is offered to the next run, before "Another head folder…"
+    assert dialog.start_from.findData(str(tmp_path / "mine")) == dialog.start_from.count() - 2
+    pick(dialog, "")  # a new head again
+    with qtbot.waitSignal(w.worker.training_finished, timeout=5000):
+        dialog.start_button.click()
+    qtbot.waitUntil(lambda: not w.training.running, timeout=2000)
+    assert trainer.requests[1].init is None
+
+
+def test_a_head_is_not_continued_into_its_own_folder(window, qtbot):
+    info = replace(FAKE_INFO, draft_name=None, head_name=None)
+    folder = default_head_folder(info.target_name)
+    write_head(folder, [train(10), evaluate(10)])
+    write_head(folder.with_name(folder.name + "-continued"), [train(10)])  # taken: the next free name is -2
+    trainer = FakeTrainer(steps=5)
+    w = window(trainer, info)
+    dialog = w.open_train_dialog()
+    assert dialog.start_from.itemText(1) == "Your head in this folder (fake-target head)"
+    pick(dialog, str(folder))
+    assert dialog.folder.text() == str(folder.with_name(folder.name + "-continued-2"))
+    dialog.folder.setText(str(folder))  # typed back: refused with one line, nothing starts
+    dialog.start_button.click()
+    assert dialog.status.text() == "Save the continued head in another folder than the one it starts from."
+    assert not w.training.running and not trainer.requests and dialog.start_button.text() == "Start"
+
+
+def test_another_head_folder_is_asked_for_and_a_cancelled_choice_changes_nothing(window, qtbot, tmp_path,
+                                                                                 monkeypatch):
+    from PySide6.QtWidgets import QFileDialog
+
+    from widgets.train_dialog import OTHER
+
+    dialog = window(FakeTrainer()).open_train_dialog()
+    answers = iter(["", str(tmp_path / "elsewhere")])
+    monkeypatch.setattr(QFileDialog, "getExistingDirectory", lambda *a, **k: next(answers))
+    pick(dialog, OTHER)  # cancelled: back on "A new head"
+    assert dialog.start_from.currentData() == "" and dialog.start_from.count() == 2
+    pick(dialog, OTHER)
+    assert dialog.start_from.currentData() == str(tmp_path / "elsewhere")
+    assert dialog.start_from.itemData(dialog.start_from.count() - 1) == OTHER
+
+
+def test_the_app_trainer_hands_the_chosen_head_to_the_distiller(monkeypatch, tmp_path):
+    import engine.heads.distill as distill
+    from app.core.session import TrainRequest
+    from app.ui.worker import default_head_trainer
+
+    seen = {}
+
+    class Stopped:
+        head = None
+
+        def run(self):
+            return {"steps": 0}
+
+    def prepare(target, out, **options):
+        seen.update(options, out=out)
+        return Stopped()
+
+    monkeypatch.setattr(distill, "prepare", prepare)
+    for init, expected in ((str(tmp_path / "head"), tmp_path / "head"), (None, None)):
+        request = TrainRequest(1, None, "cpu", "float32", 2.0, str(tmp_path / "out"), init)
+        assert default_head_trainer(request, None, lambda p: None, threading.Event()) == ({"steps": 0}, None)
+        assert seen["init"] == expected and seen["out"] == tmp_path / "out"

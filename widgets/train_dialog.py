@@ -1,13 +1,15 @@
 """The "Train a draft head" dialog: a budget, a folder, Start/Cancel, progress with ETA, loss and acceptance curves (live, or a head's log)."""
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from pathlib import Path
 
 import numpy as np
 import pyqtgraph as pg
 from PySide6.QtCore import Qt, QTimer, Signal
 from PySide6.QtWidgets import (
     QDialog,
+    QComboBox,
     QDoubleSpinBox,
     QFileDialog,
     QFormLayout,
@@ -26,6 +28,7 @@ from widgets.palette import current_palette
 
 CAPACITY = 8192  # log lines kept per curve (a 20-minute GPU run writes a few hundred)
 REFRESH_MS = 100  # redraws at most 10 times a second, whatever the log rate
+OTHER = "\0other"  # the "Another head folder…" entry's data (no folder is named so)
 
 
 class _Series:
@@ -52,12 +55,14 @@ class _Series:
 
 
 class TrainHeadDialog(QDialog):
-    """Non-modal; emits `start_requested(minutes, folder)` and `cancel_requested()`; the app feeds it progress."""
+    """Non-modal; emits `start_requested(minutes, folder, start_from)` and `cancel_requested()`; the app feeds it
+    progress. `heads`: (label, folder) of heads trained for this target that a run can continue from."""
 
-    start_requested = Signal(float, str)  # minutes of budget, output folder
+    start_requested = Signal(float, str, str)  # minutes of budget, output folder, head folder to continue ("": new)
     cancel_requested = Signal()
 
-    def __init__(self, target_name: str, default_folder: str, *, on_gpu: bool, parent: QWidget | None = None) -> None:
+    def __init__(self, target_name: str, default_folder: str, *, on_gpu: bool,
+                 heads: Sequence[tuple[str, Path]] = (), parent: QWidget | None = None) -> None:
         super().__init__(parent)
         self.setWindowTitle("Train a draft head")
         self.setObjectName("trainHeadDialog")
@@ -79,6 +84,16 @@ class TrainHeadDialog(QDialog):
         self.minutes.setSuffix(" min")
         self.minutes.setValue(18.0 if on_gpu else 60.0)
         form.addRow("Time budget", self.minutes)
+        self.start_from = QComboBox(self)
+        self.start_from.addItem("A new head", "")
+        for label, folder in heads:
+            self.start_from.addItem(label, str(folder))
+        self.start_from.addItem("Another head folder…", OTHER)
+        self.start_from.setToolTip("Continue training a head on fresh data (its weights and vocabulary), or begin a "
+                                   "new one. The head you start from is left as it is.")
+        self._start_index = 0
+        self.start_from.activated.connect(self._on_start_from)
+        form.addRow("Start from", self.start_from)
         row = QHBoxLayout()
         self.folder = QLineEdit(default_folder, self)
         browse = QPushButton("Browse…", self)
@@ -128,6 +143,7 @@ class TrainHeadDialog(QDialog):
         self.start_button.setText("Cancel" if running else "Start")
         self.minutes.setEnabled(not running)
         self.folder.setEnabled(not running)
+        self.start_from.setEnabled(not running)
 
     def show_progress(self, p: TrainingProgress) -> None:
         self.progress.setVisible(True)
@@ -157,6 +173,8 @@ class TrainHeadDialog(QDialog):
                             f"Held-out acceptance by draft position: {by_position or 'not measured'}. "
                             f"Saved in {summary.get('out', '?')}; choose the proposer \u201cDraft head\u201d to use it.")
         self.progress.setValue(self.progress.maximum() if summary.get("finished") else self.progress.value())
+        if summary.get("out") and self.start_from.findData(str(summary["out"])) < 0:  # the next run can go on from it
+            self.start_from.insertItem(self.start_from.count() - 1, f"Your head in {summary['out']}", str(summary["out"]))
 
     def show_failed(self, message: str) -> None:
         self.set_running(False)
@@ -276,7 +294,45 @@ class TrainHeadDialog(QDialog):
         if not folder:
             self.status.setText("Choose a folder for the head first.")
             return
+        start_from = self.start_from.currentData() or ""
+        if start_from and _same_folder(start_from, folder):
+            self.status.setText("Save the continued head in another folder than the one it starts from.")
+            return
         self._clear_curves()
         self.set_running(True)
         self.status.setText("Starting…")
-        self.start_requested.emit(float(self.minutes.value()), folder)
+        self.start_requested.emit(float(self.minutes.value()), folder, start_from)
+
+    def _on_start_from(self, index: int) -> None:
+        """"Another head folder…" asks for one; a head that starts the run moves the save folder off it."""
+        if self.start_from.itemData(index) == OTHER:
+            chosen = QFileDialog.getExistingDirectory(self, "Continue training the head in", self.folder.text())
+            if not chosen:
+                self.start_from.setCurrentIndex(self._start_index)
+                return
+            found = self.start_from.findData(chosen)
+            if found < 0:
+                found = self.start_from.count() - 1
+                self.start_from.insertItem(found, chosen, chosen)
+            self.start_from.setCurrentIndex(found)
+        self._start_index = self.start_from.currentIndex()
+        start_from = self.start_from.currentData() or ""
+        if start_from and _same_folder(start_from, self.folder.text().strip()):
+            self.folder.setText(_free_folder(Path(self.folder.text().strip()).with_name(
+                Path(self.folder.text().strip()).name + "-continued")))
+
+
+def _same_folder(a: str, b: str) -> bool:
+    try:
+        return Path(a).expanduser().resolve() == Path(b).expanduser().resolve()
+    except (OSError, RuntimeError, ValueError):
+        return a == b
+
+
+def _free_folder(wanted: Path) -> str:
+    """`wanted`, or wanted-2, wanted-3… where no folder of that name holds a head yet."""
+    candidate, n = wanted, 1
+    while (candidate / "manifest.json").exists():
+        n += 1
+        candidate = wanted.with_name(f"{wanted.name}-{n}")
+    return str(candidate)

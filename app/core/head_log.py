@@ -143,6 +143,23 @@ def head_log_for(head_name: str | None, folder: Path) -> HeadLog | None:
     return None
 
 
+def head_choices(head_name: str | None, folder: Path) -> list[tuple[str, Path]]:
+    """Heads the dialog can continue training from, as (label, folder): the shipped head named `head_name` (the
+    head in use, or the one it was continued from: a continued head keeps its name), and a head already trained in
+    the dialog's folder; each folder once."""
+    choices: list[tuple[str, Path]] = []
+    if head_name is not None:
+        for shipped in shipped_head_folders():
+            manifest = _manifest(shipped)
+            if manifest is not None and manifest.get("name") == head_name:
+                choices.append((f"The shipped head ({head_name})", shipped))
+                break
+    manifest = _manifest(folder)
+    if manifest is not None and all(f.resolve() != folder.resolve() for _label, f in choices):
+        choices.append((f"Your head in this folder ({manifest.get('name') or folder.name})", folder))
+    return choices
+
+
 def describe(head: HeadLog) -> str:
     """One line for the dialog: whose log it is, how long, how many runs and steps, how well it drafts."""
     whose = ("the head in use" if head.source == "shipped" else "your head in this folder") + f" ({head.name})"

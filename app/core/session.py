@@ -32,6 +32,7 @@ class TrainRequest:
     dtype: str  # the loaded target's dtype
     minutes: float  # the whole budget: data, training, export
     out: str  # folder for the head; its work folder (data, checkpoints, log) is out/work
+    init: str | None = None  # a head folder for this target to continue training (None: a new head)
 
 
 def load_request_for(selection: ModelSelection, *, force: bool = False) -> LoadSpec:

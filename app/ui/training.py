@@ -7,7 +7,7 @@ from pathlib import Path
 
 from PySide6.QtCore import QObject, Signal
 
-from app.core.head_log import describe, head_log_for
+from app.core.head_log import describe, head_choices, head_log_for
 from app.core.session import TrainRequest
 from app.ui.worker import EngineWorker
 from engine.types import ModelInfo, TrainingProgress
@@ -56,7 +56,7 @@ class HeadTrainingController(QObject):
                 self.dialog.deleteLater()
             folder = folder or default_head_folder(info.target_name)
             self.dialog = TrainHeadDialog(info.target_name, str(folder), on_gpu=info.device.startswith("cuda"),
-                                          parent=parent)
+                                          heads=head_choices(info.head_name, folder), parent=parent)
             self.dialog.start_requested.connect(self.start)
             self.dialog.cancel_requested.connect(self.cancel)
             # Before a run of their own, how the head in use was trained (and what a run looks like).
@@ -68,13 +68,14 @@ class HeadTrainingController(QObject):
         self.dialog.raise_()
         return self.dialog
 
-    def start(self, minutes: float, folder: str) -> int | None:
+    def start(self, minutes: float, folder: str, start_from: str = "") -> int | None:
+        """start_from: a head folder to continue training ("": a new head)."""
         if self.running or self._info is None:
             return None
         rid = self._next_id()
         self.request_id = rid
         self.worker.train_requested.emit(TrainRequest(rid, self._target_spec(), self._info.device, self._info.dtype,
-                                                      minutes, folder))
+                                                      minutes, folder, start_from or None))
         self.running_changed.emit(True)
         return rid
 

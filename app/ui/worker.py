@@ -114,7 +114,8 @@ def default_head_trainer(request: TrainRequest, engine: EngineLike, progress: Pr
     from engine.heads.distill import prepare
 
     distiller = prepare(request.target, Path(request.out), minutes=request.minutes, device=request.device,
-                        dtype=request.dtype, progress=progress, cancel=cancel)
+                        dtype=request.dtype, progress=progress, cancel=cancel,
+                        init=Path(request.init) if request.init else None)
     summary = distiller.run()
     head = distiller.head
     if head is None or not summary.get("steps"):
