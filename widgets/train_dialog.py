@@ -8,8 +8,8 @@ import numpy as np
 import pyqtgraph as pg
 from PySide6.QtCore import Qt, QTimer, Signal
 from PySide6.QtWidgets import (
-    QDialog,
     QComboBox,
+    QDialog,
     QDoubleSpinBox,
     QFileDialog,
     QFormLayout,
@@ -316,10 +316,9 @@ class TrainHeadDialog(QDialog):
                 self.start_from.insertItem(found, chosen, chosen)
             self.start_from.setCurrentIndex(found)
         self._start_index = self.start_from.currentIndex()
-        start_from = self.start_from.currentData() or ""
-        if start_from and _same_folder(start_from, self.folder.text().strip()):
-            self.folder.setText(_free_folder(Path(self.folder.text().strip()).with_name(
-                Path(self.folder.text().strip()).name + "-continued")))
+        start_from, folder = self.start_from.currentData() or "", Path(self.folder.text().strip())
+        if start_from and _same_folder(start_from, str(folder)):
+            self.folder.setText(_free_folder(folder.with_name(folder.name + "-continued")))
 
 
 def _same_folder(a: str, b: str) -> bool:
