@@ -316,8 +316,9 @@ class TrainHeadDialog(QDialog):
                 self.start_from.insertItem(found, chosen, chosen)
             self.start_from.setCurrentIndex(found)
         self._start_index = self.start_from.currentIndex()
-        start_from, folder = self.start_from.currentData() or "", Path(self.folder.text().strip())
-        if start_from and _same_folder(start_from, str(folder)):
+        start_from, text = self.start_from.currentData() or "", self.folder.text().strip()
+        folder = Path(text)
+        if start_from and text and _same_folder(start_from, text):
             self.folder.setText(_free_folder(folder.with_name(folder.name + "-continued")))
 
 
