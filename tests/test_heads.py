@@ -423,3 +423,14 @@ def test_data_falls_back_to_generate_when_the_batched_writer_gives_non_finite_lo
     assert [r["writer"] for r in log if r["kind"] == "writer"] == ["generate"]
     (data,) = [r for r in log if r["kind"] == "data"]
     assert data["writer"] == "generate" and data["answers"] > 0
+
+
+def test_a_folder_that_holds_no_head_is_refused_before_the_target_loads(tmp_path, monkeypatch):
+    import engine.heads.distill as distill
+
+    monkeypatch.setattr(distill, "load_pair", lambda *a, **k: pytest.fail("the target loaded before the check"))
+    (tmp_path / "garbage").mkdir()
+    (tmp_path / "garbage" / "manifest.json").write_bytes(b"\xaa\x00 not json")
+    for folder in (tmp_path / "missing", tmp_path / "garbage"):
+        with pytest.raises(DistillError, match=f"^Cannot continue from {folder}: .*not a draft head folder"):
+            distill.prepare(None, tmp_path / "out", minutes=1.0, init=folder)

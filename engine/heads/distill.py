@@ -27,7 +27,7 @@ from engine.heads.config import fingerprint
 from engine.heads.fitting import DistillError, TrainingPhase, answer_tokens, load_round
 from engine.heads.model import DraftHead
 from engine.heads.reuse import KeptData, check_kept, find_all_kept
-from engine.heads.shards import HeadFiles, open_head
+from engine.heads.shards import HeadFiles, open_head, read_manifest
 from engine.heads.train import TrainConfig
 from engine.heads.writing import DataPhase
 from engine.types import TrainingProgress
@@ -335,6 +335,11 @@ def prepare(target: str | None, out: Path, *, minutes: float, work: Path | None 
         raise DistillError(str(e)) from None
     check_questions(questions)
     find_all_kept(list(data), work or out / "work")  # the folders' shape; their target is checked once it loads
+    if init is not None:  # a head folder at all; whether it fits the target is checked once the target loads
+        try:
+            read_manifest(Path(init))
+        except ModelLoadError as e:
+            raise DistillError(f"Cannot continue from {init}: {e}") from None
     report = progress or (lambda p: None)
     report(DistillProgress("load", 0.0, minutes * 60, "loading the target"))
     pair = load_pair(LoadSpec(target, None, with_draft=False, device=device, dtype=dtype))
