@@ -136,10 +136,16 @@ def head_log_for(head_name: str | None, folder: Path) -> HeadLog | None:
     trained = read_head_log(folder, "folder")
     if trained is not None or head_name is None:
         return trained
+    shipped = shipped_head_named(head_name)
+    return read_head_log(shipped, "shipped") if shipped is not None else None
+
+
+def shipped_head_named(head_name: str) -> Path | None:
+    """The folder in assets/heads whose manifest names the head `head_name`, if any."""
     for shipped in shipped_head_folders():
         manifest = _manifest(shipped)
         if manifest is not None and manifest.get("name") == head_name:
-            return read_head_log(shipped, "shipped")
+            return shipped
     return None
 
 
@@ -148,12 +154,9 @@ def head_choices(head_name: str | None, folder: Path) -> list[tuple[str, Path]]:
     head in use, or the one it was continued from: a continued head keeps its name), and a head already trained in
     the dialog's folder; each folder once."""
     choices: list[tuple[str, Path]] = []
-    if head_name is not None:
-        for shipped in shipped_head_folders():
-            manifest = _manifest(shipped)
-            if manifest is not None and manifest.get("name") == head_name:
-                choices.append((f"The shipped head ({head_name})", shipped))
-                break
+    shipped = shipped_head_named(head_name) if head_name is not None else None
+    if shipped is not None:
+        choices.append((f"The shipped head ({head_name})", shipped))
     manifest = _manifest(folder)
     if manifest is not None and all(f.resolve() != folder.resolve() for _label, f in choices):
         choices.append((f"Your head in this folder ({manifest.get('name') or folder.name})", folder))
