@@ -11,7 +11,7 @@ from app.cli.common import PROG, CliError
 def cmd_distill(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from engine.heads.distill import DistillPlan, distill, plan_with
+    from engine.heads.distill import DistillPlan, check_init, distill, plan_with
     from engine.heads.fitting import DistillError
     from engine.heads.reuse import find_all_kept
     from engine.measure.bench import read_prompts
@@ -22,9 +22,9 @@ def cmd_distill(args: argparse.Namespace) -> int:
         plan_with(DistillPlan(), changes)
     except ValueError as e:
         raise CliError(str(e)) from None
-    if args.init is not None and not (args.init / "manifest.json").is_file():
-        raise CliError(f"--init {args.init}: not a draft head folder (no manifest.json)")
     try:
+        if args.init is not None:
+            check_init(args.init)
         find_all_kept(args.data, args.work or args.out / "work")
     except DistillError as e:
         raise CliError(str(e)) from None

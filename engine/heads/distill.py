@@ -335,11 +335,8 @@ def prepare(target: str | None, out: Path, *, minutes: float, work: Path | None 
         raise DistillError(str(e)) from None
     check_questions(questions)
     find_all_kept(list(data), work or out / "work")  # the folders' shape; their target is checked once it loads
-    if init is not None:  # a head folder at all; whether it fits the target is checked once the target loads
-        try:
-            read_manifest(Path(init))
-        except ModelLoadError as e:
-            raise DistillError(f"Cannot continue from {init}: {e}") from None
+    if init is not None:
+        check_init(Path(init))
     report = progress or (lambda p: None)
     report(DistillProgress("load", 0.0, minutes * 60, "loading the target"))
     pair = load_pair(LoadSpec(target, None, with_draft=False, device=device, dtype=dtype))
@@ -360,6 +357,15 @@ def prepare(target: str | None, out: Path, *, minutes: float, work: Path | None 
                      name=name, call_minutes=call_minutes,
                      extra_questions=list(questions), progress=progress, cancel=cancel, started=started, init=files,
                      data=list(data))
+
+
+def check_init(init: Path) -> None:
+    """DistillError (one line) when the folder a run continues from holds no readable head; whether the head
+    fits the target is checked once the target loads (prepare)."""
+    try:
+        read_manifest(init)
+    except ModelLoadError as e:
+        raise DistillError(f"Cannot continue from {init}: {e}") from None
 
 
 def check_questions(questions: list[str]) -> None:
