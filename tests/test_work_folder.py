@@ -41,9 +41,10 @@ def finished_work(tiny_head, tmp_path_factory) -> Path:
 def test_a_planted_data_round_never_runs(tiny_head, tmp_path):
     marker = tmp_path / "ran"
     _plant(tmp_path / "work" / "data" / "round-00000.pt", marker)
-    with pytest.raises(DistillError, match="never done"):
+    with pytest.raises(DistillError, match="never done") as e:
         distiller(tiny_head.target, tmp_path / "out", tmp_path / "work", quick_plan(max_rounds=1)).run()
     assert not marker.exists()
+    assert "io.open" in str(e.value)  # the refusal names what the file would have run
 
 
 def test_a_planted_checkpoint_never_runs(tiny_head, finished_work, tmp_path):
@@ -74,6 +75,7 @@ def test_damaged_or_foreign_files_are_one_line(tiny_head, finished_work, tmp_pat
     with pytest.raises(DistillError, match="round-00000.pt") as e:
         distiller(tiny_head.target, tmp_path / "out", work, quick_plan(max_rounds=1, max_steps=2)).run()
     assert "\n" not in str(e.value)
+    assert "run" not in str(e.value)  # damaged bytes are not said to ask to run code
 
 
 @pytest.mark.parametrize("state", ["{not json", "[1, 2]", '{"spent_s": "x"}'])

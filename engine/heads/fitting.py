@@ -6,12 +6,15 @@ file, the log and the data rounds.
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import logging
 import os
 import pickle
+import pickletools
 import time
 import warnings
+import zipfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -57,14 +60,43 @@ def load_tensor_file(path: Path, what: str, fits: Callable[[Any], bool], device:
             warnings.simplefilter("ignore", UserWarning)
             value = torch.load(path, map_location=device, weights_only=True)
     except pickle.UnpicklingError:
-        raise DistillError(f"{path} is not {what} as SpecDec Studio writes it (it asks to run code, which is "
-                           "never done); remove it or use an empty work folder.") from None
+        names = pickle_imports(path)
+        if names is None:
+            raise DistillError(f"{path} cannot be read as {what} (it is damaged, or not a file SpecDec Studio writes); "
+                               "remove it or use an empty work folder.") from None
+        asks = f"it asks to run {', '.join(names[:3])}, which is never done" if names else "a foreign pickle"
+        raise DistillError(f"{path} is not {what} as SpecDec Studio writes it ({asks}); remove it or use an empty "
+                           "work folder.") from None
     except (OSError, RuntimeError, ValueError, EOFError, TypeError, AttributeError, IndexError, KeyError) as e:
         raise DistillError(f"{path} cannot be read as {what} ({type(e).__name__}); remove it or use an empty "
                            "work folder.") from None
     if not fits(value):
         raise DistillError(f"{path} is not {what} as SpecDec Studio writes it; remove it or use an empty work folder.")
     return value
+
+
+def pickle_imports(path: Path) -> list[str] | None:
+    """What a pickle file (or a torch zip archive's data.pkl) imports, read opcode by opcode without running
+    it; None when it is no whole pickle (damaged bytes). Only to word a refusal: the file is never loaded."""
+    try:
+        raw = Path(path).read_bytes()
+        if zipfile.is_zipfile(io.BytesIO(raw)):
+            with zipfile.ZipFile(io.BytesIO(raw)) as z:
+                member = next((n for n in z.namelist() if n.endswith("data.pkl")), None)
+                if member is None:
+                    return None
+                raw = z.read(member)
+        names, strings = [], []
+        for op, arg, _ in pickletools.genops(raw):
+            if op.name in ("GLOBAL", "INST"):
+                names.append(str(arg).replace(" ", "."))
+            elif op.name == "STACK_GLOBAL" and len(strings) >= 2:
+                names.append(f"{strings[-2]}.{strings[-1]}")
+            elif isinstance(arg, str):
+                strings.append(arg)
+    except (OSError, ValueError, zipfile.BadZipFile, pickle.PickleError, EOFError):
+        return None
+    return [n for n in dict.fromkeys(names) if not n.startswith(("torch.", "collections.OrderedDict"))]
 
 
 def _is_record(r: Any) -> bool:
