@@ -291,6 +291,19 @@ def test_a_head_is_not_continued_into_its_own_folder(window, qtbot):
     assert not w.training.running and not trainer.requests and dialog.start_button.text() == "Start"
 
 
+def test_a_folder_under_home_reads_with_a_tilde_and_starts_where_it_says(window, qtbot, tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))  # the default head folder lies under the cache dir, here under home
+    trainer = FakeTrainer(steps=3)
+    w = window(trainer, replace(FAKE_INFO, draft_name=None, head_name=None))
+    dialog = w.open_train_dialog()
+    folder = default_head_folder(FAKE_INFO.target_name)
+    assert dialog.folder.text() == "~/" + str(folder.relative_to(tmp_path))
+    dialog.folder.setText("~/heads/mine ")
+    with qtbot.waitSignal(w.worker.training_finished, timeout=5000):
+        dialog.start_button.click()
+    assert trainer.requests[0].out == str(tmp_path / "heads" / "mine")
+
+
 def test_another_head_folder_is_asked_for_and_a_cancelled_choice_changes_nothing(window, qtbot, tmp_path,
                                                                                  monkeypatch):
     from PySide6.QtWidgets import QFileDialog

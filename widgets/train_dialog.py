@@ -1,6 +1,7 @@
 """The "Train a draft head" dialog: a budget, a folder, Start/Cancel, progress with ETA, loss and acceptance curves (live, or a head's log)."""
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -95,7 +96,7 @@ class TrainHeadDialog(QDialog):
         self.start_from.activated.connect(self._on_start_from)
         form.addRow("Start from", self.start_from)
         row = QHBoxLayout()
-        self.folder = QLineEdit(default_folder, self)
+        self.folder = QLineEdit(_shown(default_folder), self)
         browse = QPushButton("Browse…", self)
         browse.clicked.connect(self._browse)
         row.addWidget(self.folder, 1)
@@ -281,9 +282,9 @@ class TrainHeadDialog(QDialog):
         self._dirty = True
 
     def _browse(self) -> None:
-        folder = QFileDialog.getExistingDirectory(self, "Save the draft head in", self.folder.text())
+        folder = QFileDialog.getExistingDirectory(self, "Save the draft head in", _meant(self.folder.text()))
         if folder:
-            self.folder.setText(folder)
+            self.folder.setText(_shown(folder))
 
     def _on_start_clicked(self) -> None:
         if self._running:
@@ -301,12 +302,12 @@ class TrainHeadDialog(QDialog):
         self._clear_curves()
         self.set_running(True)
         self.status.setText("Starting…")
-        self.start_requested.emit(float(self.minutes.value()), folder, start_from)
+        self.start_requested.emit(float(self.minutes.value()), _meant(folder), start_from)
 
     def _on_start_from(self, index: int) -> None:
         """"Another head folder…" asks for one; a head that starts the run moves the save folder off it."""
         if self.start_from.itemData(index) == OTHER:
-            chosen = QFileDialog.getExistingDirectory(self, "Continue training the head in", self.folder.text())
+            chosen = QFileDialog.getExistingDirectory(self, "Continue training the head in", _meant(self.folder.text()))
             if not chosen:
                 self.start_from.setCurrentIndex(self._start_index)
                 return
@@ -317,9 +318,22 @@ class TrainHeadDialog(QDialog):
             self.start_from.setCurrentIndex(found)
         self._start_index = self.start_from.currentIndex()
         start_from, text = self.start_from.currentData() or "", self.folder.text().strip()
-        folder = Path(text)
+        folder = Path(_meant(text))
         if start_from and text and _same_folder(start_from, text):
-            self.folder.setText(_free_folder(folder.with_name(folder.name + "-continued")))
+            self.folder.setText(_shown(_free_folder(folder.with_name(folder.name + "-continued"))))
+
+
+def _shown(folder: str) -> str:
+    """A folder as the field shows it: under the home folder as ~/…"""
+    home = os.path.expanduser("~")
+    if home not in ("", "~", os.sep) and (folder == home or folder.startswith(home.rstrip(os.sep) + os.sep)):
+        return "~" + folder[len(home.rstrip(os.sep)):]
+    return folder
+
+
+def _meant(text: str) -> str:
+    """The folder a field's text names (~ expanded)."""
+    return os.path.expanduser(text.strip())
 
 
 def _same_folder(a: str, b: str) -> bool:
