@@ -12,10 +12,15 @@ Prints one row per configuration: tok/s, x standard, tokens per target forward,
 acceptance by position, identical outputs (greedy); then where each configuration's steps spend their
 time (experiment.round_split: the drafting and the verify as the device's events timed them, the host's
 work between steps, and what lies outside every step) beside the drafting and verify priced at load,
-which the cost model and the draft check use; and writes every run to --json.
+which the cost model and the draft check use; and writes every run to --json. `auto` runs the engine's auto
+mode (it chooses the proposer, K and the tree per round) beside the fixed configurations; each row also has
+its ratio by prompt category. `--temperatures 0,0.7` runs the whole sweep at each temperature after the one
+load, writing one file each (`{t}` in --json: `greedy`, `t07`).
 
     python3 bench/tree_sweep.py --target path/to/target --head path/to/head --trees 2,d32,d48,d64@8 --k 6 \\
         --json bench/results/h200_tree_sweep.json
+    python3 bench/tree_sweep.py --target path/to/target --head path/to/head --trees d64@5,auto \\
+        --temperatures 0,0.7 --json 'bench/results/h200_tree_sweep_{t}.json'
 """
 from __future__ import annotations
 
@@ -36,7 +41,9 @@ from engine.errors import EngineError  # noqa: E402
 
 def parse_config(text: str, k: int) -> tuple[str, str, int, bool]:
     """'d48@8:rows' -> (label, tree, K, every row at once), each part checked as the CLI checks --tree and --k
-    (ArgumentTypeError)."""
+    (ArgumentTypeError); 'auto' -> the engine's auto mode on its default tree."""
+    if text == "auto":
+        return text, text, k, False
     shape, colon, walk = text.partition(":")
     if colon and walk != "rows":
         raise argparse.ArgumentTypeError(f"{text!r}: after ':' only 'rows' (walk every row at once)")
@@ -53,17 +60,44 @@ def use_walk(every: bool) -> None:
 
 
 def use_tree(engine, tree: str, frontier: int) -> None:
-    if tree.startswith("d"):
+    if tree == "auto":
+        engine.set_tree(None)  # the device's default tree, fitted to the costs measured at load
+    elif tree.startswith("d"):
         engine.set_dynamic_tree(int(tree[1:]), frontier)
     else:
         engine.set_dynamic_tree(0)
         engine.set_tree(int(tree))
 
 
+def result_paths(out: Path, temperatures: list[float]) -> list[Path]:
+    """One results file per temperature: `{t}` in --json named for each (greedy, t07), needed for several."""
+    if len(temperatures) == 1 and "{t}" not in str(out):
+        return [out]
+    if "{t}" not in str(out):
+        raise argparse.ArgumentTypeError("with several --temperatures, --json names each file with {t} "
+                                         "(e.g. results_{t}.json: greedy, t07)")
+    return [Path(str(out).replace("{t}", "greedy" if t == 0 else "t" + f"{t:g}".replace(".", "")))
+            for t in temperatures]
+
+
+def by_category(runs, label: str) -> dict[str, float]:
+    """A configuration's tok/s over standard's, per prompt category (each on the same prompts)."""
+    from engine.measure.experiment import totals
+
+    ratios = {}
+    for category in dict.fromkeys(r.category for r in runs):
+        mine = totals([r for r in runs if r.mode == label and r.category == category])
+        std = totals([r for r in runs if r.mode == "standard" and r.category == category])
+        ratios[category] = mine["tokens_per_s"] / std["tokens_per_s"] if std["tokens_per_s"] else float("nan")
+    return ratios
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--trees", required=True, help="configurations, e.g. 0,2,d32,d48@8")
+    ap.add_argument("--trees", required=True, help="configurations, e.g. 0,2,d32,d48@8,auto")
     ap.add_argument("--json", dest="out", type=Path, required=True)
+    ap.add_argument("--temperatures", default=None,
+                    help="run the sweep at each of these temperatures after one load (--json with {t})")
     own, rest = ap.parse_known_args(argv)
     try:
         args = build_parser().parse_args(["bench", "--proposer", "head", "--prompts", "assets/bench_prompts.jsonl",
@@ -71,14 +105,17 @@ def main(argv: list[str] | None = None) -> int:
     except CliError as e:
         print(f"tree_sweep: {e}", file=sys.stderr)
         return 2
-    from engine.measure.bench import compare_outputs
-    from engine.measure.experiment import read_prompts, record_run, round_split, totals
+    from engine.measure.experiment import read_prompts
 
     try:
         configs = [parse_config(c.strip(), args.k) for c in own.trees.split(",") if c.strip()]
         if not configs:
             raise argparse.ArgumentTypeError("--trees names no configuration")
-        opt.check_writable(own.out)  # before minutes of loading and runs
+        temperatures = ([opt.temperature(t) for t in opt.temperature_list(own.temperatures).split(",") if t.strip()]
+                        if own.temperatures is not None else [args.temperature])
+        paths = result_paths(own.out, temperatures)
+        for path in paths:
+            opt.check_writable(path)  # before minutes of loading and runs
         prompts = read_prompts(Path(args.prompts))
         started = time.perf_counter()
         engine = load_engine(args, needs_draft=False, needs_head=True)
@@ -90,18 +127,29 @@ def main(argv: list[str] | None = None) -> int:
     print(f"loaded in {time.perf_counter() - started:.1f} s: {engine.info.fast_path}, head {engine.info.head_name}",
           flush=True)
     args.raw = False
+    for temperature, path in zip(temperatures, paths):
+        args.temperature = temperature
+        sweep(engine, args, configs, prompts, path, rest)
+        print(f"wrote {path} ({time.perf_counter() - started:.0f} s in all)", flush=True)
+    return 0
+
+
+def sweep(engine, args: argparse.Namespace, configs, prompts, out: Path, argv: list[str]) -> None:
+    """Standard decoding and every configuration on every prompt at args.temperature; prints and writes `out`."""
+    from engine.measure.bench import compare_outputs
+    from engine.measure.experiment import record_run, round_split, totals
 
     def run(prompt, label: str, tree: str | None, k: int, every: bool = False):
         use_walk(every)
         if tree is not None:
             use_tree(engine, tree, args.tree_frontier)
         args.k = k
-        request = request_for(args, prompt.prompt, "speculative" if tree is not None else "standard",
-                              args.max_new_tokens)
-        generation = engine.generate(request)
+        mode = "standard" if tree is None else "auto" if tree == "auto" else "speculative"
+        generation = engine.generate(request_for(args, prompt.prompt, mode, args.max_new_tokens))
         steps = list(generation)
         return record_run(generation, steps, prompt, label)
 
+    print(f"\ntemperature {args.temperature:g}", flush=True)
     verify_ms, draft_ms = {}, {}  # each configuration's tree rounds as measured at its first use (ms by K)
     for label, tree, k, every in [("standard", None, 0, False), *configs]:  # untimed: first calls, graphs
         run(prompts[0], label, tree, k, every)
@@ -122,6 +170,7 @@ def main(argv: list[str] | None = None) -> int:
                "vs_standard": t["tokens_per_s"] / base["tokens_per_s"],
                "tokens_per_target_forward": t["tokens_per_target_forward"],
                "per_position_acceptance": list(t["per_position_acceptance"]),
+               "by_category": by_category(runs, label),
                "time_split": t["time_split"], "tree_verify_ms": verify_ms[label],
                "round_ms": round_split([r for r in runs if r.mode == label]),
                # priced at load for the engine's own walk: on a CPU the host's, also for a `:rows` configuration
@@ -130,31 +179,32 @@ def main(argv: list[str] | None = None) -> int:
                "identical": same["identical"], "compared": same["compared"],
                "divergences": same["divergences"]}
         rows.append(row)
-        print(f"{label:<10}{k:>3}{row['tokens_per_s']:>9.1f}{row['vs_standard']:>8.2f}"
+        print(f"{label:<10}{k if tree != 'auto' else '':>3}{row['tokens_per_s']:>9.1f}{row['vs_standard']:>8.2f}"
               f"{row['tokens_per_target_forward']:>9.2f}{same['identical']:>6}/{same['compared']:<4}  "
               + " ".join(f"{a:.2f}" for a in row["per_position_acceptance"]), flush=True)
+    print("\nx standard by category: " + ", ".join(dict.fromkeys(r.category for r in runs)))
+    for row in rows:
+        print(f"{row['config']:<14}" + " ".join(f"{v:.2f}" for v in row["by_category"].values()))
     std_ms = round_split([r for r in runs if r.mode == "standard"])
     print(f"\nms a step{'':<5}{'draft':>8}{'verify':>8}{'host':>8}{'outside':>9}{'in all':>8}   priced at load")
     print(f"{'standard':<14}{'':>8}{std_ms['verify']:>8.3f}{std_ms['host']:>8.3f}{std_ms['outside']:>9.3f}"
           f"{std_ms['all']:>8.3f}   verify {dict(engine.info.target_ms).get(1, float('nan')):.3f}")
     for row in rows:
         m, p = row["round_ms"], row["priced_ms"]
-        priced = "" if p["verify"] is None else (
+        priced = "" if p["verify"] is None or row["tree"] == "auto" else (
             f"verify {p['verify']:.3f}" + ("" if p["draft"] is None else f" + draft {p['draft']:.3f}")
             + (" (for the host's walk)" if row["every_row_at_once"] and p["walk"] == "host" else ""))
         print(f"{row['config']:<14}{m['draft']:>8.3f}{m['verify']:>8.3f}{m['host']:>8.3f}{m['outside']:>9.3f}"
               f"{m['all']:>8.3f}   {priced}")
-    own.out.write_text(json.dumps({
+    out.write_text(json.dumps({
         "standard": {"tokens_per_s": base["tokens_per_s"], "tokens_per_target_forward": base["tokens_per_target_forward"]},
         "configs": rows, "temperature": args.temperature, "max_new_tokens": args.max_new_tokens,
-        "prompts": str(args.prompts), "argv": rest, "fast_path": engine.info.fast_path,
+        "prompts": str(args.prompts), "argv": argv, "fast_path": engine.info.fast_path,
         "tree_frontier": args.tree_frontier, "target_ms": dict(engine.info.target_ms),
         "head_ms": engine.info.head_ms, "environment": environment(engine),
         # Each run's figures; its text and ids are left out (the divergences above name where outputs differ).
         "runs": [{k: v for k, v in asdict(r).items() if k not in ("text", "token_ids")} for r in runs]},
         indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
-    print(f"wrote {own.out} ({time.perf_counter() - started:.0f} s in all)")
-    return 0
 
 
 if __name__ == "__main__":

@@ -63,6 +63,23 @@ def test_tree_sweep_refuses_a_walk_it_does_not_know_before_loading(tmp_path, cap
     sweep = _script("tree_sweep")
     assert sweep.parse_config("d48@8:rows", 4) == ("d48@8:rows", "d48", 8, True)
     assert sweep.parse_config("2", 4) == ("2", "2", 4, False)
+    assert sweep.parse_config("auto", 4) == ("auto", "auto", 4, False)
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--temperatures", "0,0.7", "--json", "x.json"], "names each file with {t}"),
+    (["--temperatures", "0,-1", "--json", "x_{t}.json"], "temperature must be >= 0"),
+    (["--temperatures", "0,0", "--json", "x_{t}.json"], "listed twice"),
+])
+def test_tree_sweep_checks_its_temperatures_before_loading(tmp_path, capsys, argv, says, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert _script("tree_sweep").main(["--trees", "d16", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("tree_sweep: ") and says in err and "\n" not in err
+    assert _script("tree_sweep").result_paths(Path("r_{t}.json"), [0.0, 0.7, 1.0]) == [
+        Path("r_greedy.json"), Path("r_t07.json"), Path("r_t1.json")]
+    assert _script("tree_sweep").result_paths(Path("r.json"), [0.7]) == [Path("r.json")]
+    assert _script("tree_sweep").result_paths(Path("r_{t}.json"), [0.7]) == [Path("r_t07.json")]
 
 
 def test_head_curve_keeps_a_continued_runs_start_on_its_own_held_out_answers(tmp_path, capsys):
@@ -183,3 +200,38 @@ def test_tree_sweep_says_a_rows_walks_price_is_the_host_walks_on_a_cpu(tiny_head
     lines = [line for line in printed.splitlines() if line.startswith("d8@3")]
     assert any("(for the host's walk)" in line for line in lines if line.startswith("d8@3:rows"))
     assert not any("(for the host's walk)" in line for line in lines if line.split()[0] == "d8@3")
+
+
+def test_tree_sweep_runs_auto_beside_a_tree_at_two_temperatures_after_one_load(tiny_head, tmp_path, capsys,
+                                                                                 monkeypatch):
+    """One load, a file a temperature: each with standard, the fixed tree and auto, each row's ratio by category."""
+    from engine.decoding import sampling, verify
+
+    monkeypatch.setattr(verify, "WALK_ON_HOST", verify.WALK_ON_HOST)
+    monkeypatch.setattr(sampling, "HOST_SAMPLING", sampling.HOST_SAMPLING)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps({"id": f"q{i}", "category": c, "prompt": p})
+                                 for i, (c, p) in enumerate([("chat", "hello world"), ("code", "def add")])) + "\n",
+                       encoding="utf-8")
+    sweep = _script("tree_sweep")
+    loads = []
+    real_load = sweep.load_engine
+    monkeypatch.setattr(sweep, "load_engine", lambda *a, **k: loads.append(1) or real_load(*a, **k))
+    modes = []
+    real_request = sweep.request_for
+    monkeypatch.setattr(sweep, "request_for", lambda a, p, mode, n: modes.append(mode) or real_request(a, p, mode, n))
+    argv = ["--trees", "d8@3,auto", "--temperatures", "0,0.7", "--json", str(tmp_path / "s_{t}.json"),
+            "--target", str(tiny_head.target), "--head", str(tiny_head.head), "--runtime", "torch", "--device", "cpu",
+            "--dtype", "float32", "--max-new-tokens", "6", "--prompts", str(prompts)]
+    assert sweep.main(argv) == 0
+    assert loads == [1] and set(modes) == {"standard", "speculative", "auto"}
+    for name, temperature in (("s_greedy.json", 0.0), ("s_t07.json", 0.7)):
+        record = json.loads((tmp_path / name).read_text(encoding="utf-8"))
+        assert record["temperature"] == temperature
+        assert [r["config"] for r in record["configs"]] == ["d8@3", "auto"]
+        assert {r["mode"] for r in record["runs"]} == {"standard", "d8@3", "auto"}
+        for row in record["configs"]:
+            assert set(row["by_category"]) == {"chat", "code"} and all(v > 0 for v in row["by_category"].values())
+    greedy = json.loads((tmp_path / "s_greedy.json").read_text(encoding="utf-8"))
+    assert all(r["identical"] == r["compared"] == 2 for r in greedy["configs"])  # float32: lossless, auto too
+    assert "x standard by category: chat, code" in capsys.readouterr().out
