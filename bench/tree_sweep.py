@@ -42,12 +42,14 @@ from engine.errors import EngineError  # noqa: E402
 def parse_config(text: str, k: int) -> tuple[str, str, int, bool]:
     """'d48@8:rows' -> (label, tree, K, every row at once), each part checked as the CLI checks --tree and --k
     (ArgumentTypeError); 'auto' -> the engine's auto mode on its default tree."""
-    if text == "auto":
-        return text, text, k, False
+    if text.strip().lower() == "auto":
+        return "auto", "auto", k, False
     shape, colon, walk = text.partition(":")
     if colon and walk != "rows":
         raise argparse.ArgumentTypeError(f"{text!r}: after ':' only 'rows' (walk every row at once)")
     tree, _, depth = shape.partition("@")
+    if tree.strip().lower() == "auto":
+        raise argparse.ArgumentTypeError(f"{text!r}: auto chooses K and its tree itself; give it as 'auto'")
     return text, opt.tree(tree), opt.k(depth) if depth else k, bool(colon)
 
 
@@ -80,18 +82,6 @@ def result_paths(out: Path, temperatures: list[float]) -> list[Path]:
             for t in temperatures]
 
 
-def by_category(runs, label: str) -> dict[str, float]:
-    """A configuration's tok/s over standard's, per prompt category (each on the same prompts)."""
-    from engine.measure.experiment import totals
-
-    ratios = {}
-    for category in dict.fromkeys(r.category for r in runs):
-        mine = totals([r for r in runs if r.mode == label and r.category == category])
-        std = totals([r for r in runs if r.mode == "standard" and r.category == category])
-        ratios[category] = mine["tokens_per_s"] / std["tokens_per_s"] if std["tokens_per_s"] else float("nan")
-    return ratios
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--trees", required=True, help="configurations, e.g. 0,2,d32,d48@8,auto")
@@ -111,6 +101,8 @@ def main(argv: list[str] | None = None) -> int:
         configs = [parse_config(c.strip(), args.k) for c in own.trees.split(",") if c.strip()]
         if not configs:
             raise argparse.ArgumentTypeError("--trees names no configuration")
+        if len({c[0] for c in configs}) < len(configs):
+            raise argparse.ArgumentTypeError(f"--trees lists a configuration twice: {own.trees!r}")
         temperatures = ([opt.temperature(t) for t in opt.temperature_list(own.temperatures).split(",") if t.strip()]
                         if own.temperatures is not None else [args.temperature])
         paths = result_paths(own.out, temperatures)
@@ -137,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
 def sweep(engine, args: argparse.Namespace, configs, prompts, out: Path, argv: list[str]) -> None:
     """Standard decoding and every configuration on every prompt at args.temperature; prints and writes `out`."""
     from engine.measure.bench import compare_outputs
-    from engine.measure.experiment import record_run, round_split, totals
+    from engine.measure.experiment import by_category, record_run, round_split, totals
 
     def run(prompt, label: str, tree: str | None, k: int, every: bool = False):
         use_walk(every)
@@ -160,6 +152,7 @@ def sweep(engine, args: argparse.Namespace, configs, prompts, out: Path, argv: l
         for label, tree, k, every in configs:
             runs.append(run(prompt, label, tree, k, every))
     base = totals([r for r in runs if r.mode == "standard"])
+    categories = by_category(runs, ["standard", *(c[0] for c in configs)])
     rows = []
     print(f"{'config':<10}{'K':>3}{'tok/s':>9}{'x std':>8}{'tok/fwd':>9}{'identical':>11}  acceptance by position")
     print(f"{'standard':<10}{'':>3}{base['tokens_per_s']:>9.1f}{1:>8.2f}{base['tokens_per_target_forward']:>9.2f}")
@@ -170,7 +163,7 @@ def sweep(engine, args: argparse.Namespace, configs, prompts, out: Path, argv: l
                "vs_standard": t["tokens_per_s"] / base["tokens_per_s"],
                "tokens_per_target_forward": t["tokens_per_target_forward"],
                "per_position_acceptance": list(t["per_position_acceptance"]),
-               "by_category": by_category(runs, label),
+               "by_category": {name: c["vs_standard"][label] for name, c in categories.items()},
                "time_split": t["time_split"], "tree_verify_ms": verify_ms[label],
                "round_ms": round_split([r for r in runs if r.mode == label]),
                # priced at load for the engine's own walk: on a CPU the host's, also for a `:rows` configuration
@@ -182,7 +175,7 @@ def sweep(engine, args: argparse.Namespace, configs, prompts, out: Path, argv: l
         print(f"{label:<10}{k if tree != 'auto' else '':>3}{row['tokens_per_s']:>9.1f}{row['vs_standard']:>8.2f}"
               f"{row['tokens_per_target_forward']:>9.2f}{same['identical']:>6}/{same['compared']:<4}  "
               + " ".join(f"{a:.2f}" for a in row["per_position_acceptance"]), flush=True)
-    print("\nx standard by category: " + ", ".join(dict.fromkeys(r.category for r in runs)))
+    print("\nx standard by category: " + ", ".join(categories))
     for row in rows:
         print(f"{row['config']:<14}" + " ".join(f"{v:.2f}" for v in row["by_category"].values()))
     std_ms = round_split([r for r in runs if r.mode == "standard"])

@@ -70,10 +70,12 @@ def test_tree_sweep_refuses_a_walk_it_does_not_know_before_loading(tmp_path, cap
     (["--temperatures", "0,0.7", "--json", "x.json"], "names each file with {t}"),
     (["--temperatures", "0,-1", "--json", "x_{t}.json"], "temperature must be >= 0"),
     (["--temperatures", "0,0", "--json", "x_{t}.json"], "listed twice"),
+    (["--trees", "auto@5", "--json", "x.json"], "auto chooses K and its tree itself"),
+    (["--trees", "d8,d8", "--json", "x.json"], "lists a configuration twice"),
 ])
 def test_tree_sweep_checks_its_temperatures_before_loading(tmp_path, capsys, argv, says, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    assert _script("tree_sweep").main(["--trees", "d16", *argv]) == 2
+    assert _script("tree_sweep").main(["--trees", "d16", *argv]) == 2  # a later --trees overrides the first
     err = capsys.readouterr().err.strip()
     assert err.startswith("tree_sweep: ") and says in err and "\n" not in err
     assert _script("tree_sweep").result_paths(Path("r_{t}.json"), [0.0, 0.7, 1.0]) == [

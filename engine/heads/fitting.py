@@ -12,6 +12,7 @@ import logging
 import os
 import pickle
 import pickletools
+import struct
 import time
 import warnings
 import zipfile
@@ -67,7 +68,8 @@ def load_tensor_file(path: Path, what: str, fits: Callable[[Any], bool], device:
         asks = f"it asks to run {', '.join(names[:3])}, which is never done" if names else "a foreign pickle"
         raise DistillError(f"{path} is not {what} as SpecDec Studio writes it ({asks}); remove it or use an empty "
                            "work folder.") from None
-    except (OSError, RuntimeError, ValueError, EOFError, TypeError, AttributeError, IndexError, KeyError) as e:
+    except (OSError, RuntimeError, ValueError, EOFError, TypeError, AttributeError, IndexError, KeyError,
+            struct.error, OverflowError, NotImplementedError) as e:
         raise DistillError(f"{path} cannot be read as {what} ({type(e).__name__}); remove it or use an empty "
                            "work folder.") from None
     if not fits(value):
@@ -94,7 +96,7 @@ def pickle_imports(path: Path) -> list[str] | None:
                 names.append(f"{strings[-2]}.{strings[-1]}")
             elif isinstance(arg, str):
                 strings.append(arg)
-    except (OSError, ValueError, zipfile.BadZipFile, pickle.PickleError, EOFError):
+    except Exception:  # noqa: BLE001 - whatever a damaged file raises (zip versions, zlib, struct), it is damaged
         return None
     return [n for n in dict.fromkeys(names) if not n.startswith(("torch.", "collections.OrderedDict"))]
 
