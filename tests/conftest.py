@@ -55,6 +55,27 @@ def _qt_garbage_goes_on_the_gui_thread(request):
         gc.collect()
 
 
+@pytest.fixture(autouse=True)
+def _no_modal_dialog_waits_for_a_person(monkeypatch):
+    """A modal dialog a test did not expect fails that test at once, naming the dialog: nobody answers it under
+    CI, and a modal loop holds the Python thread where the timeout's alarm cannot end it. A test that expects
+    one replaces the call itself (the `dialogs` fixture, or monkeypatch)."""
+    from PySide6.QtWidgets import QDialog, QFileDialog, QInputDialog, QMessageBox
+
+    def refuse(name):
+        def opened(*args, **kwargs):
+            texts = [a for a in args if isinstance(a, str)] or [getattr(args[0], "windowTitle", lambda: "")()]
+            raise AssertionError(f"a modal dialog would wait for a person: {name}{tuple(texts)!r}")
+        return opened
+
+    for cls, names in ((QMessageBox, ("critical", "warning", "information", "question", "about", "exec")),
+                       (QDialog, ("exec",)),
+                       (QFileDialog, ("getSaveFileName", "getOpenFileName", "getExistingDirectory")),
+                       (QInputDialog, ("getText", "getItem", "getInt"))):
+        for name in names:
+            monkeypatch.setattr(cls, name, refuse(f"{cls.__name__}.{name}"))
+
+
 @pytest.fixture
 def dialogs(monkeypatch) -> list[tuple[str, str, str]]:
     """Records QMessageBox calls instead of blocking on a modal dialog."""

@@ -283,3 +283,37 @@ def test_default_folder_follows_the_environment(monkeypatch, tmp_path):
     assert default_folder() == tmp_path / "conversations"
     monkeypatch.delenv("SPECDEC_DATA_DIR")
     assert "SpecDec Studio" in str(default_folder())
+
+
+def test_a_conversation_opened_while_its_save_is_still_on_the_disk_opens_whole(tmp_path, monkeypatch):
+    """The writer saves on its own thread; opening the conversation before the slow disk has the file waits for
+    that save instead of failing with "No such file" (a first save) or showing an older version."""
+    import threading
+
+    from app.core.session import ChatSession
+
+    store = ConversationStore(tmp_path)
+    release = threading.Event()
+    write = store.write
+
+    def slow_write(snapshot):
+        release.wait(5)
+        write(snapshot)
+
+    monkeypatch.setattr(store, "write", slow_write)
+    session = ChatSession(store=store)
+    first = session.conversation
+    answered(first, "q0", "a0")
+    session.save()
+    session.new_chat()
+    threading.Timer(0.2, release.set).start()  # the disk answers only after open() has started waiting
+    session.open(first.id)
+    assert session.conversation.id == first.id and len(session.conversation.turns) == 2
+    answered(session.conversation, "q1", "a1")  # a second save of the same conversation, queued behind the first
+    release.clear()
+    session.save()
+    session.new_chat()
+    threading.Timer(0.2, release.set).start()
+    session.open(first.id)
+    assert len(session.conversation.turns) == 4  # the newest version, not the one already on disk
+    session.close()

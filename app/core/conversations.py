@@ -373,6 +373,7 @@ class BackgroundWriter:
         self._on_error = on_error
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="conversation-writer")
         self._pending: dict[str, dict[str, Any]] = {}
+        self._unwritten: set[str] = set()  # queued or being written: the disk does not have them yet
         self._lock = threading.Lock()
         self._closed = False
 
@@ -385,6 +386,7 @@ class BackgroundWriter:
         with self._lock:
             queued = conversation.id in self._pending
             self._pending[conversation.id] = snapshot
+            self._unwritten.add(conversation.id)
         if not queued:
             self._pool.submit(self._write, conversation.id)
 
@@ -392,6 +394,13 @@ class BackgroundWriter:
         """Waits for every queued save (on close, and in tests)."""
         if not self._closed:
             self._pool.submit(lambda: None).result()
+
+    def settle(self, conversation_id: str) -> None:
+        """Waits until the newest save of this conversation is on the disk (before reading it back)."""
+        with self._lock:
+            unwritten = conversation_id in self._unwritten
+        if unwritten:
+            self.flush()
 
     def close(self) -> None:
         if not self._closed:
@@ -410,3 +419,7 @@ class BackgroundWriter:
             log.warning("could not save conversation %s: %s", conversation_id, e)
             if self._on_error is not None:
                 self._on_error(conversation_id, _reason(e) if isinstance(e, OSError) else str(e))
+        finally:
+            with self._lock:
+                if conversation_id not in self._pending:  # a newer snapshot queued meanwhile keeps it unwritten
+                    self._unwritten.discard(conversation_id)

@@ -317,6 +317,7 @@ class ChatSession:
             return self.conversation
         if self.store is None:
             raise ConversationFormatError("conversations are not saved in this session")
+        self.writer.settle(conversation_id)  # a save still queued is the newest version: read it, not the older file
         return self.store.load(conversation_id)
 
     def list(self) -> list[ConversationHeader]:
