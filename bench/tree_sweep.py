@@ -82,6 +82,11 @@ def result_paths(out: Path, temperatures: list[float]) -> list[Path]:
             for t in temperatures]
 
 
+def identical_cell(same: dict, temperature: float) -> str:
+    """Greedy outputs match standard's token for token (a mismatch is a fault); sampled ones differ by chance."""
+    return f"{same['identical']:>6}/{same['compared']:<4}" if temperature == 0 else f"{'sampled':>11}"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--trees", required=True, help="configurations, e.g. 0,2,d32,d48@8,auto")
@@ -173,7 +178,7 @@ def sweep(engine, args: argparse.Namespace, configs, prompts, out: Path, argv: l
                "divergences": same["divergences"]}
         rows.append(row)
         print(f"{label:<10}{k if tree != 'auto' else '':>3}{row['tokens_per_s']:>9.1f}{row['vs_standard']:>8.2f}"
-              f"{row['tokens_per_target_forward']:>9.2f}{same['identical']:>6}/{same['compared']:<4}  "
+              f"{row['tokens_per_target_forward']:>9.2f}{identical_cell(same, args.temperature)}  "
               + " ".join(f"{a:.2f}" for a in row["per_position_acceptance"]), flush=True)
     print("\nx standard by category: " + ", ".join(categories))
     for row in rows:

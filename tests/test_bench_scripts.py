@@ -236,4 +236,9 @@ def test_tree_sweep_runs_auto_beside_a_tree_at_two_temperatures_after_one_load(t
             assert set(row["by_category"]) == {"chat", "code"} and all(v > 0 for v in row["by_category"].values())
     greedy = json.loads((tmp_path / "s_greedy.json").read_text(encoding="utf-8"))
     assert all(r["identical"] == r["compared"] == 2 for r in greedy["configs"])  # float32: lossless, auto too
-    assert "x standard by category: chat, code" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "x standard by category: chat, code" in printed
+    greedy_part, sampled_part = printed.split("temperature 0.7")
+    assert "2/2" in next(line for line in greedy_part.splitlines() if line.startswith("d8@3"))
+    # Sampled outputs differ from standard's by chance: no count of identical outputs that reads like a fault.
+    assert "sampled" in next(line for line in sampled_part.splitlines() if line.startswith("d8@3"))
