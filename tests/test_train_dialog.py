@@ -291,6 +291,19 @@ def test_a_head_is_not_continued_into_its_own_folder(window, qtbot):
     assert not w.training.running and not trainer.requests and dialog.start_button.text() == "Start"
 
 
+@pytest.mark.parametrize("typed", ["heads/a\x00b", "heads/a\tb", "heads/two\nlines"])
+def test_a_folder_name_with_a_control_character_is_refused_in_one_line(window, qtbot, typed):
+    """A NUL, tab or line break pasted into the field names no folder one means: refused before anything loads."""
+    trainer = FakeTrainer(steps=3)
+    w = window(trainer, replace(FAKE_INFO, draft_name=None, head_name=None))
+    dialog = w.open_train_dialog()
+    dialog.folder.setText(typed)
+    dialog.start_button.click()
+    assert dialog.status.text() == ("The folder name holds a control character (a NUL, tab or line break); "
+                                    "type it again or choose it with Browse.")
+    assert not w.training.running and not trainer.requests and dialog.start_button.text() == "Start"
+
+
 def test_a_folder_under_home_reads_with_a_tilde_and_starts_where_it_says(window, qtbot, tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path))  # the default head folder lies under the cache dir, here under home
     trainer = FakeTrainer(steps=3)

@@ -295,6 +295,10 @@ class TrainHeadDialog(QDialog):
         if not folder:
             self.status.setText("Choose a folder for the head first.")
             return
+        if any(ord(c) < 32 or ord(c) == 127 for c in folder):
+            self.status.setText("The folder name holds a control character (a NUL, tab or line break); "
+                                "type it again or choose it with Browse.")
+            return
         start_from = self.start_from.currentData() or ""
         if start_from and _same_folder(start_from, folder):
             self.status.setText("Save the continued head in another folder than the one it starts from.")
