@@ -157,3 +157,17 @@ def test_the_window_check_catches_a_reach(tmp_path, monkeypatch):
     bad.write_text("def f(window, self):\n    window._show_error('a', 'b')\n    self.window._closed\n"
                    "    self.window.chat\n", encoding="utf-8")
     assert sorted(u.split(" uses ")[1] for u in private_window_uses(bad)) == ["window._closed", "window._show_error"]
+
+
+def test_the_engines_tests_run_where_qt_is_not_installed():
+    """The GPU machine has no PySide6: the shared fixtures (conftest.py) must not need it for an engine test."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    code = ("import sys; sys.modules['PySide6'] = None\n"  # as if it were not installed
+            "import pytest\n"
+            "sys.exit(pytest.main(['-p', 'no:pytest-qt', '-p', 'no:cacheprovider', '-o', 'addopts=', '-q',"
+            " 'tests/test_control.py::test_cheap_draft_and_high_acceptance_draft_long']))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "1 passed" in done.stdout, done.stdout[-2000:] + done.stderr[-2000:]
