@@ -9,6 +9,7 @@ import numpy as np
 import pyqtgraph as pg
 from PySide6.QtCore import Qt, QTimer, Signal
 from PySide6.QtWidgets import (
+    QCheckBox,
     QComboBox,
     QDialog,
     QDoubleSpinBox,
@@ -56,11 +57,13 @@ class _Series:
 
 
 class TrainHeadDialog(QDialog):
-    """Non-modal; emits `start_requested(minutes, folder, start_from)` and `cancel_requested()`; the app feeds it
-    progress. `heads`: (label, folder) of heads trained for this target that a run can continue from."""
+    """Non-modal; emits `start_requested(minutes, folder, start_from, reuse)` and `cancel_requested()`; the app feeds
+    it progress. `heads`: (label, folder) of heads trained for this target that a run can continue from."""
 
-    start_requested = Signal(float, str, str)  # minutes of budget, output folder, head folder to continue ("": new)
+    # minutes of budget, output folder, head folder to continue ("": new), train on earlier runs' answers too
+    start_requested = Signal(float, str, str, bool)
     cancel_requested = Signal()
+    start_from_changed = Signal(str)  # the head folder a run would continue ("": a new head); the app recounts data
 
     def __init__(self, target_name: str, default_folder: str, *, on_gpu: bool,
                  heads: Sequence[tuple[str, Path]] = (), parent: QWidget | None = None) -> None:
@@ -102,6 +105,13 @@ class TrainHeadDialog(QDialog):
         row.addWidget(self.folder, 1)
         row.addWidget(browse)
         form.addRow("Save the head in", row)
+        self.reuse = QCheckBox(self)
+        self.reuse.setToolTip("Train on the questions and answers earlier runs for this target wrote as well as on "
+                              "the fresh ones this run writes: more data for the same minutes of writing. The "
+                              "held-out answers stay this run's own.")
+        form.addRow("Earlier answers", self.reuse)
+        self._reuse_row = form
+        self.set_earlier_data(None)
         layout.addLayout(form)
 
         self.progress = QProgressBar(self)
@@ -153,6 +163,15 @@ class TrainHeadDialog(QDialog):
         self.status.setText(p.message)
         if p.record is not None:
             self._add_record(p.record)
+
+    def set_earlier_data(self, description: str | None) -> None:
+        """What earlier runs wrote that this run can train on too (e.g. "2 runs, 14 rounds, 1.2M answer tokens");
+        None hides the choice (and unticks it)."""
+        self._reuse_row.setRowVisible(self.reuse, description is not None)
+        if description is None:
+            self.reuse.setChecked(False)
+        else:
+            self.reuse.setText(f"Also train on them ({description})")
 
     def show_log(self, records: Iterable[dict], message: str) -> None:
         """A finished training in the curves (a head's train_log.jsonl records), `message` saying whose it is."""
@@ -306,7 +325,8 @@ class TrainHeadDialog(QDialog):
         self._clear_curves()
         self.set_running(True)
         self.status.setText("Starting…")
-        self.start_requested.emit(float(self.minutes.value()), _meant(folder), start_from)
+        self.start_requested.emit(float(self.minutes.value()), _meant(folder), start_from,
+                                  self.reuse.isChecked() and self._reuse_row.isRowVisible(self.reuse))
 
     def _on_start_from(self, index: int) -> None:
         """"Another head folder…" asks for one; a head that starts the run moves the save folder off it."""
@@ -325,6 +345,7 @@ class TrainHeadDialog(QDialog):
         folder = Path(_meant(text))
         if start_from and text and _same_folder(start_from, text):
             self.folder.setText(_shown(_free_folder(folder.with_name(folder.name + "-continued"))))
+        self.start_from_changed.emit(start_from)
 
 
 def _shown(folder: str) -> str:

@@ -33,6 +33,7 @@ class TrainRequest:
     minutes: float  # the whole budget: data, training, export
     out: str  # folder for the head; its work folder (data, checkpoints, log) is out/work
     init: str | None = None  # a head folder for this target to continue training (None: a new head)
+    data: tuple[str, ...] = ()  # work folders of earlier runs whose answers it trains on again (distill --data)
 
 
 def load_request_for(selection: ModelSelection, *, force: bool = False) -> LoadSpec:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from PySide6.QtCore import QObject, Signal
 
+from app.core.earlier_data import WORK, earlier_data, head_family, kept_by
 from app.core.head_log import describe, head_choices, head_log_for
 from app.core.session import TrainRequest
 from app.ui.worker import EngineWorker
@@ -39,6 +40,8 @@ class HeadTrainingController(QObject):
         self.dialog: TrainHeadDialog | None = None
         self.request_id: int | None = None
         self._info: ModelInfo | None = None
+        self._anchor: Path | None = None  # the target's default head folder: its family holds earlier runs' data
+        self._start_from = ""  # the head folder the dialog would continue ("": a new head)
         worker.training_progress.connect(self._on_progress)
         worker.training_finished.connect(self._on_finished)
         worker.training_failed.connect(self._on_failed)
@@ -59,23 +62,32 @@ class HeadTrainingController(QObject):
                                           heads=head_choices(info.head_name, folder), parent=parent)
             self.dialog.start_requested.connect(self.start)
             self.dialog.cancel_requested.connect(self.cancel)
+            self.dialog.start_from_changed.connect(self._on_start_from)
+            self._anchor, self._start_from = folder, ""
             # Before a run of their own, how the head in use was trained (and what a run looks like).
             head = head_log_for(info.head_name, folder)
             if head is not None:
                 self.dialog.show_log(head.records, describe(head))
         self._info = info
+        if not self.running:
+            self._count_earlier()  # runs elsewhere (the CLI, another window) may have written data since
         self.dialog.show()
         self.dialog.raise_()
         return self.dialog
 
-    def start(self, minutes: float, folder: str, start_from: str = "") -> int | None:
-        """start_from: a head folder to continue training ("": a new head)."""
+    def start(self, minutes: float, folder: str, start_from: str = "", reuse: bool = False) -> int | None:
+        """start_from: a head folder to continue training ("": a new head); reuse: train on the answers earlier
+        runs wrote too. A folder whose run stopped before its end goes on with the data it was started with."""
         if self.running or self._info is None:
             return None
+        data = kept_by(Path(folder))
+        if data is None:
+            found = earlier_data(self._data_folders(start_from), exclude=Path(folder) / WORK) if reuse else None
+            data = tuple(str(w) for w in found.works) if found is not None else ()
         rid = self._next_id()
         self.request_id = rid
         self.worker.train_requested.emit(TrainRequest(rid, self._target_spec(), self._info.device, self._info.dtype,
-                                                      minutes, folder, start_from or None))
+                                                      minutes, folder, start_from or None, data))
         self.running_changed.emit(True)
         return rid
 
@@ -87,12 +99,27 @@ class HeadTrainingController(QObject):
         if rid == self.request_id and self.dialog is not None:
             self.dialog.show_progress(progress)
 
+    def _data_folders(self, start_from: str) -> list[Path]:
+        """Head folders whose work folders may hold this target's data: the dialog's and the one a run continues."""
+        folders = head_family(self._anchor) if self._anchor is not None else []
+        return folders + ([Path(start_from)] if start_from else [])
+
+    def _count_earlier(self) -> None:
+        if self.dialog is not None:
+            found = earlier_data(self._data_folders(self._start_from))
+            self.dialog.set_earlier_data(found.describe() if found is not None else None)
+
+    def _on_start_from(self, start_from: str) -> None:
+        self._start_from = start_from
+        self._count_earlier()
+
     def _on_finished(self, rid: int, summary: dict) -> None:
         if rid != self.request_id:
             return
         self.request_id = None
         if self.dialog is not None:
             self.dialog.show_finished(summary)
+            self._count_earlier()  # the run's own rounds are earlier data for the next one
         self.running_changed.emit(False)
 
     def _on_failed(self, rid: int, message: str) -> None:

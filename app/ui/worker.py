@@ -115,7 +115,7 @@ def default_head_trainer(request: TrainRequest, engine: EngineLike, progress: Pr
 
     distiller = prepare(request.target, Path(request.out), minutes=request.minutes, device=request.device,
                         dtype=request.dtype, progress=progress, cancel=cancel,
-                        init=Path(request.init) if request.init else None)
+                        init=Path(request.init) if request.init else None, data=[Path(d) for d in request.data])
     summary = distiller.run()
     head = distiller.head
     if head is None or not summary.get("steps"):
