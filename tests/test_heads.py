@@ -342,7 +342,8 @@ def test_a_kept_folders_damaged_log_lines_are_not_copied(tiny_head, tmp_path):
         if record["kind"] == "data" and record["round"] == 2:
             record = {**record, "answer_tokens": "many"}  # round 2's own line, damaged
         lines.append(json.dumps(record))
-    lines += ["not json", '{"kind": "data", "round": true, "answer_tokens": 5}']  # `true` is no round
+    lines += ["not json", '{"kind": "data", "round": true, "answer_tokens": 5}',  # `true` is no round
+              "[" * 100_000 + "]" * 100_000]  # nested past what the JSON reader recurses through
     (kept / "train_log.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
     logged = find_kept(kept).logged
     assert sorted(logged) == [1, 3, 4]

@@ -87,7 +87,7 @@ def _logged_rounds(path: Path) -> dict[int, dict]:
     for line in text.splitlines():
         try:
             record = json.loads(line)
-        except ValueError:
+        except (ValueError, RecursionError):
             continue
         if isinstance(record, dict) and record.get("kind") == "data" and all(
                 isinstance(record.get(k), int) and not isinstance(record.get(k), bool) and record[k] >= 0
