@@ -153,6 +153,7 @@ def test_a_continued_log_goes_on_from_its_last_step_and_skips_bad_lines(tmp_path
     folder = write_head(tmp_path / "head", [
         json.dumps({"kind": "call", "call": 1, "phase": "data"}), train(10), train(20), evaluate(20),
         "{not json", json.dumps({"kind": "train", "step": 25}), "[1, 2]", json.dumps({"kind": "eval", "step": "x"}),
+        "[" * 100_000 + "]" * 100_000,
         json.dumps({"kind": "continue", "from": "fake-target head", "used_minutes_before": 2.0}),
         evaluate(0, 0.6), train(10), train(20), evaluate(20, 0.7), '{"kind": "train", "step": 30, "lo',
     ], training={"used_minutes": 1.5, "used_minutes_in_all": 3.5, "steps": 20, "device": "cuda:0",

@@ -46,7 +46,7 @@ def read_log(path: Path) -> tuple[list[dict], int]:
             continue
         try:
             record = json.loads(line)
-        except ValueError:
+        except (ValueError, RecursionError):  # damaged, or nested past what the reader recurses through
             skipped += 1
             continue
         if not isinstance(record, dict) or not _readable(record):
@@ -181,7 +181,7 @@ def describe(head: HeadLog) -> str:
 def _manifest(folder: Path) -> dict | None:
     try:
         manifest = json.loads((folder / MANIFEST).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return None
     return manifest if isinstance(manifest, dict) else None
 

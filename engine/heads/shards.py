@@ -98,7 +98,7 @@ def read_manifest(folder: Path) -> HeadFiles:
     path = folder / MANIFEST
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:
         raise ModelLoadError(f"{folder} is not a draft head folder (cannot read {MANIFEST}: {e}).") from None
     if data.get("format") != FORMAT:
         raise ModelLoadError(

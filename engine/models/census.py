@@ -174,7 +174,7 @@ def read_safetensors_header(path: Path) -> dict[str, dict]:
             if n > 200 * 2**20:
                 raise ValueError(f"header claims {n} bytes")
             header = json.loads(f.read(n))
-    except (OSError, ValueError, struct.error) as e:
+    except (OSError, ValueError, struct.error, RecursionError) as e:
         raise ModelLoadError(f"{path} is not a readable safetensors file: {e}") from None
     header.pop("__metadata__", None)
     return header
@@ -186,7 +186,7 @@ def _weight_files(folder: Path) -> list[Path]:
         try:
             names = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
             return [folder / n for n in names]
-        except (OSError, ValueError, KeyError) as e:
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
             raise ModelLoadError(f"Could not read {index}: {e}") from None
     # Some repositories also carry a consolidated copy for other runtimes: never count it twice.
     return sorted(p for p in folder.glob("*.safetensors") if not p.name.startswith("consolidated"))
@@ -196,7 +196,7 @@ def census_from_folder(folder: Path, name: str) -> ModelCensus:
     """A model folder: config.json facts, parameter counts from its safetensors headers when present."""
     try:
         config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:
         raise ModelLoadError(f"Could not read {folder / 'config.json'}: {e}") from None
     check_sizes(config, name)
     files = _weight_files(folder)

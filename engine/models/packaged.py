@@ -205,6 +205,6 @@ def still_verified(gguf: Path, sha256: str) -> bool:
     try:
         meta = json.loads(verified_marker(gguf).read_text(encoding="utf-8"))
         st = gguf.stat()
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return False
     return meta == {"sha256": sha256, "size": st.st_size, "mtime_ns": st.st_mtime_ns}

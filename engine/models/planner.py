@@ -121,7 +121,7 @@ def _head_manifest(folder: Path) -> dict | None:
     try:
         data = json.loads((folder / HEAD_MANIFEST).read_text())
         return data if isinstance(data, dict) and isinstance(data.get("config"), dict) else None
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return None
 
 

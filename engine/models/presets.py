@@ -130,7 +130,7 @@ def weights_cached(folder: Path) -> bool:
     if index.is_file():
         try:
             shards = set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values())
-        except (OSError, ValueError, KeyError):
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
             return False
         return all((folder / s).is_file() for s in shards)
     return (folder / "model.safetensors").is_file()

@@ -132,7 +132,7 @@ def _read_json(path: Path) -> dict:
             return json.load(f)
     except FileNotFoundError:
         return {}
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:
         raise ModelLoadError(f"Could not read {path}: {_first_line(e)}") from None
 
 

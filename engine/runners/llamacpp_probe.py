@@ -132,7 +132,7 @@ def amx_note(names: list[str]) -> str:
 def _read(store: Path) -> dict[str, bool]:
     try:
         data = json.loads(store.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return {}
     return data if isinstance(data, dict) else {}
 
