@@ -1,6 +1,7 @@
-"""A JSON file nested past what Python's reader recurses through (it raises RecursionError, not ValueError) reads as
-damaged wherever the app reads one: a model folder's config, index and safetensors header, a head's manifest, the
-cache's markers and notes. One line each, never a traceback."""
+"""A JSON file nested past what Python's reader recurses through (it raises RecursionError, not ValueError) or of
+another type than the object expected reads as damaged wherever the app reads one: a model folder's config, tokenizer
+files, index and safetensors header, a head's manifest, the cache's markers and notes. One line each, never a
+traceback or an "internal error"."""
 from __future__ import annotations
 
 import struct
@@ -68,3 +69,26 @@ def test_deep_cache_notes_read_as_absent(tmp_path):
     _write(tmp_path / "snapshot" / "model.safetensors.index.json")
     assert weights_cached(tmp_path / "snapshot") is False
     assert _read(_write(tmp_path / "amx.json")) == {}
+
+
+@pytest.mark.parametrize("text", ["[]", '"text"', "5", "null"])
+def test_a_model_folders_json_of_another_type_is_refused_in_one_line(tmp_path, text):
+    """tokenizer_config.json, tokenizer.json…: the loader reads each as an object (an "internal error" before)."""
+    from engine.models.store import _read_json
+
+    with pytest.raises(ModelLoadError, match="not a JSON object"):
+        _read_json(_write(tmp_path / "tokenizer_config.json", text))
+
+
+@pytest.mark.parametrize("header", ["[]", '"text"', "null", '{"w": []}', '{"w": {"dtype": "F32"}}',
+                                    '{"w": {"dtype": "F32", "shape": [2, -1]}}', '{"w": {"dtype": 5, "shape": [2]}}'])
+def test_a_safetensors_header_that_is_no_table_of_tensors_is_refused_in_one_line(tmp_path, header):
+    from engine.models.census import read_safetensors_header
+
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(struct.pack("<Q", len(header)) + header.encode())
+    with pytest.raises(ModelLoadError, match="not a readable safetensors file"):
+        read_safetensors_header(path)
+    good = '{"__metadata__": {"format": "pt"}, "w": {"dtype": "F32", "shape": [2, 3], "data_offsets": [0, 24]}}'
+    path.write_bytes(struct.pack("<Q", len(good)) + good.encode())
+    assert read_safetensors_header(path) == {"w": {"dtype": "F32", "shape": [2, 3], "data_offsets": [0, 24]}}

@@ -176,7 +176,14 @@ def read_safetensors_header(path: Path) -> dict[str, dict]:
             header = json.loads(f.read(n))
     except (OSError, ValueError, struct.error, RecursionError) as e:
         raise ModelLoadError(f"{path} is not a readable safetensors file: {e}") from None
+    if not isinstance(header, dict):
+        raise ModelLoadError(f"{path} is not a readable safetensors file: its header is not a table of tensors")
     header.pop("__metadata__", None)
+    for name, entry in header.items():
+        if not (isinstance(entry, dict) and isinstance(entry.get("dtype"), str) and isinstance(entry.get("shape"), list)
+                and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in entry["shape"])):
+            raise ModelLoadError(f"{path} is not a readable safetensors file: tensor {name[:80]!r} has no dtype "
+                                 "and shape")
     return header
 
 

@@ -127,13 +127,17 @@ def resolve_source(spec: str | None, role: Role) -> ModelSource:
 # --------------------------------------------------------------------------- folders and cache
 
 def _read_json(path: Path) -> dict:
+    """A model folder's JSON object ({} when the file is absent); ModelLoadError when it is unreadable or not one."""
     try:
         with open(path, encoding="utf-8") as f:
-            return json.load(f)
+            data = json.load(f)
     except FileNotFoundError:
         return {}
     except (OSError, ValueError, RecursionError) as e:
         raise ModelLoadError(f"Could not read {path}: {_first_line(e)}") from None
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"Could not read {path}: it is {type(data).__name__}, not a JSON object")
+    return data
 
 
 def _cache_entry(source: ModelSource) -> Path:

@@ -17,6 +17,7 @@ import pickle
 import random
 import shutil
 import signal
+import struct
 import sys
 import time
 from collections.abc import Callable
@@ -424,10 +425,28 @@ def config_case(rng: random.Random, world: World) -> Outcome:
     if rng.random() < 0.05:
         config = rng.choice([[], "config", 5])
     (folder / "config.json").write_text(json.dumps(config), encoding="utf-8")
+    if rng.random() < 0.4:  # another of the folder's JSON files damaged: read by the census, the loader, transformers
+        _damage_model_json(rng, folder)
     argv = ["generate", "--target", str(folder), "--device", "cpu", "--prompt", "hi", "--max-new-tokens", "2"]
     argv += rng.choice([["--draft", str(world.draft)], ["--mode", "standard"], ["--proposer", "ngram"]])
     before = tree_hash(sentinel(world))
     return with_outside_check(run_in_process("config", argv), world, before, {})
+
+
+MODEL_JSON = ["config.json", "tokenizer_config.json", "generation_config.json", "tokenizer.json",
+              "model.safetensors.index.json", "model.safetensors"]
+
+
+def _damage_model_json(rng: random.Random, folder: Path) -> None:
+    """One JSON file of a model folder (or the safetensors header, which is JSON) nested too deeply to read, of
+    another type, or random bytes."""
+    name = rng.choice(MODEL_JSON)
+    text = rng.choice(["[" * 100_000 + "]" * 100_000, '{"a":' * 5000 + "1" + "}" * 5000, "[]", '"text"', "5", "null",
+                       '{"weight_map": []}', '{"weight_map": {"x": 5}}'])
+    data = os.urandom(rng.randint(0, 200)) if rng.random() < 0.15 else text.encode()
+    if name == "model.safetensors":
+        data = struct.pack("<Q", len(data)) + data
+    (folder / name).write_bytes(data)
 
 
 FILE_CASES = [("conversations", conversation_case), ("settings-foreign", settings_foreign_case),
