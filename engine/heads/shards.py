@@ -11,6 +11,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import time
 from dataclasses import dataclass
 from importlib import resources
@@ -26,6 +27,7 @@ from engine.heads.model import DraftHead
 log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
+_SHA256 = re.compile(r"[0-9a-f]{64}")
 SHARD_BYTES = 15 * 2**20  # per file: the GPU machine returns files of at most 16 MiB
 
 
@@ -100,16 +102,38 @@ def read_manifest(folder: Path) -> HeadFiles:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError, RecursionError) as e:
         raise ModelLoadError(f"{folder} is not a draft head folder (cannot read {MANIFEST}: {e}).") from None
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"{folder} is not a draft head folder ({MANIFEST} is not a JSON object).")
     if data.get("format") != FORMAT:
         raise ModelLoadError(
             f"The draft head in {folder} has format {data.get('format')}; this version reads format {FORMAT}. "
             "Train it again with specdec-studio distill."
         )
+    problem = _shards_problem(data.get("shards"))
+    if problem is not None:
+        raise ModelLoadError(f"The draft head manifest in {folder} is damaged: {problem}.")
     try:
         return HeadFiles(folder, str(data["name"]), HeadConfig.from_json(data["config"]),
                          TargetFingerprint.from_json(data["target"]), data)
-    except (KeyError, TypeError, ValueError) as e:
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise ModelLoadError(f"The draft head manifest in {folder} is incomplete ({e}).") from None
+
+
+def _shards_problem(shards: object) -> str | None:
+    """Why a manifest's shard list is not one this app writes: files named in the head folder itself (a name with
+    a path in it would read a file elsewhere), each with its SHA-256."""
+    if not isinstance(shards, list) or not shards:
+        return "it lists no weight shards"
+    for shard in shards:
+        if not isinstance(shard, dict) or not isinstance(shard.get("file"), str) \
+                or not isinstance(shard.get("sha256"), str):
+            return "a shard entry lacks its file name or SHA-256"
+        name = shard["file"]
+        if not name or name in (".", "..") or "/" in name or "\\" in name or "\0" in name:
+            return f"the shard name {name[:80]!r} is not a file name in the head folder"
+        if not _SHA256.fullmatch(shard["sha256"]):
+            return f"the SHA-256 of {name[:80]!r} is not 64 hex digits"
+    return None
 
 
 def load_head(files: HeadFiles, device: torch.device, dtype: torch.dtype) -> DraftHead:
@@ -126,7 +150,14 @@ def load_head(files: HeadFiles, device: torch.device, dtype: torch.dtype) -> Dra
                 f"The draft head {files.name} is damaged: {path.name} does not match its SHA-256. "
                 "Reinstall it or train it again."
             )
-        tensors.update(load_file(str(path)))
+        try:
+            tensors.update(load_file(str(path)))
+        except Exception as e:  # safetensors' own error type: a header or layout it cannot read
+            why = str(e).splitlines()[0][:120] if str(e) else type(e).__name__
+            raise ModelLoadError(f"The draft head {files.name} is damaged: {path.name} is not a readable "
+                                 f"safetensors file ({why}).") from None
+    if "d2t" not in tensors:
+        raise ModelLoadError(f"The draft head {files.name} lacks weights: ['d2t'].")
     head = DraftHead(files.config, tensors.pop("d2t").long())
     missing = set(head.state_dict()) - set(tensors) - {"d2t"}
     if missing:
@@ -137,6 +168,9 @@ def load_head(files: HeadFiles, device: torch.device, dtype: torch.dtype) -> Dra
         raise ModelLoadError(f"The draft head {files.name} has weights its configuration does not: {sorted(unknown)}.")
     with torch.no_grad():
         for key, value in tensors.items():
+            if tuple(value.shape) != tuple(params[key].shape):
+                raise ModelLoadError(f"The draft head {files.name} is damaged: {key} has shape {tuple(value.shape)} "
+                                     f"where its configuration makes {tuple(params[key].shape)}.")
             params[key].copy_(value)
     head.requires_grad_(False)
     return head.to(device=device, dtype=dtype).eval()

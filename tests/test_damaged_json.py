@@ -92,3 +92,81 @@ def test_a_safetensors_header_that_is_no_table_of_tensors_is_refused_in_one_line
     good = '{"__metadata__": {"format": "pt"}, "w": {"dtype": "F32", "shape": [2, 3], "data_offsets": [0, 24]}}'
     path.write_bytes(struct.pack("<Q", len(good)) + good.encode())
     assert read_safetensors_header(path) == {"w": {"dtype": "F32", "shape": [2, 3], "data_offsets": [0, 24]}}
+
+
+def _manifest_of(head: Path) -> dict:
+    import json
+
+    return json.loads((head / "manifest.json").read_text(encoding="utf-8"))
+
+
+@pytest.mark.parametrize("change,says", [
+    (lambda m: [], "not a JSON object"),
+    (lambda m: {**m, "shards": None}, "lists no weight shards"),
+    (lambda m: {**m, "shards": [5]}, "lacks its file name or SHA-256"),
+    (lambda m: {**m, "shards": [{**m["shards"][0], "file": "../../etc/passwd"}]}, "not a file name in the head folder"),
+    (lambda m: {**m, "shards": [{**m["shards"][0], "file": "/etc/passwd"}]}, "not a file name in the head folder"),
+    (lambda m: {**m, "shards": [{**m["shards"][0], "sha256": "xyz"}]}, "not 64 hex digits"),
+    (lambda m: {**m, "config": []}, "is incomplete"),
+])
+def test_a_damaged_head_manifest_is_refused_in_one_line_before_any_weight_is_read(tiny_head, tmp_path, change, says):
+    """A head folder is a thing people pass around: its manifest names the shards to read, never a file elsewhere."""
+    import json
+    import shutil
+
+    from engine.heads.shards import read_manifest
+
+    head = tmp_path / "head"
+    shutil.copytree(tiny_head.head, head)
+    (head / "manifest.json").write_text(json.dumps(change(_manifest_of(head))), encoding="utf-8")
+    with pytest.raises(ModelLoadError, match=says):
+        read_manifest(head)
+
+
+@pytest.mark.parametrize("data", [b"", b"\x08\x00\x00\x00\x00\x00\x00\x00[1,2,3] ", b"\xff" * 300])
+def test_a_head_shard_safetensors_cannot_read_is_refused_in_one_line(tiny_head, tmp_path, data):
+    """Its SHA-256 matches (a manifest written for it) but safetensors cannot read it: damaged, in one line."""
+    import hashlib
+    import json
+    import shutil
+
+    import torch
+
+    from engine.heads.shards import load_head, read_manifest
+
+    head = tmp_path / "head"
+    shutil.copytree(tiny_head.head, head)
+    manifest = _manifest_of(head)
+    (head / manifest["shards"][0]["file"]).write_bytes(data)
+    manifest["shards"][0]["sha256"] = hashlib.sha256(data).hexdigest()
+    (head / "manifest.json").write_text(json.dumps(manifest), encoding="utf-8")
+    with pytest.raises(ModelLoadError, match="not a readable safetensors file"):
+        load_head(read_manifest(head), torch.device("cpu"), torch.float32)
+
+
+@pytest.mark.parametrize("harm,says", [("drop d2t", r"lacks weights: \['d2t'\]"), ("reshape", "has shape")])
+def test_head_weights_that_do_not_fit_the_configuration_are_refused_in_one_line(tiny_head, tmp_path, harm, says):
+    import hashlib
+    import json
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from engine.heads.shards import load_head, read_manifest
+
+    head = tmp_path / "head"
+    shutil.copytree(tiny_head.head, head)
+    manifest = _manifest_of(head)
+    shard = head / manifest["shards"][0]["file"]
+    tensors = load_file(str(shard))
+    if harm == "drop d2t":
+        tensors.pop("d2t")
+    else:
+        name = next(k for k, v in tensors.items() if k != "d2t" and v.dim() == 2)
+        tensors[name] = tensors[name][:, :-1].contiguous()
+    save_file(tensors, str(shard))
+    manifest["shards"][0]["sha256"] = hashlib.sha256(shard.read_bytes()).hexdigest()
+    (head / "manifest.json").write_text(json.dumps(manifest), encoding="utf-8")
+    with pytest.raises(ModelLoadError, match=says):
+        load_head(read_manifest(head), torch.device("cpu"), torch.float32)
