@@ -28,7 +28,7 @@ def test_the_short_form_finds_nothing(tmp_path):
     assert not result["failures"], json.dumps(result["failures"][:5], indent=1)
     assert set(counts["exit_codes"]) <= {"0", "2"} and counts["outside_changes"] == 0 and not counts["problems"]
     kinds = {k.split(" (")[0] for k in counts["by_kind"]}
-    assert {"conversations", "settings-foreign", "cache", "work", "config"} <= kinds
+    assert {"conversations", "settings-foreign", "cache", "work", "config", "head"} <= kinds
     assert proc.returncode == 0, proc.stdout[-2000:]
 
 
