@@ -110,7 +110,7 @@ class TrainHeadDialog(QDialog):
                               "the fresh ones this run writes: more data for the same minutes of writing. The "
                               "held-out answers stay this run's own.")
         form.addRow("Earlier answers", self.reuse)
-        self._reuse_row = form
+        self._form = form
         self.set_earlier_data(None)
         layout.addLayout(form)
 
@@ -167,7 +167,7 @@ class TrainHeadDialog(QDialog):
     def set_earlier_data(self, description: str | None) -> None:
         """What earlier runs wrote that this run can train on too (e.g. "2 runs, 14 rounds, 1.2M answer tokens");
         None hides the choice (and unticks it)."""
-        self._reuse_row.setRowVisible(self.reuse, description is not None)
+        self._form.setRowVisible(self.reuse, description is not None)
         if description is None:
             self.reuse.setChecked(False)
         else:
@@ -326,7 +326,7 @@ class TrainHeadDialog(QDialog):
         self.set_running(True)
         self.status.setText("Starting…")
         self.start_requested.emit(float(self.minutes.value()), _meant(folder), start_from,
-                                  self.reuse.isChecked() and self._reuse_row.isRowVisible(self.reuse))
+                                  self.reuse.isChecked() and self._form.isRowVisible(self.reuse))
 
     def _on_start_from(self, index: int) -> None:
         """"Another head folder…" asks for one; a head that starts the run moves the save folder off it."""
