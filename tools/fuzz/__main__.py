@@ -15,11 +15,6 @@ from collections import Counter
 from pathlib import Path
 
 from tools.fuzz.cases import cli_argv, gguf_case, prompts_case, settings_case
-from tools.fuzz.files import FILE_CASES as OTHER_FILE_CASES
-from tools.fuzz.files import sentinel, tree_hash
-from tools.fuzz.heads import head_case
-
-FILE_CASES = [*OTHER_FILE_CASES, ("head", head_case)]  # crafted files, each run as one case in turn
 from tools.fuzz.core import (
     MEMORY_LIMIT,
     Outcome,
@@ -31,6 +26,11 @@ from tools.fuzz.core import (
     run_subprocess,
     use_tiny_defaults,
 )
+from tools.fuzz.files import FILE_CASES as OTHER_FILE_CASES
+from tools.fuzz.files import sentinel, tree_hash
+from tools.fuzz.heads import head_case
+
+FILE_CASES = [*OTHER_FILE_CASES, ("head", head_case)]  # crafted files, each run as one case in turn
 
 # --------------------------------------------------------------------------- main
 
