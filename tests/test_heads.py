@@ -435,3 +435,22 @@ def test_a_folder_that_holds_no_head_is_refused_before_the_target_loads(tmp_path
     for folder in (tmp_path / "missing", tmp_path / "garbage"):
         with pytest.raises(DistillError, match=f"^Cannot continue from {folder}: .*not a draft head folder"):
             distill.prepare(None, tmp_path / "out", minutes=1.0, init=folder)
+
+
+def test_a_new_run_never_replaces_a_head_it_did_not_make(tiny_head, tmp_path, monkeypatch):
+    """A head folder given as --out (or the dialog's folder) whose head this run did not start: the export would
+    delete its shards and rewrite its manifest, so the run is refused before the target loads, in one line. A run
+    continuing in its own folder (its work folder's state there) goes on."""
+    import engine.heads.distill as distill
+    from app.cli import main
+
+    theirs = tmp_path / "theirs"
+    shutil.copytree(tiny_head.head, theirs)
+    before = {p.name: p.read_bytes() for p in theirs.iterdir()}
+    monkeypatch.setattr(distill, "load_pair", lambda *a, **k: pytest.fail("the target loaded before the check"))
+    for init in (None, theirs):  # a new head, or continuing that very head into its own folder
+        with pytest.raises(DistillError, match=f"^{theirs} already holds a draft head"):
+            distill.prepare(None, theirs, minutes=1.0, init=init)
+    assert main(["distill", "--out", str(theirs), "--minutes", "1"]) == 2
+    assert {p.name: p.read_bytes() for p in theirs.iterdir()} == before  # nothing written, nothing removed
+    distill.check_out(tiny_head.head, tiny_head.work)  # the fixture's own run: its work folder holds its state

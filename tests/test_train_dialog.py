@@ -284,6 +284,8 @@ def test_a_head_is_not_continued_into_its_own_folder(window, qtbot):
     w = window(trainer, info)
     dialog = w.open_train_dialog()
     assert dialog.start_from.itemText(1) == "Your head in this folder (fake-target head)"
+    assert dialog.folder.text() == str(folder.with_name(folder.name + "-2"))  # a new head never replaces that one
+    dialog.folder.setText(str(folder))
     pick(dialog, str(folder))
     assert dialog.folder.text() == str(folder.with_name(folder.name + "-continued-2"))
     dialog.folder.setText(str(folder))  # typed back: refused with one line, nothing starts

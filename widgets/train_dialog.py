@@ -164,6 +164,14 @@ class TrainHeadDialog(QDialog):
         if p.record is not None:
             self._add_record(p.record)
 
+    def chosen_folder(self) -> str:
+        """The folder the field names (~ expanded)."""
+        return _meant(self.folder.text())
+
+    def suggest_folder(self, folder: str) -> None:
+        """Puts a folder in the field (under the home folder as ~/…)."""
+        self.folder.setText(_shown(folder))
+
     def set_earlier_data(self, description: str | None) -> None:
         """What earlier runs wrote that this run can train on too (e.g. "2 runs, 14 rounds, 1.2M answer tokens");
         None hides the choice (and unticks it)."""

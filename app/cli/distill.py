@@ -11,7 +11,7 @@ from app.cli.common import PROG, CliError
 def cmd_distill(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from engine.heads.distill import DistillPlan, check_init, distill, plan_with
+    from engine.heads.distill import DistillPlan, check_init, check_out, distill, plan_with
     from engine.heads.fitting import DistillError
     from engine.heads.reuse import find_all_kept
     from engine.measure.bench import read_prompts
@@ -25,6 +25,7 @@ def cmd_distill(args: argparse.Namespace) -> int:
     try:
         if args.init is not None:
             check_init(args.init)
+        check_out(args.out, args.work or args.out / "work")
         find_all_kept(args.data, args.work or args.out / "work")
     except DistillError as e:
         raise CliError(str(e)) from None

@@ -1,15 +1,17 @@
-"""The answers earlier head trainings of this target wrote, offered to the next run in the Train dialog (the app's
-`distill --data`): the data rounds in the work folders of the dialog's own head folders for the target, and of the
-head a run starts from."""
+"""The Train dialog's head folders for a target: the answers earlier runs wrote there, offered to the next run (the
+app's `distill --data`: the data rounds in the work folders of the dialog's own head folders and of the head a run
+starts from), and a fresh folder for a new head (never one whose head a new run would replace)."""
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 from engine.heads.fitting import DistillError
 from engine.heads.reuse import STATE, KeptData, find_kept
+from engine.heads.shards import MANIFEST
 
 WORK = "work"  # a head folder's work folder (distill's default: OUT/work)
 
@@ -29,13 +31,36 @@ class EarlierData:
 
 
 def head_family(anchor: Path) -> list[Path]:
-    """The dialog's head folders for one target: its default folder and the `-continued…` folders beside it."""
+    """The dialog's head folders for one target: its default folder and the `-2`, `-3`… and `-continued…` folders
+    the dialog names beside it."""
+    named = re.compile(re.escape(anchor.name) + r"(-\d+)?(-continued(-\d+)?)*")
     found = [anchor]
     try:
-        found += sorted(p for p in anchor.parent.glob(anchor.name + "-continued*") if p.is_dir())
+        found += sorted(p for p in anchor.parent.glob(anchor.name + "-*") if named.fullmatch(p.name) and p.is_dir())
     except OSError:
         pass
     return found
+
+
+def holds_finished_head(folder: Path) -> bool:
+    """Whether a new run saving in `folder` would find nothing of its own to go on with: a head there that no run
+    in its work folder started (distill refuses to replace it), or a run there that has finished."""
+    state = _state(Path(folder))
+    if state is None:
+        return (Path(folder) / MANIFEST).is_file()
+    return state.get("phase") == "done"
+
+
+def fresh_head_folder(wanted: Path) -> Path:
+    """`wanted`, or wanted-2, wanted-3…: the first that holds no finished head (a new head's folder)."""
+    for n in range(1, 1000):
+        candidate = wanted if n == 1 else wanted.with_name(f"{wanted.name}-{n}")
+        try:
+            if not holds_finished_head(candidate):
+                return candidate
+        except (OSError, ValueError):
+            continue
+    return wanted
 
 
 def earlier_data(head_folders: Iterable[Path], exclude: Path | None = None) -> EarlierData | None:
@@ -59,15 +84,29 @@ def earlier_data(head_folders: Iterable[Path], exclude: Path | None = None) -> E
     return EarlierData(tuple(k.work for k in kept), sum(len(k.rounds) for k in kept), tokens)
 
 
+def next_head_folder(done: Path) -> Path:
+    """Where the head after the one just finished in `done` goes: the next free number of its series (t-2 → t-3,
+    not t-2-2)."""
+    numbered = re.fullmatch(r"(.+)-\d+", done.name)
+    base = done.with_name(numbered.group(1)) if numbered and done.with_name(numbered.group(1)).is_dir() else done
+    return fresh_head_folder(base)
+
+
 def kept_by(out: Path) -> tuple[str, ...] | None:
     """The data folders a run saving in `out` was started with (its work folder's state), None for a new run:
     starting again in that folder continues that run, which must be given the same ones."""
+    state = _state(Path(out))
+    kept = state.get("kept") if state is not None else None
+    return tuple(kept) if isinstance(kept, list) and all(isinstance(k, str) for k in kept) else None
+
+
+def _state(out: Path) -> dict | None:
+    """The state of the run whose work folder is out/work; None when there is none (or it is unreadable)."""
     try:
-        state = json.loads((Path(out) / WORK / STATE).read_text(encoding="utf-8"))
+        state = json.loads((out / WORK / STATE).read_text(encoding="utf-8"))
     except (OSError, ValueError, RecursionError):
         return None
-    kept = state.get("kept") if isinstance(state, dict) else None
-    return tuple(kept) if isinstance(kept, list) and all(isinstance(k, str) for k in kept) else None
+    return state if isinstance(state, dict) else None
 
 
 def _resolved(path: Path) -> Path | None:

@@ -7,7 +7,15 @@ from pathlib import Path
 
 from PySide6.QtCore import QObject, Signal
 
-from app.core.earlier_data import WORK, earlier_data, head_family, kept_by
+from app.core.earlier_data import (
+    WORK,
+    earlier_data,
+    fresh_head_folder,
+    head_family,
+    holds_finished_head,
+    kept_by,
+    next_head_folder,
+)
 from app.core.head_log import describe, head_choices, head_log_for
 from app.core.session import TrainRequest
 from app.ui.worker import EngineWorker
@@ -58,7 +66,9 @@ class HeadTrainingController(QObject):
             if self.dialog is not None:
                 self.dialog.deleteLater()
             folder = folder or default_head_folder(info.target_name)
-            self.dialog = TrainHeadDialog(info.target_name, str(folder), on_gpu=info.device.startswith("cuda"),
+            # A new head goes where no finished head is (a new run never replaces one: distill refuses it).
+            self.dialog = TrainHeadDialog(info.target_name, str(fresh_head_folder(folder)),
+                                          on_gpu=info.device.startswith("cuda"),
                                           heads=head_choices(info.head_name, folder), parent=parent)
             self.dialog.start_requested.connect(self.start)
             self.dialog.cancel_requested.connect(self.cancel)
@@ -120,6 +130,9 @@ class HeadTrainingController(QObject):
         if self.dialog is not None:
             self.dialog.show_finished(summary)
             self._count_earlier()  # the run's own rounds are earlier data for the next one
+            chosen = Path(self.dialog.chosen_folder())
+            if holds_finished_head(chosen):
+                self.dialog.suggest_folder(str(next_head_folder(chosen)))  # the next new head goes beside it
         self.running_changed.emit(False)
 
     def _on_failed(self, rid: int, message: str) -> None:

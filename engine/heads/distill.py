@@ -27,7 +27,7 @@ from engine.heads.config import fingerprint
 from engine.heads.fitting import DistillError, TrainingPhase, answer_tokens, load_round
 from engine.heads.model import DraftHead
 from engine.heads.reuse import KeptData, check_kept, find_all_kept
-from engine.heads.shards import HeadFiles, open_head, read_manifest
+from engine.heads.shards import MANIFEST, HeadFiles, open_head, read_manifest
 from engine.heads.train import TrainConfig
 from engine.heads.writing import DataPhase
 from engine.types import TrainingProgress
@@ -334,6 +334,7 @@ def prepare(target: str | None, out: Path, *, minutes: float, work: Path | None 
     except ValueError as e:
         raise DistillError(str(e)) from None
     check_questions(questions)
+    check_out(out, work or out / "work")
     find_all_kept(list(data), work or out / "work")  # the folders' shape; their target is checked once it loads
     if init is not None:
         check_init(Path(init))
@@ -357,6 +358,14 @@ def prepare(target: str | None, out: Path, *, minutes: float, work: Path | None 
                      name=name, call_minutes=call_minutes,
                      extra_questions=list(questions), progress=progress, cancel=cancel, started=started, init=files,
                      data=list(data))
+
+
+def check_out(out: Path, work: Path) -> None:
+    """DistillError (one line) when OUT holds a draft head this run did not start (no state in its work folder):
+    the export deletes a folder's shards and rewrites its manifest, so a new run there would replace that head."""
+    if (Path(out) / MANIFEST).is_file() and not (Path(work) / "state.json").exists():
+        raise DistillError(f"{out} already holds a draft head; a new run would replace it: save the new head in "
+                           "another folder (to train that head further, start from it: --init, or Start from).")
 
 
 def check_init(init: Path) -> None:

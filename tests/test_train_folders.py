@@ -1,5 +1,6 @@
-"""The Train dialog offers the answers earlier runs for the target wrote (their work folders' data rounds) and hands
-the ticked ones to the run, as `distill --data` does; a folder whose run stopped goes on with the data it began with."""
+"""The Train dialog's folders: it offers the answers earlier runs for the target wrote (their work folders' data
+rounds) and hands the ticked ones to the run, as `distill --data` does; a folder whose run stopped goes on with the
+data it began with; a new head is saved where no finished head is, never over one."""
 from __future__ import annotations
 
 import json
@@ -7,7 +8,14 @@ import threading
 from dataclasses import replace
 from pathlib import Path
 
-from app.core.earlier_data import earlier_data, head_family, kept_by
+from app.core.earlier_data import (
+    earlier_data,
+    fresh_head_folder,
+    head_family,
+    holds_finished_head,
+    kept_by,
+    next_head_folder,
+)
 from app.ui.training import default_head_folder
 from tests.test_app import FAKE_INFO
 from tests.test_train_dialog import FakeTrainer, pick, window  # noqa: F401  (fixture)
@@ -127,3 +135,56 @@ def test_the_app_trainer_hands_the_earlier_data_to_the_distiller(monkeypatch, tm
     request = TrainRequest(1, None, "cpu", "float32", 2.0, str(tmp_path / "out"), None, (str(tmp_path / "w"),))
     default_head_trainer(request, None, lambda p: None, threading.Event())
     assert seen["data"] == [tmp_path / "w"]
+
+
+def finished_head(folder: Path, *, phase: str | None = "done") -> Path:
+    """A head folder as a run leaves it: a manifest, and its work folder's state in `phase` (None: no work folder)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "manifest.json").write_text(json.dumps({"name": "fake-target head"}), encoding="utf-8")
+    if phase is not None:
+        (folder / "work").mkdir(exist_ok=True)
+        (folder / "work" / "state.json").write_text(json.dumps({"phase": phase, "kept": []}), encoding="utf-8")
+    return folder
+
+
+def test_a_new_head_goes_where_no_finished_head_is(tmp_path):
+    anchor = tmp_path / "heads" / "t"
+    assert fresh_head_folder(anchor) == anchor and not holds_finished_head(anchor)
+    finished_head(anchor, phase=None)  # a head no run here started: distill would refuse to replace it
+    finished_head(anchor.with_name("t-2"))  # a finished run
+    stopped = finished_head(anchor.with_name("t-3"), phase="train")  # a stopped run with a head saved: goes on
+    assert [holds_finished_head(anchor.with_name(n)) for n in ("t", "t-2", "t-3", "t-4")] == [True, True, False, False]
+    assert fresh_head_folder(anchor) == stopped
+    (anchor.with_name("t-3") / "work" / "state.json").write_text('{"phase": "done"}', encoding="utf-8")
+    assert fresh_head_folder(anchor) == anchor.with_name("t-4")
+    assert next_head_folder(anchor.with_name("t-2")) == anchor.with_name("t-4")  # the series goes on: not t-2-2
+    lone = finished_head(tmp_path / "run-2024")  # a number in a name of its own, no series: a fresh folder beside
+    assert next_head_folder(lone) == tmp_path / "run-2024-2"
+    earlier_run(anchor.with_name("t-2-continued"), [7])
+    assert head_family(anchor) == [anchor, anchor.with_name("t-2"), anchor.with_name("t-2-continued"),
+                                   anchor.with_name("t-3")]
+
+
+class HeadWritingTrainer(FakeTrainer):
+    """Leaves a finished run in the folder it trained into, as distill does."""
+
+    def __call__(self, request, engine, progress, cancel):
+        out = super().__call__(request, engine, progress, cancel)
+        finished_head(Path(request.out))
+        return out
+
+
+def test_the_dialog_opens_on_a_fresh_folder_and_moves_on_after_each_head(window, qtbot):
+    anchor = default_head_folder(INFO.target_name)
+    finished_head(anchor)
+    trainer = HeadWritingTrainer(steps=3)
+    w = window(trainer, INFO)
+    dialog = w.open_train_dialog()
+    second = anchor.with_name(anchor.name + "-2")
+    assert dialog.chosen_folder() == str(second)
+    for expected in (second, anchor.with_name(anchor.name + "-3")):
+        with qtbot.waitSignal(w.worker.training_finished, timeout=5000):
+            dialog.start_button.click()
+        qtbot.waitUntil(lambda: not w.training.running and dialog.start_button.text() == "Start")
+        assert trainer.requests[-1].out == str(expected)  # each run its own folder: no head replaced
+    assert dialog.chosen_folder() == str(anchor.with_name(anchor.name + "-4"))
