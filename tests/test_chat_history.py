@@ -282,3 +282,29 @@ def test_opening_a_conversation_while_an_answer_streams_saves_it_to_its_own(open
     stopped = ConversationStore(data).load(first)
     assert stopped.path()[-1].summary is not None and stopped.path()[-1].summary.stop_reason == "cancelled"
     assert w.session.conversation.id == ids[0] and w.history()[1].content.startswith(DEMO_ANSWER)
+
+
+def test_search_finds_a_conversation_whose_save_is_still_on_its_way_to_the_disk(open_window, qtbot, data,
+                                                                                  monkeypatch):
+    """An answer that ends in a conversation not shown is saved in the background; a search typed meanwhile
+    waits for that save instead of searching the older file."""
+    import threading
+
+    from tests.test_conversations import answered
+
+    other, lions = Conversation(), Conversation()
+    answered(other, "about zebras", "Zebras live in Africa.")
+    answered(lions, "about lions", "Lions live in Africa too.")
+    ConversationStore(data).save(other)
+    ConversationStore(data).save(lions)
+    w = open_window()
+    assert sorted(w.sidebar.ids()) == sorted([other.id, lions.id])
+    store = w.session.writer.store
+    release = threading.Event()
+    write = store.write
+    monkeypatch.setattr(store, "write", lambda snapshot: release.wait(5) and write(snapshot))
+    answered(other, "and their colours?", "They are striped.")
+    w.session.save(other)  # queued behind the slow disk: the file still holds the first answer only
+    threading.Timer(1.5, release.set).start()  # well after the search starts (it waits for typing to pause)
+    w.sidebar.search.setText("striped")
+    qtbot.waitUntil(lambda: w.sidebar.ids() == [other.id], timeout=5000)

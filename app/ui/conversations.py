@@ -69,6 +69,7 @@ class ConversationsController(QObject):
         self._headers: dict[str, ConversationHeader] = {h.id: h for h in self.session.list()}
         self._search_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="conversation-search")
         self._search_generation = 0
+        self._closed = False
         self._query = ""
         self._current_hit: str | None = None  # the shown conversation, when it matches the query
         self.bubble_turn: dict[int, str] = {}  # answer bubble (its request id) -> its turn in the conversation
@@ -149,11 +150,13 @@ class ConversationsController(QObject):
         self._query = query
         self._search_generation += 1
         generation = self._search_generation
+        if self._closed:  # the window is closing: its last save may refresh the list, nothing is searched now
+            return
         if not query or self.session.store is None:
             self.sidebar.set_filter(None)
             return
         current = self.session.conversation
-        store = self.session.store
+        store, writer = self.session.store, self.session.writer
         # The conversation shown may have changes not yet on disk: it is searched here as well.
         self._current_hit = (current.id if not current.is_empty()
                              and query.casefold() in search_text(current).casefold() else None)
@@ -162,6 +165,8 @@ class ConversationsController(QObject):
             if generation != self._search_generation:
                 return
             try:
+                if writer is not None:
+                    writer.flush()  # an answer saved in the background is searched as it ends, not as it began
                 hits = store.search(query, cancelled=lambda: generation != self._search_generation)
             except Exception:  # a file no check foresaw: this query finds nothing, the next one runs as usual
                 log.warning("search for %r failed", query[:60], exc_info=True)
@@ -235,6 +240,7 @@ class ConversationsController(QObject):
 
     def shutdown(self) -> None:
         self._search_generation += 1
+        self._closed = True
         self._search_pool.shutdown(wait=True, cancel_futures=True)
 
     def _on_searched(self, generation: int, hits: list[str]) -> None:
