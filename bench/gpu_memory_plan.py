@@ -206,8 +206,11 @@ def main(argv: list[str] | None = None) -> int:
         env["gpu"] = torch.cuda.get_device_name()
         env["outside_allocator_at_start_gib"] = qc.cuda_measure(0)["outside_allocator"] / qc.GiB
     try:
-        import bitsandbytes
         import transformers
+
+        from engine.models.quant import import_bitsandbytes
+
+        bitsandbytes = import_bitsandbytes()
 
         env.update(transformers=transformers.__version__, bitsandbytes=bitsandbytes.__version__)
     except ImportError:

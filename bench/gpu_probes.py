@@ -273,7 +273,9 @@ def random_qwen2(config: dict, precision: str, device: str, seed: int = 0) -> nn
 
 
 def _quantize_nf4(layer: nn.Module) -> None:
-    import bitsandbytes as bnb
+    from engine.models.quant import import_bitsandbytes
+
+    bnb = import_bitsandbytes()
 
     for name, linear in list(layer.named_modules()):
         if type(linear) is not nn.Linear:

@@ -249,3 +249,35 @@ def test_without_accelerate_float_loads_still_work_and_quantized_ones_say_why(mo
     if _bnb_problem() is None:
         with pytest.raises(ModelLoadError, match="needs the accelerate package"):
             load_pair(LoadSpec(str(tiny_pair[0]), None, device="cpu", dtype="float32", target_precision="nf4", with_draft=False))
+
+
+def test_importing_bitsandbytes_never_asks_the_hub_for_a_kernel(tmp_path):
+    """bitsandbytes' import, on a CPU with AVX512-BF16, asks the Hub for a 4-bit kernel (kernels.get_kernel):
+    nothing is fetched at run time here, so the project's import of it (the plan, the load) keeps bitsandbytes'
+    own kernel, quietly. A stand-in `kernels` package records any call; a fresh interpreter imports through the
+    project's helpers first, as the app and the CLI do."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if importlib.util.find_spec("bitsandbytes") is None:
+        pytest.skip("bitsandbytes is not installed")
+    fake = tmp_path / "kernels"
+    fake.mkdir()
+    called = tmp_path / "called"
+    (fake / "__init__.py").write_text(
+        f"def get_kernel(*args, **kwargs):\n    open({str(called)!r}, 'a').write(repr(args))\n"
+        "    raise RuntimeError('no kernels here')\n", encoding="utf-8")
+    code = ("import sys; sys.path.insert(0, sys.argv[1])\n"
+            "import kernels  # imported first, as transformers may\n"
+            "from engine.models import quant\n"
+            "assert quant.bitsandbytes_problem() is None\n"
+            "quant.nf4_absmax_bytes_on_cpu()\n"
+            "import bitsandbytes.functional\n"
+            "import kernels as again; assert again.get_kernel  # the package itself is left as it was\n")
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path)], cwd=root, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert not called.exists(), called.read_text()
+    assert "kernels-community" not in done.stderr, done.stderr[-2000:]

@@ -1,9 +1,12 @@
 """Per-model precision: float dtypes, 8-bit / 4-bit weights through bitsandbytes, and fast 8-bit (fastquant.py)."""
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
+import sys
 import warnings
+from collections.abc import Iterator
 from functools import lru_cache
 from typing import Any
 
@@ -35,12 +38,43 @@ def is_fast(precision: str) -> bool:
     return precision in FAST
 
 
+@contextlib.contextmanager
+def _no_hub_kernels() -> Iterator[None]:
+    """While bitsandbytes is first imported: on a CPU with AVX512-BF16 its import asks the Hub for a 4-bit kernel
+    (`kernels.get_kernel("kernels-community/...")`), a download at run time this app never makes. Hidden for the
+    import, `kernels` cannot be found and bitsandbytes keeps its own CPU kernel (its warning about it is left out)."""
+    if "bitsandbytes" in sys.modules:  # imported already: nothing more is fetched
+        yield
+        return
+    saved = sys.modules.get("kernels")
+    sys.modules["kernels"] = None  # type: ignore[assignment]  # `from kernels import …` raises ImportError
+    quiet = logging.getLogger("bitsandbytes.backends.cpu.ops")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        quiet.setLevel(level)
+        if saved is not None:
+            sys.modules["kernels"] = saved
+        else:
+            sys.modules.pop("kernels", None)
+
+
+def import_bitsandbytes() -> Any:
+    """bitsandbytes, imported without asking the Hub for anything (every import of it in the project goes here
+    first; later imports, transformers' included, find it loaded)."""
+    with _no_hub_kernels():
+        import bitsandbytes
+    return bitsandbytes
+
+
 def bitsandbytes_problem() -> str | None:
     """Why 8-bit/4-bit cannot be used here (one line a person can act on), or None when it can."""
     if importlib.util.find_spec("bitsandbytes") is None:
         return "int8 and nf4 need the bitsandbytes package: pip install 'bitsandbytes>=0.45'"
     try:
-        import bitsandbytes  # noqa: F401  # its import checks the native library
+        import_bitsandbytes()  # its import checks the native library
     except Exception as e:  # a broken or CPU-less build: say so, never a traceback
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         return f"bitsandbytes is installed but does not load ({first[:160]})"
@@ -52,6 +86,7 @@ def nf4_absmax_bytes_on_cpu() -> int:
     """Bytes of one 4-bit block's absmax on a CPU: bitsandbytes (0.48+) repacks 4-bit weights at their
     first use with bf16 absmax where the CPU has AVX512-BF16, and keeps float32 absmax elsewhere."""
     try:
+        import_bitsandbytes()
         from bitsandbytes.functional import has_avx512bf16
     except Exception:  # no bitsandbytes, or a build without it: nothing is repacked
         return 4

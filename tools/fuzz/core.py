@@ -254,6 +254,7 @@ def run_subprocess(kind: str, argv: list, world: World) -> Outcome:
 
 
 NOTICES = ("specdec-studio: The cached",)  # one-line notices that may precede an error line
+PLAN = "Memory plan:"  # how a plan that does not fit begins (engine/models/plan.py: format_plan), before its error
 
 
 def judge(o: Outcome) -> None:
@@ -264,6 +265,9 @@ def judge(o: Outcome) -> None:
         o.problems.append(f"exit code {o.rc}")
     headless = bool(o.argv) and o.argv[0] in ("generate", "bench", "cache")
     lines = [line for line in o.err.splitlines() if line.strip()]
+    starts = [i for i, line in enumerate(lines) if line.startswith(PLAN)]
+    if lines and "will not fit" in lines[-1] and starts:  # the memory plan says why, then comes the one error line
+        lines = lines[:starts[0]] + lines[-1:]
     if "Warning:" in o.err or "FutureWarning" in o.err:
         o.problems.append("a warning on stderr")
     if "internal error (" in o.err:
