@@ -26,6 +26,10 @@ class IncompatibleModelsError(EngineError):
     """Draft and target do not share a tokenizer."""
 
 
+class DistillError(EngineError):
+    """Distillation cannot start or continue (bad work folder, refused prompts, no data)."""
+
+
 class GenerationError(EngineError):
     """A request cannot be decoded (bad settings, prompt too long, out of memory)."""
 

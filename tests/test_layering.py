@@ -171,3 +171,15 @@ def test_the_engines_tests_run_where_qt_is_not_installed():
             " 'tests/test_control.py::test_cheap_draft_and_high_acceptance_draft_long']))")
     done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and "1 passed" in done.stdout, done.stdout[-2000:] + done.stderr[-2000:]
+
+
+def test_the_window_opens_without_importing_torch():
+    """The window shows (and says it is loading) before torch's second of imports: its modules import no torch at
+    module level; the engine's come with the first load."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    code = "import sys, app.ui.window; print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "[]", done.stdout + done.stderr[-2000:]

@@ -357,4 +357,8 @@ def test_the_app_trainer_hands_the_chosen_head_to_the_distiller(monkeypatch, tmp
     for init, expected in ((str(tmp_path / "head"), tmp_path / "head"), (None, None)):
         request = TrainRequest(1, None, "cpu", "float32", 2.0, str(tmp_path / "out"), init)
         assert default_head_trainer(request, None, lambda p: None, threading.Event()) == ({"steps": 0}, None)
-        assert seen["init"] == expected and seen["out"] == tmp_path / "out"
+        assert seen["init"] == expected and seen["out"] == tmp_path / "out" and seen["data"] == []
+    # Earlier runs' answers ticked in the dialog: their work folders, as `distill --data` takes them.
+    request = TrainRequest(1, None, "cpu", "float32", 2.0, str(tmp_path / "out"), None, (str(tmp_path / "w"),))
+    default_head_trainer(request, None, lambda p: None, threading.Event())
+    assert seen["data"] == [tmp_path / "w"]

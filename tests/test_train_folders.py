@@ -4,7 +4,6 @@ data it began with; a new head is saved where no finished head is, never over on
 from __future__ import annotations
 
 import json
-import threading
 from dataclasses import replace
 from pathlib import Path
 
@@ -116,25 +115,6 @@ def test_a_stopped_run_goes_on_with_the_data_it_began_with(window, qtbot, tmp_pa
     with qtbot.waitSignal(w.worker.training_finished, timeout=5000):
         dialog.start_button.click()
     assert trainer.requests[-1].data == (began_with,)
-
-
-def test_the_app_trainer_hands_the_earlier_data_to_the_distiller(monkeypatch, tmp_path):
-    import engine.heads.distill as distill
-    from app.core.session import TrainRequest
-    from app.ui.worker import default_head_trainer
-
-    seen = {}
-
-    class Stopped:
-        head = None
-
-        def run(self):
-            return {"steps": 0}
-
-    monkeypatch.setattr(distill, "prepare", lambda target, out, **options: seen.update(options) or Stopped())
-    request = TrainRequest(1, None, "cpu", "float32", 2.0, str(tmp_path / "out"), None, (str(tmp_path / "w"),))
-    default_head_trainer(request, None, lambda p: None, threading.Event())
-    assert seen["data"] == [tmp_path / "w"]
 
 
 def finished_head(folder: Path, *, phase: str | None = "done") -> Path:

@@ -9,9 +9,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.heads.fitting import DistillError
-from engine.heads.reuse import STATE, KeptData, find_kept
-from engine.heads.shards import MANIFEST
+from app.core.head_log import MANIFEST
+from engine.errors import DistillError
+from engine.heads.reuse import STATE, KeptData, find_kept  # no torch: the window opens without it
 
 WORK = "work"  # a head folder's work folder (distill's default: OUT/work)
 

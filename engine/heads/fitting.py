@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from engine.errors import EngineError
+from engine.errors import DistillError
 from engine.heads import data as D
 from engine.heads.config import HeadConfig, feature_layers
 from engine.heads.model import DraftHead
@@ -40,10 +40,6 @@ from engine.heads.train import (
 )
 
 log = logging.getLogger(__name__)
-
-
-class DistillError(EngineError):
-    """Distillation cannot start or continue (bad work folder, refused prompts, no data)."""
 
 
 POSITIONS = ("epoch", "batch", "step", "tokens", "batch_tokens")  # what a checkpoint's "pos" holds

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
-from engine.heads.fitting import DistillError
+from engine.errors import DistillError
 
 STATE = "state.json"
 ROUND = re.compile(r"round-\d{5,}\.pt")  # as the data phase names them (engine/heads/writing.py)

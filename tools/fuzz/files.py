@@ -350,8 +350,8 @@ class _Payload:
         return (open, (self.path, "w"))
 
 
-def work_case(rng: random.Random, world: World) -> Outcome:
-    from engine.errors import EngineError
+def world_distiller(world: World, work: Path, out: Path):
+    """A distillation of the world's tiny target (loaded once) with a one-round, one-step plan."""
     from engine.heads.distill import Distiller, DistillPlan
     from engine.heads.train import TrainConfig
 
@@ -365,10 +365,16 @@ def work_case(rng: random.Random, world: World) -> Outcome:
                        draft_vocab=64, eval_sequences=2, eval_every_s=1e9, checkpoint_every_s=1e9, log_every=1,
                        max_rounds=1, max_steps=1, questions_must_end=False,
                        train=TrainConfig(depth=2, batch_tokens=256, max_len=48))
+    return Distiller(model, tok, work=work, out=out, plan=plan, name="fuzz head")
+
+
+def work_case(rng: random.Random, world: World) -> Outcome:
+    from engine.errors import EngineError
+
     work, out = world.path("-work"), world.path("-head")
 
-    def distiller() -> Distiller:
-        return Distiller(model, tok, work=work, out=out, plan=plan, name="fuzz head")
+    def distiller():
+        return world_distiller(world, work, out)
 
     with contextlib.suppress(EngineError):
         d = distiller()

@@ -11,7 +11,7 @@ import shutil
 from pathlib import Path
 
 from tools.fuzz.core import Outcome, World, run_in_process
-from tools.fuzz.files import sentinel, tree_hash, with_outside_check
+from tools.fuzz.files import sentinel, tree_hash, with_outside_check, world_distiller
 
 _HEAD: list[Path] = []  # the world's head, trained once for its tiny target
 
@@ -19,19 +19,8 @@ _HEAD: list[Path] = []  # the world's head, trained once for its tiny target
 def _world_head(world: World) -> Path:
     """A one-step head for the world's target (seconds on a CPU), made at first use."""
     if not _HEAD:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        from engine.heads.distill import Distiller, DistillPlan
-        from engine.heads.train import TrainConfig
-
-        model = AutoModelForCausalLM.from_pretrained(world.target).eval().requires_grad_(False)
-        plan = DistillPlan(minutes=60, question_batch=4, question_tokens=8, answer_tokens=8, intermediate=16,
-                           draft_vocab=64, eval_sequences=2, eval_every_s=1e9, checkpoint_every_s=1e9, log_every=1,
-                           max_rounds=1, max_steps=1, questions_must_end=False,
-                           train=TrainConfig(depth=2, batch_tokens=256, max_len=48))
         out = world.root / "head"
-        Distiller(model, AutoTokenizer.from_pretrained(world.target), work=world.root / "head-work", out=out,
-                  plan=plan, name="fuzz head").run()
+        world_distiller(world, world.root / "head-work", out).run()
         _HEAD.append(out)
     return _HEAD[0]
 
